@@ -1,0 +1,52 @@
+"""Shared helpers: run the real CLI in a subprocess, read what it wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def harness_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("HYDRA_FULL_ERROR", None)
+    env.setdefault("WANDB_MODE", "disabled")
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+def run_cli(module: str, *args: str, cwd: Path, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=cwd,
+        env=env or harness_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def run_harness(*args: str, cwd: Path, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    return run_cli("harness", *args, cwd=cwd, timeout=timeout, env=env)
+
+
+def load_json(path: Path) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+def sweep_results(sweep_dir: Path) -> list[dict]:
+    """results.json of every point of a multirun, in job order."""
+    files = sorted(Path(sweep_dir).glob("*/results.json"), key=lambda p: int(p.parent.name.split("_")[0]))
+    return [load_json(p) for p in files]
+
+
+@pytest.fixture
+def workdir(tmp_path: Path) -> Path:
+    return tmp_path

@@ -1,0 +1,140 @@
+"""The planner's invariants, as properties over arbitrary lengths and budgets."""
+
+from __future__ import annotations
+
+import sys
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from backends.microbatch import (
+    align_schedules,
+    deal_to_ranks,
+    make_fixed_size_microbatches,
+    make_token_balanced_microbatches,
+    plan_batch,
+    plan_stats,
+    sort_by_length,
+)
+
+lengths_st = st.lists(st.integers(min_value=1, max_value=5000), min_size=0, max_size=80)
+budget_st = st.integers(min_value=1, max_value=20000)
+
+
+def _seqs(lengths):
+    return [[0] * n for n in lengths]
+
+
+@given(lengths_st, budget_st)
+def test_every_index_once_in_order(lengths, budget):
+    order = sort_by_length(lengths)
+    batches = make_token_balanced_microbatches(order, _seqs(lengths), budget)
+    assert [i for b in batches for i in b] == order
+    assert all(b for b in batches)
+
+
+@given(lengths_st, budget_st)
+def test_no_microbatch_over_budget_unless_alone(lengths, budget):
+    batches = make_token_balanced_microbatches(sort_by_length(lengths), _seqs(lengths), budget)
+    for b in batches:
+        cost = len(b) * max(lengths[i] for i in b)
+        assert cost <= budget or len(b) == 1
+
+
+@given(lengths_st, budget_st)
+def test_greedy_closes_a_batch_only_when_the_next_sequence_does_not_fit(lengths, budget):
+    batches = make_token_balanced_microbatches(sort_by_length(lengths), _seqs(lengths), budget)
+    for cur, nxt in zip(batches, batches[1:]):
+        longest = max(max(lengths[i] for i in cur), lengths[nxt[0]])
+        assert (len(cur) + 1) * longest > budget
+
+
+@given(st.lists(st.integers(1, 5000), min_size=1, max_size=60), st.integers(1, 5000))
+def test_any_given_order_is_walked_as_given(lengths, budget):
+    order = list(range(len(lengths)))[::-1]  # not sorted: the function must not reorder
+    batches = make_token_balanced_microbatches(order, _seqs(lengths), budget)
+    assert [i for b in batches for i in b] == order
+
+
+def test_oversized_sequence_sits_alone_and_is_kept():
+    lengths = [100, 5000, 80, 90]
+    batches = make_token_balanced_microbatches(sort_by_length(lengths), _seqs(lengths), 300)
+    assert [1] in batches
+    assert sorted(i for b in batches for i in b) == [0, 1, 2, 3]
+    assert batches == [[1], [0, 3, 2]]
+
+
+def test_seed_semantics_on_a_known_case():
+    # (len+1) * max(current_max, n) > budget starts a new micro-batch
+    lengths = [10, 10, 10, 10, 10]
+    assert make_token_balanced_microbatches(range(5), _seqs(lengths), 30) == [[0, 1, 2], [3, 4]]
+    assert make_token_balanced_microbatches(range(5), _seqs(lengths), 29) == [[0, 1], [2, 3], [4]]
+
+
+@given(lengths_st, st.integers(1, 9))
+def test_fixed_size_slices(lengths, mbs):
+    order = sort_by_length(lengths)
+    batches = make_fixed_size_microbatches(order, mbs)
+    assert [i for b in batches for i in b] == order
+    assert all(len(b) == mbs for b in batches[:-1])
+    assert not batches or 1 <= len(batches[-1]) <= mbs
+
+
+@given(lengths_st, st.integers(1, 8))
+def test_dealing_covers_every_example_once_and_balances_counts(lengths, world):
+    order = sort_by_length(lengths)
+    shares = deal_to_ranks(order, world)
+    assert len(shares) == world
+    assert sorted(i for s in shares for i in s) == sorted(order)
+    counts = [len(s) for s in shares]
+    assert max(counts) - min(counts) <= 1
+    for s in shares:  # each rank keeps the sorted order
+        assert [lengths[i] for i in s] == sorted((lengths[i] for i in s), reverse=True)
+
+
+@given(st.lists(st.lists(st.lists(st.integers(0, 99), min_size=1, max_size=3), max_size=6), min_size=1, max_size=5))
+def test_align_pads_with_none_to_the_longest(schedules):
+    aligned = align_schedules(schedules)
+    longest = max(len(s) for s in schedules)
+    for orig, al in zip(schedules, aligned):
+        assert len(al) == longest
+        assert al[: len(orig)] == orig
+        assert all(x is None for x in al[len(orig) :])
+
+
+@settings(max_examples=60)
+@given(lengths_st, st.one_of(st.none(), budget_st), st.integers(1, 5), st.integers(1, 4), st.booleans())
+def test_plan_statistics_are_consistent(lengths, budget, mbs, world, align):
+    plan = plan_batch(lengths, world, budget, mbs, align=align)
+    stats = plan.stats
+    assert stats.real_tokens == sum(lengths)
+    assert stats.real_tokens <= stats.padded_tokens
+    assert 0 < stats.pad_efficiency <= 1.0
+    assert sum(stats.real_tokens_per_rank) == stats.real_tokens
+    assert sum(stats.padded_tokens_per_rank) == stats.padded_tokens
+    seen = [i for s in plan.schedules for b in s if b is not None for i in b]
+    assert sorted(seen) == list(range(len(lengths)))
+    if align:
+        assert len({len(s) for s in plan.schedules}) <= 1
+        assert [m + d for m, d in zip(stats.n_microbatches, stats.n_dummy)] == [len(s) for s in plan.schedules]
+    else:
+        assert stats.n_dummy == [0] * world
+    padded = [len(b) * max(lengths[i] for i in b) for s in plan.schedules for b in s if b]
+    assert stats.max_microbatch_padded_tokens == max(padded, default=0)
+
+
+def test_stats_on_a_hand_computed_plan():
+    lengths = [4, 2, 2, 1]
+    stats = plan_stats([[[0, 1], [2, 3]], [None, [3]]], lengths)
+    assert stats.padded_tokens == 2 * 4 + 2 * 2 + 1
+    assert stats.real_tokens_per_rank == [9, 1]
+    assert stats.n_microbatches == [2, 1]
+    assert stats.n_dummy == [0, 1]
+    assert stats.max_microbatch_padded_tokens == 8
+
+
+def test_planner_does_not_import_torch():
+    import subprocess
+
+    code = "import sys, backends.microbatch; sys.exit(1 if 'torch' in sys.modules else 0)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
