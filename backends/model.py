@@ -1,0 +1,146 @@
+"""Model construction: a Hugging Face causal LM (tiny random Qwen3.5-MoE or a local checkpoint) with LoRA."""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from backends.errors import UserError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ModelSpec:
+    """What the backends need to know of a model config (see conf/model/)."""
+
+    name: str = "tiny"
+    path: Optional[str] = None  # a local checkpoint directory; None builds the tiny model
+    lora_rank: int = 32  # 0 = full fine-tuning
+    lora_alpha: Optional[int] = None  # None = same as the rank
+    dtype: str = "auto"  # auto = bfloat16 on GPU, float32 on CPU
+    init_seed: int = 0
+    attn_implementation: Optional[str] = None  # None = transformers' default (sdpa)
+    vocab_size: Optional[int] = None  # tiny model only; None = TINY_CONFIG's
+
+
+# The benchmark model's architecture (Qwen3.5-MoE: gated delta-net linear
+# attention and full attention layers, 3:1, routed experts plus a shared
+# expert) at a size two CPU cores can train in seconds.
+TINY_CONFIG = dict(
+    vocab_size=2048,
+    hidden_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_conv_kernel_dim=4,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=32,
+    num_experts=8,
+    num_experts_per_tok=2,
+    max_position_embeddings=262144,
+    tie_word_embeddings=False,
+)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    valid = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if name not in valid:
+        raise UserError(f"model.dtype: '{name}' is not supported (valid: auto, {', '.join(valid)})")
+    return valid[name]
+
+
+def check_model_path(spec: ModelSpec) -> Optional[Path]:
+    """The checkpoint directory, checked before any process is started; None for the tiny model."""
+    if spec.path is None:
+        return None
+    path = Path(os.path.expanduser(str(spec.path)))
+    if not (path / "config.json").is_file():
+        raise UserError(
+            f"model.path: '{path}' is not a local checkpoint directory (expected config.json and weights there; "
+            "nothing is downloaded at run time)"
+        )
+    return path
+
+
+def model_vocab_size(spec: ModelSpec) -> int:
+    """Vocabulary size, read from the config only (no weights are loaded)."""
+    path = check_model_path(spec)
+    if path is None:
+        return int(spec.vocab_size or TINY_CONFIG["vocab_size"])
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    config = getattr(config, "text_config", None) or config
+    return int(config.vocab_size)
+
+
+def quiet_library_noise(device: torch.device) -> None:
+    """Silence messages that mislead on this device (GPU kernel advice on a CPU run, a rename notice)."""
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+    if device.type == "cpu":  # fla / causal-conv1d are GPU kernels: the torch path is the right one on CPU
+        logging.getLogger("transformers.integrations.hub_kernels").setLevel(logging.ERROR)
+
+
+def build_model(spec: ModelSpec, device: torch.device, gradient_checkpointing: bool) -> torch.nn.Module:
+    """The causal LM on ``device`` in train mode, with LoRA adapters when ``lora_rank > 0``.
+
+    Every rank calls this with the same spec and gets the same weights: the
+    tiny model is initialised from ``init_seed``, a checkpoint is read from disk.
+    """
+    from transformers import AutoModelForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    quiet_library_noise(device)
+    dtype = resolve_dtype(spec.dtype, device)
+    if spec.lora_rank < 0:
+        raise UserError(f"model.lora_rank: must be >= 0 (0 = full fine-tuning), got {spec.lora_rank}")
+    path = check_model_path(spec)
+    kwargs = {}
+    if spec.attn_implementation:
+        kwargs["attn_implementation"] = spec.attn_implementation
+    if path is None:
+        config = dict(TINY_CONFIG)
+        if spec.vocab_size:
+            config["vocab_size"] = int(spec.vocab_size)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(spec.init_seed)
+            model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**config, **kwargs))
+        model = model.to(device=device, dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True, **kwargs).to(device)
+    model.config.use_cache = False
+
+    if spec.lora_rank > 0:
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(
+            r=spec.lora_rank,
+            lora_alpha=spec.lora_alpha or spec.lora_rank,
+            lora_dropout=0.0,
+            target_modules="all-linear",
+            bias="none",
+        )
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(spec.init_seed + 1)
+            model = get_peft_model(model, lora)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    return model
+
+
+def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]

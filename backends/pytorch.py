@@ -1,0 +1,63 @@
+"""Plain PyTorch backend: one process, one device; sorts by length and returns outputs by original position."""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import torch
+
+from backends.base import Backend, BackendSpec, PassResult, resolve_device
+from backends.errors import UserError
+from backends.microbatch import plan_batch
+from backends.model import ModelSpec, build_model
+from backends.step import ProgressLogger, grad_norm_local_sq, run_schedule, total_loss_weight
+
+log = logging.getLogger(__name__)
+
+
+class PyTorchBackend(Backend):
+    name = "pytorch"
+
+    def __init__(self, spec: BackendSpec, model: ModelSpec):
+        super().__init__(spec, model)
+        if spec.world_size not in (None, 1):
+            raise UserError(f"world_size: backend=pytorch runs one process, got {spec.world_size} (valid: 1 or null)")
+        self.world_size = 1
+        self.device = resolve_device(spec.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(0)
+        self.model = build_model(model, self.device, spec.gradient_checkpointing)
+
+    def run_pass(self, command: dict[str, Any]) -> PassResult:
+        examples = command["examples"]
+        pass_type = command["pass_type"]
+        plan = plan_batch(
+            [len(e) for e in examples],
+            world_size=1,
+            max_tokens_per_microbatch=command["max_tokens_per_microbatch"],
+            micro_batch_size=command["micro_batch_size"],
+        )
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        if pass_type == "forward_backward":
+            self.model.zero_grad(set_to_none=True)
+        progress = ProgressLogger(log.info, f"pytorch {pass_type}", plan.stats.real_tokens)
+        by_index = run_schedule(
+            self.model,
+            examples,
+            plan.schedules[0],
+            pass_type,
+            total_loss_weight(examples),
+            self.device,
+            progress=progress,
+        )
+        grad_norm = math.sqrt(grad_norm_local_sq(self.model)) if pass_type == "forward_backward" else None
+        mem_peak = torch.cuda.max_memory_allocated() if self.device.type == "cuda" else None
+        return PassResult(
+            outputs=[by_index[i] for i in range(len(examples))],
+            plan=plan.stats.as_dict(),
+            grad_norm=grad_norm,
+            mem_peak_bytes=mem_peak,
+        )

@@ -1,0 +1,136 @@
+"""The per-micro-batch step shared by every backend: pad, forward, weighted loss, backward."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+import torch
+
+from backends.examples import Example, ExampleOutput
+from backends.microbatch import Schedule
+
+PASS_TYPES = ("forward", "forward_backward")
+
+# Called after each step with (steps done, steps in schedule, real tokens done).
+ProgressFn = Callable[[int, int, int], None]
+
+
+def collate(examples: Sequence[Example], batch: Sequence[int], device: torch.device):
+    """Right-pad one micro-batch to its longest sequence.
+
+    Padding goes at the end and the model is causal (attention, the delta-net
+    recurrence and its short convolution all look only backwards), so real
+    tokens never see pad tokens; pad positions get weight 0 and are dropped.
+    """
+    longest = max(len(examples[i]) for i in batch)
+    ids = np.zeros((len(batch), longest), dtype=np.int64)
+    targets = np.zeros((len(batch), longest), dtype=np.int64)
+    weights = np.zeros((len(batch), longest), dtype=np.float32)
+    for row, i in enumerate(batch):
+        ex = examples[i]
+        n = len(ex)
+        ids[row, :n] = ex.input_ids
+        targets[row, :n] = ex.target_tokens
+        weights[row, :n] = ex.weights
+    as_tensor = lambda a: torch.from_numpy(a).to(device, non_blocking=True)  # noqa: E731
+    return as_tensor(ids), as_tensor(targets), as_tensor(weights)
+
+
+def dummy_inputs(device: torch.device):
+    """One pad token with zero weight: lets a rank join a collective step without changing any gradient."""
+    zeros = torch.zeros((1, 1), dtype=torch.int64, device=device)
+    return zeros, zeros.clone(), torch.zeros((1, 1), dtype=torch.float32, device=device)
+
+
+def token_logprobs(model: torch.nn.Module, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Log-probability of each target token, in float32, shape [batch, length]."""
+    logits = model(input_ids=ids, use_cache=False).logits
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    return logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def total_loss_weight(examples: Sequence[Example], indices: Optional[Sequence[int]] = None) -> float:
+    chosen = range(len(examples)) if indices is None else indices
+    return float(sum(float(examples[i].weights.sum()) for i in chosen))
+
+
+def run_schedule(
+    model: torch.nn.Module,
+    examples: Sequence[Example],
+    schedule: Schedule,
+    pass_type: str,
+    total_weight: float,
+    device: torch.device,
+    progress: Optional[ProgressFn] = None,
+    before_step: Optional[Callable[[int, bool], None]] = None,
+) -> dict[int, ExampleOutput]:
+    """Run one rank's schedule; return outputs keyed by example index.
+
+    The loss of every micro-batch is divided by ``total_weight``, the loss
+    weight of the whole batch on all ranks, so the accumulated gradient is the
+    same however the batch is split. ``None`` entries run a zero-weight dummy.
+    ``before_step(i, is_last)`` lets a backend set per-step sync behaviour.
+    """
+    if pass_type not in PASS_TYPES:
+        raise ValueError(f"pass type must be one of {PASS_TYPES}, got {pass_type!r}")
+    backward = pass_type == "forward_backward"
+    scale = 1.0 / total_weight if total_weight > 0 else 0.0
+    outputs: dict[int, ExampleOutput] = {}
+    tokens_done = 0
+    n_steps = len(schedule)
+    for step, batch in enumerate(schedule):
+        if before_step is not None:
+            before_step(step, step == n_steps - 1)
+        if batch is None:
+            ids, targets, weights = dummy_inputs(device)
+        else:
+            ids, targets, weights = collate(examples, batch, device)
+        with torch.set_grad_enabled(backward):
+            logprobs = token_logprobs(model, ids, targets)
+            loss_per_row = -(logprobs * weights).sum(dim=-1)
+            if backward:
+                (loss_per_row.sum() * scale).backward()
+        if batch is not None:
+            lp = logprobs.detach().float().cpu().numpy()
+            losses = loss_per_row.detach().double().cpu().numpy()
+            for row, i in enumerate(batch):
+                outputs[i] = ExampleOutput(logprobs=lp[row, : len(examples[i])].copy(), loss=float(losses[row]))
+                tokens_done += len(examples[i])
+        if progress is not None:
+            progress(step + 1, n_steps, tokens_done)
+    return outputs
+
+
+class ProgressLogger:
+    """Logs a pass's progress at most every ``every_s`` seconds (and at its end)."""
+
+    def __init__(self, log: Callable[[str], None], label: str, total_tokens: int, every_s: float = 10.0):
+        self.log, self.label, self.total_tokens, self.every_s = log, label, total_tokens, every_s
+        self.start = self.last = time.perf_counter()
+
+    def __call__(self, done: int, total: int, tokens: int) -> None:
+        now = time.perf_counter()
+        if now - self.last < self.every_s and done < total:
+            return
+        self.last = now
+        if done == total and now - self.start < self.every_s:
+            return  # a short pass needs no progress line; the pass summary follows
+        self.log(
+            f"{self.label}: micro-batch {done}/{total}, {tokens:,}/{self.total_tokens:,} tokens, "
+            f"{now - self.start:.0f} s"
+        )
+
+
+def grad_norm_local_sq(model: torch.nn.Module) -> float:
+    """Sum of squares of the trainable parameters' local gradients (0 for a missing gradient)."""
+    total = 0.0
+    for p in model.parameters():
+        if not p.requires_grad or p.grad is None:
+            continue
+        g = p.grad
+        if hasattr(g, "to_local"):  # a DTensor shard under FSDP2
+            g = g.to_local()
+        total += float(g.detach().double().pow(2).sum())
+    return total

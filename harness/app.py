@@ -1,0 +1,255 @@
+"""One benchmark point: resolve the config, plan, run the passes, write results.json."""
+
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from backends import LOCKSTEP_BACKENDS, resolve_world_size
+from backends.errors import BackendError, UserError
+from backends.microbatch import plan_batch
+from harness.config import HarnessConfig, validate
+from harness.results import OUTPUTS_FILE, RESULTS_FILE, write_json_atomic
+from harness.workload import make_examples, workload_lengths
+
+log = logging.getLogger("harness")
+
+# Exit status the CLI returns once every point ran: the worst seen.
+EXIT_OK, EXIT_FAILED, EXIT_USER_ERROR = 0, 1, 2
+
+
+class RunState:
+    """What the points of one invocation ended with (a multirun runs many in this process)."""
+
+    def __init__(self) -> None:
+        self.exit_code = EXIT_OK
+
+    def record(self, code: int) -> None:
+        self.exit_code = max(self.exit_code, code)
+
+
+STATE = RunState()
+
+
+def config_error_line(exc: OmegaConfBaseException) -> str:
+    """One line for an OmegaConf error: the key, then the first line of the message."""
+    key = getattr(exc, "full_key", None)
+    msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return f"{key}: {msg}" if key else msg
+
+
+def resolve_config(cfg: DictConfig) -> HarnessConfig:
+    try:
+        spec = OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as exc:
+        raise UserError(config_error_line(exc)) from None
+    assert isinstance(spec, HarnessConfig)
+    validate(spec)
+    return spec
+
+
+def _versions() -> dict[str, str]:
+    from importlib import metadata
+
+    out = {}
+    for dist in ("torch", "transformers", "peft", "megatron-core", "hydra-core"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return out
+
+
+def _output_dir() -> Path:
+    from hydra.core.hydra_config import HydraConfig
+
+    return Path(HydraConfig.get().runtime.output_dir)
+
+
+def _overrides() -> list[str]:
+    from hydra.core.hydra_config import HydraConfig
+
+    return list(HydraConfig.get().overrides.task)
+
+
+def base_document(cfg: DictConfig) -> dict[str, Any]:
+    """The run's identity, read leniently so even an invalid config leaves a readable results.json."""
+
+    def get(key: str) -> Any:
+        try:
+            return OmegaConf.select(cfg, key, throw_on_resolution_failure=False)
+        except Exception:
+            return None
+
+    return {
+        "status": "running",
+        "error": None,
+        "backend": get("backend.name"),
+        "world_size": get("backend.world_size"),
+        "device": None,
+        "model": {"name": get("model.name"), "path": get("model.path"), "lora_rank": get("model.lora_rank")},
+        "mtpm": get("mtpm"),
+        "mbs": get("mbs"),
+        "gc": get("gc"),
+        "bench": {"warmup": get("bench.warmup"), "repeat": get("bench.repeat")},
+        "workload": {"name": get("workload.name")},
+        "plan": None,
+        "passes": {},
+        "overrides": _overrides(),
+        "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "versions": _versions(),
+    }
+
+
+class Point:
+    """One run of the benchmark, writing its results.json as it goes."""
+
+    def __init__(self, cfg: DictConfig, out_dir: Path):
+        self.cfg = cfg
+        self.out_dir = out_dir
+        self.doc = base_document(cfg)
+        self.t0 = time.perf_counter()
+        self.label = ""
+        self.backend = None
+
+    def save(self) -> None:
+        self.doc["wall_s"] = time.perf_counter() - self.t0
+        write_json_atomic(self.out_dir / RESULTS_FILE, self.doc)
+
+    def fail(self, status: str, message: str) -> None:
+        self.doc["status"] = status
+        self.doc["error"] = message
+        self.save()
+
+    def run(self) -> int:
+        self.save()
+        try:
+            self._run(resolve_config(self.cfg))
+        except UserError as exc:
+            log.error("%s", exc)
+            self.fail("error", str(exc))
+            return EXIT_USER_ERROR
+        except BackendError as exc:
+            log.error("%s%s", self.label, exc)
+            self.fail("error", str(exc))
+            return EXIT_FAILED
+        except Exception as exc:  # an internal failure: one line on the console, the traceback in the log
+            log.error("%s%s: %s", self.label, type(exc).__name__, exc)
+            log.debug("%s", traceback.format_exc())
+            (self.out_dir / "error.txt").write_text(traceback.format_exc())
+            self.fail("error", f"{type(exc).__name__}: {exc}")
+            return EXIT_FAILED
+        finally:
+            if self.backend is not None:
+                self.backend.close()
+                self.backend = None
+        return EXIT_OK
+
+    def _run(self, spec: HarnessConfig) -> None:
+        b = spec.backend
+        import torch  # noqa: F401  (imported here so a config error is reported before this cost)
+
+        from backends.base import device_description, resolve_device
+        from backends.model import model_vocab_size
+
+        device = resolve_device(b.device)
+        world_size = resolve_world_size(b.name, b.world_size, device.type)
+        b.world_size = world_size
+        mtpm, mbs = b.max_tokens_per_microbatch, b.micro_batch_size
+        self.label = f"[{b.name} mtpm={mtpm} mbs={mbs}] "
+
+        lengths = workload_lengths(spec.workload)
+        plan = plan_batch(lengths, world_size, mtpm, mbs, align=b.name in LOCKSTEP_BACKENDS)
+        self.doc.update(
+            world_size=world_size,
+            device=device_description(device, world_size),
+            model={
+                "name": spec.model.name,
+                "path": spec.model.path,
+                "lora_rank": spec.model.lora_rank,
+                "dtype": spec.model.dtype,
+            },
+            workload={
+                "name": spec.workload.name,
+                "n_examples": len(lengths),
+                "total_tokens": sum(lengths),
+                "min_len": min(lengths),
+                "max_len": max(lengths),
+                "seed": spec.workload.seed,
+            },
+            plan=plan.stats.as_dict(),
+        )
+        st = plan.stats
+        log.info(
+            "%splan: %d examples, %s real / %s padded tokens, pad efficiency %.3f, micro-batches per rank %s, dummies %s",
+            self.label,
+            len(lengths),
+            f"{st.real_tokens:,}",
+            f"{st.padded_tokens:,}",
+            st.pad_efficiency,
+            st.n_microbatches,
+            st.n_dummy,
+        )
+        if spec.dry_run:
+            self.doc["status"] = "planned"
+            self.save()
+            return
+
+        from backends import make_backend
+        from harness.measure import PASS_TYPES, default_command_for, measure_pass
+
+        examples = make_examples(lengths, model_vocab_size(spec.model), spec.seed)
+        self.save()
+        log.info("%sstarting %s on %d x %s", self.label, b.name, world_size, device.type)
+        self.backend = backend = make_backend(b, spec.model)
+        outputs: dict[str, Any] = {}
+        command_for = default_command_for(examples, mtpm, mbs)
+        for pass_type in PASS_TYPES:
+            record, result = measure_pass(
+                backend,
+                examples,
+                pass_type,
+                spec.bench.warmup,
+                spec.bench.repeat,
+                command_for,
+                spec.bench.util_sample_s,
+                label=self.label,
+            )
+            self.doc["passes"][pass_type] = record.as_dict()
+            if result.per_rank:
+                self.doc["plan_per_rank"] = result.per_rank
+            self.save()
+            if spec.bench.save_outputs:
+                outputs[pass_type] = {"loss": [o.loss for o in result.outputs]}
+                if result.grad_norm is not None:
+                    outputs[pass_type]["grad_norm"] = result.grad_norm
+                write_json_atomic(self.out_dir / OUTPUTS_FILE, outputs)
+        self.doc["status"] = "ok"
+        self.doc["finished_at"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        self.save()
+        fwd, fb = self.doc["passes"]["forward"], self.doc["passes"]["forward_backward"]
+        log.info(
+            "%sok: forward %s tok/s, forward_backward %s tok/s, pad efficiency %.3f",
+            self.label,
+            f"{fwd['tok_per_s']:,.0f}",
+            f"{fb['tok_per_s']:,.0f}",
+            st.pad_efficiency,
+        )
+
+
+def run_point(cfg: DictConfig) -> int:
+    """Hydra task function body: never raises for a failed point, records its exit code."""
+    out_dir = _output_dir()
+    code = Point(cfg, out_dir).run()
+    STATE.record(code)
+    return code
+
+
+__all__ = ["run_point", "STATE", "resolve_config", "config_error_line"]

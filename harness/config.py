@@ -1,0 +1,65 @@
+"""Structured config: the schema Hydra validates conf/ against, and value checks it cannot express."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+from backends.base import BackendSpec
+from backends.errors import UserError
+from backends.model import ModelSpec
+from harness.workload import WorkloadSpec
+
+BACKENDS = ("pytorch", "fsdp2", "megatron_ddp")
+
+
+@dataclass
+class BenchConfig:
+    warmup: int = 1  # untimed runs per pass type
+    repeat: int = 3  # timed runs per pass type
+    save_outputs: bool = False  # write example_outputs.json (per-example losses, gradient norm)
+    progress_every_s: float = 10.0  # how often a long pass logs its progress
+    util_sample_s: float = 0.1  # device utilisation / memory sampling interval
+
+
+@dataclass
+class HarnessConfig:
+    backend: BackendSpec = MISSING
+    model: ModelSpec = MISSING
+    workload: WorkloadSpec = MISSING
+    bench: BenchConfig = field(default_factory=BenchConfig)
+    logger: Any = None  # logger/ group (W&B); free-form, read by harness.tracking
+    # The knobs a user types; backend.* interpolates them.
+    mtpm: Optional[int] = None  # max tokens per micro-batch; null = fixed mbs slices
+    mbs: int = 1  # micro-batch size (sequences) when mtpm is null
+    gc: bool = False  # gradient checkpointing
+    seed: int = 0  # token ids of the workload
+    world_size: Optional[int] = None  # ranks; null = one per GPU, else 2 CPU ranks (1 for pytorch)
+    dry_run: bool = False  # plan only: no model, no processes
+
+
+def register_configs() -> None:
+    ConfigStore.instance().store(name="harness_schema", node=HarnessConfig)
+
+
+def _positive_int(key: str, value: Any, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    valid = "a positive integer" + (" or null" if allow_none else "")
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise UserError(f"{key}: must be {valid}, got {value!r}")
+
+
+def validate(cfg: HarnessConfig) -> None:
+    """Checks of values (types are checked by Hydra against the schema)."""
+    if cfg.backend.name not in BACKENDS:
+        raise UserError(f"backend.name: '{cfg.backend.name}' is not a backend (valid: {', '.join(BACKENDS)})")
+    _positive_int("mtpm", cfg.backend.max_tokens_per_microbatch, allow_none=True)
+    _positive_int("mbs", cfg.backend.micro_batch_size)
+    _positive_int("world_size", cfg.backend.world_size, allow_none=True)
+    if cfg.bench.warmup < 0:
+        raise UserError(f"bench.warmup: must be >= 0, got {cfg.bench.warmup}")
+    _positive_int("bench.repeat", cfg.bench.repeat)

@@ -1,0 +1,221 @@
+"""The measurement protocol: warm-up, timed repeats, throughput, device utilisation and peak memory."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import psutil
+
+from backends.base import Backend, PassResult, make_command
+from backends.examples import Example
+from backends.step import PASS_TYPES
+
+log = logging.getLogger(__name__)
+
+
+def _process_tree(pids: Sequence[int]) -> list[psutil.Process]:
+    procs: dict[int, psutil.Process] = {}
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+            procs[p.pid] = p
+            for c in p.children(recursive=True):
+                procs[c.pid] = c
+        except psutil.Error:
+            continue
+    return list(procs.values())
+
+
+class CpuSampler:
+    """CPU utilisation of the run's processes (exact, from CPU times) and their peak resident memory (sampled)."""
+
+    def __init__(self, pids: Sequence[int], interval_s: float = 0.1):
+        self.pids = list(pids)
+        self.interval_s = interval_s
+        self.n_cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        self.total_memory = psutil.virtual_memory().total
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._cpu: dict[int, float] = {}
+        self.peak_rss = 0
+
+    def _poll(self) -> None:
+        rss = 0
+        for p in _process_tree(self.pids):
+            try:
+                with p.oneshot():
+                    t = p.cpu_times()
+                    self._cpu[p.pid] = t.user + t.system
+                    rss += p.memory_info().rss
+            except psutil.Error:
+                continue
+        self.peak_rss = max(self.peak_rss, rss)
+
+    def _cpu_total(self) -> float:
+        return sum(self._cpu.values())
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._poll()
+
+    def start(self) -> None:
+        self._poll()
+        self._start_cpu = self._cpu_total()
+        self._start_wall = time.perf_counter()
+        self.peak_rss = 0
+        self._poll()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="cpu-sampler", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> tuple[float, float]:
+        """Returns (utilisation %, peak memory % of the machine) since ``start``."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self._poll()
+        wall = time.perf_counter() - self._start_wall
+        cpu = self._cpu_total() - self._start_cpu
+        util = 100.0 * cpu / (wall * self.n_cpus) if wall > 0 else 0.0
+        return min(util, 100.0), 100.0 * self.peak_rss / self.total_memory
+
+
+class GpuSampler:
+    """GPU utilisation (NVML, sampled) of the devices a run uses; memory comes from the workers' allocator."""
+
+    def __init__(self, device_indices: Sequence[int], interval_s: float = 0.1):
+        import pynvml
+
+        self.nvml = pynvml
+        pynvml.nvmlInit()
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if visible:
+            ids = [v.strip() for v in visible.split(",") if v.strip()]
+            device_indices = [int(ids[i]) if ids[i].isdigit() else i for i in device_indices]
+        self.handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in device_indices]
+        self.total_memory = pynvml.nvmlDeviceGetMemoryInfo(self.handles[0]).total
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+        self._samples: list[float] = []
+        self._thread: Optional[threading.Thread] = None
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                u = [self.nvml.nvmlDeviceGetUtilizationRates(h).gpu for h in self.handles]
+                self._samples.append(sum(u) / len(u))
+            except self.nvml.NVMLError:
+                continue
+
+    def start(self) -> None:
+        self._samples = []
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="gpu-sampler", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> tuple[float, float]:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        util = sum(self._samples) / len(self._samples) if self._samples else 0.0
+        return util, float("nan")  # memory: filled in from the pass result
+
+
+def make_sampler(backend: Backend, interval_s: float):
+    if backend.device.type == "cuda":
+        try:
+            return GpuSampler(range(backend.world_size), interval_s)
+        except Exception as exc:  # NVML missing: utilisation unknown, the benchmark still runs
+            log.warning("GPU utilisation not sampled (%s)", exc)
+            return None
+    return CpuSampler([os.getpid(), *backend.pids()], interval_s)
+
+
+@dataclass
+class PassRecord:
+    """One pass type's measurements, as written to results.json."""
+
+    elapsed_s: list[float]
+    tok_per_s: float
+    util_pct: Optional[float]
+    mem_pct: Optional[float]
+    real_tokens: int
+    grad_norm: Optional[float] = None
+
+    def as_dict(self) -> dict:
+        return {
+            "elapsed_s": self.elapsed_s,
+            "tok_per_s": self.tok_per_s,
+            "util_pct": self.util_pct,
+            "mem_pct": self.mem_pct,
+            "real_tokens": self.real_tokens,
+            "grad_norm": self.grad_norm,
+        }
+
+
+def measure_pass(
+    backend: Backend,
+    examples: Sequence[Example],
+    pass_type: str,
+    warmup: int,
+    repeat: int,
+    command_for: Callable[[str], dict],
+    sample_interval_s: float = 0.1,
+    label: str = "",
+) -> tuple[PassRecord, PassResult]:
+    """Warm-up runs, then ``repeat`` timed runs of one pass type; returns the record and the last result."""
+    result: Optional[PassResult] = None
+    real_tokens = sum(len(e) for e in examples)
+    for i in range(warmup):
+        t0 = time.perf_counter()
+        result = backend.run_pass(command_for(pass_type))
+        log.info("%s%s warm-up %d/%d: %.2f s", label, pass_type, i + 1, warmup, time.perf_counter() - t0)
+    elapsed, utils, mems = [], [], []
+    sampler = make_sampler(backend, sample_interval_s)
+    for i in range(repeat):
+        if sampler is not None:
+            sampler.start()
+        t0 = time.perf_counter()
+        result = backend.run_pass(command_for(pass_type))
+        dt = time.perf_counter() - t0
+        util, mem_pct = sampler.stop() if sampler is not None else (None, None)
+        if result.mem_peak_bytes is not None and backend.device.type == "cuda":
+            mem_pct = 100.0 * result.mem_peak_bytes / backend.device_memory_bytes()
+        elapsed.append(dt)
+        utils.append(util)
+        mems.append(mem_pct)
+        log.info(
+            "%s%s repeat %d/%d: %.2f s, %s tok/s%s",
+            label,
+            pass_type,
+            i + 1,
+            repeat,
+            dt,
+            f"{real_tokens / dt:,.0f}",
+            f", util {util:.0f}%" if util is not None else "",
+        )
+    assert result is not None
+    mean = sum(elapsed) / len(elapsed)
+    known = [u for u in utils if u is not None]
+    known_mem = [m for m in mems if m is not None]
+    record = PassRecord(
+        elapsed_s=elapsed,
+        tok_per_s=real_tokens / mean,
+        util_pct=(sum(known) / len(known)) if known else None,
+        mem_pct=max(known_mem) if known_mem else None,
+        real_tokens=real_tokens,
+        grad_norm=result.grad_norm,
+    )
+    return record, result
+
+
+def default_command_for(examples: Sequence[Example], mtpm: Optional[int], mbs: int) -> Callable[[str], dict]:
+    return lambda pass_type: make_command(pass_type, examples, mtpm, mbs)
+
+
+__all__ = ["PASS_TYPES", "PassRecord", "measure_pass", "default_command_for", "CpuSampler", "GpuSampler"]

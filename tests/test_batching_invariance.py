@@ -1,0 +1,87 @@
+"""Batching must not change the answer: per-example losses and the gradient are the same for any mbs and mtpm."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from backends.base import BackendSpec, make_command
+from backends.model import ModelSpec
+from backends.pytorch import PyTorchBackend
+from harness.workload import make_examples, mixed_lengths
+
+LENGTHS = mixed_lengths(16, 64, 512, 42)
+
+
+@pytest.fixture(scope="module")
+def backend():
+    b = PyTorchBackend(BackendSpec(device="cpu"), ModelSpec())
+    yield b
+    b.close()
+
+
+@pytest.fixture(scope="module")
+def examples():
+    return make_examples(LENGTHS, 2048, seed=0)
+
+
+def _run(backend, examples, pass_type, mtpm, mbs):
+    return backend.run_pass(make_command(pass_type, examples, mtpm, mbs))
+
+
+@pytest.fixture(scope="module")
+def reference(backend, examples):
+    return _run(backend, examples, "forward_backward", None, 1)
+
+
+@pytest.mark.parametrize("mtpm, mbs", [(None, 3), (600, 1), (600, 3), (100_000, 1), (100_000, 3), (1, 1)])
+def test_losses_and_gradient_do_not_depend_on_grouping(backend, examples, reference, mtpm, mbs):
+    result = _run(backend, examples, "forward_backward", mtpm, mbs)
+    ref_loss = np.array([o.loss for o in reference.outputs])
+    loss = np.array([o.loss for o in result.outputs])
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    assert math.isclose(result.grad_norm, reference.grad_norm, rel_tol=1e-5)
+    for o, r in zip(result.outputs, reference.outputs):
+        np.testing.assert_allclose(o.logprobs, r.logprobs, rtol=1e-4, atol=1e-5)
+
+
+def test_grouping_really_differs_between_cases(backend, examples):
+    small = _run(backend, examples, "forward", 600, 1).plan
+    huge = _run(backend, examples, "forward", 100_000, 1).plan
+    fixed3 = _run(backend, examples, "forward", None, 3).plan
+    assert small["n_microbatches"] != huge["n_microbatches"] != fixed3["n_microbatches"]
+    assert huge["n_microbatches"] == [1]
+    assert huge["pad_efficiency"] < small["pad_efficiency"]
+
+
+def test_outputs_come_back_in_request_order(backend, examples, reference):
+    fwd = _run(backend, examples, "forward", 600, 3)
+    for ex, out in zip(examples, fwd.outputs):
+        assert out.logprobs.shape == (len(ex),)
+        assert math.isclose(out.loss, -float((out.logprobs * ex.weights).sum()), rel_tol=1e-5)
+    # forward alone gives the same losses as forward_backward
+    np.testing.assert_allclose([o.loss for o in fwd.outputs], [o.loss for o in reference.outputs], rtol=1e-5)
+
+
+def test_gradient_is_normalised_by_the_whole_batch_weight(backend, examples, reference):
+    # Doubling the batch (each example twice) keeps the normalised gradient the same:
+    # the loss is divided by the total weight of all examples, not per micro-batch.
+    doubled = _run(backend, list(examples) + list(examples), "forward_backward", 700, 2)
+    assert math.isclose(doubled.grad_norm, reference.grad_norm, rel_tol=1e-5)
+    assert reference.grad_norm > 0
+
+
+def test_a_broken_normalisation_would_be_caught(backend, examples, reference):
+    # Guard against a test that cannot fail: the per-example weight really moves the gradient.
+    heavier = [type(e)(e.input_ids, e.target_tokens, e.weights * (2.0 if i == 0 else 1.0)) for i, e in enumerate(examples)]
+    result = _run(backend, heavier, "forward_backward", None, 1)
+    assert not math.isclose(result.grad_norm, reference.grad_norm, rel_tol=1e-5)
+
+
+def test_trainable_parameters_are_lora_only(backend):
+    names = [n for n, p in backend.model.named_parameters() if p.requires_grad]
+    assert names and all("lora_" in n for n in names)
+    assert torch.get_default_dtype() == torch.float32

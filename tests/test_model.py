@@ -1,0 +1,70 @@
+"""Model construction: the tiny Qwen3.5-MoE, LoRA, gradient checkpointing, and loading a local checkpoint."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from backends.errors import UserError
+from backends.model import ModelSpec, build_model, model_vocab_size
+from tests.conftest import load_json, run_harness
+
+CPU = torch.device("cpu")
+
+
+def test_tiny_model_has_the_benchmark_architecture():
+    model = build_model(ModelSpec(lora_rank=0), CPU, gradient_checkpointing=False)
+    cfg = model.config
+    assert cfg.model_type == "qwen3_5_moe_text"
+    assert {"linear_attention", "full_attention"} <= set(cfg.layer_types)
+    assert cfg.num_experts > cfg.num_experts_per_tok > 1
+    assert all(p.requires_grad for p in model.parameters())  # rank 0 = full fine-tuning
+
+
+def test_same_seed_same_weights_and_lora_rank_from_config():
+    a = build_model(ModelSpec(lora_rank=8), CPU, False)
+    b = build_model(ModelSpec(lora_rank=8), CPU, False)
+    for (na, pa), (nb, pb) in zip(a.named_parameters(), b.named_parameters()):
+        assert na == nb and torch.equal(pa, pb)
+    ranks = {p.shape[0] for n, p in a.named_parameters() if "lora_A" in n}
+    assert ranks == {8}
+
+
+def test_gradient_checkpointing_switch():
+    assert build_model(ModelSpec(), CPU, True).is_gradient_checkpointing
+    assert not build_model(ModelSpec(), CPU, False).is_gradient_checkpointing
+
+
+def test_local_checkpoint_loads_and_matches(tmp_path):
+    base = build_model(ModelSpec(lora_rank=0), CPU, False)
+    base.save_pretrained(tmp_path / "ckpt")
+    spec = ModelSpec(name="local", path=str(tmp_path / "ckpt"))
+    assert model_vocab_size(spec) == base.config.vocab_size
+    loaded = build_model(spec, CPU, False)
+    tiny = build_model(ModelSpec(), CPU, False)
+    ids = torch.randint(0, base.config.vocab_size, (2, 33))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, tiny(input_ids=ids).logits)
+
+
+def test_missing_checkpoint_names_the_path(tmp_path):
+    with pytest.raises(UserError, match=r"model.path: '.*nowhere'"):
+        build_model(ModelSpec(path=str(tmp_path / "nowhere")), CPU, False)
+
+
+def test_harness_runs_a_local_checkpoint(tmp_path):
+    build_model(ModelSpec(lora_rank=0), CPU, False).save_pretrained(tmp_path / "ckpt")
+    run_dir = tmp_path / "run"
+    proc = run_harness(
+        "model=qwen3_5_35b_a3b",
+        f"model.path={tmp_path / 'ckpt'}",
+        "workload=smoke",
+        "backend=pytorch",
+        "bench.warmup=0",
+        "bench.repeat=1",
+        f"hydra.run.dir={run_dir}",
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    res = load_json(run_dir / "results.json")
+    assert res["status"] == "ok" and res["model"]["path"] == str(tmp_path / "ckpt")
