@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import torch
@@ -51,7 +51,6 @@ class PassResult:
     plan: dict
     grad_norm: Optional[float] = None
     mem_peak_bytes: Optional[int] = None  # device memory peak over ranks (GPU); None on CPU
-    per_rank: list[dict] = field(default_factory=list)
 
 
 def resolve_device(name: str) -> torch.device:

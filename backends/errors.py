@@ -1,5 +1,7 @@
 """Errors the harness reports as one line, without a traceback."""
 
+from typing import Optional
+
 
 class UserError(Exception):
     """A mistake in what the user asked for: a config value, a path, a request.
@@ -9,4 +11,13 @@ class UserError(Exception):
 
 
 class BackendError(RuntimeError):
-    """A pass failed inside a backend (a worker raised or died); the message names the rank."""
+    """A pass failed inside a backend (a worker raised, died or hung); the message names the rank.
+
+    ``details`` keeps the worker's traceback for the run's log; ``status`` is
+    what results.json records (``error``, or ``timeout`` for a pass that took too long).
+    """
+
+    def __init__(self, message: str, details: Optional[str] = None, status: str = "error"):
+        super().__init__(message)
+        self.details = details
+        self.status = status

@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
+from backends import resolve_world_size
 from backends.base import Backend, BackendSpec, PassResult, resolve_device
-from backends.errors import UserError
 from backends.microbatch import plan_batch
 from backends.model import ModelSpec, build_model
 from backends.step import ProgressLogger, grad_norm_local_sq, run_schedule, total_loss_weight
@@ -22,9 +22,7 @@ class PyTorchBackend(Backend):
 
     def __init__(self, spec: BackendSpec, model: ModelSpec):
         super().__init__(spec, model)
-        if spec.world_size not in (None, 1):
-            raise UserError(f"world_size: backend=pytorch runs one process, got {spec.world_size} (valid: 1 or null)")
-        self.world_size = 1
+        self.world_size = resolve_world_size(self.name, spec.world_size, "cpu")
         self.device = resolve_device(spec.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(0)
@@ -43,7 +41,9 @@ class PyTorchBackend(Backend):
             torch.cuda.reset_peak_memory_stats()
         if pass_type == "forward_backward":
             self.model.zero_grad(set_to_none=True)
-        progress = ProgressLogger(log.info, f"pytorch {pass_type}", plan.stats.real_tokens)
+        progress = ProgressLogger(
+            log.info, f"pytorch {pass_type}", plan.stats.real_tokens, command.get("progress_every_s", 10.0)
+        )
         by_index = run_schedule(
             self.model,
             examples,

@@ -138,7 +138,9 @@ class Point:
             return EXIT_USER_ERROR
         except BackendError as exc:
             log.error("%s%s", self.label, exc)
-            self.fail("error", str(exc))
+            if exc.details:
+                (self.out_dir / "error.txt").write_text(exc.details)
+            self.fail(exc.status, str(exc))
             return EXIT_FAILED
         except Exception as exc:  # an internal failure: one line on the console, the traceback in the log
             log.error("%s%s: %s", self.label, type(exc).__name__, exc)
@@ -210,7 +212,7 @@ class Point:
         log.info("%sstarting %s on %d x %s", self.label, b.name, world_size, device.type)
         self.backend = backend = make_backend(b, spec.model)
         outputs: dict[str, Any] = {}
-        command_for = default_command_for(examples, mtpm, mbs)
+        command_for = default_command_for(examples, mtpm, mbs, progress_every_s=spec.bench.progress_every_s)
         for pass_type in PASS_TYPES:
             record, result = measure_pass(
                 backend,
@@ -223,8 +225,7 @@ class Point:
                 label=self.label,
             )
             self.doc["passes"][pass_type] = record.as_dict()
-            if result.per_rank:
-                self.doc["plan_per_rank"] = result.per_rank
+            self.doc["plan"] = result.plan  # what the backend ran (same as planned; FSDP2 agrees on it by collective)
             self.save()
             if spec.bench.save_outputs:
                 outputs[pass_type] = {"loss": [o.loss for o in result.outputs]}

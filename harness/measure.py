@@ -214,8 +214,11 @@ def measure_pass(
     return record, result
 
 
-def default_command_for(examples: Sequence[Example], mtpm: Optional[int], mbs: int) -> Callable[[str], dict]:
-    return lambda pass_type: make_command(pass_type, examples, mtpm, mbs)
+def default_command_for(
+    examples: Sequence[Example], mtpm: Optional[int], mbs: int, **extra
+) -> Callable[[str], dict]:
+    """Commands with a fixed budget; ``extra`` keys (progress interval, time-out) ride along."""
+    return lambda pass_type: {**make_command(pass_type, examples, mtpm, mbs), **extra}
 
 
 __all__ = ["PASS_TYPES", "PassRecord", "measure_pass", "default_command_for", "CpuSampler", "GpuSampler"]

@@ -1,0 +1,55 @@
+"""FSDP2 backend: the model sharded with ``fully_shard``; ranks run the same number of steps per pass."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from backends.microbatch import MicroBatch, Schedule
+from backends.step import grad_norm_local_sq
+from backends.workers import DistributedBackend, RankHooks
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer blocks, found by the class names Hugging Face marks as not to be split."""
+    names: set[str] = set()
+    for module in model.modules():
+        names.update(getattr(module, "_no_split_modules", None) or [])
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
+class FSDP2Hooks(RankHooks):
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        for layer in decoder_layers(model):
+            fully_shard(layer)
+        fully_shard(model)
+        # Sum, not average, across ranks: each rank's loss is already divided by
+        # the whole batch's weight, so the sum is the batch gradient. A plain SUM
+        # (no pre-multiplied sum) is also what gloo supports.
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(1.0)
+                if hasattr(module, "set_force_sum_reduction_for_comms"):  # torch >= 2.9
+                    module.set_force_sum_reduction_for_comms(True)
+        return model
+
+    def align(self, local: list[MicroBatch]) -> Schedule:
+        # Every rank must call the model equally often: agree on the most steps
+        # on the main process group and pad with zero-weight dummy steps.
+        count = torch.tensor([len(local)], dtype=torch.int64, device=self.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        return list(local) + [None] * (int(count.item()) - len(local))
+
+    def grad_norm(self, model: torch.nn.Module) -> float:
+        t = torch.tensor([grad_norm_local_sq(model)], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return math.sqrt(float(t.item()))
+
+
+class FSDP2Backend(DistributedBackend):
+    name = "fsdp2"
+    hooks_path = "backends.fsdp2:FSDP2Hooks"

@@ -1,0 +1,398 @@
+"""Multi-process workers, written once: the controller in the harness process and the loop each rank runs.
+
+The controller starts ``world_size`` processes, one rank each, and sends every
+pass to all of them as one command dict. Each rank takes its share of the
+length-sorted examples, forms its micro-batches, runs them, and the results are
+gathered to rank 0, which replies. What differs between backends (wrapping the
+model, agreeing on the step count, gradient sync) is a ``RankHooks`` subclass
+in the backend's own module.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import logging.handlers
+import multiprocessing as mp
+import os
+import queue
+import signal
+import threading
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from backends.base import Backend, BackendSpec, PassResult, resolve_device
+from backends.errors import BackendError
+from backends.examples import Example
+from backends.microbatch import MicroBatch, Schedule, deal_to_ranks, microbatches_for_rank, plan_stats, sort_by_length
+from backends.model import ModelSpec, build_model
+from backends.step import ProgressLogger, run_schedule
+
+log = logging.getLogger(__name__)
+
+_STARTUP_POLL_S = 0.2
+
+
+class RankHooks:
+    """What a backend does differently on each rank. The defaults suit independent ranks."""
+
+    def __init__(self, spec: BackendSpec, rank: int, world_size: int, device: torch.device):
+        self.spec, self.rank, self.world_size, self.device = spec, rank, world_size, device
+
+    def setup(self) -> None:
+        """After the process group exists, before the model is built."""
+
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        return model
+
+    def align(self, local: list[MicroBatch]) -> Schedule:
+        """The schedule this rank runs; lock-step backends pad it to the ranks' common length."""
+        return list(local)
+
+    def start_pass(self, model: torch.nn.Module, pass_type: str) -> None:
+        if pass_type == "forward_backward":
+            model.zero_grad(set_to_none=True)
+
+    def before_step(self, model: torch.nn.Module, step: int, is_last: bool) -> None:
+        pass
+
+    def finish_pass(self, model: torch.nn.Module, pass_type: str) -> None:
+        pass
+
+    def grad_norm(self, model: torch.nn.Module) -> float:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+def _all_reduce_float(value: float, op, device: torch.device) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=op)
+    return float(t.item())
+
+
+def _device_for_rank(base: torch.device, rank: int) -> torch.device:
+    if base.type == "cuda":
+        index = rank % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return base
+
+
+def _import(path: str):
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel sends this worker SIGKILL when its controller dies, so no rank is ever orphaned."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _setup_worker_logging(log_queue) -> None:
+    root = logging.getLogger()
+    root.handlers[:] = [logging.handlers.QueueHandler(log_queue)]
+    root.setLevel(logging.INFO)
+
+
+def worker_main(
+    rank: int,
+    world_size: int,
+    store_port: int,
+    hooks_path: str,
+    spec: BackendSpec,
+    model_spec: ModelSpec,
+    commands,
+    replies,
+    log_queue,
+    parent_pid: int,
+) -> None:
+    """Entry point of one rank: join the group, build the model, then serve commands until told to stop."""
+    _die_with_parent()
+    if os.getppid() != parent_pid:
+        os._exit(1)
+    _setup_worker_logging(log_queue)
+    wlog = logging.getLogger(f"backends.{spec.name}")
+    try:
+        base = resolve_device(spec.device)
+        if base.type == "cpu":
+            torch.set_num_threads(max(1, (len(os.sched_getaffinity(0)) or 1) // world_size))
+        device = _device_for_rank(base, rank)
+        hooks: RankHooks = _import(hooks_path)(spec, rank, world_size, device)
+        hooks.setup()
+        store = dist.TCPStore("127.0.0.1", store_port, world_size + 1, is_master=False,
+                              timeout=timedelta(seconds=spec.dist_timeout_s))
+        dist.init_process_group(
+            backend="nccl" if device.type == "cuda" else "gloo",
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=spec.dist_timeout_s),
+            device_id=device if device.type == "cuda" else None,
+        )
+        model = hooks.wrap(build_model(model_spec, device, spec.gradient_checkpointing))
+        replies.put(("ready", rank, None))
+    except BaseException as exc:  # noqa: BLE001 - reported to the controller, which names the rank
+        replies.put(("error", rank, (f"{type(exc).__name__}: {exc}", traceback.format_exc())))
+        return
+
+    while True:
+        command = commands.get()
+        if command is None:
+            break
+        try:
+            reply = _run_command(command, model, hooks, rank, world_size, device, wlog)
+            replies.put(("done", rank, reply))
+        except BaseException as exc:  # noqa: BLE001
+            replies.put(("error", rank, (f"{type(exc).__name__}: {exc}", traceback.format_exc())))
+            # The other ranks may now be blocked in a collective; the controller stops them all.
+            break
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - best effort on the way out
+        pass
+
+
+def _run_command(
+    command: dict[str, Any], model, hooks: RankHooks, rank: int, world_size: int, device: torch.device, wlog
+) -> Optional[dict]:
+    examples: Sequence[Example] = command["examples"]
+    pass_type = command["pass_type"]
+    lengths = [len(e) for e in examples]
+    mine = deal_to_ranks(sort_by_length(lengths), world_size)[rank]
+    local = microbatches_for_rank(mine, lengths, command["max_tokens_per_microbatch"], command["micro_batch_size"])
+    schedule = hooks.align(local)
+    # The whole batch's loss weight, summed over ranks once per pass: every rank divides by it.
+    total_weight = _all_reduce_float(sum(float(examples[i].weights.sum()) for i in mine), dist.ReduceOp.SUM, device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    hooks.start_pass(model, pass_type)
+    progress = None
+    if rank == 0:
+        mine_tokens = sum(lengths[i] for i in mine)
+        progress = ProgressLogger(wlog.info, f"rank 0 {pass_type}", mine_tokens, command.get("progress_every_s", 10.0))
+    outputs = run_schedule(
+        model,
+        examples,
+        schedule,
+        pass_type,
+        total_weight,
+        device,
+        progress=progress,
+        before_step=lambda step, is_last: hooks.before_step(model, step, is_last),
+    )
+    hooks.finish_pass(model, pass_type)
+    grad_norm = hooks.grad_norm(model) if pass_type == "forward_backward" else None
+    mem_peak = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None
+    gathered: list = [None] * world_size
+    dist.all_gather_object(gathered, (outputs, schedule, mem_peak))
+    if rank != 0:
+        return None
+    merged: dict = {}
+    for rank_outputs, _, _ in gathered:
+        merged.update(rank_outputs)
+    schedules = [s for _, s, _ in gathered]
+    peaks = [m for _, _, m in gathered if m is not None]
+    return {
+        "outputs": [merged[i] for i in range(len(examples))],
+        "plan": plan_stats(schedules, lengths).as_dict(),
+        "grad_norm": grad_norm,
+        "mem_peak_bytes": max(peaks) if peaks else None,
+    }
+
+
+class _LogForwarder:
+    """Replays workers' log records in this process, so they reach the console and the run's log file."""
+
+    def __init__(self, log_queue):
+        self.queue = log_queue
+        self.thread = threading.Thread(target=self._run, name="worker-logs", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                record = self.queue.get()
+            except (EOFError, OSError):
+                return
+            if record is None:
+                return
+            logging.getLogger(record.name).handle(record)
+
+    def stop(self) -> None:
+        try:
+            self.queue.put(None)
+        except (OSError, ValueError):
+            pass
+        self.thread.join(timeout=2)
+
+
+def _first_line(text: str, limit: int) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def _describe_exit(code: Optional[int]) -> str:
+    if code is None:
+        return "is unresponsive"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class DistributedBackend(Backend):
+    """The controller: starts the ranks, sends each pass, collects rank 0's reply, stops everything on failure."""
+
+    hooks_path = "backends.workers:RankHooks"
+
+    def __init__(self, spec: BackendSpec, model: ModelSpec, hooks_path: Optional[str] = None):
+        super().__init__(spec, model)
+        from backends import resolve_world_size
+
+        self.device = resolve_device(spec.device)
+        self.world_size = resolve_world_size(spec.name, spec.world_size, self.device.type)
+        if self.device.type == "cuda" and self.world_size > torch.cuda.device_count():
+            from backends.errors import UserError
+
+            raise UserError(
+                f"world_size: {self.world_size} ranks need {self.world_size} GPUs, "
+                f"{torch.cuda.device_count()} visible (valid: 1..{torch.cuda.device_count()} or null)"
+            )
+        self.hooks_path = hooks_path or self.hooks_path
+        self.closed = False
+        ctx = mp.get_context("spawn")
+        self.store = dist.TCPStore("127.0.0.1", 0, self.world_size + 1, is_master=True, wait_for_workers=False,
+                                   timeout=timedelta(seconds=spec.dist_timeout_s))
+        self.replies = ctx.Queue()
+        self.log_queue = ctx.Queue()
+        self.logs = _LogForwarder(self.log_queue)
+        self.command_queues = [ctx.Queue() for _ in range(self.world_size)]
+        self.procs = []
+        for rank in range(self.world_size):
+            p = ctx.Process(
+                target=worker_main,
+                name=f"{spec.name}-rank{rank}",
+                args=(
+                    rank,
+                    self.world_size,
+                    self.store.port,
+                    self.hooks_path,
+                    spec,
+                    model,
+                    self.command_queues[rank],
+                    self.replies,
+                    self.log_queue,
+                    os.getpid(),
+                ),
+                daemon=True,
+            )
+            p.start()
+            self.procs.append(p)
+        try:
+            self._collect("ready", timeout_s=None, what="start-up")
+        except BaseException:
+            self.close()
+            raise
+        log.info("%s: %d ranks ready on %s", spec.name, self.world_size, self.device.type)
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs if p.pid is not None]
+
+    def _collect(self, kind: str, timeout_s: Optional[float], what: str) -> dict[int, Any]:
+        """Wait for one reply per rank; any error or death ends the wait at once, naming the rank."""
+        got: dict[int, Any] = {}
+        start = time.monotonic()
+        while len(got) < self.world_size:
+            try:
+                msg_kind, rank, payload = self.replies.get(timeout=_STARTUP_POLL_S)
+            except queue.Empty:
+                for rank, p in enumerate(self.procs):
+                    if rank not in got and not p.is_alive():
+                        self._abort(f"rank {rank} {_describe_exit(p.exitcode)} during {what}")
+                if timeout_s is not None and time.monotonic() - start > timeout_s:
+                    self._abort(f"{what} took longer than {timeout_s:g} s", status="timeout")
+                continue
+            if msg_kind == "error":
+                message, details = payload
+                dead = self._dead_rank(wait_s=1.0)
+                if dead is not None and dead != rank:
+                    # A rank that died takes its peers' collectives down with it: name the cause.
+                    p = self.procs[dead]
+                    self._abort(
+                        f"rank {dead} {_describe_exit(p.exitcode)} during {what} "
+                        f"(rank {rank} then failed: {_first_line(message, 160)})",
+                        details=details,
+                    )
+                self._abort(f"rank {rank} failed during {what}: {_first_line(message, 400)}", details=details)
+            if msg_kind == kind:
+                got[rank] = payload
+        return got
+
+    def _dead_rank(self, wait_s: float) -> Optional[int]:
+        deadline = time.monotonic() + wait_s
+        while True:
+            for rank, p in enumerate(self.procs):
+                if p.exitcode is not None:
+                    return rank
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
+
+    def _abort(self, message: str, details: Optional[str] = None, status: str = "error") -> None:
+        self.close(graceful=False)
+        raise BackendError(message, details=details, status=status)
+
+    def run_pass(self, command: dict[str, Any]) -> PassResult:
+        if self.closed:
+            raise BackendError(f"{self.spec.name}: workers are stopped")
+        for q in self.command_queues:
+            q.put(command)
+        replies = self._collect("done", timeout_s=command.get("timeout_s"), what=command["pass_type"])
+        reply = replies[0]
+        return PassResult(
+            outputs=reply["outputs"],
+            plan=reply["plan"],
+            grad_norm=reply["grad_norm"],
+            mem_peak_bytes=reply["mem_peak_bytes"],
+        )
+
+    def close(self, graceful: bool = True) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if graceful:
+            for q in self.command_queues:
+                try:
+                    q.put(None)
+                except (OSError, ValueError):
+                    pass
+            deadline = time.monotonic() + 20
+            for p in self.procs:
+                p.join(timeout=max(0.1, deadline - time.monotonic()))
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+        for p in self.procs:
+            p.join(timeout=5)
+        self.logs.stop()
+        for q in [*self.command_queues, self.replies, self.log_queue]:
+            q.close()
+            q.cancel_join_thread()
+
+    def __del__(self):  # a controller dropped without close() still stops its ranks
+        try:
+            self.close(graceful=False)
+        except Exception:  # noqa: BLE001
+            pass

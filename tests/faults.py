@@ -1,0 +1,43 @@
+"""Rank hooks that inject faults into real worker processes (imported by path inside the workers)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from backends.fsdp2 import FSDP2Hooks
+from backends.megatron_ddp import MegatronDDPHooks
+
+
+class _RaiseMidPass:
+    """Rank 1 raises on its second step of a forward_backward pass."""
+
+    def start_pass(self, model, pass_type):
+        self._pass_type = pass_type
+        super().start_pass(model, pass_type)
+
+    def before_step(self, model, step, is_last):
+        super().before_step(model, step, is_last)
+        if self.rank == 1 and step == 1 and self._pass_type == "forward_backward":
+            raise RuntimeError("injected failure on purpose")
+
+
+class FSDP2RaiseMidPass(_RaiseMidPass, FSDP2Hooks):
+    pass
+
+
+class MegatronRaiseMidPass(_RaiseMidPass, MegatronDDPHooks):
+    pass
+
+
+class FSDP2HangMidPass(FSDP2Hooks):
+    """Rank 1 sleeps far past any time-out on its first forward step; its pid is left in a file for the test."""
+
+    def before_step(self, model, step, is_last):
+        super().before_step(model, step, is_last)
+        if self.rank == 1:
+            path = os.environ.get("BALANCE_BATCH_TEST_PIDFILE")
+            if path:
+                with open(path, "w") as f:
+                    f.write(str(os.getpid()))
+            time.sleep(3600)

@@ -1,0 +1,188 @@
+"""FSDP2 and Megatron-core DDP on 2 real gloo ranks: same answers as PyTorch, dummies, failures, clean exits."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import time
+
+import numpy as np
+import psutil
+import pytest
+
+from backends import make_backend
+from backends.base import BackendSpec, make_command
+from backends.errors import BackendError
+from backends.fsdp2 import FSDP2Backend
+from backends.megatron_ddp import MegatronDDPBackend
+from backends.model import ModelSpec
+from harness.workload import make_examples, mixed_lengths
+from tests.conftest import load_json, run_harness, sweep_results
+
+pytestmark = pytest.mark.slow
+
+EXAMPLES = make_examples(mixed_lengths(16, 64, 512, 42), 2048, seed=0)
+CASES = {
+    "mtpm=700": (EXAMPLES, 700, 1),
+    "mtpm=null mbs=1": (EXAMPLES, None, 1),
+    "n_examples=1": (EXAMPLES[:1], None, 1),
+}
+
+
+def worker_children(ignore: frozenset = frozenset()) -> list[psutil.Process]:
+    """This process's live children not in ``ignore``, minus multiprocessing's resource tracker (one per interpreter)."""
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.pid not in ignore and p.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(p.cmdline()):
+                out.append(p)
+        except psutil.Error:
+            continue
+    return out
+
+
+def _pids(procs) -> frozenset:
+    return frozenset(p.pid for p in procs)
+
+
+def run_cases(backend) -> dict:
+    out = {}
+    for name, (examples, mtpm, mbs) in CASES.items():
+        for pass_type in ("forward", "forward_backward"):
+            out[name, pass_type] = backend.run_pass(make_command(pass_type, examples, mtpm, mbs))
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference():
+    with make_backend(BackendSpec(name="pytorch", device="cpu"), ModelSpec()) as b:
+        return run_cases(b)
+
+
+@pytest.fixture(scope="module", params=["fsdp2", "megatron_ddp"])
+def distributed(request):
+    backend = make_backend(BackendSpec(name=request.param, world_size=2, device="cpu"), ModelSpec())
+    try:
+        yield request.param, run_cases(backend), backend.procs
+    finally:
+        backend.close()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_same_losses_and_gradient_as_pytorch(reference, distributed, case):
+    name, results, _ = distributed
+    for pass_type in ("forward", "forward_backward"):
+        got, ref = results[case, pass_type], reference[case, pass_type]
+        assert len(got.outputs) == len(ref.outputs)
+        np.testing.assert_allclose([o.loss for o in got.outputs], [o.loss for o in ref.outputs], rtol=1e-4)
+        for o, r in zip(got.outputs, ref.outputs):
+            np.testing.assert_allclose(o.logprobs, r.logprobs, rtol=1e-4, atol=1e-5)
+    got, ref = results[case, "forward_backward"], reference[case, "forward_backward"]
+    assert ref.grad_norm > 0
+    assert math.isclose(got.grad_norm, ref.grad_norm, rel_tol=1e-4), (name, case, got.grad_norm, ref.grad_norm)
+
+
+def test_fsdp2_pads_unequal_ranks_with_dummies(distributed):
+    name, results, _ = distributed
+    plan = results["mtpm=700", "forward_backward"].plan
+    assert plan["n_microbatches"][0] != plan["n_microbatches"][1]  # ranks really differ
+    lonely = results["n_examples=1", "forward_backward"].plan
+    assert lonely["n_microbatches"] == [1, 0]  # rank 1 received nothing
+    if name == "fsdp2":
+        # every rank steps the same number of times; the short one ran dummies
+        steps = [m + d for m, d in zip(plan["n_microbatches"], plan["n_dummy"])]
+        assert steps[0] == steps[1] and sum(plan["n_dummy"]) > 0
+        assert lonely["n_dummy"] == [0, 1]
+    else:
+        assert plan["n_dummy"] == [0, 0] and lonely["n_dummy"] == [0, 0]
+
+
+def test_workers_stop_at_close(distributed):
+    _, _, procs = distributed
+    assert all(p.pid for p in procs)
+
+
+@pytest.mark.parametrize(
+    "cls, hooks",
+    [(FSDP2Backend, "tests.faults:FSDP2RaiseMidPass"), (MegatronDDPBackend, "tests.faults:MegatronRaiseMidPass")],
+)
+def test_a_worker_that_raises_names_its_rank_and_leaves_no_process(cls, hooks):
+    before = _pids(worker_children())
+    backend = cls(BackendSpec(name=cls.name, world_size=2, device="cpu"), ModelSpec(), hooks_path=hooks)
+    pids = backend.pids()
+    assert len(pids) == 2
+    started = time.monotonic()
+    with pytest.raises(BackendError) as info:
+        backend.run_pass(make_command("forward_backward", EXAMPLES, 300, 1))
+    assert time.monotonic() - started < 30
+    assert str(info.value).startswith("rank 1 failed during forward_backward: RuntimeError: injected failure")
+    assert "injected failure" in info.value.details  # the traceback is kept for the log
+    assert worker_children(before) == []
+
+
+def test_closing_leaves_no_process():
+    before = _pids(worker_children())
+    backend = FSDP2Backend(BackendSpec(name="fsdp2", world_size=2, device="cpu"), ModelSpec())
+    backend.run_pass(make_command("forward", EXAMPLES[:4], None, 2))
+    assert len(worker_children(before)) == 2
+    backend.close()
+    assert worker_children(before) == []
+
+
+def test_cli_backends_agree_and_leave_nothing_in_their_session(workdir):
+    """The issue's check through the CLI: each backend in its own session, outputs within 1e-4 of pytorch's."""
+    sweep = workdir / "sweep"
+    proc = run_harness(
+        "-m",
+        "backend=pytorch,fsdp2,megatron_ddp",
+        "world_size=null",
+        "mtpm=700",
+        "workload=smoke",
+        "bench.save_outputs=true",
+        "bench.warmup=0",
+        "bench.repeat=1",
+        f"hydra.sweep.dir={sweep}",
+        cwd=workdir,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = sweep_results(sweep)
+    assert [r["backend"] for r in results] == ["pytorch", "fsdp2", "megatron_ddp"]
+    assert [r["world_size"] for r in results] == [1, 2, 2]
+    assert all(r["status"] == "ok" for r in results)
+    assert results[1]["plan"]["n_dummy"] == [0, 1]
+    outs = [load_json(p.parent / "example_outputs.json") for p in sorted(sweep.glob("*/results.json"))]
+    for out in outs[1:]:
+        np.testing.assert_allclose(out["forward_backward"]["loss"], outs[0]["forward_backward"]["loss"], rtol=1e-4)
+        assert math.isclose(out["forward_backward"]["grad_norm"], outs[0]["forward_backward"]["grad_norm"], rel_tol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["fsdp2", "megatron_ddp"])
+def test_a_run_in_its_own_session_leaves_no_process(workdir, backend):
+    import subprocess
+    import sys
+
+    from tests.conftest import harness_env
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "harness", f"backend={backend}", "workload=smoke", "workload.n_examples=4",
+         "bench.warmup=0", "bench.repeat=1", f"hydra.run.dir={workdir / 'run'}"],
+        cwd=workdir, env=harness_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    sid = proc.pid
+    assert proc.wait(timeout=300) == 0
+    assert load_json(workdir / "run" / "results.json")["status"] == "ok"
+    deadline = time.monotonic() + 10
+    while True:
+        left = []
+        for p in psutil.process_iter(["pid"]):
+            try:
+                if os.getsid(p.pid) == sid:
+                    left.append(p)
+            except (ProcessLookupError, PermissionError):
+                continue
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert left == [], [p.cmdline() for p in left]
