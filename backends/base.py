@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -9,21 +10,8 @@ import torch
 
 from backends.errors import UserError
 from backends.examples import Example, ExampleOutput
-from backends.model import ModelSpec
+from backends.specs import BackendSpec, ModelSpec
 from backends.step import PASS_TYPES
-
-
-@dataclass
-class BackendSpec:
-    """A backend config (see conf/backend/); the harness fills it from the top-level knobs."""
-
-    name: str = "pytorch"
-    max_tokens_per_microbatch: Optional[int] = None
-    micro_batch_size: int = 1
-    gradient_checkpointing: bool = False
-    world_size: Optional[int] = None  # None = one per visible GPU, else 2 CPU ranks (1 for pytorch)
-    device: str = "auto"  # auto, cpu or cuda
-    dist_timeout_s: float = 600.0  # torch.distributed collective time-out
 
 
 def make_command(
@@ -75,6 +63,8 @@ def device_description(device: torch.device, count: int) -> dict:
 
         name = _cpu_model_name() or platform.processor() or "cpu"
         total = psutil.virtual_memory().total
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        return {"type": "cpu", "name": name, "count": count, "cores": cores, "memory_bytes": int(total)}
     return {"type": device.type, "name": name, "count": count, "memory_bytes": int(total)}
 
 
@@ -90,23 +80,45 @@ def _cpu_model_name() -> Optional[str]:
 
 
 class Backend:
-    """Base class: subclasses implement ``run_pass`` and ``close``."""
+    """Base class: subclasses implement ``_run_pass`` and ``close``.
+
+    ``run_pass`` is where a live control file (see backends/control.py) is
+    read: its values replace the command's batching knobs, so a change takes
+    effect at the next pass on every backend.
+    """
 
     name = "base"
+    world_size: int = 1
+    device: torch.device = torch.device("cpu")
+    control = None  # a backends.control.ControlFile, or None
 
     def __init__(self, spec: BackendSpec, model: ModelSpec):
         self.spec = spec
         self.model_spec = model
 
-    world_size: int = 1
-    device: torch.device = torch.device("cpu")
+    def attach_control(self, control) -> None:
+        self.control = control
 
-    def run_pass(self, command: dict[str, Any]) -> PassResult:  # pragma: no cover - interface
+    def run_pass(self, command: dict[str, Any]) -> PassResult:
+        if self.control is not None:
+            command = {**command, **self.control.read().as_dict()}
+        result = self._run_pass(command)
+        result.plan = {
+            **result.plan,
+            "max_tokens_per_microbatch": command["max_tokens_per_microbatch"],
+            "micro_batch_size": command["micro_batch_size"],
+        }
+        return result
+
+    def _run_pass(self, command: dict[str, Any]) -> PassResult:  # pragma: no cover - interface
         raise NotImplementedError
+
+    def describe_device(self) -> dict:
+        return device_description(self.device, self.world_size)
 
     def device_memory_bytes(self) -> int:
         """Memory of one device (GPU) or of the machine (CPU)."""
-        return int(device_description(self.device, 1)["memory_bytes"])
+        return int(self.describe_device()["memory_bytes"])
 
     def pids(self) -> list[int]:
         """Processes doing the work (besides this one), for CPU utilisation and memory sampling."""

@@ -5,29 +5,15 @@ from __future__ import annotations
 import logging
 import os
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 import torch
 
 from backends.errors import UserError
+from backends.specs import ModelSpec
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class ModelSpec:
-    """What the backends need to know of a model config (see conf/model/)."""
-
-    name: str = "tiny"
-    path: Optional[str] = None  # a local checkpoint directory; None builds the tiny model
-    lora_rank: int = 32  # 0 = full fine-tuning
-    lora_alpha: Optional[int] = None  # None = same as the rank
-    dtype: str = "auto"  # auto = bfloat16 on GPU, float32 on CPU
-    init_seed: int = 0
-    attn_implementation: Optional[str] = None  # None = transformers' default (sdpa)
-    vocab_size: Optional[int] = None  # tiny model only; None = TINY_CONFIG's
 
 
 # The benchmark model's architecture (Qwen3.5-MoE: gated delta-net linear

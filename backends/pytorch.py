@@ -28,7 +28,7 @@ class PyTorchBackend(Backend):
             torch.cuda.set_device(0)
         self.model = build_model(model, self.device, spec.gradient_checkpointing)
 
-    def run_pass(self, command: dict[str, Any]) -> PassResult:
+    def _run_pass(self, command: dict[str, Any]) -> PassResult:
         examples = command["examples"]
         pass_type = command["pass_type"]
         plan = plan_batch(

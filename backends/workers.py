@@ -354,7 +354,7 @@ class DistributedBackend(Backend):
         self.close(graceful=False)
         raise BackendError(message, details=details, status=status)
 
-    def run_pass(self, command: dict[str, Any]) -> PassResult:
+    def _run_pass(self, command: dict[str, Any]) -> PassResult:
         if self.closed:
             raise BackendError(f"{self.spec.name}: workers are stopped")
         for q in self.command_queues:

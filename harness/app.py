@@ -7,7 +7,7 @@ import time
 import traceback
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -15,8 +15,10 @@ from omegaconf.errors import OmegaConfBaseException
 from backends import LOCKSTEP_BACKENDS, resolve_world_size
 from backends.errors import BackendError, UserError
 from backends.microbatch import plan_batch
+from harness.cli import config_error_line
 from harness.config import HarnessConfig, validate
 from harness.results import OUTPUTS_FILE, RESULTS_FILE, write_json_atomic
+from harness.tracking import Tracker, run_name, sweep_group
 from harness.workload import make_examples, workload_lengths
 
 log = logging.getLogger("harness")
@@ -36,13 +38,6 @@ class RunState:
 
 
 STATE = RunState()
-
-
-def config_error_line(exc: OmegaConfBaseException) -> str:
-    """One line for an OmegaConf error: the key, then the first line of the message."""
-    key = getattr(exc, "full_key", None)
-    msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    return f"{key}: {msg}" if key else msg
 
 
 def resolve_config(cfg: DictConfig) -> HarnessConfig:
@@ -71,6 +66,14 @@ def _output_dir() -> Path:
     from hydra.core.hydra_config import HydraConfig
 
     return Path(HydraConfig.get().runtime.output_dir)
+
+
+def _sweep_group():
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hc = HydraConfig.get()
+    return sweep_group(hc.sweep.dir) if hc.mode == RunMode.MULTIRUN else None
 
 
 def _overrides() -> list[str]:
@@ -117,7 +120,10 @@ class Point:
         self.doc = base_document(cfg)
         self.t0 = time.perf_counter()
         self.label = ""
-        self.backend = None
+        self.backend = None  # closed at the end of the point (not a hot sweep's shared one)
+        self.hot = False
+        self.vocab_size = 0
+        self.tracker = None
 
     def save(self) -> None:
         self.doc["wall_s"] = time.perf_counter() - self.t0
@@ -137,6 +143,10 @@ class Point:
             self.fail("error", str(exc))
             return EXIT_USER_ERROR
         except BackendError as exc:
+            if self.hot:
+                from harness.hot import HOT
+
+                HOT.close()  # its workers are gone; the next point loads a fresh one
             log.error("%s%s", self.label, exc)
             if exc.details:
                 (self.out_dir / "error.txt").write_text(exc.details)
@@ -152,26 +162,31 @@ class Point:
             if self.backend is not None:
                 self.backend.close()
                 self.backend = None
+            if self.tracker is not None:
+                self.tracker.finish(self.doc)
         return EXIT_OK
 
     def _run(self, spec: HarnessConfig) -> None:
         b = spec.backend
-        import torch  # noqa: F401  (imported here so a config error is reported before this cost)
-
-        from backends.base import device_description, resolve_device
-        from backends.model import model_vocab_size
-
-        device = resolve_device(b.device)
-        world_size = resolve_world_size(b.name, b.world_size, device.type)
-        b.world_size = world_size
         mtpm, mbs = b.max_tokens_per_microbatch, b.micro_batch_size
         self.label = f"[{b.name} mtpm={mtpm} mbs={mbs}] "
-
         lengths = workload_lengths(spec.workload)
-        plan = plan_batch(lengths, world_size, mtpm, mbs, align=b.name in LOCKSTEP_BACKENDS)
+        if spec.dry_run:
+            # torch is imported here, not at start-up, so a config error is reported at once.
+            from backends.base import device_description, resolve_device
+
+            device = resolve_device(b.device)
+            name, world_size = b.name, resolve_world_size(b.name, b.world_size, device.type)
+            device_info = device_description(device, world_size)
+        else:
+            backend = self._start_backend(spec)
+            name, world_size, device_info = backend.name, backend.world_size, backend.describe_device()
+            self.label = f"[{name} mtpm={mtpm} mbs={mbs}] "
+        plan = plan_batch(lengths, world_size, mtpm, mbs, align=name in LOCKSTEP_BACKENDS)
         self.doc.update(
+            backend=name,
             world_size=world_size,
-            device=device_description(device, world_size),
+            device=device_info,
             model={
                 "name": spec.model.name,
                 "path": spec.model.path,
@@ -187,6 +202,8 @@ class Point:
                 "seed": spec.workload.seed,
             },
             plan=plan.stats.as_dict(),
+            hot=spec.hot and not spec.target.url,
+            target={"url": spec.target.url} if spec.target.url else None,
         )
         st = plan.stats
         log.info(
@@ -203,14 +220,47 @@ class Point:
             self.doc["status"] = "planned"
             self.save()
             return
+        self._measure(spec, lengths, backend)
 
+    def _start_backend(self, spec: HarnessConfig):
+        """A running server (client mode), the sweep's loaded backend (hot), or a new one (cold)."""
+        b = spec.backend
+        if spec.target.url:
+            from harness.client import RemoteBackend
+
+            self.backend = backend = RemoteBackend(spec.target.url, spec.target.timeout_s)
+            backend.configure(b.max_tokens_per_microbatch, b.micro_batch_size)
+            self.vocab_size = backend.vocab_size
+            return backend
+        from backends.model import model_vocab_size
+
+        self.vocab_size = model_vocab_size(spec.model)
+        if spec.hot:
+            from harness.hot import HOT
+
+            backend = HOT.get(b, spec.model)
+            self.hot = True
+            return backend
         from backends import make_backend
+
+        log.info("%sstarting %s", self.label, b.name)
+        self.backend = backend = make_backend(b, spec.model)
+        return backend
+
+    def _measure(self, spec: HarnessConfig, lengths: list[int], backend) -> None:
         from harness.measure import PASS_TYPES, default_command_for, measure_pass
 
-        examples = make_examples(lengths, model_vocab_size(spec.model), spec.seed)
+        b = spec.backend
+        mtpm, mbs = b.max_tokens_per_microbatch, b.micro_batch_size
+        examples = make_examples(lengths, self.vocab_size, spec.seed)
         self.save()
-        log.info("%sstarting %s on %d x %s", self.label, b.name, world_size, device.type)
-        self.backend = backend = make_backend(b, spec.model)
+        self.tracker = Tracker(
+            OmegaConf.to_container(self.cfg.logger, resolve=True) if self.cfg.get("logger") else None,
+            self.out_dir,
+            OmegaConf.to_container(self.cfg, resolve=True),
+            run_name(backend.name, mtpm, mbs),
+            _sweep_group(),
+        )
         outputs: dict[str, Any] = {}
         command_for = default_command_for(examples, mtpm, mbs, progress_every_s=spec.bench.progress_every_s)
         for pass_type in PASS_TYPES:
@@ -223,6 +273,7 @@ class Point:
                 command_for,
                 spec.bench.util_sample_s,
                 label=self.label,
+                on_repeat=self.tracker.log_repeat,
             )
             self.doc["passes"][pass_type] = record.as_dict()
             self.doc["plan"] = result.plan  # what the backend ran (same as planned; FSDP2 agrees on it by collective)
@@ -241,7 +292,7 @@ class Point:
             self.label,
             f"{fwd['tok_per_s']:,.0f}",
             f"{fb['tok_per_s']:,.0f}",
-            st.pad_efficiency,
+            self.doc["plan"]["pad_efficiency"],
         )
 
 
@@ -253,4 +304,4 @@ def run_point(cfg: DictConfig) -> int:
     return code
 
 
-__all__ = ["run_point", "STATE", "resolve_config", "config_error_line"]
+__all__ = ["run_point", "STATE", "resolve_config"]

@@ -8,9 +8,8 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from backends.base import BackendSpec
 from backends.errors import UserError
-from backends.model import ModelSpec
+from backends.specs import BackendSpec, ModelSpec
 from harness.workload import WorkloadSpec
 
 BACKENDS = ("pytorch", "fsdp2", "megatron_ddp")
@@ -23,6 +22,29 @@ class BenchConfig:
     save_outputs: bool = False  # write example_outputs.json (per-example losses, gradient norm)
     progress_every_s: float = 10.0  # how often a long pass logs its progress
     util_sample_s: float = 0.1  # device utilisation / memory sampling interval
+
+
+@dataclass
+class ServerConfig:
+    """``python -m harness.serve``: where it listens and what it accepts."""
+
+    host: str = "127.0.0.1"  # a non-loopback address needs BALANCE_BATCH_ADMIN_TOKEN set
+    port: int = 8000
+    control_path: Optional[str] = None  # null = a file in /dev/shm unique to this server
+    mtpm_ceiling: int = 1_048_576  # largest max_tokens_per_microbatch the admin API accepts
+    mbs_ceiling: int = 4096  # largest micro_batch_size the admin API accepts
+    max_request_bytes: int = 512 * 1024 * 1024
+    max_request_tokens: int = 8_388_608
+    queue_size: int = 4  # passes that may wait behind the running one; more get 503
+    log_level: str = "info"
+
+
+@dataclass
+class TargetConfig:
+    """Client mode: run the benchmark against a running server instead of starting a backend."""
+
+    url: Optional[str] = None  # e.g. http://127.0.0.1:8000
+    timeout_s: float = 3600.0  # per request
 
 
 @dataclass
@@ -39,6 +61,9 @@ class HarnessConfig:
     seed: int = 0  # token ids of the workload
     world_size: Optional[int] = None  # ranks; null = one per GPU, else 2 CPU ranks (1 for pytorch)
     dry_run: bool = False  # plan only: no model, no processes
+    hot: bool = False  # multirun: load the backend once, switch mtpm/mbs through its control file
+    server: ServerConfig = field(default_factory=ServerConfig)
+    target: TargetConfig = field(default_factory=TargetConfig)
 
 
 def register_configs() -> None:

@@ -167,6 +167,7 @@ def measure_pass(
     command_for: Callable[[str], dict],
     sample_interval_s: float = 0.1,
     label: str = "",
+    on_repeat: Optional[Callable[[str, int, float, float, Optional[float]], None]] = None,
 ) -> tuple[PassRecord, PassResult]:
     """Warm-up runs, then ``repeat`` timed runs of one pass type; returns the record and the last result."""
     result: Optional[PassResult] = None
@@ -189,6 +190,8 @@ def measure_pass(
         elapsed.append(dt)
         utils.append(util)
         mems.append(mem_pct)
+        if on_repeat is not None:
+            on_repeat(pass_type, i, dt, real_tokens / dt, util)
         log.info(
             "%s%s repeat %d/%d: %.2f s, %s tok/s%s",
             label,

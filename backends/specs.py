@@ -1,0 +1,33 @@
+"""The configs backends take, as plain dataclasses (no torch): Hydra validates conf/ against them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass
+class BackendSpec:
+    """A backend config (see conf/backend/); the harness fills it from the top-level knobs."""
+
+    name: str = "pytorch"
+    max_tokens_per_microbatch: Optional[int] = None
+    micro_batch_size: int = 1
+    gradient_checkpointing: bool = False
+    world_size: Optional[int] = None  # None = one per visible GPU, else 2 CPU ranks (1 for pytorch)
+    device: str = "auto"  # auto, cpu or cuda
+    dist_timeout_s: float = 600.0  # torch.distributed collective time-out
+
+
+@dataclass
+class ModelSpec:
+    """What the backends need to know of a model config (see conf/model/)."""
+
+    name: str = "tiny"
+    path: Optional[str] = None  # a local checkpoint directory; None builds the tiny model
+    lora_rank: int = 32  # 0 = full fine-tuning
+    lora_alpha: Optional[int] = None  # None = same as the rank
+    dtype: str = "auto"  # auto = bfloat16 on GPU, float32 on CPU
+    init_seed: int = 0
+    attn_implementation: Optional[str] = None  # None = transformers' default (sdpa)
+    vocab_size: Optional[int] = None  # tiny model only; None = TINY_CONFIG's

@@ -1,0 +1,64 @@
+"""Hydra callback: after a multirun, write the report (table, CSV, plots) into the sweep folder."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+log = logging.getLogger(__name__)
+
+
+FAILED_STATUSES = ("error", "timeout", "running", "unreadable")
+
+
+def record_sweep_status(sweep_dir: Path) -> None:
+    """Make the sweep's exit status reflect every point, also those a launcher ran in other processes."""
+    import json
+
+    from harness.app import EXIT_FAILED, STATE
+
+    for path in sweep_dir.glob("*/results.json"):
+        try:
+            status = json.loads(path.read_text()).get("status")
+        except (OSError, ValueError):
+            status = "unreadable"
+        if status in FAILED_STATUSES:
+            STATE.record(EXIT_FAILED)
+
+
+class ReportCallback(Callback):
+    """Runs ``python -m reports SWEEP`` in-process at the end of a multirun.
+
+    A failing report is logged and never touches the results; a failed point
+    never stops the report (it shows in the table with its status).
+    """
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        from harness.hot import HOT
+
+        HOT.close()  # a hot sweep's backend lives until its last point
+        sweep_dir = Path(config.hydra.sweep.dir)
+        if not sweep_dir.is_dir():
+            return
+        record_sweep_status(sweep_dir)
+        try:
+            from reports.collect import collect
+            from reports.plots import write_plots
+            from reports.render import markdown_tables, write_csv
+
+            df = collect([sweep_dir])
+            if df.empty:
+                return
+            table = markdown_tables(df)
+            (sweep_dir / "report.md").write_text(table + "\n")
+            write_csv(df, sweep_dir / "results.csv")
+            write_plots(df, sweep_dir)
+            log.info("report: %s (table), %s, %s", sweep_dir / "report.md", sweep_dir / "results.csv", sweep_dir / "plots")
+            print(table, flush=True)
+        except Exception as exc:  # noqa: BLE001 - the results are already on disk
+            log.warning("report for %s failed (%s: %s); results.json files are intact; retry with: python -m reports %s",
+                        sweep_dir, type(exc).__name__, exc, sweep_dir)

@@ -1,0 +1,67 @@
+"""Running a Hydra app so that a mistake in the command line is one line, not a traceback."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Callable
+
+from hydra.errors import HydraException, MissingConfigException
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
+
+from harness.config import register_configs
+
+
+def config_error_line(exc: OmegaConfBaseException) -> str:
+    """One line for an OmegaConf error: the key, then the first line of the message."""
+    key = getattr(exc, "full_key", None)
+    msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return f"{key}: {msg}" if key else msg
+
+
+def composition_error_line(exc: BaseException) -> str:
+    """One line for a Hydra composition error, naming the key (or the group and its valid options)."""
+    if isinstance(exc, MissingConfigException) and exc.options:
+        group = os.path.dirname(exc.missing_cfg_file or "") or "config"
+        name = os.path.basename(exc.missing_cfg_file or "")
+        return f"{group}: '{name}' is not an option (valid: {', '.join(sorted(exc.options))})"
+    cause = exc.__cause__ or exc.__context__
+    while cause is not None and not isinstance(cause, OmegaConfBaseException):
+        cause = cause.__cause__ or cause.__context__
+    first = str(exc).splitlines()[0].strip() if str(exc).strip() else type(exc).__name__
+    override = getattr(exc, "override", None) or _override_in(first)
+    if isinstance(cause, (ConfigKeyError, ConfigAttributeError)):
+        key = getattr(cause, "full_key", None) or "?"
+        return f"{key}: not a config key{f' (from {override})' if override else ''}; `python -m harness --cfg job` lists them"
+    if isinstance(cause, OmegaConfBaseException):
+        return config_error_line(cause) + (f" (from {override})" if override else "")
+    return first
+
+
+def _override_in(message: str) -> str:
+    for prefix in ("Error merging override ", "Could not override "):
+        if message.startswith(prefix):
+            return message[len(prefix) :].strip(" .'")
+    return ""
+
+
+def run_hydra_cli(hydra_main: Callable[[], object], exit_code: Callable[[], int]) -> int:
+    """Call a ``@hydra.main`` function; return 2 with one line on a config mistake, else ``exit_code()``."""
+    register_configs()
+    user_wants_trace = os.environ.get("HYDRA_FULL_ERROR") == "1"
+    # Let composition errors reach this function so they print as one line; with
+    # HYDRA_FULL_ERROR=1 set by the user they keep Hydra's full traceback.
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        hydra_main()
+    except (HydraException, OmegaConfBaseException, ValueError) as exc:
+        # ValueError: Hydra's own command-line usage errors (e.g. -m with --cfg)
+        if user_wants_trace:
+            raise
+        line = composition_error_line(exc) if not isinstance(exc, ValueError) else str(exc)
+        print(f"error: {line}", file=sys.stderr)
+        return 2
+    finally:
+        if not user_wants_trace:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
+    return exit_code()

@@ -1,0 +1,104 @@
+"""W&B runs: one per benchmark point, its files in the point's output folder, grouped by sweep.
+
+Everything logged here is also in results.json (the source of truth), so a W&B
+failure is a warning, never a lost measurement.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+from typing import Any, Optional
+
+log = logging.getLogger(__name__)
+
+
+def _flatten(prefix: str, value: Any, out: dict) -> None:
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _flatten(f"{prefix}/{k}" if prefix else str(k), v, out)
+    elif isinstance(value, (int, float, str, bool)) or value is None:
+        out[prefix] = value
+    elif isinstance(value, (list, tuple)) and all(isinstance(v, (int, float)) for v in value):
+        out[prefix] = list(value)
+
+
+def summary_metrics(doc: dict) -> dict:
+    """results.json's measurements under the same names, '/'-separated (W&B groups panels by prefix)."""
+    out: dict = {"status": doc.get("status"), "error": doc.get("error")}
+    _flatten("passes", doc.get("passes") or {}, out)
+    _flatten("plan", doc.get("plan") or {}, out)
+    _flatten("workload", doc.get("workload") or {}, out)
+    out["wall_s"] = doc.get("wall_s")
+    return out
+
+
+def run_name(backend: Optional[str], mtpm: Optional[int], mbs: Optional[int]) -> str:
+    return f"{backend}-mtpm{mtpm}" if mtpm is not None else f"{backend}-mbs{mbs}"
+
+
+def sweep_group(sweep_dir: Optional[str]) -> Optional[str]:
+    """A multirun's group name from its folder (multirun/2026-11-29/08-12-00 -> 2026-11-29_08-12-00)."""
+    if not sweep_dir:
+        return None
+    parts = Path(sweep_dir).parts[-2:]
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", "_".join(parts)) or None
+
+
+class Tracker:
+    """A W&B run for one point, or nothing when the logger is off or W&B fails to start."""
+
+    def __init__(self, logger_cfg: Optional[dict], out_dir: Path, config: dict, name: str, group: Optional[str]):
+        self.run = None
+        cfg = dict(logger_cfg or {})
+        mode = cfg.get("mode") or "disabled"
+        if cfg.get("name") in (None, "none") or mode == "disabled":
+            return
+        try:
+            import wandb
+
+            self.run = wandb.init(
+                project=cfg.get("project") or "balance-batch",
+                entity=cfg.get("entity"),
+                mode=mode,
+                dir=str(out_dir),
+                group=cfg.get("group") or group,
+                name=name,
+                job_type=cfg.get("job_type") or "benchmark",
+                tags=list(cfg.get("tags") or []),
+                config=config,
+                reinit="finish_previous",
+                settings=wandb.Settings(console="off", silent=True, x_disable_stats=True),
+            )
+        except Exception as exc:  # noqa: BLE001 - results.json still holds everything
+            log.warning("W&B run not started (%s: %s); results.json is unaffected", type(exc).__name__, exc)
+            self.run = None
+
+    def log_repeat(self, pass_type: str, repeat: int, elapsed_s: float, tok_per_s: float, util_pct: Optional[float]) -> None:
+        if self.run is None:
+            return
+        self._safe(
+            self.run.log,
+            {
+                f"repeats/{pass_type}/elapsed_s": elapsed_s,
+                f"repeats/{pass_type}/tok_per_s": tok_per_s,
+                f"repeats/{pass_type}/util_pct": util_pct,
+                f"repeats/{pass_type}/index": repeat,
+            },
+        )
+
+    def finish(self, doc: dict) -> None:
+        """Write the summary and close the run, whatever the point's status."""
+        if self.run is None:
+            return
+        run, self.run = self.run, None
+        self._safe(run.summary.update, summary_metrics(doc))
+        self._safe(run.finish, exit_code=0 if doc.get("status") in ("ok", "planned") else 1)
+
+    @staticmethod
+    def _safe(fn, *args, **kwargs) -> None:
+        try:
+            fn(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("W&B: %s failed (%s: %s)", getattr(fn, "__name__", "call"), type(exc).__name__, exc)

@@ -1,0 +1,76 @@
+"""``python -m reports [DIR ...] [--readme PATH] [--check] [--csv PATH]``: results.json files → table, CSV, plots.
+
+Without DIR it reads the results committed under reports/results and, with
+--check, compares README.md's results block against them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from reports.collect import collect
+from reports.plots import plot_paths, write_plots
+from reports.render import BEGIN, END, markdown_tables, readme_block, replace_block, write_csv
+
+PACKAGE = Path(__file__).resolve().parent
+REPO = PACKAGE.parent
+COMMITTED = PACKAGE / "results"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m reports", description=__doc__.splitlines()[0])
+    ap.add_argument("dirs", nargs="*", type=Path, help="run or multirun folders (default: reports/results)")
+    ap.add_argument("--readme", type=Path, help="rewrite the block between the results markers of this file")
+    ap.add_argument("--check", action="store_true", help="exit 1 when the README block differs from the results")
+    ap.add_argument("--csv", type=Path, help="write the collected frame as CSV here")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    committed = not args.dirs
+    dirs = args.dirs or [COMMITTED]
+    missing = [d for d in dirs if not d.exists()]
+    if missing:
+        print(f"error: {missing[0]}: no such folder (give run or multirun folders holding results.json)", file=sys.stderr)
+        return 2
+    df = collect(dirs)
+    out_dir = PACKAGE if committed else (dirs[0] if dirs[0].is_dir() else dirs[0].parent)
+    readme = args.readme or (REPO / "README.md" if committed and args.check else None)
+    source = "reports/results" if committed else ", ".join(str(d) for d in dirs)
+    plots = plot_paths(out_dir)
+    block = readme_block(df, plots, readme, source)
+
+    if args.check:
+        if readme is None:
+            print("error: --check needs --readme PATH (or no DIR, to check README.md)", file=sys.stderr)
+            return 2
+        text = readme.read_text()
+        start, end = text.find(BEGIN), text.find(END)
+        current = text[start : end + len(END)] if 0 <= start < end else None
+        if current != block:
+            print(f"{readme}: results block is stale; run: python -m reports {' '.join(map(str, args.dirs))} --readme {readme}".rstrip())
+            return 1
+        print(f"{readme}: results block matches {source} ({len(df)} runs)")
+        return 0
+
+    print(markdown_tables(df))
+    if df.empty:
+        return 0
+    write_plots(df, out_dir)
+    write_csv(df, args.csv or out_dir / "results.csv")
+    (out_dir / "report.md").write_text(markdown_tables(df) + "\n")
+    if readme is not None:
+        try:
+            readme.write_text(replace_block(readme.read_text(), block, readme))
+        except (OSError, ValueError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        print(f"{readme}: results block rewritten ({len(df)} runs)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

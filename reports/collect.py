@@ -1,0 +1,142 @@
+"""results.json files → one pandas DataFrame, a row per run, in the order the README table shows them."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Iterable
+
+import pandas as pd
+
+log = logging.getLogger(__name__)
+
+BACKEND_ORDER = {"fsdp2": 0, "megatron_ddp": 1, "pytorch": 2}
+BACKEND_LABEL = {"fsdp2": "FSDP2", "megatron_ddp": "Megatron DDP", "pytorch": "PyTorch"}
+PASSES = ("forward", "forward_backward")
+
+
+def find_results(dirs: Iterable[Path]) -> list[Path]:
+    files: list[Path] = []
+    for d in dirs:
+        d = Path(d)
+        if d.is_file() and d.name == "results.json":
+            files.append(d)
+        elif d.is_dir():
+            files.extend(p for p in d.rglob("results.json") if ".hydra" not in p.parts)
+    return sorted(set(files))
+
+
+def _overrides(path: Path, doc: dict) -> list[str]:
+    if doc.get("overrides") is not None:
+        return list(doc["overrides"])
+    hydra = path.parent / ".hydra" / "overrides.yaml"
+    if hydra.exists():
+        from omegaconf import OmegaConf
+
+        return list(OmegaConf.load(hydra))
+    return []
+
+
+def _devices(doc: dict) -> str:
+    dev = doc.get("device") or {}
+    count = dev.get("count") or doc.get("world_size") or 1
+    if dev.get("type") == "cuda":
+        return f"{count} × {dev.get('name', 'GPU')}"
+    if dev.get("type") == "cpu":
+        return "1 × CPU process" if count == 1 else f"{count} × CPU ranks"
+    return f"{count} × ?"
+
+
+def _setting(doc: dict) -> str:
+    """What makes rows comparable: devices, model, workload, gradient checkpointing, protocol."""
+    model = doc.get("model") or {}
+    wl = doc.get("workload") or {}
+    bench = doc.get("bench") or {}
+    dev = doc.get("device") or {}
+    if dev.get("type") == "cpu":
+        hardware = f"{dev.get('name', 'a CPU')}, {dev.get('cores', '?')} cores (no GPU; ranks on gloo)"
+    elif dev.get("type") == "cuda":
+        hardware = f"{dev.get('name', 'GPU')} (NCCL)"
+    else:
+        hardware = "unknown hardware"
+    parts = [
+        hardware,
+        f"model `{model.get('name')}`" + (f" (LoRA rank {model.get('lora_rank')})" if model.get("lora_rank") else " (full fine-tuning)"),
+    ]
+    if wl.get("n_examples"):
+        parts.append(
+            f"workload `{wl.get('name')}` ({wl['n_examples']} examples, {wl.get('total_tokens', 0):,} tokens, "
+            f"{wl.get('min_len', 0):,}–{wl.get('max_len', 0):,} per sequence)"
+        )
+    else:
+        parts.append(f"workload `{wl.get('name')}`")
+    parts.append(f"gradient checkpointing {'on' if doc.get('gc') else 'off'}")
+    if bench.get("repeat") is not None:
+        parts.append(f"{bench.get('warmup')} warm-up + {bench.get('repeat')} timed repeats")
+    return ", ".join(parts)
+
+
+def row_of(path: Path, doc: dict) -> dict:
+    plan = doc.get("plan") or {}
+    passes = doc.get("passes") or {}
+    row = {
+        "path": str(path),
+        "backend": doc.get("backend"),
+        "devices": _devices(doc),
+        "setting": _setting(doc),
+        "mbs": doc.get("mbs"),
+        "mtpm": doc.get("mtpm"),
+        "status": doc.get("status"),
+        "error": doc.get("error"),
+        "pad_efficiency": plan.get("pad_efficiency"),
+        "n_microbatches": plan.get("n_microbatches"),
+        "n_dummy": plan.get("n_dummy"),
+        "max_microbatch_padded_tokens": plan.get("max_microbatch_padded_tokens"),
+        "started_at": doc.get("started_at"),
+        "overrides": " ".join(_overrides(path, doc)),
+    }
+    mems = []
+    for p in PASSES:
+        rec = passes.get(p) or {}
+        row[f"{p}_tok_per_s"] = rec.get("tok_per_s")
+        row[f"{p}_util_pct"] = rec.get("util_pct")
+        row[f"{p}_mem_pct"] = rec.get("mem_pct")
+        if rec.get("mem_pct") is not None:
+            mems.append(rec["mem_pct"])
+    row["peak_mem_pct"] = max(mems) if mems else None
+    return row
+
+
+def collect(dirs: Iterable[Path]) -> pd.DataFrame:
+    """Every results.json under ``dirs`` as a row; unreadable files are reported, never silently dropped."""
+    rows = []
+    for path in find_results(dirs):
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            log.warning("%s: unreadable (%s); shown as such", path, exc)
+            doc = {"status": "unreadable", "error": str(exc)}
+        rows.append(row_of(path, doc))
+    df = pd.DataFrame(rows)
+    return sort_rows(df) if not df.empty else df
+
+
+def sort_rows(df: pd.DataFrame) -> pd.DataFrame:
+    """Per backend: fixed-mbs rows first (by mbs), then mtpm ascending."""
+    key = pd.DataFrame(
+        {
+            "setting": df["setting"],
+            "backend": df["backend"].map(lambda b: BACKEND_ORDER.get(b, 9)),
+            "budget": df["mtpm"].isna().map(lambda fixed: 0 if fixed else 1),
+            "mtpm": df["mtpm"].fillna(0),
+            "mbs": df["mbs"].fillna(0),
+            "started": df["started_at"].fillna(""),
+        }
+    )
+    order = key.sort_values(["setting", "backend", "budget", "mtpm", "mbs", "started"], kind="stable").index
+    return df.loc[order].reset_index(drop=True)
+
+
+def settings_of(df: pd.DataFrame) -> list[str]:
+    return list(dict.fromkeys(df["setting"])) if not df.empty else []

@@ -1,0 +1,73 @@
+"""Plots: tok/s against mtpm per backend and pass (fixed-mbs runs as reference lines), pad efficiency against mtpm."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+from reports.collect import BACKEND_LABEL, PASSES
+
+PLOT_FILES = ("tok_per_s.png", "pad_efficiency.png")
+PASS_TITLE = {"forward": "forward", "forward_backward": "forward + backward"}
+
+
+def plot_paths(out_dir: Path) -> list[Path]:
+    return [out_dir / "plots" / name for name in PLOT_FILES]
+
+
+def write_plots(df: pd.DataFrame, out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = plot_paths(out_dir)
+    paths[0].parent.mkdir(parents=True, exist_ok=True)
+    ok = df[df["status"] == "ok"]
+    budget = ok[ok["mtpm"].notna()]
+    fixed = ok[ok["mtpm"].isna()]
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    groups = list(dict.fromkeys(zip(ok["backend"], ok["devices"])))
+
+    fig, axes = plt.subplots(1, len(PASSES), figsize=(11, 4.2), squeeze=False)
+    for ax, pass_type in zip(axes[0], PASSES):
+        col = f"{pass_type}_tok_per_s"
+        for i, (backend, devices) in enumerate(groups):
+            color = colors[i % len(colors)]
+            label = f"{BACKEND_LABEL.get(backend, backend)}, {devices}"
+            pts = budget[(budget["backend"] == backend) & (budget["devices"] == devices)].sort_values("mtpm")
+            if not pts.empty:
+                ax.plot(pts["mtpm"], pts[col], marker="o", color=color, label=f"{label}, token budget")
+            base = fixed[(fixed["backend"] == backend) & (fixed["devices"] == devices)]
+            for j, r in enumerate(base.itertuples(index=False)):
+                ax.axhline(getattr(r, col), color=color, linestyle=("--", ":", "-.")[j % 3], linewidth=1,
+                           label=f"{label}, mbs={int(r.mbs)}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("max tokens per micro-batch (mtpm)")
+        ax.set_ylabel("tokens / s")
+        ax.set_title(PASS_TITLE[pass_type])
+        ax.grid(True, alpha=0.3)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, loc="lower center", ncol=2, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.08 + 0.04 * ((len(labels) + 1) // 2), 1, 1))
+    fig.savefig(paths[0], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    planned = df[df["mtpm"].notna() & df["pad_efficiency"].notna()]
+    for i, (backend, devices) in enumerate(dict.fromkeys(zip(planned["backend"], planned["devices"]))):
+        pts = planned[(planned["backend"] == backend) & (planned["devices"] == devices)].sort_values("mtpm")
+        ax.plot(pts["mtpm"], 100 * pts["pad_efficiency"], marker="o", color=colors[i % len(colors)],
+                label=f"{BACKEND_LABEL.get(backend, backend)}, {devices}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("max tokens per micro-batch (mtpm)")
+    ax.set_ylabel("pad efficiency (real / padded tokens), %")
+    ax.grid(True, alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(paths[1], dpi=110)
+    plt.close(fig)
+    return paths

@@ -1,0 +1,99 @@
+"""W&B sweep files, the submitit launcher presets and the experiment preset, as Hydra sees them."""
+
+from __future__ import annotations
+
+import itertools
+import shlex
+
+import pytest
+import yaml
+
+from tests.conftest import REPO, run_harness, sweep_results
+
+SWEEP_FILES = sorted((REPO / "sweeps").glob("*.yaml"))
+
+
+def grid_points(spec: dict) -> list[dict]:
+    names, choices = [], []
+    for name, p in spec["parameters"].items():
+        names.append(name)
+        choices.append(p["values"] if "values" in p else [p["value"]])
+    return [dict(zip(names, combo)) for combo in itertools.product(*choices)]
+
+
+def harness_args(spec: dict, point: dict) -> list[str]:
+    """The command W&B's agent would run, with ${args_no_hyphens} expanded as it does (name=value)."""
+    args: list[str] = []
+    for part in spec["command"]:
+        if part == "${env}":
+            continue
+        if part == "${args_no_hyphens}":
+            args += [f"{k}={v}" for k, v in point.items()]
+        else:
+            args.append(part)
+    assert args[:3] == ["python", "-m", "harness"], spec["command"]
+    return args[3:]
+
+
+def test_there_are_sweeps_for_both_backends_and_the_baselines():
+    specs = {f.stem: yaml.safe_load(f.read_text()) for f in SWEEP_FILES}
+    assert {"fsdp2_mtpm", "megatron_ddp_mtpm", "seed_b200"} <= set(specs)
+    for name in ("fsdp2_mtpm", "megatron_ddp_mtpm"):
+        assert specs[name]["method"] == "grid"
+        assert sorted(p["mtpm"] for p in grid_points(specs[name])) == [16384, 32768, 65536, 131072]
+    seed = grid_points(specs["seed_b200"])
+    assert len(seed) == 12 and {p["batching"] for p in seed} >= {"fixed_mbs1", "fixed_mbs2", "mtpm131072"}
+
+
+@pytest.mark.parametrize("sweep_file", SWEEP_FILES, ids=lambda p: p.stem)
+def test_every_grid_point_is_accepted_by_hydra(sweep_file, tmp_path):
+    spec = yaml.safe_load(sweep_file.read_text())
+    for point in grid_points(spec):
+        args = harness_args(spec, point)
+        proc = run_harness(*args, "--cfg", "job", cwd=tmp_path, timeout=60)
+        assert proc.returncode == 0, f"{shlex.join(args)}\n{proc.stderr}"
+        job = yaml.safe_load(proc.stdout)
+        if "mtpm" in point:
+            assert job["backend"]["max_tokens_per_microbatch"] == "${mtpm}" and job["mtpm"] == point["mtpm"]
+        if "batching" in point and point["batching"].startswith("mtpm"):
+            assert job["mtpm"] == int(point["batching"][4:])
+        if "batching" in point and point["batching"].startswith("fixed_mbs"):
+            assert job["mtpm"] is None and job["mbs"] == int(point["batching"][9:])
+        assert job["logger"]["mode"] == "online"
+
+
+def test_seed_b200_preset_plans_the_published_setting_on_this_machine(tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = run_harness("-m", "experiment=seed_b200", "dry_run=true", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = sweep_results(sweep)
+    assert len(results) == 12
+    assert {r["backend"] for r in results} == {"fsdp2", "megatron_ddp"}
+    assert all(r["status"] == "planned" and r["world_size"] == 4 and r["gc"] is True for r in results)
+    assert all(r["workload"]["total_tokens"] == 1_669_550 and r["model"]["name"] == "qwen3_5_35b_a3b" for r in results)
+    assert sorted({r["mtpm"] for r in results if r["mtpm"]}) == [16384, 32768, 65536, 131072]
+    assert sorted({r["mbs"] for r in results if r["mtpm"] is None}) == [1, 2]
+
+
+@pytest.mark.slow
+def test_two_points_through_the_local_submitit_launcher(tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = run_harness(
+        "-m", "hydra/launcher=local", "mtpm=600,100000", "backend=pytorch", "workload=smoke", "bench.warmup=0",
+        "bench.repeat=1", f"hydra.sweep.dir={sweep}", cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = sweep_results(sweep)
+    assert [(r["mtpm"], r["status"]) for r in results] == [(600, "ok"), (100000, "ok")]
+    assert (sweep / ".submitit").is_dir()  # the jobs really went through submitit
+    assert (sweep / "report.md").exists()
+
+
+def test_slurm_preset_composes(tmp_path):
+    proc = run_harness("hydra/launcher=slurm", "hydra.launcher.partition=gpu", "mtpm=16384", "--cfg", "hydra",
+                       cwd=tmp_path, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    launcher = yaml.safe_load(proc.stdout)["hydra"]["launcher"]
+    assert launcher["_target_"].endswith("SlurmLauncher")
+    assert (launcher["nodes"], launcher["gpus_per_node"], launcher["partition"]) == (1, 4, "gpu")
+    assert launcher["timeout_min"] > 0
