@@ -1,0 +1,103 @@
+"""Client mode: the benchmark protocol against a running ``python -m harness.serve`` (the published procedure)."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import logging
+import os
+import urllib.error
+import urllib.parse
+import urllib.request
+from typing import Any, Optional
+
+import torch
+
+from backends.base import Backend, PassResult
+from backends.errors import BackendError, UserError
+from backends.examples import ExampleOutput
+
+log = logging.getLogger(__name__)
+
+TOKEN_ENV = "BALANCE_BATCH_ADMIN_TOKEN"
+
+
+class RemoteBackend(Backend):
+    """A Backend whose passes run on a server; its processes are sampled when the server is on this machine."""
+
+    def __init__(self, url: str, timeout_s: float = 3600.0):
+        parsed = urllib.parse.urlparse(url)
+        if parsed.scheme not in ("http", "https") or not parsed.hostname:
+            raise UserError(f"target.url: '{url}' is not an http(s) URL (e.g. http://127.0.0.1:8000)")
+        self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
+        self.local = is_loopback(parsed.hostname)
+        try:
+            self.info = self._request("GET", "/healthz", timeout=10)
+        except BackendError as exc:
+            raise UserError(f"target.url: no server answers at {self.url} ({exc})") from None
+        self.name = self.info["backend"]
+        self.world_size = int(self.info["world_size"])
+        self.device = torch.device(self.info["device"]["type"])
+        self.vocab_size = int(self.info["vocab_size"])
+
+    def _request(self, method: str, path: str, body: Any = None, timeout: Optional[float] = None, token: Optional[str] = None):
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, method=method)
+        if data is not None:
+            req.add_header("Content-Type", "application/json")
+        if token:
+            req.add_header("Authorization", f"Bearer {token}")
+        try:
+            with urllib.request.urlopen(req, timeout=timeout or self.timeout_s) as resp:
+                return json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            try:
+                detail = json.loads(exc.read()).get("detail")
+            except Exception:  # noqa: BLE001
+                detail = exc.reason
+            raise BackendError(f"server {self.url}{path} answered {exc.code}: {detail}") from None
+        except (urllib.error.URLError, OSError) as exc:
+            raise BackendError(f"server {self.url}{path} unreachable: {getattr(exc, 'reason', exc)}") from None
+
+    def configure(self, max_tokens_per_microbatch: Optional[int], micro_batch_size: int) -> bool:
+        """Set the server's budget and micro-batch size through its admin API; False when no token is at hand."""
+        token = os.environ.get(TOKEN_ENV)
+        if not token:
+            log.warning("%s unset: using the server's own max_tokens_per_microbatch / micro_batch_size", TOKEN_ENV)
+            return False
+        self._request("POST", "/admin/set_max_tokens_per_microbatch", {"value": max_tokens_per_microbatch}, 30, token)
+        self._request("POST", "/admin/set_micro_batch_size", {"value": micro_batch_size}, 30, token)
+        return True
+
+    def describe_device(self) -> dict:
+        return dict(self.info["device"])
+
+    def device_memory_bytes(self) -> int:
+        return int(self.info["device"]["memory_bytes"])
+
+    def pids(self) -> list[int]:
+        return [int(p) for p in self.info.get("pids", [])] if self.local else []
+
+    def run_pass(self, command: dict[str, Any]) -> PassResult:
+        body = {
+            "examples": [
+                {"input_ids": e.input_ids.tolist(), "target_tokens": e.target_tokens.tolist(), "weights": e.weights.tolist()}
+                for e in command["examples"]
+            ]
+        }
+        reply = self._request("POST", f"/{command['pass_type']}", body)
+        import numpy as np
+
+        outputs = [ExampleOutput(logprobs=np.asarray(o["logprobs"], dtype=np.float32), loss=float(o["loss"])) for o in reply["outputs"]]
+        return PassResult(outputs=outputs, plan=reply["plan"], grad_norm=reply.get("grad_norm"),
+                          mem_peak_bytes=reply.get("mem_peak_bytes"))
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

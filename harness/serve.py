@@ -1,0 +1,287 @@
+"""``python -m harness.serve``: one loaded backend behind an HTTP API, its batching changeable while it runs.
+
+    BALANCE_BATCH_ADMIN_TOKEN=secret python -m harness.serve backend=fsdp2 server.port=8000
+
+Routes: POST /forward, POST /forward_backward (examples in, per-example outputs
+in request order out); POST /admin/set_max_tokens_per_microbatch and
+/admin/set_micro_batch_size ({"value": positive int | null}), GET /admin/config
+(all admin routes need ``Authorization: Bearer <token>``); GET /healthz.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import math
+import os
+import signal
+import sys
+from typing import Any, Optional
+
+import hydra
+from fastapi import Request  # at module level: FastAPI resolves the route annotations here
+from omegaconf import DictConfig
+
+from backends.errors import BackendError, UserError
+from harness.cli import run_hydra_cli
+from harness.client import TOKEN_ENV, is_loopback
+
+log = logging.getLogger("harness.serve")
+
+
+class RequestError(Exception):
+    """A request the server refuses: HTTP status and a message naming the field."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+def parse_setting(body: Any, name: str, ceiling: int, allow_null: bool = True) -> Optional[int]:
+    """The ``value`` of an admin set request: a positive integer up to ``ceiling``, or null."""
+    if not isinstance(body, dict) or "value" not in body:
+        raise RequestError(422, f'{name}: expected a JSON object {{"value": <positive integer> or null}}')
+    value = body["value"]
+    if value is None and allow_null:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise RequestError(422, f"{name}: value must be a positive integer{' or null' if allow_null else ''}, got {json.dumps(value)}")
+    if value > ceiling:
+        raise RequestError(422, f"{name}: value {value} is above the server's ceiling {ceiling}")
+    return value
+
+
+def parse_examples(body: Any, vocab_size: int, max_tokens: int):
+    """Examples from a pass request, checked field by field; returns backends.examples.Example objects."""
+    import numpy as np
+
+    from backends.examples import Example
+
+    if not isinstance(body, dict) or not isinstance(body.get("examples"), list) or not body["examples"]:
+        raise RequestError(422, 'examples: expected {"examples": [{"input_ids": [...], "target_tokens": [...], "weights": [...]}, ...]} with at least one example')
+    total = 0
+    out = []
+    for i, ex in enumerate(body["examples"]):
+        where = f"examples[{i}]"
+        if not isinstance(ex, dict):
+            raise RequestError(422, f"{where}: expected an object with input_ids, target_tokens and weights")
+        arrays = {}
+        for key in ("input_ids", "target_tokens", "weights"):
+            value = ex.get(key)
+            if not isinstance(value, list) or not value:
+                raise RequestError(422, f"{where}.{key}: expected a non-empty list")
+            if key == "weights":
+                if not all(isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) and w >= 0 for w in value):
+                    raise RequestError(422, f"{where}.weights: every weight must be a finite number >= 0")
+                arrays[key] = np.asarray(value, dtype=np.float32)
+            else:
+                if not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+                    raise RequestError(422, f"{where}.{key}: every token must be an integer")
+                arr = np.asarray(value, dtype=np.int64)
+                if arr.min() < 0 or arr.max() >= vocab_size:
+                    raise RequestError(422, f"{where}.{key}: token ids must lie in 0..{vocab_size - 1} (the model's vocabulary)")
+                arrays[key] = arr
+        n = {k: len(v) for k, v in arrays.items()}
+        if len(set(n.values())) != 1:
+            raise RequestError(
+                422, f"{where}: input_ids, target_tokens and weights must have the same length, got {n['input_ids']}, {n['target_tokens']}, {n['weights']}"
+            )
+        total += n["input_ids"]
+        if total > max_tokens:
+            raise RequestError(413, f"examples: more than {max_tokens} tokens in one request (server.max_request_tokens)")
+        out.append(Example(arrays["input_ids"], arrays["target_tokens"], arrays["weights"]))
+    return out
+
+
+def build_app(backend, control, vocab_size: int, server, admin_token: Optional[str], default_mbs: int):
+    """The FastAPI app around a started backend and its control file."""
+    from fastapi import FastAPI
+    from fastapi.concurrency import run_in_threadpool
+    from fastapi.responses import JSONResponse
+
+    from backends.base import device_description, make_command
+
+    app = FastAPI(title="balance-batch", docs_url=None, redoc_url=None)
+    passes = asyncio.Semaphore(1)  # one pass at a time
+    state = {"pending": 0}
+    info = {
+        "status": "ok",
+        "backend": backend.name,
+        "world_size": backend.world_size,
+        "device": device_description(backend.device, backend.world_size),
+        "vocab_size": vocab_size,
+        "pids": [os.getpid(), *backend.pids()],
+    }
+
+    def error(status: int, message: str, headers: Optional[dict] = None) -> JSONResponse:
+        return JSONResponse({"detail": message}, status_code=status, headers=headers)
+
+    async def json_body(request: Request) -> Any:
+        length = request.headers.get("content-length")
+        if length is None:
+            raise RequestError(411, "a Content-Length header is required")
+        if int(length) > server.max_request_bytes:
+            raise RequestError(413, f"request body of {int(length)} bytes is above server.max_request_bytes ({server.max_request_bytes})")
+        try:
+            return json.loads(await request.body())
+        except ValueError:
+            raise RequestError(422, "the body is not valid JSON") from None
+
+    def check_admin(request: Request) -> Optional[JSONResponse]:
+        if not admin_token:
+            return error(403, f"admin API disabled: start the server with {TOKEN_ENV} set")
+        header = request.headers.get("authorization", "")
+        if not header.startswith("Bearer "):
+            return error(401, "missing 'Authorization: Bearer <token>' header", {"WWW-Authenticate": "Bearer"})
+        if not hmac.compare_digest(header[len("Bearer ") :].encode(), admin_token.encode()):
+            return error(403, "wrong admin token")
+        return None
+
+    def current() -> dict:
+        return {**control.read().as_dict(), "backend": backend.name, "world_size": backend.world_size,
+                "control_path": str(control.path)}
+
+    @app.exception_handler(RequestError)
+    async def _request_error(request: Request, exc: RequestError):
+        return error(exc.status, str(exc))
+
+    @app.get("/healthz")
+    async def healthz():
+        return info
+
+    @app.get("/admin/config")
+    async def admin_config(request: Request):
+        return check_admin(request) or current()
+
+    @app.post("/admin/set_max_tokens_per_microbatch")
+    async def set_mtpm(request: Request):
+        refused = check_admin(request)
+        if refused:
+            return refused
+        value = parse_setting(await json_body(request), "max_tokens_per_microbatch", server.mtpm_ceiling)
+        control.set_max_tokens_per_microbatch(value)
+        log.info("max_tokens_per_microbatch set to %s", value)
+        return current()
+
+    @app.post("/admin/set_micro_batch_size")
+    async def set_mbs(request: Request):
+        refused = check_admin(request)
+        if refused:
+            return refused
+        value = parse_setting(await json_body(request), "micro_batch_size", server.mbs_ceiling)
+        control.set_micro_batch_size(default_mbs if value is None else value)
+        log.info("micro_batch_size set to %s", value)
+        return current()
+
+    async def run(pass_type: str, request: Request):
+        body = await json_body(request)
+        examples = parse_examples(body, vocab_size, server.max_request_tokens)
+        if state["pending"] > server.queue_size:
+            raise RequestError(503, f"busy: {state['pending']} passes running or queued (server.queue_size={server.queue_size}); retry later")
+        state["pending"] += 1
+        try:
+            async with passes:
+                # The backend fills in the budget from the control file before the pass.
+                command = make_command(pass_type, examples, None, 1)
+                result = await run_in_threadpool(backend.run_pass, command)
+        except BackendError as exc:
+            log.error("%s failed: %s", pass_type, exc)
+            return error(500, str(exc))
+        finally:
+            state["pending"] -= 1
+        return {
+            "outputs": [{"logprobs": o.logprobs.tolist(), "loss": o.loss} for o in result.outputs],
+            "plan": result.plan,
+            "grad_norm": result.grad_norm,
+            "mem_peak_bytes": result.mem_peak_bytes,
+        }
+
+    @app.post("/forward")
+    async def forward(request: Request):
+        return await run("forward", request)
+
+    @app.post("/forward_backward")
+    async def forward_backward(request: Request):
+        return await run("forward_backward", request)
+
+    return app
+
+
+class _Stop(Exception):
+    """SIGTERM after uvicorn's graceful shutdown."""
+
+
+def _raise_stop(signum, frame):
+    raise _Stop()
+
+
+def serve(cfg: DictConfig) -> int:
+    from harness.app import resolve_config
+
+    try:
+        spec = resolve_config(cfg)
+        server = spec.server
+        token = os.environ.get(TOKEN_ENV) or None
+        if not is_loopback(server.host) and not token:
+            raise UserError(
+                f"server.host: {server.host} is not a loopback address and {TOKEN_ENV} is unset; "
+                "set a token (or keep server.host=127.0.0.1)"
+            )
+        if not 0 <= server.port <= 65535:
+            raise UserError(f"server.port: must be 0..65535, got {server.port}")
+    except UserError as exc:
+        log.error("%s", exc)
+        return 2
+
+    import uvicorn
+
+    from backends import make_backend
+    from backends.control import BatchingSettings, ControlFile
+    from backends.model import model_vocab_size
+
+    b = spec.backend
+    control = ControlFile(server.control_path, BatchingSettings(b.max_tokens_per_microbatch, b.micro_batch_size))
+    backend = None
+    try:
+        vocab = model_vocab_size(spec.model)
+        backend = make_backend(b, spec.model)
+        backend.attach_control(control)
+        app = build_app(backend, control, vocab, server, token, b.micro_batch_size)
+        log.info(
+            "serving %s (%d x %s) on http://%s:%d; control file %s; admin API %s",
+            backend.name, backend.world_size, backend.device.type, server.host, server.port, control.path,
+            "enabled" if token else f"disabled ({TOKEN_ENV} unset)",
+        )
+        # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal;
+        # turning it into an exception lets the finally below stop the workers.
+        signal.signal(signal.SIGTERM, _raise_stop)
+        uvicorn.run(app, host=server.host, port=server.port, log_config=None, log_level=server.log_level,
+                    timeout_graceful_shutdown=5)
+    except (KeyboardInterrupt, _Stop):
+        pass
+    except UserError as exc:
+        log.error("%s", exc)
+        return 2
+    except BackendError as exc:
+        log.error("%s", exc)
+        return 1
+    finally:
+        if backend is not None:
+            backend.close()
+        control.remove()
+        log.info("server stopped; workers stopped")
+    return 0
+
+
+_EXIT = {"code": 0}
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+def _hydra_main(cfg: DictConfig) -> None:
+    _EXIT["code"] = serve(cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(run_hydra_cli(_hydra_main, lambda: _EXIT["code"]))

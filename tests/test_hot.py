@@ -1,0 +1,63 @@
+"""Hot sweeps: one loaded backend for the whole multirun, same results as a cold sweep."""
+
+from __future__ import annotations
+
+import pytest
+
+from backends.control import BatchingSettings, ControlFile
+from tests.conftest import load_json, run_harness, sweep_results
+
+pytestmark = pytest.mark.slow
+
+POINTS = ["mtpm=null,700,100000", "mbs=1,3"]
+
+
+def _sweep(tmp_path, name: str, *extra: str):
+    sweep = tmp_path / name
+    proc = run_harness("-m", *POINTS, "backend=fsdp2", "workload=smoke", "bench.warmup=0", "bench.repeat=1",
+                       "bench.save_outputs=true", f"hydra.sweep.dir={sweep}", *extra, cwd=tmp_path, timeout=400)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return sweep, proc.stdout + proc.stderr
+
+
+def test_hot_and_cold_sweeps_agree_and_hot_loads_once(tmp_path):
+    cold, cold_log = _sweep(tmp_path, "cold")
+    hot, hot_log = _sweep(tmp_path, "hot", "hot=true")
+    assert cold_log.count("ranks ready") == 6
+    assert hot_log.count("ranks ready") == 1 and "loaded once for the sweep" in hot_log
+    cold_res, hot_res = sweep_results(cold), sweep_results(hot)
+    assert [r["status"] for r in hot_res] == ["ok"] * 6
+    for c, h in zip(cold_res, hot_res):
+        assert set(c) - {"hot"} <= set(h)  # the same schema
+        assert (c["mtpm"], c["mbs"]) == (h["mtpm"], h["mbs"])
+        assert h["hot"] is True and c["hot"] is False
+        # the budget really switched between points: the plan that ran is the point's own
+        assert h["plan"] == c["plan"]
+        assert h["plan"]["max_tokens_per_microbatch"] == h["mtpm"]
+        co = load_json(cold / str(cold_res.index(c)) / "example_outputs.json")
+        ho = load_json(hot / str(hot_res.index(h)) / "example_outputs.json")
+        for pass_type in ("forward", "forward_backward"):
+            assert ho[pass_type]["loss"] == pytest.approx(co[pass_type]["loss"], rel=1e-5)
+        assert ho["forward_backward"]["grad_norm"] == pytest.approx(co["forward_backward"]["grad_norm"], rel=1e-5)
+    assert len({(r["plan"]["padded_tokens"], tuple(r["plan"]["n_microbatches"])) for r in hot_res}) >= 4
+
+
+def test_control_file_round_trip_and_corruption(tmp_path, caplog):
+    ctl = ControlFile(tmp_path / "c.ctl", BatchingSettings(None, 1))
+    assert (ctl.path.stat().st_mode & 0o777) == 0o600
+    assert ctl.read() == BatchingSettings(None, 1)
+    ctl.set_max_tokens_per_microbatch(4096)
+    ctl.set_micro_batch_size(3)
+    assert ctl.read() == BatchingSettings(4096, 3)
+    other = ControlFile(ctl.path)  # another reader of the same file sees the same values
+    assert other.read() == BatchingSettings(4096, 3)
+    ctl.path.write_text('{"max_tokens_per_microbatch": -5, "micro_batch_size": 1}')
+    with caplog.at_level("WARNING"):
+        assert other.read() == BatchingSettings(4096, 3)
+        assert other.read() == BatchingSettings(4096, 3)
+    assert sum("corrupt" in r.message for r in caplog.records) == 1
+    ctl.path.unlink()
+    assert other.read() == BatchingSettings(4096, 3)  # a missing file keeps the last good value too
+    with pytest.raises(ValueError):
+        ctl.set_max_tokens_per_microbatch(0)
+    assert not list(tmp_path.glob(".c.ctl.*"))  # no temporary files left behind

@@ -1,0 +1,260 @@
+"""python -m harness.serve as a real server on a loopback port: auth, validation, live budget, shutdown."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+
+from backends.microbatch import plan_batch
+from tests.conftest import harness_env, load_json, run_harness
+
+pytestmark = pytest.mark.slow
+
+TOKEN = "test-token-7f3a"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    url: str
+    proc: subprocess.Popen
+    control: Path
+    log: Path
+
+    def call(self, method: str, path: str, body=None, token: str | None = TOKEN, raw: bytes | None = None):
+        data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+        req = urllib.request.Request(self.url + path, data=data, method=method)
+        req.add_header("Content-Type", "application/json")
+        if token is not None:
+            req.add_header("Authorization", f"Bearer {token}")
+        try:
+            with urllib.request.urlopen(req, timeout=120) as resp:
+                return resp.status, json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
+
+    def config(self) -> dict:
+        status, body = self.call("GET", "/admin/config")
+        assert status == 200, body
+        return body
+
+
+def start_server(tmp: Path, *args: str, token: str | None = TOKEN) -> Server:
+    port = free_port()
+    control = tmp / "control.ctl"
+    log = tmp / "server.log"
+    env = harness_env()
+    env.pop("BALANCE_BATCH_ADMIN_TOKEN", None)
+    if token:
+        env["BALANCE_BATCH_ADMIN_TOKEN"] = token
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "harness.serve", *args, f"server.port={port}", f"server.control_path={control}",
+             f"hydra.run.dir={tmp / 'run'}"],
+            cwd=tmp, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    server = Server(f"http://127.0.0.1:{port}", proc, control, log)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited {proc.returncode}:\n{log.read_text()}")
+        try:
+            if server.call("GET", "/healthz", token=None)[0] == 200:
+                return server
+        except (urllib.error.URLError, ConnectionError):
+            pass
+        time.sleep(0.3)
+    raise AssertionError(f"server did not come up:\n{log.read_text()}")
+
+
+def session_processes(sid: int) -> list[psutil.Process]:
+    out = []
+    for p in psutil.process_iter():
+        try:
+            if os.getsid(p.pid) == sid and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except (ProcessLookupError, PermissionError, psutil.Error):
+            continue
+    return out
+
+
+def stop(server: Server) -> int:
+    server.proc.send_signal(signal.SIGTERM)
+    code = server.proc.wait(timeout=60)
+    deadline = time.monotonic() + 10
+    while session_processes(server.proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return code
+
+
+def examples(lengths, vocab=2048, seed=0):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for n in lengths:
+        ids = rng.integers(0, vocab, n).tolist()
+        out.append({"input_ids": ids, "target_tokens": ids[1:] + [0], "weights": [0.0] * (n // 2) + [1.0] * (n - n // 2)})
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("serve")
+    s = start_server(tmp, "backend=pytorch", "workload=smoke", "server.max_request_tokens=20000", "server.queue_size=0")
+    yield s
+    assert stop(s) == 0
+    assert session_processes(s.proc.pid) == []
+    assert not s.control.exists()  # the control file goes with the server
+
+
+ADMIN_ROUTES = [("GET", "/admin/config", None), ("POST", "/admin/set_max_tokens_per_microbatch", {"value": 5}),
+                ("POST", "/admin/set_micro_batch_size", {"value": 2})]
+
+
+@pytest.mark.parametrize("method, path, body", ADMIN_ROUTES)
+def test_admin_needs_the_right_token(server, method, path, body):
+    before = server.config()
+    assert server.call(method, path, body, token=None)[0] == 401
+    assert server.call(method, path, body, token="wrong")[0] == 403
+    assert server.config() == before
+
+
+@pytest.mark.parametrize("value", [-1, 0, "x", 1.5, True, 10**9, "777"])
+def test_bad_values_are_422_and_change_nothing(server, value):
+    before = server.config()
+    for route in ("/admin/set_max_tokens_per_microbatch", "/admin/set_micro_batch_size"):
+        status, body = server.call("POST", route, {"value": value})
+        assert status == 422, body
+        assert "value" in body["detail"]
+    assert server.call("POST", "/admin/set_max_tokens_per_microbatch", {"valu": 5})[0] == 422
+    assert server.call("POST", "/admin/set_max_tokens_per_microbatch", raw=b"{not json")[0] == 422
+    assert server.config() == before
+
+
+def test_set_then_a_pass_uses_the_new_budget(server):
+    status, body = server.call("POST", "/admin/set_max_tokens_per_microbatch", {"value": 777})
+    assert status == 200 and body["max_tokens_per_microbatch"] == 777
+    exs = examples([300, 200, 500, 100])
+    status, reply = server.call("POST", "/forward", {"examples": exs}, token=None)
+    assert status == 200, reply
+    assert len(reply["outputs"]) == 4
+    assert [len(o["logprobs"]) for o in reply["outputs"]] == [300, 200, 500, 100]
+    assert reply["plan"]["max_tokens_per_microbatch"] == 777
+    assert reply["plan"]["n_microbatches"] == plan_batch([300, 200, 500, 100], 1, 777, 1).stats.n_microbatches
+    # back to fixed slices of 2 sequences
+    assert server.call("POST", "/admin/set_max_tokens_per_microbatch", {"value": None})[0] == 200
+    assert server.call("POST", "/admin/set_micro_batch_size", {"value": 2})[0] == 200
+    status, reply = server.call("POST", "/forward_backward", {"examples": exs})
+    assert status == 200 and reply["plan"]["max_tokens_per_microbatch"] is None
+    assert reply["plan"]["micro_batch_size"] == 2 and reply["plan"]["n_microbatches"] == [2]
+    assert reply["grad_norm"] > 0
+
+
+@pytest.mark.parametrize(
+    "bad, needle",
+    [
+        ({"input_ids": [1, 2, 3], "target_tokens": [2, 3], "weights": [1, 1, 1]}, "same length"),
+        ({"input_ids": [], "target_tokens": [], "weights": []}, "non-empty"),
+        ({"input_ids": [1, 99999], "target_tokens": [2, 3], "weights": [1, 1]}, "vocabulary"),
+        ({"input_ids": [1, -2], "target_tokens": [2, 3], "weights": [1, 1]}, "vocabulary"),
+        ({"input_ids": [1, 2], "target_tokens": [2, 3], "weights": [1, "a"]}, "weights"),
+        ({"input_ids": "1 2", "target_tokens": [2, 3], "weights": [1, 1]}, "input_ids"),
+    ],
+)
+def test_malformed_examples_are_422(server, bad, needle):
+    status, body = server.call("POST", "/forward", {"examples": [examples([5])[0], bad]})
+    assert status == 422 and needle in body["detail"] and "examples[1]" in body["detail"]
+
+
+def test_oversized_requests_are_refused(server):
+    status, body = server.call("POST", "/forward", {"examples": examples([15000, 6000])})
+    assert status == 413 and "max_request_tokens" in body["detail"]
+    assert server.call("POST", "/forward", {"examples": []})[0] == 422
+
+
+def test_a_full_queue_answers_503(server):
+    server.call("POST", "/admin/set_max_tokens_per_microbatch", {"value": 100000})
+    results = {}
+    first = threading.Thread(target=lambda: results.setdefault("first", server.call("POST", "/forward_backward", {"examples": examples([4000] * 4)})))
+    first.start()
+    time.sleep(1.0)
+    results["second"] = server.call("POST", "/forward", {"examples": examples([10])})
+    first.join()
+    assert results["first"][0] == 200
+    assert results["second"][0] == 503 and "busy" in results["second"][1]["detail"]
+
+
+def test_a_corrupt_control_file_keeps_the_last_good_value(server):
+    assert server.call("POST", "/admin/set_max_tokens_per_microbatch", {"value": 900})[0] == 200
+    server.control.write_text("{ this is not json")
+    for _ in range(2):
+        status, reply = server.call("POST", "/forward", {"examples": examples([100, 200])})
+        assert status == 200 and reply["plan"]["max_tokens_per_microbatch"] == 900
+    log = server.log.read_text()
+    assert log.count("unreadable or corrupt") == 1  # one warning, not one per pass
+    assert server.call("POST", "/admin/set_max_tokens_per_microbatch", {"value": 901})[0] == 200
+    assert server.config()["max_tokens_per_microbatch"] == 901
+
+
+def test_client_mode_writes_the_same_results_json(server, tmp_path):
+    run = tmp_path / "run"
+    proc = run_harness(f"target.url={server.url}", "mtpm=640", "workload=smoke", "bench.warmup=0", "bench.repeat=2",
+                       f"hydra.run.dir={run}", cwd=tmp_path, env=harness_env(BALANCE_BATCH_ADMIN_TOKEN=TOKEN))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    res = load_json(run / "results.json")
+    assert res["status"] == "ok" and res["backend"] == "pytorch" and res["mtpm"] == 640
+    assert res["target"]["url"] == server.url
+    assert res["plan"]["max_tokens_per_microbatch"] == 640
+    assert len(res["passes"]["forward_backward"]["elapsed_s"]) == 2
+    assert res["passes"]["forward"]["util_pct"] > 0  # the server's processes are sampled on this machine
+    assert server.config()["max_tokens_per_microbatch"] == 640
+
+
+def test_admin_is_refused_without_a_configured_token(tmp_path):
+    s = start_server(tmp_path, "backend=pytorch", token=None)
+    try:
+        status, body = s.call("POST", "/admin/set_max_tokens_per_microbatch", {"value": 5})
+        assert status == 403 and "BALANCE_BATCH_ADMIN_TOKEN" in body["detail"]
+        assert s.call("POST", "/forward", {"examples": examples([8])}, token=None)[0] == 200
+    finally:
+        assert stop(s) == 0
+
+
+def test_no_token_refuses_a_public_address(tmp_path):
+    env = harness_env()
+    env.pop("BALANCE_BATCH_ADMIN_TOKEN", None)
+    proc = subprocess.run([sys.executable, "-m", "harness.serve", "server.host=0.0.0.0", f"hydra.run.dir={tmp_path}"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    text = proc.stdout + proc.stderr
+    assert "server.host" in text and "BALANCE_BATCH_ADMIN_TOKEN" in text and "Traceback" not in text
+
+
+def test_fsdp2_server_shutdown_leaves_no_process(tmp_path):
+    s = start_server(tmp_path, "backend=fsdp2", "world_size=2")
+    sid = s.proc.pid
+    assert len(session_processes(sid)) >= 3  # the server and two ranks
+    assert s.call("POST", "/admin/set_max_tokens_per_microbatch", {"value": 300})[0] == 200
+    status, reply = s.call("POST", "/forward_backward", {"examples": examples([100, 250, 40])})
+    assert status == 200 and reply["plan"]["max_tokens_per_microbatch"] == 300 and len(reply["plan"]["n_dummy"]) == 2
+    assert stop(s) == 0
+    assert session_processes(sid) == []
