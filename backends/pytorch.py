@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
+import time
 from typing import Any
 
 import torch
 
 from backends import resolve_world_size
 from backends.base import Backend, BackendSpec, PassResult, resolve_device
+from backends.errors import BackendError
+from backends.memory import is_out_of_memory, limit_memory, oom_message, restore_memory_limit
 from backends.microbatch import plan_batch
 from backends.model import ModelSpec, build_model
-from backends.step import ProgressLogger, grad_norm_local_sq, run_schedule, total_loss_weight
+from backends.step import PassTimeout, ProgressLogger, grad_norm_local_sq, run_schedule, total_loss_weight
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +30,12 @@ class PyTorchBackend(Backend):
         self.device = resolve_device(spec.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(0)
-        self.model = build_model(model, self.device, spec.gradient_checkpointing)
+        self._previous_limit = limit_memory(spec.memory_limit_gb, self.device)
+        try:
+            self.model = build_model(model, self.device, spec.gradient_checkpointing)
+        except BaseException:
+            restore_memory_limit(self._previous_limit)
+            raise
 
     def _run_pass(self, command: dict[str, Any]) -> PassResult:
         examples = command["examples"]
@@ -44,20 +53,43 @@ class PyTorchBackend(Backend):
         progress = ProgressLogger(
             log.info, f"pytorch {pass_type}", plan.stats.real_tokens, command.get("progress_every_s", 10.0)
         )
-        by_index = run_schedule(
-            self.model,
-            examples,
-            plan.schedules[0],
-            pass_type,
-            total_loss_weight(examples),
-            self.device,
-            progress=progress,
-        )
+        timeout_s = command.get("timeout_s")
+        oom = None
+        try:
+            by_index = run_schedule(
+                self.model,
+                examples,
+                plan.schedules[0],
+                pass_type,
+                total_loss_weight(examples),
+                self.device,
+                progress=progress,
+                deadline=None if timeout_s is None else time.monotonic() + timeout_s,
+            )
+        except PassTimeout as exc:
+            raise BackendError(f"{exc} (bench.pass_timeout_s={timeout_s:g})", status="timeout") from None
+        except Exception as exc:
+            if not is_out_of_memory(exc):
+                raise
+            oom = oom_message(pass_type, "", plan.stats.max_microbatch_padded_tokens, self.spec.memory_limit_gb, exc)
+        if oom is not None:
+            # Raised out here, once the failed step's frames (and their tensors) are gone.
+            self.model.zero_grad(set_to_none=True)
+            gc.collect()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            raise BackendError(oom, status="oom")
         grad_norm = math.sqrt(grad_norm_local_sq(self.model)) if pass_type == "forward_backward" else None
-        mem_peak = torch.cuda.max_memory_allocated() if self.device.type == "cuda" else None
+        mem_peak = torch.cuda.max_memory_reserved() if self.device.type == "cuda" else None
         return PassResult(
             outputs=[by_index[i] for i in range(len(examples))],
             plan=plan.stats.as_dict(),
             grad_norm=grad_norm,
             mem_peak_bytes=mem_peak,
         )
+
+    def close(self) -> None:
+        self.model = None
+        gc.collect()
+        restore_memory_limit(self._previous_limit)
+        self._previous_limit = None

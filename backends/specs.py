@@ -17,6 +17,8 @@ class BackendSpec:
     world_size: Optional[int] = None  # None = one per visible GPU, else 2 CPU ranks (1 for pytorch)
     device: str = "auto"  # auto, cpu or cuda
     dist_timeout_s: float = 600.0  # torch.distributed collective time-out
+    memory_limit_gb: Optional[float] = None  # per worker: an OS limit on CPU, the memory fraction on GPU
+    hooks: Optional[str] = None  # "module:RankHooks subclass" replacing the backend's own (experiments, fault tests)
 
 
 @dataclass

@@ -13,6 +13,10 @@ from backends.microbatch import Schedule
 
 PASS_TYPES = ("forward", "forward_backward")
 
+class PassTimeout(RuntimeError):
+    """A pass ran past bench.pass_timeout_s."""
+
+
 # Called after each step with (steps done, steps in schedule, real tokens done).
 ProgressFn = Callable[[int, int, int], None]
 
@@ -65,6 +69,7 @@ def run_schedule(
     device: torch.device,
     progress: Optional[ProgressFn] = None,
     before_step: Optional[Callable[[int, bool], None]] = None,
+    deadline: Optional[float] = None,
 ) -> dict[int, ExampleOutput]:
     """Run one rank's schedule; return outputs keyed by example index.
 
@@ -72,6 +77,7 @@ def run_schedule(
     weight of the whole batch on all ranks, so the accumulated gradient is the
     same however the batch is split. ``None`` entries run a zero-weight dummy.
     ``before_step(i, is_last)`` lets a backend set per-step sync behaviour.
+    Past ``deadline`` (a ``time.monotonic()`` value) the next step raises PassTimeout.
     """
     if pass_type not in PASS_TYPES:
         raise ValueError(f"pass type must be one of {PASS_TYPES}, got {pass_type!r}")
@@ -81,6 +87,8 @@ def run_schedule(
     tokens_done = 0
     n_steps = len(schedule)
     for step, batch in enumerate(schedule):
+        if deadline is not None and time.monotonic() > deadline:
+            raise PassTimeout(f"{pass_type} still running after its time-out, at micro-batch {step + 1}/{n_steps}")
         if before_step is not None:
             before_step(step, step == n_steps - 1)
         if batch is None:

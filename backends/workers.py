@@ -29,7 +29,16 @@ import torch.distributed as dist
 from backends.base import Backend, BackendSpec, PassResult, resolve_device
 from backends.errors import BackendError
 from backends.examples import Example
-from backends.microbatch import MicroBatch, Schedule, deal_to_ranks, microbatches_for_rank, plan_stats, sort_by_length
+from backends.memory import is_out_of_memory, limit_memory, oom_message
+from backends.microbatch import (
+    MicroBatch,
+    Schedule,
+    deal_to_ranks,
+    microbatches_for_rank,
+    padded_tokens,
+    plan_stats,
+    sort_by_length,
+)
 from backends.model import ModelSpec, build_model
 from backends.step import ProgressLogger, run_schedule
 
@@ -120,6 +129,8 @@ def worker_main(
     _die_with_parent()
     if os.getppid() != parent_pid:
         os._exit(1)
+    # Ctrl-C reaches the whole process group: the controller handles it and stops the ranks in order.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _setup_worker_logging(log_queue)
     wlog = logging.getLogger(f"backends.{spec.name}")
     try:
@@ -127,6 +138,7 @@ def worker_main(
         if base.type == "cpu":
             torch.set_num_threads(max(1, (len(os.sched_getaffinity(0)) or 1) // world_size))
         device = _device_for_rank(base, rank)
+        limit_memory(spec.memory_limit_gb, device)
         hooks: RankHooks = _import(hooks_path)(spec, rank, world_size, device)
         hooks.setup()
         store = dist.TCPStore("127.0.0.1", store_port, world_size + 1, is_master=False,
@@ -142,24 +154,45 @@ def worker_main(
         model = hooks.wrap(build_model(model_spec, device, spec.gradient_checkpointing))
         replies.put(("ready", rank, None))
     except BaseException as exc:  # noqa: BLE001 - reported to the controller, which names the rank
-        replies.put(("error", rank, (f"{type(exc).__name__}: {exc}", traceback.format_exc())))
+        kind = "oom" if is_out_of_memory(exc) else "error"
+        message = oom_message("start-up", f" on rank {rank}", 0, spec.memory_limit_gb, exc) if kind == "oom" else None
+        replies.put((kind, rank, (message or f"{type(exc).__name__}: {exc}", traceback.format_exc())))
         return
 
     while True:
         command = commands.get()
         if command is None:
             break
+        failure = None
         try:
             reply = _run_command(command, model, hooks, rank, world_size, device, wlog)
             replies.put(("done", rank, reply))
+            continue
         except BaseException as exc:  # noqa: BLE001
-            replies.put(("error", rank, (f"{type(exc).__name__}: {exc}", traceback.format_exc())))
-            # The other ranks may now be blocked in a collective; the controller stops them all.
-            break
+            if is_out_of_memory(exc):
+                _, local = _rank_share(command, rank, world_size)
+                lengths = [len(e) for e in command["examples"]]
+                largest = max((padded_tokens(b, lengths) for b in local), default=0)
+                message = oom_message(command["pass_type"], f" on rank {rank}", largest, spec.memory_limit_gb, exc)
+                failure = ("oom", rank, (message, traceback.format_exc()))
+            else:
+                failure = ("error", rank, (f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+        # Reported once the failed step's frames are released; the other ranks may now be
+        # blocked in a collective, and the controller stops them all.
+        replies.put(failure)
+        break
     try:
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - best effort on the way out
         pass
+
+
+def _rank_share(command: dict[str, Any], rank: int, world_size: int) -> tuple[list[int], list[MicroBatch]]:
+    """This rank's examples (dealt from the length-sorted order) and its own micro-batches."""
+    lengths = [len(e) for e in command["examples"]]
+    mine = deal_to_ranks(sort_by_length(lengths), world_size)[rank]
+    local = microbatches_for_rank(mine, lengths, command["max_tokens_per_microbatch"], command["micro_batch_size"])
+    return mine, local
 
 
 def _run_command(
@@ -168,8 +201,7 @@ def _run_command(
     examples: Sequence[Example] = command["examples"]
     pass_type = command["pass_type"]
     lengths = [len(e) for e in examples]
-    mine = deal_to_ranks(sort_by_length(lengths), world_size)[rank]
-    local = microbatches_for_rank(mine, lengths, command["max_tokens_per_microbatch"], command["micro_batch_size"])
+    mine, local = _rank_share(command, rank, world_size)
     schedule = hooks.align(local)
     # The whole batch's loss weight, summed over ranks once per pass: every rank divides by it.
     total_weight = _all_reduce_float(sum(float(examples[i].weights.sum()) for i in mine), dist.ReduceOp.SUM, device)
@@ -270,7 +302,7 @@ class DistributedBackend(Backend):
                 f"world_size: {self.world_size} ranks need {self.world_size} GPUs, "
                 f"{torch.cuda.device_count()} visible (valid: 1..{torch.cuda.device_count()} or null)"
             )
-        self.hooks_path = hooks_path or self.hooks_path
+        self.hooks_path = hooks_path or spec.hooks or self.hooks_path
         self.closed = False
         ctx = mp.get_context("spawn")
         self.store = dist.TCPStore("127.0.0.1", 0, self.world_size + 1, is_master=True, wait_for_workers=False,
@@ -322,23 +354,41 @@ class DistributedBackend(Backend):
                     if rank not in got and not p.is_alive():
                         self._abort(f"rank {rank} {_describe_exit(p.exitcode)} during {what}")
                 if timeout_s is not None and time.monotonic() - start > timeout_s:
-                    self._abort(f"{what} took longer than {timeout_s:g} s", status="timeout")
+                    self._abort(f"{what} ran past bench.pass_timeout_s={timeout_s:g} s; every rank was stopped", status="timeout")
                 continue
-            if msg_kind == "error":
-                message, details = payload
-                dead = self._dead_rank(wait_s=1.0)
-                if dead is not None and dead != rank:
-                    # A rank that died takes its peers' collectives down with it: name the cause.
-                    p = self.procs[dead]
-                    self._abort(
-                        f"rank {dead} {_describe_exit(p.exitcode)} during {what} "
-                        f"(rank {rank} then failed: {_first_line(message, 160)})",
-                        details=details,
-                    )
-                self._abort(f"rank {rank} failed during {what}: {_first_line(message, 400)}", details=details)
+            if msg_kind in ("error", "oom"):
+                self._fail(msg_kind, rank, payload, what)
             if msg_kind == kind:
                 got[rank] = payload
         return got
+
+    def _fail(self, kind: str, rank: int, payload, what: str) -> None:
+        """Name the cause: a rank out of memory, else a rank that died (its peers then fail too), else the rank."""
+        message, details = payload
+        if kind != "oom":
+            # A peer's OOM report or death may trail this rank's error by a moment.
+            deadline = time.monotonic() + 1.0
+            while time.monotonic() < deadline:
+                try:
+                    k, r, p = self.replies.get(timeout=0.05)
+                except queue.Empty:
+                    if self._dead_rank(0) not in (None, rank):
+                        break
+                    continue
+                if k == "oom":
+                    kind, rank, (message, details) = k, r, p
+                    break
+        if kind == "oom":
+            self._abort(message, details=details, status="oom")
+        dead = self._dead_rank(wait_s=0)
+        if dead is not None and dead != rank:
+            p = self.procs[dead]
+            self._abort(
+                f"rank {dead} {_describe_exit(p.exitcode)} during {what} "
+                f"(rank {rank} then failed: {_first_line(message, 160)})",
+                details=details,
+            )
+        self._abort(f"rank {rank} failed during {what}: {_first_line(message, 400)}", details=details)
 
     def _dead_rank(self, wait_s: float) -> Optional[int]:
         deadline = time.monotonic() + wait_s

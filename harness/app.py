@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import traceback
@@ -32,6 +33,7 @@ class RunState:
 
     def __init__(self) -> None:
         self.exit_code = EXIT_OK
+        self.last_dir: Path | None = None  # the latest point's folder, for messages after an interrupt
 
     def record(self, code: int) -> None:
         self.exit_code = max(self.exit_code, code)
@@ -151,7 +153,12 @@ class Point:
             if exc.details:
                 (self.out_dir / "error.txt").write_text(exc.details)
             self.fail(exc.status, str(exc))
-            return EXIT_FAILED
+            # Running out of memory is a measurement (this budget does not fit), not a failure.
+            return EXIT_OK if exc.status == "oom" else EXIT_FAILED
+        except KeyboardInterrupt:
+            log.error("%sinterrupted; finished passes are kept in %s", self.label, self.out_dir / RESULTS_FILE)
+            self.fail("interrupted", "interrupted (Ctrl-C or SIGTERM) before the point finished")
+            raise
         except Exception as exc:  # an internal failure: one line on the console, the traceback in the log
             log.error("%s%s: %s", self.label, type(exc).__name__, exc)
             log.debug("%s", traceback.format_exc())
@@ -262,7 +269,9 @@ class Point:
             _sweep_group(),
         )
         outputs: dict[str, Any] = {}
-        command_for = default_command_for(examples, mtpm, mbs, progress_every_s=spec.bench.progress_every_s)
+        command_for = default_command_for(
+            examples, mtpm, mbs, progress_every_s=spec.bench.progress_every_s, timeout_s=spec.bench.pass_timeout_s
+        )
         for pass_type in PASS_TYPES:
             record, result = measure_pass(
                 backend,
@@ -296,9 +305,39 @@ class Point:
         )
 
 
+def _job_overrides() -> list[str]:
+    return sorted(o for o in _overrides() if not o.startswith(("resume=", "hydra.")))
+
+
+def finished_before(cfg: DictConfig) -> Path | None:
+    """With resume=true: a results.json of this sweep (or run) folder that is ok for the same overrides."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hc = HydraConfig.get()
+    root = Path(hc.sweep.dir) if hc.mode == RunMode.MULTIRUN else Path(hc.run.dir)
+    mine = _job_overrides()
+    candidates = [root / RESULTS_FILE, *root.glob(f"*/{RESULTS_FILE}")]
+    for path in candidates:
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        theirs = sorted(o for o in doc.get("overrides", []) if not o.startswith(("resume=", "hydra.")))
+        if doc.get("status") == "ok" and theirs == mine:
+            return path
+    return None
+
+
 def run_point(cfg: DictConfig) -> int:
     """Hydra task function body: never raises for a failed point, records its exit code."""
     out_dir = _output_dir()
+    STATE.last_dir = out_dir
+    if cfg.get("resume"):
+        done = finished_before(cfg)
+        if done is not None:
+            log.info("resume: %s already ok in %s; skipped", " ".join(_job_overrides()) or "this point", done.parent)
+            return EXIT_OK
     code = Point(cfg, out_dir).run()
     STATE.record(code)
     return code

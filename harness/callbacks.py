@@ -12,7 +12,7 @@ from omegaconf import DictConfig
 log = logging.getLogger(__name__)
 
 
-FAILED_STATUSES = ("error", "timeout", "running", "unreadable")
+FAILED_STATUSES = ("error", "timeout", "running", "interrupted", "unreadable")
 
 
 def record_sweep_status(sweep_dir: Path) -> None:

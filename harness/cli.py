@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from typing import Callable
 
@@ -52,8 +53,12 @@ def run_hydra_cli(hydra_main: Callable[[], object], exit_code: Callable[[], int]
     # Let composition errors reach this function so they print as one line; with
     # HYDRA_FULL_ERROR=1 set by the user they keep Hydra's full traceback.
     os.environ["HYDRA_FULL_ERROR"] = "1"
+    previous_term = signal.signal(signal.SIGTERM, _interrupt)
     try:
         hydra_main()
+    except KeyboardInterrupt:
+        print(f"interrupted: {interrupted_hint()}", file=sys.stderr)
+        return 130
     except (HydraException, OmegaConfBaseException, ValueError) as exc:
         # ValueError: Hydra's own command-line usage errors (e.g. -m with --cfg)
         if user_wants_trace:
@@ -62,6 +67,25 @@ def run_hydra_cli(hydra_main: Callable[[], object], exit_code: Callable[[], int]
         print(f"error: {line}", file=sys.stderr)
         return 2
     finally:
+        signal.signal(signal.SIGTERM, previous_term)
         if not user_wants_trace:
             os.environ.pop("HYDRA_FULL_ERROR", None)
     return exit_code()
+
+
+def _interrupt(signum, frame):
+    """SIGTERM (a scheduler's pre-emption, kill) stops the run like Ctrl-C: workers stopped, results kept."""
+    raise KeyboardInterrupt
+
+
+def interrupted_hint() -> str:
+    from harness.app import STATE
+
+    last = STATE.last_dir
+    if last is None:
+        return "nothing was measured"
+    sweep = last.parent
+    if (sweep / "multirun.yaml").exists():
+        return (f"finished points are kept in {sweep}; to continue, rerun the same command with "
+                f"resume=true hydra.sweep.dir={sweep}")
+    return f"what was measured is kept in {last}"

@@ -22,6 +22,8 @@ class BenchConfig:
     save_outputs: bool = False  # write example_outputs.json (per-example losses, gradient norm)
     progress_every_s: float = 10.0  # how often a long pass logs its progress
     util_sample_s: float = 0.1  # device utilisation / memory sampling interval
+    memory_limit_gb: Optional[float] = None  # cap each worker's memory (see README: out of memory is a result)
+    pass_timeout_s: Optional[float] = None  # a pass running longer ends the point with status "timeout"
 
 
 @dataclass
@@ -62,6 +64,7 @@ class HarnessConfig:
     world_size: Optional[int] = None  # ranks; null = one per GPU, else 2 CPU ranks (1 for pytorch)
     dry_run: bool = False  # plan only: no model, no processes
     hot: bool = False  # multirun: load the backend once, switch mtpm/mbs through its control file
+    resume: bool = False  # skip points whose results.json in this sweep folder already says ok
     server: ServerConfig = field(default_factory=ServerConfig)
     target: TargetConfig = field(default_factory=TargetConfig)
 
@@ -88,3 +91,7 @@ def validate(cfg: HarnessConfig) -> None:
     if cfg.bench.warmup < 0:
         raise UserError(f"bench.warmup: must be >= 0, got {cfg.bench.warmup}")
     _positive_int("bench.repeat", cfg.bench.repeat)
+    for key in ("memory_limit_gb", "pass_timeout_s"):
+        value = getattr(cfg.bench, key)
+        if value is not None and value <= 0:
+            raise UserError(f"bench.{key}: must be a positive number or null, got {value}")

@@ -47,6 +47,40 @@ def sweep_results(sweep_dir: Path) -> list[dict]:
     return [load_json(p) for p in files]
 
 
+def session_processes(sid: int) -> list:
+    """Live (non-zombie) processes of a session: what a run started with start_new_session left behind."""
+    import psutil
+
+    out = []
+    for p in psutil.process_iter():
+        try:
+            if os.getsid(p.pid) == sid and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except (ProcessLookupError, PermissionError, psutil.Error):
+            continue
+    return out
+
+
+def wait_session_empty(sid: int, timeout_s: float = 10.0) -> list:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    left = session_processes(sid)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.2)
+        left = session_processes(sid)
+    return left
+
+
+def start_harness(*args: str, cwd: Path, env: dict | None = None, log: Path | None = None) -> subprocess.Popen:
+    """python -m harness in its own session (so everything it starts can be found and checked)."""
+    out = open(log, "w") if log else subprocess.DEVNULL
+    return subprocess.Popen(
+        [sys.executable, "-m", "harness", *args], cwd=cwd, env=env or harness_env(),
+        stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+
+
 @pytest.fixture
 def workdir(tmp_path: Path) -> Path:
     return tmp_path

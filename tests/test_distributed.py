@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 import time
 
 import numpy as np
@@ -17,7 +16,7 @@ from backends.fsdp2 import FSDP2Backend
 from backends.megatron_ddp import MegatronDDPBackend
 from backends.model import ModelSpec
 from harness.workload import make_examples, mixed_lengths
-from tests.conftest import load_json, run_harness, sweep_results
+from tests.conftest import load_json, run_harness, start_harness, sweep_results, wait_session_empty
 
 pytestmark = pytest.mark.slow
 
@@ -159,29 +158,9 @@ def test_cli_backends_agree_and_leave_nothing_in_their_session(workdir):
 
 @pytest.mark.parametrize("backend", ["fsdp2", "megatron_ddp"])
 def test_a_run_in_its_own_session_leaves_no_process(workdir, backend):
-    import subprocess
-    import sys
-
-    from tests.conftest import harness_env
-
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "harness", f"backend={backend}", "workload=smoke", "workload.n_examples=4",
-         "bench.warmup=0", "bench.repeat=1", f"hydra.run.dir={workdir / 'run'}"],
-        cwd=workdir, env=harness_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )
-    sid = proc.pid
+    proc = start_harness(f"backend={backend}", "workload=smoke", "workload.n_examples=4", "bench.warmup=0",
+                         "bench.repeat=1", f"hydra.run.dir={workdir / 'run'}", cwd=workdir)
     assert proc.wait(timeout=300) == 0
     assert load_json(workdir / "run" / "results.json")["status"] == "ok"
-    deadline = time.monotonic() + 10
-    while True:
-        left = []
-        for p in psutil.process_iter(["pid"]):
-            try:
-                if os.getsid(p.pid) == sid:
-                    left.append(p)
-            except (ProcessLookupError, PermissionError):
-                continue
-        if not left or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
+    left = wait_session_empty(proc.pid)
     assert left == [], [p.cmdline() for p in left]

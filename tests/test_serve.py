@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -15,11 +14,10 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
 import pytest
 
 from backends.microbatch import plan_batch
-from tests.conftest import harness_env, load_json, run_harness
+from tests.conftest import harness_env, load_json, run_harness, session_processes
 
 pytestmark = pytest.mark.slow
 
@@ -83,17 +81,6 @@ def start_server(tmp: Path, *args: str, token: str | None = TOKEN) -> Server:
             pass
         time.sleep(0.3)
     raise AssertionError(f"server did not come up:\n{log.read_text()}")
-
-
-def session_processes(sid: int) -> list[psutil.Process]:
-    out = []
-    for p in psutil.process_iter():
-        try:
-            if os.getsid(p.pid) == sid and p.status() != psutil.STATUS_ZOMBIE:
-                out.append(p)
-        except (ProcessLookupError, PermissionError, psutil.Error):
-            continue
-    return out
 
 
 def stop(server: Server) -> int:

@@ -1,0 +1,139 @@
+"""Fault injection with real processes: out of memory, a killed worker, a hung worker, an interrupted sweep."""
+
+from __future__ import annotations
+
+import hashlib
+import signal
+import time
+
+import psutil
+import pytest
+
+from tests.conftest import harness_env, load_json, run_harness, start_harness, sweep_results, wait_session_empty
+from tests.wandb_records import run_contents
+
+pytestmark = pytest.mark.slow
+
+
+def _digest(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _workers_of(pid: int) -> list[psutil.Process]:
+    out = []
+    for p in psutil.Process(pid).children(recursive=True):
+        try:
+            if "spawn_main" in " ".join(p.cmdline()):
+                out.append(p)
+        except psutil.Error:
+            continue
+    return out
+
+
+def _wait_for(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _status(path):
+    try:
+        return load_json(path)
+    except (OSError, ValueError):
+        return None
+
+
+def test_out_of_memory_is_a_result_and_the_sweep_goes_on(workdir):
+    """The issue's check: under a 2 GB cap the 4096 budget fits, a budget holding everything does not."""
+    sweep = workdir / "sweep"
+    proc = start_harness(
+        "-m", "mtpm=4096,100000000", "backend=fsdp2", "world_size=2", "workload=cpu_mixed", "workload.n_examples=64",
+        "workload.max_len=4096", "bench.warmup=0", "bench.repeat=1", "bench.memory_limit_gb=2",
+        f"hydra.sweep.dir={sweep}", cwd=workdir, log=workdir / "log.txt",
+    )
+    assert proc.wait(timeout=300) == 0, (workdir / "log.txt").read_text()  # only OOM failures: exit 0
+    ok, oom = sweep_results(sweep)
+    assert ok["status"] == "ok" and set(ok["passes"]) == {"forward", "forward_backward"}
+    assert oom["status"] == "oom"
+    assert oom["error"].startswith("out of memory in forward")
+    assert "padded tokens" in oom["error"] and "memory_limit_gb=2" in oom["error"]
+    # the failing rank's largest micro-batch (here each rank runs one)
+    assert any(f"{n:,} padded tokens" in oom["error"] for n in oom["plan"]["padded_tokens_per_rank"])
+    assert "| OOM " in (sweep / "report.md").read_text()
+    assert wait_session_empty(proc.pid) == []
+
+
+def test_pytorch_backend_recovers_after_an_oom_point(workdir):
+    """In-process OOM: memory is released, the next point runs; each point's W&B run is finished with its status."""
+    sweep = workdir / "sweep"
+    proc = run_harness(
+        "-m", "mtpm=100000000,2048", "backend=pytorch", "workload=cpu_mixed", "workload.n_examples=16",
+        "bench.warmup=0", "bench.repeat=1", "bench.memory_limit_gb=3", f"hydra.sweep.dir={sweep}", cwd=workdir,
+        env=harness_env(WANDB_MODE="offline"),
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert [r["status"] for r in sweep_results(sweep)] == ["oom", "ok"]
+    runs = [run_contents(next(sweep.glob(f"{i}/wandb/offline-run-*/run-*.wandb"))) for i in (0, 1)]
+    assert [r["summary"]["status"] for r in runs] == ["oom", "ok"]
+    assert "out of memory" in runs[0]["summary"]["error"]
+
+
+def test_a_killed_worker_ends_the_run_with_a_clear_error(workdir):
+    run = workdir / "run"
+    proc = start_harness("backend=fsdp2", "world_size=2", "workload=cpu_mixed", f"hydra.run.dir={run}", cwd=workdir,
+                         log=workdir / "log.txt")
+    _wait_for(lambda: (_status(run / "results.json") or {}).get("passes", {}).get("forward"), 120, "the forward pass")
+    victim = _workers_of(proc.pid)[-1]
+    victim.kill()
+    killed_at = time.monotonic()
+    code = proc.wait(timeout=60)
+    assert time.monotonic() - killed_at < 60
+    assert code == 1
+    res = load_json(run / "results.json")
+    assert res["status"] == "error"
+    assert "was killed by SIGKILL" in res["error"] and "rank " in res["error"]
+    assert res["passes"]["forward"]["tok_per_s"] > 0  # what was measured before is kept
+    log = (workdir / "log.txt").read_text()
+    assert "was killed by SIGKILL" in log and "Traceback" not in log
+    assert wait_session_empty(proc.pid) == []
+
+
+def test_a_hung_worker_times_out(workdir):
+    run = workdir / "run"
+    pidfile = workdir / "hung.pid"
+    env = harness_env(BALANCE_BATCH_TEST_PIDFILE=str(pidfile))
+    proc = start_harness("backend=fsdp2", "world_size=2", "workload=smoke", "backend.hooks=tests.faults:FSDP2HangMidPass",
+                         "bench.pass_timeout_s=5", "bench.warmup=0", f"hydra.run.dir={run}", cwd=workdir, env=env)
+    assert proc.wait(timeout=120) == 1
+    res = load_json(run / "results.json")
+    assert res["status"] == "timeout" and "pass_timeout_s=5" in res["error"]
+    assert not psutil.pid_exists(int(pidfile.read_text())) or psutil.Process(int(pidfile.read_text())).status() == psutil.STATUS_ZOMBIE
+    assert wait_session_empty(proc.pid) == []
+
+
+def test_an_interrupted_sweep_resumes_where_it_stopped(workdir):
+    sweep = workdir / "sweep"
+    args = ["-m", "mtpm=600,5000,100000", "backend=fsdp2", "workload=cpu_mixed", "workload.n_examples=12",
+            "bench.warmup=0", "bench.repeat=2", f"hydra.sweep.dir={sweep}"]
+    proc = start_harness(*args, cwd=workdir, log=workdir / "log.txt")
+    _wait_for(lambda: (sweep / "1" / "results.json").exists(), 180, "the second point")
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)  # Ctrl-C: the harness only (workers ignore it and are stopped by it)
+    assert proc.wait(timeout=60) == 130
+    log = (workdir / "log.txt").read_text()
+    assert "resume=true" in log and f"hydra.sweep.dir={sweep}" in log
+    assert wait_session_empty(proc.pid) == []
+    first = sweep / "0" / "results.json"
+    assert load_json(first)["status"] == "ok"
+    assert load_json(sweep / "1" / "results.json")["status"] == "interrupted"
+    before = _digest(first)
+
+    again = run_harness(*args, "resume=true", cwd=workdir, timeout=300)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "already ok" in again.stdout + again.stderr
+    assert _digest(first) == before  # the finished point was not run again
+    assert [r["status"] for r in sweep_results(sweep)] == ["ok", "ok", "ok"]
