@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from backends.atomic import write_text_atomic
+
 log = logging.getLogger(__name__)
 
 UNSET = "unset"
@@ -68,19 +70,7 @@ class ControlFile:
             "max_tokens_per_microbatch": UNSET if settings.max_tokens_per_microbatch is None else settings.max_tokens_per_microbatch,
             "micro_batch_size": settings.micro_batch_size,
         }
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", dir=self.path.parent)
-        try:
-            os.fchmod(fd, 0o600)
-            with os.fdopen(fd, "w") as f:
-                json.dump(data, f)
-            os.replace(tmp, self.path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-            raise
+        write_text_atomic(self.path, json.dumps(data), mode=0o600)
         self._last_good = settings
 
     def read(self) -> BatchingSettings:

@@ -40,7 +40,7 @@ from backends.microbatch import (
     sort_by_length,
 )
 from backends.model import ModelSpec, build_model
-from backends.step import ProgressLogger, run_schedule
+from backends.step import ProgressLogger, run_schedule, total_loss_weight
 
 log = logging.getLogger(__name__)
 
@@ -204,7 +204,7 @@ def _run_command(
     mine, local = _rank_share(command, rank, world_size)
     schedule = hooks.align(local)
     # The whole batch's loss weight, summed over ranks once per pass: every rank divides by it.
-    total_weight = _all_reduce_float(sum(float(examples[i].weights.sum()) for i in mine), dist.ReduceOp.SUM, device)
+    total_weight = _all_reduce_float(total_loss_weight(examples, mine), dist.ReduceOp.SUM, device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     hooks.start_pass(model, pass_type)

@@ -31,16 +31,53 @@ def _process_tree(pids: Sequence[int]) -> list[psutil.Process]:
     return list(procs.values())
 
 
-class CpuSampler:
-    """CPU utilisation of the run's processes (exact, from CPU times) and their peak resident memory (sampled)."""
+class _PeriodicSampler:
+    """Polls in a background thread between ``start`` and ``stop``; subclasses say what to poll and report."""
 
-    def __init__(self, pids: Sequence[int], interval_s: float = 0.1):
-        self.pids = list(pids)
+    name = "sampler"
+
+    def __init__(self, interval_s: float):
         self.interval_s = interval_s
-        self.n_cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        self.total_memory = psutil.virtual_memory().total
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
+
+    def _begin(self) -> None:
+        pass
+
+    def _poll(self) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def _result(self) -> tuple[float, float]:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._poll()
+
+    def start(self) -> None:
+        self._begin()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> tuple[float, float]:
+        """(utilisation %, peak memory % or NaN) since ``start``."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        return self._result()
+
+
+class CpuSampler(_PeriodicSampler):
+    """CPU utilisation of the run's processes (exact, from CPU times) and their peak resident memory (sampled)."""
+
+    name = "cpu-sampler"
+
+    def __init__(self, pids: Sequence[int], interval_s: float = 0.1):
+        super().__init__(interval_s)
+        self.pids = list(pids)
+        self.n_cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        self.total_memory = psutil.virtual_memory().total
         self._cpu: dict[int, float] = {}
         self.peak_rss = 0
 
@@ -56,39 +93,28 @@ class CpuSampler:
                 continue
         self.peak_rss = max(self.peak_rss, rss)
 
-    def _cpu_total(self) -> float:
-        return sum(self._cpu.values())
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self._poll()
-
-    def start(self) -> None:
+    def _begin(self) -> None:
         self._poll()
-        self._start_cpu = self._cpu_total()
+        self._start_cpu = sum(self._cpu.values())
         self._start_wall = time.perf_counter()
         self.peak_rss = 0
         self._poll()
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name="cpu-sampler", daemon=True)
-        self._thread.start()
 
-    def stop(self) -> tuple[float, float]:
-        """Returns (utilisation %, peak memory % of the machine) since ``start``."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
+    def _result(self) -> tuple[float, float]:
         self._poll()
         wall = time.perf_counter() - self._start_wall
-        cpu = self._cpu_total() - self._start_cpu
+        cpu = sum(self._cpu.values()) - self._start_cpu
         util = 100.0 * cpu / (wall * self.n_cpus) if wall > 0 else 0.0
         return min(util, 100.0), 100.0 * self.peak_rss / self.total_memory
 
 
-class GpuSampler:
+class GpuSampler(_PeriodicSampler):
     """GPU utilisation (NVML, sampled) of the devices a run uses; memory comes from the workers' allocator."""
 
+    name = "gpu-sampler"
+
     def __init__(self, device_indices: Sequence[int], interval_s: float = 0.1):
+        super().__init__(interval_s)
         import pynvml
 
         self.nvml = pynvml
@@ -98,30 +124,19 @@ class GpuSampler:
             ids = [v.strip() for v in visible.split(",") if v.strip()]
             device_indices = [int(ids[i]) if ids[i].isdigit() else i for i in device_indices]
         self.handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in device_indices]
-        self.total_memory = pynvml.nvmlDeviceGetMemoryInfo(self.handles[0]).total
-        self.interval_s = interval_s
-        self._stop = threading.Event()
         self._samples: list[float] = []
-        self._thread: Optional[threading.Thread] = None
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            try:
-                u = [self.nvml.nvmlDeviceGetUtilizationRates(h).gpu for h in self.handles]
-                self._samples.append(sum(u) / len(u))
-            except self.nvml.NVMLError:
-                continue
-
-    def start(self) -> None:
+    def _begin(self) -> None:
         self._samples = []
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name="gpu-sampler", daemon=True)
-        self._thread.start()
 
-    def stop(self) -> tuple[float, float]:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
+    def _poll(self) -> None:
+        try:
+            u = [self.nvml.nvmlDeviceGetUtilizationRates(h).gpu for h in self.handles]
+            self._samples.append(sum(u) / len(u))
+        except self.nvml.NVMLError:
+            pass
+
+    def _result(self) -> tuple[float, float]:
         util = sum(self._samples) / len(self._samples) if self._samples else 0.0
         return util, float("nan")  # memory: filled in from the pass result
 

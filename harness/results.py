@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from backends.atomic import write_text_atomic
 
 RESULTS_FILE = "results.json"
 OUTPUTS_FILE = "example_outputs.json"
@@ -25,25 +25,5 @@ def _clean(value: Any) -> Any:
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
-    """Write to a temporary file in the same folder, then rename over ``path``: readers never see half a file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(_clean(data), f, indent=2)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-
-
-def read_results(path: Path) -> dict:
-    with open(path) as f:
-        return json.load(f)
+    """results.json and friends: atomic and fsynced, so a crash never leaves half a file."""
+    write_text_atomic(path, json.dumps(_clean(data), indent=2) + "\n", durable=True)

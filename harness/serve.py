@@ -155,25 +155,25 @@ def build_app(backend, control, vocab_size: int, server, admin_token: Optional[s
     async def admin_config(request: Request):
         return check_admin(request) or current()
 
-    @app.post("/admin/set_max_tokens_per_microbatch")
-    async def set_mtpm(request: Request):
+    async def admin_set(request: Request, name: str, ceiling: int, apply) -> Any:
         refused = check_admin(request)
         if refused:
             return refused
-        value = parse_setting(await json_body(request), "max_tokens_per_microbatch", server.mtpm_ceiling)
-        control.set_max_tokens_per_microbatch(value)
-        log.info("max_tokens_per_microbatch set to %s", value)
+        value = parse_setting(await json_body(request), name, ceiling)
+        apply(value)
+        log.info("%s set to %s", name, value)
         return current()
+
+    @app.post("/admin/set_max_tokens_per_microbatch")
+    async def set_mtpm(request: Request):
+        return await admin_set(request, "max_tokens_per_microbatch", server.mtpm_ceiling,
+                               control.set_max_tokens_per_microbatch)
 
     @app.post("/admin/set_micro_batch_size")
     async def set_mbs(request: Request):
-        refused = check_admin(request)
-        if refused:
-            return refused
-        value = parse_setting(await json_body(request), "micro_batch_size", server.mbs_ceiling)
-        control.set_micro_batch_size(default_mbs if value is None else value)
-        log.info("micro_batch_size set to %s", value)
-        return current()
+        # null puts back the size the server was started with
+        return await admin_set(request, "micro_batch_size", server.mbs_ceiling,
+                               lambda v: control.set_micro_batch_size(default_mbs if v is None else v))
 
     async def run(pass_type: str, request: Request):
         body = await json_body(request)
