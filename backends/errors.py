@@ -21,3 +21,9 @@ class BackendError(RuntimeError):
         super().__init__(message)
         self.details = details
         self.status = status
+
+
+def first_line(text: str, limit: int) -> str:
+    """The first non-empty line of ``text``, cut to ``limit`` characters: what fits a one-line error."""
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    return line if len(line) <= limit else line[: limit - 3] + "..."

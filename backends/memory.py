@@ -8,6 +8,8 @@ from typing import Optional
 
 import torch
 
+from backends.errors import first_line
+
 log = logging.getLogger(__name__)
 
 _OOM_MARKERS = ("can't allocate memory", "cannot allocate memory", "out of memory")
@@ -47,9 +49,9 @@ def restore_memory_limit(previous: Optional[tuple[int, int]]) -> None:
 
 
 def oom_message(pass_type: str, where: str, largest_padded: int, limit_gb: Optional[float], exc: BaseException) -> str:
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    first = first_line(str(exc), 200) or type(exc).__name__
     limit = f", bench.memory_limit_gb={limit_gb:g}" if limit_gb is not None else ""
     return (
         f"out of memory in {pass_type}{where} (largest micro-batch {largest_padded:,} padded tokens{limit}): "
-        f"{first[:200]}"
+        f"{first}"
     )

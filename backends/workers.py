@@ -26,8 +26,9 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from backends import resolve_world_size
 from backends.base import Backend, BackendSpec, PassResult, resolve_device
-from backends.errors import BackendError
+from backends.errors import BackendError, UserError, first_line
 from backends.examples import Example
 from backends.memory import is_out_of_memory, limit_memory, oom_message
 from backends.microbatch import (
@@ -268,11 +269,6 @@ class _LogForwarder:
         self.thread.join(timeout=2)
 
 
-def _first_line(text: str, limit: int) -> str:
-    line = text.strip().splitlines()[0] if text.strip() else ""
-    return line if len(line) <= limit else line[: limit - 3] + "..."
-
-
 def _describe_exit(code: Optional[int]) -> str:
     if code is None:
         return "is unresponsive"
@@ -291,13 +287,9 @@ class DistributedBackend(Backend):
 
     def __init__(self, spec: BackendSpec, model: ModelSpec, hooks_path: Optional[str] = None):
         super().__init__(spec, model)
-        from backends import resolve_world_size
-
         self.device = resolve_device(spec.device)
         self.world_size = resolve_world_size(spec.name, spec.world_size, self.device.type)
         if self.device.type == "cuda" and self.world_size > torch.cuda.device_count():
-            from backends.errors import UserError
-
             raise UserError(
                 f"world_size: {self.world_size} ranks need {self.world_size} GPUs, "
                 f"{torch.cuda.device_count()} visible (valid: 1..{torch.cuda.device_count()} or null)"
@@ -385,10 +377,10 @@ class DistributedBackend(Backend):
             p = self.procs[dead]
             self._abort(
                 f"rank {dead} {_describe_exit(p.exitcode)} during {what} "
-                f"(rank {rank} then failed: {_first_line(message, 160)})",
+                f"(rank {rank} then failed: {first_line(message, 160)})",
                 details=details,
             )
-        self._abort(f"rank {rank} failed during {what}: {_first_line(message, 400)}", details=details)
+        self._abort(f"rank {rank} failed during {what}: {first_line(message, 400)}", details=details)
 
     def _dead_rank(self, wait_s: float) -> Optional[int]:
         deadline = time.monotonic() + wait_s

@@ -73,9 +73,6 @@ class RemoteBackend(Backend):
     def describe_device(self) -> dict:
         return dict(self.info["device"])
 
-    def device_memory_bytes(self) -> int:
-        return int(self.info["device"]["memory_bytes"])
-
     def pids(self) -> list[int]:
         return [int(p) for p in self.info.get("pids", [])] if self.local else []
 

@@ -101,7 +101,7 @@ def build_app(backend, control, vocab_size: int, server, admin_token: Optional[s
     from fastapi.concurrency import run_in_threadpool
     from fastapi.responses import JSONResponse
 
-    from backends.base import device_description, make_command
+    from backends.base import make_command
 
     app = FastAPI(title="balance-batch", docs_url=None, redoc_url=None)
     passes = asyncio.Semaphore(1)  # one pass at a time
@@ -110,7 +110,7 @@ def build_app(backend, control, vocab_size: int, server, admin_token: Optional[s
         "status": "ok",
         "backend": backend.name,
         "world_size": backend.world_size,
-        "device": device_description(backend.device, backend.world_size),
+        "device": backend.describe_device(),
         "vocab_size": vocab_size,
         "pids": [os.getpid(), *backend.pids()],
     }
