@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import harness_env, run_harness, sweep_results
-from tests.wandb_records import run_contents
 from tests.plan_docs import harness_writes_plan_json
+from tests.wandb_records import run_contents
 
 pytestmark = pytest.mark.slow
 
