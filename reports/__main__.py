@@ -12,7 +12,14 @@ import sys
 from pathlib import Path
 
 from reports.collect import collect
-from reports.plan_figure import draw_plan_file, plan_figure_paths, published_plans, readme_plan_lines, write_plan_figures
+from reports.plan_figure import (
+    draw_plan_file,
+    draw_side_by_side,
+    plan_figure_paths,
+    published_plans,
+    readme_plan_lines,
+    write_plan_figures,
+)
 from reports.plots import plot_paths, write_plots
 from reports.render import BEGIN, END, markdown_tables, readme_block, replace_block, write_csv
 
@@ -89,8 +96,7 @@ def main(argv=None) -> int:
     write_plots(df, out_dir)
     write_plan_figures(df, out_dir)
     if committed:  # the README's plan figures are committed files: only the committed run redraws them
-        for plan, png in zip(plans, plan_pngs):
-            draw_plan_file(plan, png)
+        draw_side_by_side(plans, plan_pngs)
     write_csv(df, args.csv or out_dir / "results.csv")
     (out_dir / "report.md").write_text(markdown_tables(df, out_dir) + "\n")
     if readme is not None:

@@ -104,6 +104,12 @@ class PlanBlocks:
         return sum(self.rank_cost) / len(self.rank_cost) if self.rank_cost else 0.0
 
     @property
+    def ideal_cost(self) -> float:
+        """The pass with no padding and no waiting: Σ over sequences of a·L + b·L², spread evenly over the ranks."""
+        real = sum(b.real_cost for row in self.blocks for b in row)
+        return real / self.world_size if self.world_size else 0.0
+
+    @property
     def makespan(self) -> float:
         """Modeled time of the pass: Σ steps of the slowest rank (lock-step), else the slowest rank's total."""
         return sum(self.step_cost) if self.lockstep else max(self.rank_cost, default=0.0)
@@ -198,7 +204,11 @@ KINDS = ("real", "padding", "idle", "dummy")
 
 @dataclass(frozen=True)
 class Rect:
-    """One drawn bar segment, in units of the mean rank's cost (so a row's length is the critical path)."""
+    """One drawn bar segment, in units of the ideal pass (no padding, no waiting: ``PlanBlocks.ideal_cost``).
+
+    One unit for every plan of the same workload and cost model, so two plans drawn
+    side by side share a scale; a row ends at makespan ÷ ideal.
+    """
 
     rank: int
     x: float
@@ -226,8 +236,8 @@ class Layout:
     columns: list[Column]
     boundaries: list[tuple[int, float]]  # (rank, x): where one drawn micro-batch (or group) ends and the next starts
     group: int  # steps (lock-step) or micro-batches (independent) summed into one drawn block; 1 = none
-    unit: float  # the cost one x unit stands for (the mean rank's cost)
-    total: float  # the longest row's length: the critical path
+    unit: float  # the cost one x unit stands for (the ideal pass)
+    total: float  # the longest row's length: makespan ÷ ideal
 
 
 def _groups(n: int, max_columns: int) -> tuple[int, list[range]]:
@@ -236,8 +246,8 @@ def _groups(n: int, max_columns: int) -> tuple[int, list[range]]:
 
 
 def plan_layout(pb: PlanBlocks, max_columns: int = MAX_COLUMNS) -> Layout:
-    """The figure's rectangles: each kind's widths sum to that kind's cost in the plan (÷ the mean rank cost)."""
-    unit = pb.mean_rank_cost or 1.0
+    """The figure's rectangles: each kind's widths sum to that kind's cost in the plan (÷ the ideal pass)."""
+    unit = pb.ideal_cost or 1.0
     rects: list[Rect] = []
     columns: list[Column] = []
     boundaries: list[tuple[int, float]] = []
@@ -289,7 +299,7 @@ def plan_layout(pb: PlanBlocks, max_columns: int = MAX_COLUMNS) -> Layout:
 
 
 def kind_totals(layout: Layout, ranks: Optional[Sequence[int]] = None) -> dict[str, float]:
-    """Σ drawn width per kind (over ``ranks``, default all), in mean-rank-cost units."""
+    """Σ drawn width per kind (over ``ranks``, default all), in units of the ideal pass."""
     out = {k: 0.0 for k in KINDS}
     for r in layout.rects:
         if ranks is None or r.rank in ranks:

@@ -52,21 +52,21 @@ def _workload_name(plan_path: Path) -> Optional[str]:
         return None
 
 
-def describe(pb: PlanBlocks, workload: Optional[str] = None) -> tuple[str, str]:
-    """The figure's title and subtitle: what the plan is, and the two numbers it is judged by."""
+def describe(pb: PlanBlocks, workload: Optional[str] = None) -> tuple[list[str], list[str]]:
+    """The figure's title and subtitle parts: what the plan is, and the numbers it is judged by."""
     budget = f"budget {pb.budget:,} tokens / micro-batch" if pb.budget else f"fixed {pb.micro_batch_size or 1} sequence(s) / micro-batch"
-    title = " · ".join(
-        [f"{pb.backend or 'backend ?'}", f"{pb.planner or 'planner ?'} planner", f"{pb.layout} layout", budget]
-    )
+    title = [f"{pb.backend or 'backend ?'}", f"{pb.planner or 'planner ?'} planner", f"{pb.layout} layout", budget]
     what = f"{pb.n_sequences:,} sequences" + (f" of {workload}" if workload else "") + f", {pb.real_tokens:,} tokens"
+    ranks = f"{pb.world_size} rank{'s' if pb.world_size != 1 else ''}"
     if pb.lockstep:
-        shape = f"{pb.world_size} rank{'s' if pb.world_size != 1 else ''} × {pb.n_steps} lock-step steps"
-        cp = "critical path {:.3f} (Σ steps of the slowest rank ÷ mean rank)".format(pb.critical_path)
+        shape = f"{ranks} × {pb.n_steps} lock-step steps"
+        cp = f"critical path {pb.critical_path:.3f} (Σ steps of the slowest rank ÷ mean rank)"
     else:
-        shape = f"{pb.world_size} rank{'s' if pb.world_size != 1 else ''}, {max(pb.n_microbatches, default=0)} micro-batches on the busiest, run independently"
-        cp = "critical path {:.3f} (slowest rank ÷ mean rank)".format(pb.critical_path)
-    subtitle = f"{shape} · {what} · pad efficiency {pb.pad_efficiency:.3f} · {cp}"
-    return title, subtitle
+        shape = f"{ranks} run independently, up to {max(pb.n_microbatches, default=0)} micro-batches each"
+        cp = f"critical path {pb.critical_path:.3f} (slowest rank ÷ mean rank)"
+    ideal = pb.makespan / pb.ideal_cost if pb.ideal_cost else 1.0
+    return title, [shape, what, f"pad efficiency {pb.pad_efficiency:.3f}", cp,
+                   f"modeled time {ideal:.3f} × the ideal (no padding, no waiting)"]
 
 
 def figure_notes(pb: PlanBlocks, lay: Layout) -> list[str]:
@@ -84,14 +84,33 @@ def figure_notes(pb: PlanBlocks, lay: Layout) -> list[str]:
             notes.append(f"Aggregated: groups of {lay.group} consecutive micro-batches per rank, summed.")
     if pb.layout == "packed":
         notes.append("Packed layout: sequences end to end in one row, no padding.")
+    else:
+        notes.append("Padded layout: every sequence of a micro-batch padded to its longest.")
     cm = pb.cost_model
-    notes.append(f"Cost model a={cm['a']:.4g}, b={cm['b']:.4g} ({cm.get('source') or 'no source given'}). "
+    notes.append(f"Cost per sequence a·L + b·L², a={cm['a']:.4g}, b={cm['b']:.4g} ({cm.get('source') or 'no source given'}). "
                  "Numbers in blocks: sequences.")
     return notes
 
 
-def draw_plan(doc: dict, out_png: Path, workload: Optional[str] = None, max_columns: int = MAX_COLUMNS) -> Path:
-    """Draw ``doc`` (a plan.json document) into ``out_png``."""
+def _wrap(parts: Sequence[str], width: int, sep: str = " · ") -> list[str]:
+    """Join ``parts`` with ``sep`` into lines of at most ``width`` characters (a part is never split)."""
+    lines: list[str] = []
+    for part in parts:
+        if lines and len(lines[-1]) + len(sep) + len(part) <= width:
+            lines[-1] += sep + part
+        else:
+            lines.append(part)
+    return lines
+
+
+def draw_plan(doc: dict, out_png: Path, workload: Optional[str] = None, max_columns: int = MAX_COLUMNS,
+              width_in: float = 13.0, x_total: float = 0.0) -> Path:
+    """Draw ``doc`` (a plan.json document) into ``out_png``, ``width_in`` inches wide.
+
+    ``x_total``: draw the axis at least this long (plans shown side by side share one scale).
+    """
+    import textwrap
+
     import matplotlib
 
     matplotlib.use("Agg")
@@ -102,21 +121,37 @@ def draw_plan(doc: dict, out_png: Path, workload: Optional[str] = None, max_colu
     pb = plan_blocks(doc)
     lay = plan_layout(pb, max_columns)
     ranks = pb.world_size
-    height = 0.62  # of a row
-    fig_h = 2.2 + 0.36 * max(ranks, 2)
-    fig, ax = plt.subplots(figsize=(13, fig_h))
+    title_parts, subtitle_parts = describe(pb, workload)
+    title = _wrap(title_parts, int(width_in * 9.5))
+    subtitle = _wrap(subtitle_parts, int(width_in * 15))
+    notes = [line for note in figure_notes(pb, lay) for line in textwrap.wrap(note, int(width_in * 21))]
+    drawn = {r.kind for r in lay.rects if r.width > 0}  # the legend always explains real, padding and waiting
+    legend_kinds = ["real", "padding", "idle"] + (["dummy"] if "dummy" in drawn else [])
+    legend_cols = len(legend_kinds) + 1 if width_in >= 10 else 3
+    legend_rows = -(-(len(legend_kinds) + 1) // legend_cols)
+
+    # Layout in inches: title and subtitle, step numbers, the rows, axis, legend, notes.
+    top_in = 0.2 + 0.22 * len(title) + 0.16 * len(subtitle) + (0.3 if pb.lockstep else 0.12)
+    bottom_in = 0.55 + 0.22 * legend_rows + 0.12 * len(notes) + 0.06
+    left_in, right_in, row_in = 0.62, 0.08, 0.36
+    fig_h = top_in + row_in * max(ranks, 2) + bottom_in
+    fig, ax = plt.subplots(figsize=(width_in, fig_h))
+    fig.subplots_adjust(left=left_in / width_in, right=1 - right_in / width_in, top=1 - top_in / fig_h, bottom=bottom_in / fig_h)
+    plot_in = width_in - left_in - right_in
     total = max(lay.total, 1.0)
+    xmax = max(total, x_total) / (1 - 0.95 / plot_in)  # room right of the rows for each rank's totals
+    per_in = xmax / plot_in  # x units per inch
+    height = 0.62  # of a row
 
     for r in lay.rects:
-        y = r.rank
         if r.kind == "dummy":
             if pb.lockstep:
-                ax.barh(y, r.width, left=r.x, height=height, color="white", edgecolor=COLORS["dummy"],
+                ax.barh(r.rank, r.width, left=r.x, height=height, color="white", edgecolor=COLORS["dummy"],
                         hatch="////", linewidth=0)
             continue
-        ax.barh(y, r.width, left=r.x, height=height, color=COLORS[r.kind], linewidth=0)
-        if r.kind == "real" and r.n_sequences and r.width / total > 0.016:
-            ax.text(r.x + r.width / 2, y, f"{r.n_sequences}", ha="center", va="center", fontsize=6.5, color="white")
+        ax.barh(r.rank, r.width, left=r.x, height=height, color=COLORS[r.kind], linewidth=0)
+        if r.kind == "real" and r.n_sequences and r.width / per_in > 0.2:
+            ax.text(r.x + r.width / 2, r.rank, f"{r.n_sequences}", ha="center", va="center", fontsize=6.5, color="white")
 
     # Boundaries between drawn micro-batches (or groups): columns across all rows, or per row for independent ranks.
     for c in lay.columns[1:]:
@@ -128,12 +163,13 @@ def draw_plan(doc: dict, out_png: Path, workload: Optional[str] = None, max_colu
     ax.set_ylim(ranks - 0.5, -0.5)
     ax.set_yticks(range(ranks))
     ax.set_yticklabels([f"rank {r}" for r in range(ranks)], fontsize=8)
-    ax.set_xlim(0, total * 1.13)
+    ax.set_xlim(0, xmax)
+    ax.set_xticks([t for t in ax.get_xticks() if t <= total + 1e-9])
     for r in range(ranks):
-        extra = (f", {pb.n_dummy[r]} dummy" if pb.lockstep else f", {pb.n_dummy[r]} null skipped") if pb.n_dummy[r] else ""
-        ax.text(total * 1.005, r, f"work {pb.rank_cost[r] / lay.unit:.2f}\n{pb.rank_real_tokens[r]:,} tok{extra}",
-                va="center", fontsize=7)
-    ax.set_xlabel("modeled time, in units of the mean rank's work (cost a·L + b·L² per sequence)", fontsize=8)
+        extra = (f", {pb.n_dummy[r]} dummy" if pb.lockstep else f", {pb.n_dummy[r]} null") if pb.n_dummy[r] else ""
+        ax.text(total + 0.05 * per_in, r, f"work {pb.rank_cost[r] / lay.unit:.2f}{extra}\n{pb.rank_real_tokens[r]:,} tok",
+                va="center", fontsize=6.5)
+    ax.set_xlabel("modeled time ÷ the ideal pass (every rank busy, no padding)", fontsize=8)
     ax.tick_params(axis="x", labelsize=8)
     for side in ("top", "right", "left"):
         ax.spines[side].set_visible(False)
@@ -141,32 +177,25 @@ def draw_plan(doc: dict, out_png: Path, workload: Optional[str] = None, max_colu
     if pb.lockstep:
         # Step numbers on top, where a column is wide enough to carry one.
         top = ax.secondary_xaxis("top")
-        shown = [c for c in lay.columns if c.width / total > 0.022]
+        label = lambda c: str(c.first_step + 1) if c.first_step == c.last_step else f"{c.first_step + 1}–{c.last_step + 1}"
+        shown = [c for c in lay.columns if c.width / per_in > 0.055 * len(label(c)) + 0.04]
         top.set_xticks([c.x + c.width / 2 for c in shown])
-        top.set_xticklabels(
-            [str(c.first_step + 1) if c.first_step == c.last_step else f"{c.first_step + 1}–{c.last_step + 1}" for c in shown],
-            fontsize=6.5 if lay.group > 1 else 7,
-        )
-        top.tick_params(length=0)
+        top.set_xticklabels([label(c) for c in shown], fontsize=6.5)
+        top.tick_params(length=0, pad=1)
         top.spines["top"].set_visible(False)
+        top.set_xlabel("lock-step step", fontsize=7, labelpad=2)
 
-    title, subtitle = describe(pb, workload)
-    notes = figure_notes(pb, lay)
-    fig.suptitle(title, fontsize=11, x=0.01, ha="left", y=0.995)
-    fig.text(0.01, 1 - 0.33 / fig_h, subtitle, fontsize=8.5, ha="left", va="top")
-    drawn = {r.kind for r in lay.rects if r.width > 0}
-    legend_kinds = [k for k in ("real", "padding", "idle", "dummy") if k in drawn]
+    fig.text(0.08 / width_in, 1 - 0.08 / fig_h, "\n".join(title), fontsize=10.5, ha="left", va="top", weight="bold")
+    fig.text(0.08 / width_in, 1 - (0.12 + 0.22 * len(title)) / fig_h, "\n".join(subtitle), fontsize=8, ha="left", va="top", linespacing=1.35)
     handles = [
         Patch(facecolor="white", edgecolor=COLORS["dummy"], hatch="////", label=LABELS[k]) if k == "dummy"
         else Patch(color=COLORS[k], label=LABELS[k])
         for k in legend_kinds
-    ] + [Line2D([], [], color="black", linestyle="--", linewidth=0.8, label="1.0: no rank ever waits")]
-    notes_h = 0.13 * len(notes)  # inches
-    fig.legend(handles=handles, loc="lower left", ncol=len(handles), fontsize=8, frameon=False,
-               bbox_to_anchor=(0.005, (notes_h + 0.04) / fig_h))
-    fig.text(0.01, 0.04 / fig_h, "\n".join(notes), fontsize=6.5, ha="left", va="bottom", color="#444444")
-    # Fixed margins in inches (title and step numbers above; axis, legend and notes below), rows in between.
-    fig.subplots_adjust(left=0.6 / 13, right=0.995, top=1 - 0.95 / fig_h, bottom=(0.85 + notes_h) / fig_h)
+    ] + [Line2D([], [], color="black", linestyle="--", linewidth=0.8, label="1.0: the ideal pass")]
+    notes_in = 0.12 * len(notes) + 0.06
+    fig.legend(handles=handles, loc="lower left", ncol=legend_cols, fontsize=7.5, frameon=False,
+               bbox_to_anchor=(0.0, notes_in / fig_h), handlelength=1.6, columnspacing=1.2)
+    fig.text(0.08 / width_in, 0.05 / fig_h, "\n".join(notes), fontsize=6.5, ha="left", va="bottom", color="#444444")
     out_png = Path(out_png)
     out_png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out_png, dpi=110)
@@ -174,12 +203,20 @@ def draw_plan(doc: dict, out_png: Path, workload: Optional[str] = None, max_colu
     return out_png
 
 
-def draw_plan_file(path: Path, out_png: Optional[Path] = None) -> Path:
+def draw_plan_file(path: Path, out_png: Optional[Path] = None, **kwargs) -> Path:
     """Draw the plan at ``path`` (a point folder or a plan.json) into ``out_png`` (default: plan.png beside it)."""
     plan_path = find_plan(path)
     doc = load_plan(plan_path)
     out = Path(out_png) if out_png is not None else plan_path.with_suffix(".png")
-    return draw_plan(doc, out, workload=_workload_name(plan_path))
+    return draw_plan(doc, out, workload=_workload_name(plan_path), **kwargs)
+
+
+def draw_side_by_side(plans: Sequence[Path], pngs: Sequence[Path], width_in: float = 6.5) -> list[Path]:
+    """Draw plans meant to be compared (the README's): narrow, on one common time axis."""
+    docs = [load_plan(p) for p in plans]
+    longest = max((plan_layout(plan_blocks(d)).total for d in docs), default=0.0)
+    return [draw_plan(d, png, workload=_workload_name(find_plan(p)), width_in=width_in, x_total=longest)
+            for d, p, png in zip(docs, plans, pngs)]
 
 
 def point_name(results_path: Path, out_dir: Path) -> str:
@@ -247,7 +284,8 @@ def readme_plan_lines(figures: Sequence[Path], plans: Sequence[Path], base: Path
     return [
         "",
         f"The plans behind a budget, from dry runs ({sources}): one row per rank, each micro-batch's real tokens, "
-        "padding and the time it waits for the slowest rank, on the modeled cost a·L + b·L². "
+        "padding and the time it waits for the slowest rank, on the modeled cost a·L + b·L², both on one scale "
+        "(1.0: the same sequences with no padding and no waiting). "
         "Draw any run's plan with `python -m reports plan POINT_DIR`.",
         "",
         f"<p>{imgs}</p>",

@@ -11,7 +11,7 @@ import pytest
 
 from harness.workload import mixed_lengths
 from reports.plan_blocks import MAX_COLUMNS, plan_blocks, plan_layout, kind_totals
-from reports.plan_figure import draw_plan, figure_notes, published_plans, readme_plan_lines
+from reports.plan_figure import draw_plan, draw_side_by_side, figure_notes, published_plans, readme_plan_lines
 from tests.conftest import REPO, run_cli
 from tests.plan_docs import COST_MODEL, greedy_doc, plan_doc
 
@@ -94,18 +94,21 @@ def test_totals_behind_the_figure_are_the_plans_numbers(name, doc, plan):
         assert pb.rank_padded_tokens == st.padded_tokens_per_rank
         assert pb.n_microbatches == st.n_microbatches and pb.n_dummy == st.n_dummy
 
-    # What is drawn: each kind's widths sum to its cost in units of the mean rank, and
-    # every row is as long as the critical path (lock-step: padded out with waiting).
+    # What is drawn: each kind's widths sum to its cost in units of the ideal pass (the
+    # sequences' own cost spread evenly, no padding), and every row is as long as the
+    # pass (lock-step: padded out with waiting), which is the critical path in mean-rank units.
     lay = plan_layout(pb)
-    unit = ref["mean"]
-    totals = kind_totals(lay)
     real_cost = sum(cost(n) for n in lengths)
     all_cost = sum(ref["rank_cost"])
+    unit = real_cost / len(doc["schedules"])
+    totals = kind_totals(lay)
     assert totals["real"] == pytest.approx(real_cost / unit)
     assert totals["padding"] == pytest.approx((all_cost - real_cost) / unit)
-    assert totals["idle"] + totals["dummy"] == pytest.approx(pb.world_size * ref["critical_path"] - all_cost / unit)
+    assert totals["idle"] + totals["dummy"] == pytest.approx((pb.world_size * ref["makespan"] - all_cost) / unit)
     for rank in range(pb.world_size):
-        assert sum(kind_totals(lay, [rank]).values()) == pytest.approx(ref["critical_path"])
+        row = sum(kind_totals(lay, [rank]).values())
+        assert row == pytest.approx(ref["makespan"] / unit)
+        assert row * unit / ref["mean"] == pytest.approx(ref["critical_path"])
     if doc["lockstep"]:
         for rank, row in enumerate(pb.blocks):
             dummy_width = sum(pb.step_cost[b.step] for b in row if b.dummy) / unit
@@ -225,4 +228,5 @@ def test_readme_shows_published_plans_side_by_side(tmp_path):
     assert len(images) == 1 and images[0].count("<img") == 2
     assert images[0].index("plots/plan-greedy-padded.png") < images[0].index("plots/plan-balanced-packed.png")
     assert readme_plan_lines([], [], tmp_path) == []
+    assert [png.read_bytes()[:8] for png in draw_side_by_side(found, pngs)] == [PNG, PNG]
     assert math.isfinite(plan_blocks(json.loads(found[0].read_text())).critical_path)
