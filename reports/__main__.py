@@ -75,7 +75,8 @@ def main(argv=None) -> int:
         df["plan_png"] = plan_figure_paths(df, out_dir)
     plans = published_plans(PLANS) if readme is not None else []
     plan_pngs = [PACKAGE / "plots" / f"plan-{p.parent.name}.png" for p in plans]
-    block = readme_block(df, plots, readme, source, readme_plan_lines(plan_pngs, plans, readme.parent if readme else REPO))
+    plan_lines = readme_plan_lines(plan_pngs, plans, readme.parent if readme else REPO)
+    block = readme_block(df, plots, readme, source, plan_lines)
 
     if args.check:
         if readme is None:

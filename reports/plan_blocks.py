@@ -33,7 +33,8 @@ def check_plan_doc(doc) -> None:
         for s, batch in enumerate(schedule):
             if batch is None:
                 continue
-            if not isinstance(batch, list) or not batch or not all(isinstance(i, int) and 0 <= i < len(lengths) for i in batch):
+            indices_ok = isinstance(batch, list) and all(isinstance(i, int) and 0 <= i < len(lengths) for i in batch)
+            if not batch or not indices_ok:
                 raise ValueError(f"schedules[{r}][{s}] must be null or a non-empty list of indices into 'lengths'")
     if doc.get("lockstep", True) and len({len(s) for s in schedules}) > 1:
         raise ValueError("'lockstep' is true but the ranks' schedules differ in length")
@@ -141,7 +142,8 @@ def plan_blocks(doc: dict) -> PlanBlocks:
     def cost(n: int) -> float:
         return a * n + b * n * n
 
-    raw: list[list[tuple]] = []  # per rank, per step: (count, real tokens, padding tokens, real cost, padding cost, dummy)
+    # per rank, per step: (count, real tokens, padding tokens, real cost, padding cost, dummy)
+    raw: list[list[tuple]] = []
     for schedule in doc["schedules"]:
         row = []
         for batch in schedule:
@@ -160,9 +162,7 @@ def plan_blocks(doc: dict) -> PlanBlocks:
         raw.append(row)
 
     n_steps = max((len(r) for r in raw), default=0)
-    step_cost = (
-        [max(r[s][3] + r[s][4] for r in raw) for s in range(n_steps)] if lockstep else []
-    )
+    step_cost = [max(r[s][3] + r[s][4] for r in raw) for s in range(n_steps)] if lockstep else []
     blocks = [
         [
             Block(

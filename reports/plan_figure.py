@@ -54,7 +54,10 @@ def _workload_name(plan_path: Path) -> Optional[str]:
 
 def describe(pb: PlanBlocks, workload: Optional[str] = None) -> tuple[list[str], list[str]]:
     """The figure's title and subtitle parts: what the plan is, and the numbers it is judged by."""
-    budget = f"budget {pb.budget:,} tokens / micro-batch" if pb.budget else f"fixed {pb.micro_batch_size or 1} sequence(s) / micro-batch"
+    if pb.budget:
+        budget = f"budget {pb.budget:,} tokens / micro-batch"
+    else:
+        budget = f"fixed {pb.micro_batch_size or 1} sequence(s) / micro-batch"
     title = [f"{pb.backend or 'backend ?'}", f"{pb.planner or 'planner ?'} planner", f"{pb.layout} layout", budget]
     what = f"{pb.n_sequences:,} sequences" + (f" of {workload}" if workload else "") + f", {pb.real_tokens:,} tokens"
     ranks = f"{pb.world_size} rank{'s' if pb.world_size != 1 else ''}"
@@ -73,7 +76,8 @@ def figure_notes(pb: PlanBlocks, lay: Layout) -> list[str]:
     """The lines under the figure: how to read it, and whether steps were grouped (aggregated) to stay readable."""
     notes = []
     if pb.lockstep:
-        notes.append("Lock-step: every rank runs step s together; a column's width is the step's cost on its slowest rank.")
+        notes.append("Lock-step: every rank runs step s together; "
+                     "a column's width is the step's cost on its slowest rank.")
         if lay.group > 1:
             notes.append(f"Aggregated: {pb.n_steps} steps drawn in groups of {lay.group} consecutive steps, "
                          "each group's real, padding and waiting summed.")
@@ -87,8 +91,8 @@ def figure_notes(pb: PlanBlocks, lay: Layout) -> list[str]:
     else:
         notes.append("Padded layout: every sequence of a micro-batch padded to its longest.")
     cm = pb.cost_model
-    notes.append(f"Cost per sequence a·L + b·L², a={cm['a']:.4g}, b={cm['b']:.4g} ({cm.get('source') or 'no source given'}). "
-                 "Numbers in blocks: sequences.")
+    source = cm.get("source") or "no source given"
+    notes.append(f"Cost per sequence a·L + b·L², a={cm['a']:.4g}, b={cm['b']:.4g} ({source}). Numbers in blocks: sequences.")
     return notes
 
 
@@ -136,7 +140,8 @@ def draw_plan(doc: dict, out_png: Path, workload: Optional[str] = None, max_colu
     left_in, right_in, row_in = 0.62, 0.08, 0.36
     fig_h = top_in + row_in * max(ranks, 2) + bottom_in
     fig, ax = plt.subplots(figsize=(width_in, fig_h))
-    fig.subplots_adjust(left=left_in / width_in, right=1 - right_in / width_in, top=1 - top_in / fig_h, bottom=bottom_in / fig_h)
+    fig.subplots_adjust(left=left_in / width_in, right=1 - right_in / width_in,
+                        top=1 - top_in / fig_h, bottom=bottom_in / fig_h)
     plot_in = width_in - left_in - right_in
     total = max(lay.total, 1.0)
     xmax = max(total, x_total) / (1 - 0.95 / plot_in)  # room right of the rows for each rank's totals
@@ -151,7 +156,8 @@ def draw_plan(doc: dict, out_png: Path, workload: Optional[str] = None, max_colu
             continue
         ax.barh(r.rank, r.width, left=r.x, height=height, color=COLORS[r.kind], linewidth=0)
         if r.kind == "real" and r.n_sequences and r.width / per_in > 0.2:
-            ax.text(r.x + r.width / 2, r.rank, f"{r.n_sequences}", ha="center", va="center", fontsize=6.5, color="white")
+            ax.text(r.x + r.width / 2, r.rank, f"{r.n_sequences}", ha="center", va="center", fontsize=6.5,
+                    color="white")
 
     # Boundaries between drawn micro-batches (or groups): columns across all rows, or per row for independent ranks.
     for c in lay.columns[1:]:
@@ -167,8 +173,8 @@ def draw_plan(doc: dict, out_png: Path, workload: Optional[str] = None, max_colu
     ax.set_xticks([t for t in ax.get_xticks() if t <= total + 1e-9])
     for r in range(ranks):
         extra = (f", {pb.n_dummy[r]} dummy" if pb.lockstep else f", {pb.n_dummy[r]} null") if pb.n_dummy[r] else ""
-        ax.text(total + 0.05 * per_in, r, f"work {pb.rank_cost[r] / lay.unit:.2f}{extra}\n{pb.rank_real_tokens[r]:,} tok",
-                va="center", fontsize=6.5)
+        work = f"work {pb.rank_cost[r] / lay.unit:.2f}{extra}\n{pb.rank_real_tokens[r]:,} tok"
+        ax.text(total + 0.05 * per_in, r, work, va="center", fontsize=6.5)
     ax.set_xlabel("modeled time ÷ the ideal pass (every rank busy, no padding)", fontsize=8)
     ax.tick_params(axis="x", labelsize=8)
     for side in ("top", "right", "left"):
@@ -177,7 +183,9 @@ def draw_plan(doc: dict, out_png: Path, workload: Optional[str] = None, max_colu
     if pb.lockstep:
         # Step numbers on top, where a column is wide enough to carry one.
         top = ax.secondary_xaxis("top")
-        label = lambda c: str(c.first_step + 1) if c.first_step == c.last_step else f"{c.first_step + 1}–{c.last_step + 1}"
+        def label(c) -> str:
+            return str(c.first_step + 1) if c.first_step == c.last_step else f"{c.first_step + 1}–{c.last_step + 1}"
+
         shown = [c for c in lay.columns if c.width / per_in > 0.055 * len(label(c)) + 0.04]
         top.set_xticks([c.x + c.width / 2 for c in shown])
         top.set_xticklabels([label(c) for c in shown], fontsize=6.5)
@@ -186,7 +194,8 @@ def draw_plan(doc: dict, out_png: Path, workload: Optional[str] = None, max_colu
         top.set_xlabel("lock-step step", fontsize=7, labelpad=2)
 
     fig.text(0.08 / width_in, 1 - 0.08 / fig_h, "\n".join(title), fontsize=10.5, ha="left", va="top", weight="bold")
-    fig.text(0.08 / width_in, 1 - (0.12 + 0.22 * len(title)) / fig_h, "\n".join(subtitle), fontsize=8, ha="left", va="top", linespacing=1.35)
+    fig.text(0.08 / width_in, 1 - (0.12 + 0.22 * len(title)) / fig_h, "\n".join(subtitle), fontsize=8,
+             ha="left", va="top", linespacing=1.35)
     handles = [
         Patch(facecolor="white", edgecolor=COLORS["dummy"], hatch="////", label=LABELS[k]) if k == "dummy"
         else Patch(color=COLORS[k], label=LABELS[k])
@@ -230,7 +239,7 @@ def point_name(results_path: Path, out_dir: Path) -> str:
 
 
 def plan_figure_paths(df, out_dir: Path) -> list[Optional[Path]]:
-    """Per row of ``df``: where its figure goes (``out_dir/plots/plan-<point>.png``), None when its folder has no plan.json."""
+    """Per row of ``df``: where its figure goes (``out_dir/plots/plan-<point>.png``); None where there is no plan.json."""
     out: list[Optional[Path]] = []
     for results_path in df["path"]:
         has_plan = (Path(results_path).parent / PLAN_FILE).is_file()
@@ -259,8 +268,7 @@ def write_plan_figures(df, out_dir: Path) -> list[Optional[Path]]:
 
 
 def published_plans(plans_dir: Path) -> list[Path]:
-    """The plan.json files under ``plans_dir`` (reports/plans/<name>/plan.json), the README's plan figures, in order:
-    by budget, then greedy before others, padded before packed."""
+    """The README's plans, ``plans_dir/<name>/plan.json``: by budget, the seed's greedy first, padded before packed."""
     docs = []
     for path in sorted(Path(plans_dir).glob(f"*/{PLAN_FILE}")):
         try:
@@ -276,8 +284,9 @@ def readme_plan_lines(figures: Sequence[Path], plans: Sequence[Path], base: Path
     """The README lines showing the published plans side by side (empty when there are none)."""
     if not figures:
         return []
+    width = f"{100 // len(figures) - 1}%"
     imgs = " ".join(
-        f'<img src="{Path(os.path.relpath(png, base)).as_posix()}" width="{100 // len(figures) - 1}%" alt="plan {plan.parent.name}">'
+        f'<img src="{Path(os.path.relpath(png, base)).as_posix()}" width="{width}" alt="plan {plan.parent.name}">'
         for png, plan in zip(figures, plans)
     )
     sources = ", ".join(f"`{Path(os.path.relpath(p, base)).as_posix()}`" for p in plans)

@@ -1,4 +1,4 @@
-"""The plan figure: the numbers behind it add up to the plan's, it is drawn for every kind of plan, and one CLI line draws it."""
+"""The plan figure: the numbers behind it are the plan's, it is drawn for every kind of plan, one CLI line draws it."""
 
 from __future__ import annotations
 
@@ -27,11 +27,12 @@ def cost(n: int) -> float:
 def reference(doc: dict) -> dict:
     """What the plan costs, computed here straight from CONTRACTS.md (independently of reports.plan_blocks)."""
     lengths, padded = doc["lengths"], doc["layout"] == "padded"
-    per_step = [
-        [0.0 if mb is None else (len(mb) * cost(max(lengths[i] for i in mb)) if padded else sum(cost(lengths[i]) for i in mb))
-         for mb in sched]
-        for sched in doc["schedules"]
-    ]
+    def mb_cost(mb) -> float:
+        if mb is None:
+            return 0.0
+        return len(mb) * cost(max(lengths[i] for i in mb)) if padded else sum(cost(lengths[i]) for i in mb)
+
+    per_step = [[mb_cost(mb) for mb in sched] for sched in doc["schedules"]]
     rank_cost = [sum(row) for row in per_step]
     mean = sum(rank_cost) / len(rank_cost)
     if doc["lockstep"]:
@@ -65,7 +66,7 @@ def _cases():
 
 def _eight_rank_packed():
     # Every sequence exactly once; ranks 5-7 hold only dummies, ranks 1, 3, 4 one.
-    return [[[0], [8]], [[1, 7], None], [[2], [6]], [[3, 5], None], [[4], None], [None, None], [None, None], [None, None]]
+    return [[[0], [8]], [[1, 7], None], [[2], [6]], [[3, 5], None], [[4], None]] + [[None, None]] * 3
 
 
 CASES = _cases()
@@ -188,8 +189,11 @@ def test_cli_draws_a_point_folder_and_names_a_bad_path(tmp_path):
 
     (tmp_path / "torn.json").write_text('{"lengths": [1, 2')
     (tmp_path / "empty").mkdir()
-    for bad, words in [(tmp_path / "nope", "no such file or folder"), (tmp_path / "empty", "no plan.json in this folder"),
-                       (tmp_path / "torn.json", "not a plan.json document")]:
+    for bad, words in [
+        (tmp_path / "nope", "no such file or folder"),
+        (tmp_path / "empty", "no plan.json in this folder"),
+        (tmp_path / "torn.json", "not a plan.json document"),
+    ]:
         proc = run_cli("reports", "plan", str(bad), cwd=tmp_path)
         assert proc.returncode == 2, proc.stdout + proc.stderr
         assert proc.stderr.strip().count("\n") == 0 and str(bad) in proc.stderr and words in proc.stderr, proc.stderr
