@@ -30,7 +30,8 @@ PLANS = PACKAGE / "plans"  # dry-run plan.json files the README draws (reports/p
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m reports", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m reports", description=__doc__.splitlines()[0],
+                                 epilog="python -m reports plan PATH [-o OUT.png] draws one plan (see: plan --help)")
     ap.add_argument("dirs", nargs="*", type=Path, help="run or multirun folders (default: reports/results)")
     ap.add_argument("--readme", type=Path, help="rewrite the block between the results markers of this file")
     ap.add_argument("--check", action="store_true", help="exit 1 when the README block differs from the results")
