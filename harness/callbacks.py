@@ -1,4 +1,4 @@
-"""Hydra callback: after a multirun, write the report (table, CSV, plots) into the sweep folder."""
+"""Hydra callback: after a multirun, write the report (table, CSV, plots, plan figures) into the sweep folder."""
 
 from __future__ import annotations
 
@@ -47,13 +47,15 @@ class ReportCallback(Callback):
         record_sweep_status(sweep_dir)
         try:
             from reports.collect import collect
+            from reports.plan_figure import write_plan_figures
             from reports.plots import write_plots
             from reports.render import markdown_tables, write_csv
 
             df = collect([sweep_dir])
             if df.empty:
                 return
-            table = markdown_tables(df)
+            df["plan_png"] = write_plan_figures(df, sweep_dir)  # plots/plan-<point>.png, one linked per row
+            table = markdown_tables(df, sweep_dir)
             (sweep_dir / "report.md").write_text(table + "\n")
             write_csv(df, sweep_dir / "results.csv")
             write_plots(df, sweep_dir)

@@ -51,6 +51,7 @@ class Tracker:
 
     def __init__(self, logger_cfg: Optional[dict], out_dir: Path, config: dict, name: str, group: Optional[str]):
         self.run = None
+        self.out_dir = Path(out_dir)
         cfg = dict(logger_cfg or {})
         mode = cfg.get("mode") or "disabled"
         if cfg.get("name") in (None, "none") or mode == "disabled":
@@ -93,8 +94,21 @@ class Tracker:
         if self.run is None:
             return
         run, self.run = self.run, None
+        self._safe(self._log_plan, run)
         self._safe(run.summary.update, summary_metrics(doc))
         self._safe(run.finish, exit_code=0 if doc.get("status") in ("ok", "planned") else 1)
+
+    def _log_plan(self, run) -> None:
+        """The plan figure (plan.png beside plan.json in the point's folder) as the run's "plan/figure" image."""
+        plan = self.out_dir / "plan.json"
+        if not plan.is_file():
+            return
+        import wandb
+
+        from reports.plan_figure import draw_plan_file
+
+        png = draw_plan_file(plan, self.out_dir / "plan.png")
+        run.log({"plan/figure": wandb.Image(str(png))})  # beside the plan/* numbers in W&B's plan section
 
     @staticmethod
     def _safe(fn, *args, **kwargs) -> None:

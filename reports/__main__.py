@@ -2,6 +2,7 @@
 
 Without DIR it reads the results committed under reports/results and, with
 --check, compares README.md's results block against them.
+``python -m reports plan PATH [-o OUT.png]`` draws one plan (a point folder or a plan.json).
 """
 
 from __future__ import annotations
@@ -11,16 +12,26 @@ import sys
 from pathlib import Path
 
 from reports.collect import collect
+from reports.plan_figure import (
+    draw_plan_file,
+    draw_side_by_side,
+    plan_figure_paths,
+    published_plans,
+    readme_plan_lines,
+    write_plan_figures,
+)
 from reports.plots import plot_paths, write_plots
 from reports.render import BEGIN, END, markdown_tables, readme_block, replace_block, write_csv
 
 PACKAGE = Path(__file__).resolve().parent
 REPO = PACKAGE.parent
 COMMITTED = PACKAGE / "results"
+PLANS = PACKAGE / "plans"  # dry-run plan.json files the README draws (reports/plans/<name>/plan.json)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m reports", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m reports", description=__doc__.splitlines()[0],
+                                 epilog="python -m reports plan PATH [-o OUT.png] draws one plan (see: plan --help)")
     ap.add_argument("dirs", nargs="*", type=Path, help="run or multirun folders (default: reports/results)")
     ap.add_argument("--readme", type=Path, help="rewrite the block between the results markers of this file")
     ap.add_argument("--check", action="store_true", help="exit 1 when the README block differs from the results")
@@ -28,7 +39,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def plan_main(argv) -> int:
+    """``python -m reports plan PATH [-o OUT.png]``: the picture of one plan, nothing else run."""
+    from backends.errors import UserError
+
+    ap = argparse.ArgumentParser(prog="python -m reports plan", description=plan_main.__doc__.split(": ", 1)[1])
+    ap.add_argument("path", type=Path, help="a point folder holding plan.json, or a plan.json file")
+    ap.add_argument("-o", "--out", type=Path, help="the PNG to write (default: plan.png beside the plan.json)")
+    args = ap.parse_args(argv)
+    try:
+        png = draw_plan_file(args.path, args.out)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(png)
+    return 0
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["plan"]:
+        return plan_main(argv[1:])
     args = parse_args(argv)
     committed = not args.dirs
     dirs = args.dirs or [COMMITTED]
@@ -41,7 +72,12 @@ def main(argv=None) -> int:
     readme = args.readme or (REPO / "README.md" if committed and args.check else None)
     source = "reports/results" if committed else ", ".join(str(d) for d in dirs)
     plots = plot_paths(out_dir)
-    block = readme_block(df, plots, readme, source)
+    if not df.empty:
+        df["plan_png"] = plan_figure_paths(df, out_dir)
+    plans = published_plans(PLANS) if readme is not None else []
+    plan_pngs = [PACKAGE / "plots" / f"plan-{p.parent.name}.png" for p in plans]
+    plan_lines = readme_plan_lines(plan_pngs, plans, readme.parent if readme else REPO)
+    block = readme_block(df, plots, readme, source, plan_lines)
 
     if args.check:
         if readme is None:
@@ -60,8 +96,11 @@ def main(argv=None) -> int:
     if df.empty:
         return 0
     write_plots(df, out_dir)
+    write_plan_figures(df, out_dir)
+    if committed:  # the README's plan figures are committed files: only the committed run redraws them
+        draw_side_by_side(plans, plan_pngs)
     write_csv(df, args.csv or out_dir / "results.csv")
-    (out_dir / "report.md").write_text(markdown_tables(df) + "\n")
+    (out_dir / "report.md").write_text(markdown_tables(df, out_dir) + "\n")
     if readme is not None:
         try:
             readme.write_text(replace_block(readme.read_text(), block, readme))

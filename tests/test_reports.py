@@ -12,6 +12,7 @@ import pytest
 from reports.collect import collect
 from reports.render import BEGIN, END, table_frame
 from tests.conftest import REPO, run_cli, run_harness, sweep_results
+from tests.plan_docs import harness_writes_plan_json
 
 README_TEXT = f"# A project\n\nIntro stays.\n\n{BEGIN}\nold table\n{END}\n\nOutro stays.\n"
 
@@ -34,6 +35,14 @@ def test_callback_wrote_the_report_into_the_sweep_folder(sweep):
     assert (sweep / "results.csv").exists()
     for name in ("tok_per_s.png", "pad_efficiency.png"):
         assert (sweep / "plots" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.skipif(not harness_writes_plan_json(), reason="the harness writes plan.json once issue 10 is merged")
+def test_callback_drew_each_points_plan_and_linked_it(sweep):
+    rows = [line for line in (sweep / "report.md").read_text().splitlines() if line.startswith("| PyTorch")]
+    for point in ("0", "1"):
+        assert (sweep / "plots" / f"plan-{point}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert sum(f"[plan](plots/plan-{point}.png)" in r for r in rows) == 1
 
 
 def test_readme_check_fails_before_and_passes_after(sweep, tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import harness_env, run_harness, sweep_results
+from tests.plan_docs import harness_writes_plan_json
 from tests.wandb_records import run_contents
 
 pytestmark = pytest.mark.slow
@@ -61,3 +62,37 @@ def test_logger_none_writes_no_wandb_files(tmp_path):
                        "bench.repeat=1", f"hydra.run.dir={run}", cwd=tmp_path, env=harness_env(WANDB_MODE="offline"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert not (run / "wandb").exists()
+
+
+def _logged_plan_image(run: dict) -> dict:
+    rows = [h for h in run["history"] if h.get("plan/figure/_type") == "image-file"]
+    assert len(rows) == 1, run["history"]
+    return {k.removeprefix("plan/figure/"): v for k, v in rows[0].items() if k.startswith("plan/figure/")}
+
+
+def test_the_run_logs_the_plan_figure_as_an_image(tmp_path):
+    """A real offline run: the figure drawn from the point's plan.json is the image the run logged."""
+    import hashlib
+    import json
+
+    from harness.tracking import Tracker
+    from tests.plan_docs import greedy_doc
+
+    doc, plan = greedy_doc([3000, 2000, 1200, 900, 400, 300, 120], 2, 4096)
+    (tmp_path / "plan.json").write_text(json.dumps(doc))
+    tracker = Tracker({"name": "wandb", "mode": "offline"}, tmp_path, {"mtpm": 4096}, "fsdp2-mtpm4096", None)
+    tracker.finish({"status": "ok", "plan": plan.stats.as_dict()})
+    (wandb_file,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
+    run = run_contents(wandb_file)
+    image = _logged_plan_image(run)
+    drawn = (tmp_path / "plan.png").read_bytes()
+    assert image["format"] == "png" and image["sha256"] == hashlib.sha256(drawn).hexdigest()
+    assert (wandb_file.parent / "files" / image["path"]).read_bytes() == drawn
+    assert run["summary"]["plan/pad_efficiency"] == pytest.approx(plan.stats.pad_efficiency)  # the numbers stay beside it
+
+
+@pytest.mark.skipif(not harness_writes_plan_json(), reason="the harness writes plan.json once issue 10 is merged")
+def test_sweep_runs_log_their_plan_figures(offline_sweep):
+    for wandb_file in sorted(offline_sweep.glob("*/wandb/offline-run-*/run-*.wandb")):
+        assert _logged_plan_image(run_contents(wandb_file))["format"] == "png"
+        assert (wandb_file.parents[2] / "plan.png").exists()

@@ -1,0 +1,307 @@
+"""What a plan.json costs, rank by rank and step by step: the data behind the plan figure (pure Python)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+LAYOUTS = ("padded", "packed")
+# Above this many columns a figure's blocks get too thin to read: consecutive
+# steps (or micro-batches) are drawn summed in groups instead.
+MAX_COLUMNS = 32
+
+
+def check_plan_doc(doc) -> None:
+    """Raise ValueError naming the first thing that makes ``doc`` no plan.json document (see CONTRACTS.md)."""
+    if not isinstance(doc, dict):
+        raise ValueError("not a JSON object")
+    for key in ("lengths", "schedules"):
+        if not isinstance(doc.get(key), list):
+            raise ValueError(f"'{key}' is missing or not a list")
+    lengths, schedules = doc["lengths"], doc["schedules"]
+    if not all(isinstance(n, int) and n >= 0 for n in lengths):
+        raise ValueError("'lengths' must be non-negative integers")
+    if not schedules or not all(isinstance(s, list) for s in schedules):
+        raise ValueError("'schedules' must be a non-empty list of per-rank lists")
+    if doc.get("world_size") is not None and doc["world_size"] != len(schedules):
+        raise ValueError(f"'world_size' is {doc['world_size']} but there are {len(schedules)} schedules")
+    layout = doc.get("layout", "padded")
+    if layout not in LAYOUTS:
+        raise ValueError(f"'layout' is {layout!r} (valid: {', '.join(LAYOUTS)})")
+    for r, schedule in enumerate(schedules):
+        for s, batch in enumerate(schedule):
+            if batch is None:
+                continue
+            indices_ok = isinstance(batch, list) and all(isinstance(i, int) and 0 <= i < len(lengths) for i in batch)
+            if not batch or not indices_ok:
+                raise ValueError(f"schedules[{r}][{s}] must be null or a non-empty list of indices into 'lengths'")
+    if doc.get("lockstep", True) and len({len(s) for s in schedules}) > 1:
+        raise ValueError("'lockstep' is true but the ranks' schedules differ in length")
+    cm = doc.get("cost_model")
+    if cm is not None and not (isinstance(cm, dict) and all(isinstance(cm.get(k), (int, float)) for k in ("a", "b"))):
+        raise ValueError("'cost_model' must be {\"a\": number, \"b\": number, \"source\": text}")
+
+
+@dataclass(frozen=True)
+class Block:
+    """One rank's micro-batch at one step (lock-step) or at one position of its own schedule (independent ranks)."""
+
+    rank: int
+    step: int
+    n_sequences: int
+    real_tokens: int
+    padding_tokens: int  # count × longest − Σ lengths when padded; 0 when packed
+    real_cost: float  # Σ a·L + b·L² over its sequences: what the same sequences cost with no padding
+    padding_cost: float  # what the padding adds: count × cost(longest) − real_cost when padded; 0 when packed
+    idle_cost: float  # lock-step: the step's slowest rank's cost − this one's (a dummy idles the whole step); else 0
+    dummy: bool
+
+    @property
+    def cost(self) -> float:
+        return self.real_cost + self.padding_cost
+
+
+@dataclass
+class PlanBlocks:
+    """Every block of a plan and the totals the plan is judged by."""
+
+    backend: Optional[str]
+    planner: Optional[str]
+    layout: str
+    lockstep: bool
+    budget: Optional[int]
+    micro_batch_size: Optional[int]
+    cost_model: dict
+    n_sequences: int
+    blocks: list[list[Block]]  # [rank][step]
+    step_cost: list[float]  # lock-step: the slowest rank's cost per step; independent ranks: []
+    rank_cost: list[float] = field(default_factory=list)
+    rank_real_tokens: list[int] = field(default_factory=list)
+    rank_padded_tokens: list[int] = field(default_factory=list)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def n_steps(self) -> int:
+        return max((len(b) for b in self.blocks), default=0)
+
+    @property
+    def real_tokens(self) -> int:
+        return sum(self.rank_real_tokens)
+
+    @property
+    def padded_tokens(self) -> int:
+        return sum(self.rank_padded_tokens)
+
+    @property
+    def pad_efficiency(self) -> float:
+        return self.real_tokens / self.padded_tokens if self.padded_tokens else 1.0
+
+    @property
+    def mean_rank_cost(self) -> float:
+        return sum(self.rank_cost) / len(self.rank_cost) if self.rank_cost else 0.0
+
+    @property
+    def ideal_cost(self) -> float:
+        """The pass with no padding and no waiting: Σ over sequences of a·L + b·L², spread evenly over the ranks."""
+        real = sum(b.real_cost for row in self.blocks for b in row)
+        return real / self.world_size if self.world_size else 0.0
+
+    @property
+    def makespan(self) -> float:
+        """Modeled time of the pass: Σ steps of the slowest rank (lock-step), else the slowest rank's total."""
+        return sum(self.step_cost) if self.lockstep else max(self.rank_cost, default=0.0)
+
+    @property
+    def critical_path(self) -> float:
+        """Makespan ÷ mean per-rank cost: 1 when no rank ever waits."""
+        mean = self.mean_rank_cost
+        return self.makespan / mean if mean > 0 else 1.0
+
+    @property
+    def n_microbatches(self) -> list[int]:
+        return [sum(not b.dummy for b in row) for row in self.blocks]
+
+    @property
+    def n_dummy(self) -> list[int]:
+        return [sum(b.dummy for b in row) for row in self.blocks]
+
+
+def plan_blocks(doc: dict) -> PlanBlocks:
+    """The blocks and totals of a plan.json document (raises ValueError when it is not one)."""
+    check_plan_doc(doc)
+    lengths: list[int] = doc["lengths"]
+    layout = doc.get("layout", "padded")
+    lockstep = bool(doc.get("lockstep", True))
+    cm = doc.get("cost_model") or {"a": 1.0, "b": 0.0, "source": "tokens (plan.json has no cost model)"}
+    a, b = float(cm["a"]), float(cm["b"])
+
+    def cost(n: int) -> float:
+        return a * n + b * n * n
+
+    # per rank, per step: (count, real tokens, padding tokens, real cost, padding cost, dummy)
+    raw: list[list[tuple]] = []
+    for schedule in doc["schedules"]:
+        row = []
+        for batch in schedule:
+            if batch is None:
+                row.append((0, 0, 0, 0.0, 0.0, True))
+                continue
+            lens = [lengths[i] for i in batch]
+            real, real_cost = sum(lens), sum(cost(n) for n in lens)
+            if layout == "padded":
+                longest = max(lens)
+                padding = len(lens) * longest - real
+                padding_cost = max(0.0, len(lens) * cost(longest) - real_cost)  # max(): float rounding only
+            else:
+                padding, padding_cost = 0, 0.0
+            row.append((len(lens), real, padding, real_cost, padding_cost, False))
+        raw.append(row)
+
+    n_steps = max((len(r) for r in raw), default=0)
+    step_cost = [max(r[s][3] + r[s][4] for r in raw) for s in range(n_steps)] if lockstep else []
+    blocks = [
+        [
+            Block(
+                rank=rank,
+                step=s,
+                n_sequences=count,
+                real_tokens=real,
+                padding_tokens=padding,
+                real_cost=real_cost,
+                padding_cost=padding_cost,
+                idle_cost=(step_cost[s] - (real_cost + padding_cost)) if lockstep else 0.0,
+                dummy=dummy,
+            )
+            for s, (count, real, padding, real_cost, padding_cost, dummy) in enumerate(row)
+        ]
+        for rank, row in enumerate(raw)
+    ]
+    return PlanBlocks(
+        backend=doc.get("backend"),
+        planner=doc.get("planner"),
+        layout=layout,
+        lockstep=lockstep,
+        budget=doc.get("max_tokens_per_microbatch"),
+        micro_batch_size=doc.get("micro_batch_size"),
+        cost_model={"a": a, "b": b, "source": cm.get("source")},
+        n_sequences=sum(b.n_sequences for row in blocks for b in row),
+        blocks=blocks,
+        step_cost=step_cost,
+        rank_cost=[sum(b.cost for b in row) for row in blocks],
+        rank_real_tokens=[sum(b.real_tokens for b in row) for row in blocks],
+        rank_padded_tokens=[sum(b.real_tokens + b.padding_tokens for b in row) for row in blocks],
+    )
+
+
+# --- what the figure draws ---------------------------------------------------
+
+KINDS = ("real", "padding", "idle", "dummy")
+
+
+@dataclass(frozen=True)
+class Rect:
+    """One drawn bar segment, in units of the ideal pass (no padding, no waiting: ``PlanBlocks.ideal_cost``).
+
+    One unit for every plan of the same workload and cost model, so two plans drawn
+    side by side share a scale; a row ends at makespan ÷ ideal.
+    """
+
+    rank: int
+    x: float
+    width: float
+    kind: str  # real | padding | idle (waiting for the slowest rank) | dummy (a dummy step, idle in full)
+    n_sequences: int = 0  # the sequences a real segment holds (for its label)
+    n_dummy: int = 0  # the dummy steps a dummy segment stands for
+
+
+@dataclass(frozen=True)
+class Column:
+    """A lock-step step (or a group of consecutive steps) as one column of the figure."""
+
+    first_step: int
+    last_step: int
+    x: float
+    width: float
+
+
+@dataclass
+class Layout:
+    """Everything the figure draws: segments, columns (lock-step), boundaries between micro-batches, the grouping."""
+
+    rects: list[Rect]
+    columns: list[Column]
+    boundaries: list[tuple[int, float]]  # (rank, x): where one drawn micro-batch (or group) ends and the next starts
+    group: int  # steps (lock-step) or micro-batches (independent) summed into one drawn block; 1 = none
+    unit: float  # the cost one x unit stands for (the ideal pass)
+    total: float  # the longest row's length: makespan ÷ ideal
+
+
+def _groups(n: int, max_columns: int) -> tuple[int, list[range]]:
+    k = max(1, math.ceil(n / max_columns))
+    return k, [range(i, min(i + k, n)) for i in range(0, n, k)]
+
+
+def plan_layout(pb: PlanBlocks, max_columns: int = MAX_COLUMNS) -> Layout:
+    """The figure's rectangles: each kind's widths sum to that kind's cost in the plan (÷ the ideal pass)."""
+    unit = pb.ideal_cost or 1.0
+    rects: list[Rect] = []
+    columns: list[Column] = []
+    boundaries: list[tuple[int, float]] = []
+    if pb.lockstep:
+        group, ranges = _groups(pb.n_steps, max_columns)
+        x = 0.0
+        for steps in ranges:
+            width = sum(pb.step_cost[s] for s in steps) / unit
+            columns.append(Column(steps[0], steps[-1], x, width))
+            for rank, row in enumerate(pb.blocks):
+                mine = [row[s] for s in steps]
+                dummies = [b for b in mine if b.dummy]
+                parts = [
+                    ("real", sum(b.real_cost for b in mine), sum(b.n_sequences for b in mine), 0),
+                    ("padding", sum(b.padding_cost for b in mine), 0, 0),
+                    ("idle", sum(b.idle_cost for b in mine if not b.dummy), 0, 0),
+                    ("dummy", sum(b.idle_cost for b in dummies), 0, len(dummies)),
+                ]
+                at = x
+                for kind, c, n_seq, n_dummy in parts:
+                    if c > 0 or n_dummy:
+                        rects.append(Rect(rank, at, c / unit, kind, n_seq, n_dummy))
+                        at += c / unit
+            x += width
+        total = x
+    else:
+        group, _ = _groups(pb.n_steps, max_columns)
+        slowest = max(pb.rank_cost, default=0.0) / unit
+        for rank, row in enumerate(pb.blocks):
+            ran = [b for b in row if not b.dummy]  # independent ranks skip null entries
+            at = 0.0
+            for i in range(0, len(ran), group):
+                mine = ran[i : i + group]
+                real = sum(b.real_cost for b in mine) / unit
+                padding = sum(b.padding_cost for b in mine) / unit
+                rects.append(Rect(rank, at, real, "real", sum(b.n_sequences for b in mine)))
+                if padding > 0:
+                    rects.append(Rect(rank, at + real, padding, "padding"))
+                at += real + padding
+                if i + group < len(ran):
+                    boundaries.append((rank, at))
+            if slowest - at > 0:
+                rects.append(Rect(rank, at, slowest - at, "idle"))
+            skipped = len(row) - len(ran)
+            if skipped:
+                rects.append(Rect(rank, slowest, 0.0, "dummy", n_dummy=skipped))
+        total = slowest
+    return Layout(rects, columns, boundaries, group, unit, total)
+
+
+def kind_totals(layout: Layout, ranks: Optional[Sequence[int]] = None) -> dict[str, float]:
+    """Σ drawn width per kind (over ``ranks``, default all), in units of the ideal pass."""
+    out = {k: 0.0 for k in KINDS}
+    for r in layout.rects:
+        if ranks is None or r.rank in ranks:
+            out[r.kind] += r.width
+    return out

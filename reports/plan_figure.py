@@ -1,0 +1,301 @@
+"""The plan figure: one row per rank, real tokens, padding and waiting drawn on a modeled-cost axis, from plan.json."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Optional, Sequence
+
+from backends.errors import UserError
+from reports.plan_blocks import MAX_COLUMNS, Layout, PlanBlocks, plan_blocks, plan_layout
+
+PLAN_FILE = "plan.json"
+COLORS = {"real": "#3b6fb6", "padding": "#e8893a", "idle": "#d9d9d9", "dummy": "#bdbdbd"}
+LABELS = {
+    "real": "real tokens",
+    "padding": "padding",
+    "idle": "waiting for the slowest rank",
+    "dummy": "dummy step (no data; waits)",
+}
+
+
+def find_plan(path: Path) -> Path:
+    """The plan.json a user means: the file itself, or the one in a point folder (UserError otherwise)."""
+    path = Path(path)
+    if path.is_dir():
+        if not (path / PLAN_FILE).is_file():
+            raise UserError(f"{path}: no {PLAN_FILE} in this folder (give a point folder or a {PLAN_FILE} file)")
+        return path / PLAN_FILE
+    if not path.is_file():
+        raise UserError(f"{path}: no such file or folder (give a point folder or a {PLAN_FILE} file)")
+    return path
+
+
+def load_plan(path: Path) -> dict:
+    """A checked plan.json document (UserError naming the path and the problem otherwise)."""
+    path = find_plan(path)
+    try:
+        doc = json.loads(path.read_text())
+        plan_blocks(doc)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, ValueError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise UserError(f"{path}: not a {PLAN_FILE} document ({reason})") from None
+    return doc
+
+
+def _workload_name(plan_path: Path) -> Optional[str]:
+    """The workload's name from the results.json beside the plan, when there is one (plan.json does not hold it)."""
+    try:
+        return json.loads((plan_path.parent / "results.json").read_text())["workload"]["name"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def describe(pb: PlanBlocks, workload: Optional[str] = None) -> tuple[list[str], list[str]]:
+    """The figure's title and subtitle parts: what the plan is, and the numbers it is judged by."""
+    if pb.budget:
+        budget = f"budget {pb.budget:,} tokens / micro-batch"
+    else:
+        budget = f"fixed {pb.micro_batch_size or 1} sequence(s) / micro-batch"
+    title = [f"{pb.backend or 'backend ?'}", f"{pb.planner or 'planner ?'} planner", f"{pb.layout} layout", budget]
+    what = f"{pb.n_sequences:,} sequences" + (f" of {workload}" if workload else "") + f", {pb.real_tokens:,} tokens"
+    ranks = f"{pb.world_size} rank{'s' if pb.world_size != 1 else ''}"
+    if pb.lockstep:
+        shape = f"{ranks} × {pb.n_steps} lock-step steps"
+        cp = f"critical path {pb.critical_path:.3f} (Σ steps of the slowest rank ÷ mean rank)"
+    else:
+        shape = f"{ranks} run independently, up to {max(pb.n_microbatches, default=0)} micro-batches each"
+        cp = f"critical path {pb.critical_path:.3f} (slowest rank ÷ mean rank)"
+    ideal = pb.makespan / pb.ideal_cost if pb.ideal_cost else 1.0
+    return title, [shape, what, f"pad efficiency {pb.pad_efficiency:.3f}", cp,
+                   f"modeled time {ideal:.3f} × the ideal (no padding, no waiting)"]
+
+
+def figure_notes(pb: PlanBlocks, lay: Layout) -> list[str]:
+    """The lines under the figure: how to read it, and whether steps were grouped (aggregated) to stay readable."""
+    notes = []
+    if pb.lockstep:
+        notes.append("Lock-step: every rank runs step s together; "
+                     "a column's width is the step's cost on its slowest rank.")
+        if lay.group > 1:
+            notes.append(f"Aggregated: {pb.n_steps} steps drawn in groups of {lay.group} consecutive steps, "
+                         "each group's real, padding and waiting summed.")
+    else:
+        notes.append("Ranks run independently: each rank's micro-batches end to end; "
+                     "grey = waiting at the end of the pass for the slowest rank.")
+        if lay.group > 1:
+            notes.append(f"Aggregated: groups of {lay.group} consecutive micro-batches per rank, summed.")
+    if pb.layout == "packed":
+        notes.append("Packed layout: sequences end to end in one row, no padding.")
+    else:
+        notes.append("Padded layout: every sequence of a micro-batch padded to its longest.")
+    cm = pb.cost_model
+    source = cm.get("source") or "no source given"
+    notes.append(f"Cost per sequence a·L + b·L², a={cm['a']:.4g}, b={cm['b']:.4g} ({source}). Numbers in blocks: sequences.")
+    return notes
+
+
+def _wrap(parts: Sequence[str], width: int, sep: str = " · ") -> list[str]:
+    """Join ``parts`` with ``sep`` into lines of at most ``width`` characters (a part is never split)."""
+    lines: list[str] = []
+    for part in parts:
+        if lines and len(lines[-1]) + len(sep) + len(part) <= width:
+            lines[-1] += sep + part
+        else:
+            lines.append(part)
+    return lines
+
+
+def draw_plan(doc: dict, out_png: Path, workload: Optional[str] = None, max_columns: int = MAX_COLUMNS,
+              width_in: float = 13.0, x_total: float = 0.0) -> Path:
+    """Draw ``doc`` (a plan.json document) into ``out_png``, ``width_in`` inches wide.
+
+    ``x_total``: draw the axis at least this long (plans shown side by side share one scale).
+    """
+    import textwrap
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    pb = plan_blocks(doc)
+    lay = plan_layout(pb, max_columns)
+    ranks = pb.world_size
+    title_parts, subtitle_parts = describe(pb, workload)
+    title = _wrap(title_parts, int(width_in * 9.5))
+    subtitle = _wrap(subtitle_parts, int(width_in * 15))
+    notes = [line for note in figure_notes(pb, lay) for line in textwrap.wrap(note, int(width_in * 21))]
+    drawn = {r.kind for r in lay.rects if r.width > 0}  # the legend always explains real, padding and waiting
+    legend_kinds = ["real", "padding", "idle"] + (["dummy"] if "dummy" in drawn else [])
+    legend_cols = len(legend_kinds) + 1 if width_in >= 10 else 3
+    legend_rows = -(-(len(legend_kinds) + 1) // legend_cols)
+
+    # Layout in inches: title and subtitle, step numbers, the rows, axis, legend, notes.
+    top_in = 0.2 + 0.22 * len(title) + 0.16 * len(subtitle) + (0.3 if pb.lockstep else 0.12)
+    bottom_in = 0.55 + 0.22 * legend_rows + 0.12 * len(notes) + 0.06
+    left_in, right_in, row_in = 0.62, 0.08, 0.36
+    fig_h = top_in + row_in * max(ranks, 2) + bottom_in
+    fig, ax = plt.subplots(figsize=(width_in, fig_h))
+    fig.subplots_adjust(left=left_in / width_in, right=1 - right_in / width_in,
+                        top=1 - top_in / fig_h, bottom=bottom_in / fig_h)
+    plot_in = width_in - left_in - right_in
+    total = max(lay.total, 1.0)
+    xmax = max(total, x_total) / (1 - 0.95 / plot_in)  # room right of the rows for each rank's totals
+    per_in = xmax / plot_in  # x units per inch
+    height = 0.62  # of a row
+
+    for r in lay.rects:
+        if r.kind == "dummy":
+            if pb.lockstep:
+                ax.barh(r.rank, r.width, left=r.x, height=height, color="white", edgecolor=COLORS["dummy"],
+                        hatch="////", linewidth=0)
+            continue
+        ax.barh(r.rank, r.width, left=r.x, height=height, color=COLORS[r.kind], linewidth=0)
+        if r.kind == "real" and r.n_sequences and r.width / per_in > 0.2:
+            ax.text(r.x + r.width / 2, r.rank, f"{r.n_sequences}", ha="center", va="center", fontsize=6.5,
+                    color="white")
+
+    # Boundaries between drawn micro-batches (or groups): columns across all rows, or per row for independent ranks.
+    for c in lay.columns[1:]:
+        ax.axvline(c.x, color="white", linewidth=1.2)
+    for rank, x in lay.boundaries:
+        ax.plot([x, x], [rank - height / 2, rank + height / 2], color="white", linewidth=0.8)
+    ax.axvline(1.0, color="black", linestyle="--", linewidth=0.8)
+
+    ax.set_ylim(ranks - 0.5, -0.5)
+    ax.set_yticks(range(ranks))
+    ax.set_yticklabels([f"rank {r}" for r in range(ranks)], fontsize=8)
+    ax.set_xlim(0, xmax)
+    ax.set_xticks([t for t in ax.get_xticks() if t <= total + 1e-9])
+    for r in range(ranks):
+        extra = (f", {pb.n_dummy[r]} dummy" if pb.lockstep else f", {pb.n_dummy[r]} null") if pb.n_dummy[r] else ""
+        work = f"work {pb.rank_cost[r] / lay.unit:.2f}{extra}\n{pb.rank_real_tokens[r]:,} tok"
+        ax.text(total + 0.05 * per_in, r, work, va="center", fontsize=6.5)
+    ax.set_xlabel("modeled time ÷ the ideal pass (every rank busy, no padding)", fontsize=8)
+    ax.tick_params(axis="x", labelsize=8)
+    for side in ("top", "right", "left"):
+        ax.spines[side].set_visible(False)
+
+    if pb.lockstep:
+        # Step numbers on top, where a column is wide enough to carry one.
+        top = ax.secondary_xaxis("top")
+        def label(c) -> str:
+            return str(c.first_step + 1) if c.first_step == c.last_step else f"{c.first_step + 1}–{c.last_step + 1}"
+
+        shown = [c for c in lay.columns if c.width / per_in > 0.055 * len(label(c)) + 0.04]
+        top.set_xticks([c.x + c.width / 2 for c in shown])
+        top.set_xticklabels([label(c) for c in shown], fontsize=6.5)
+        top.tick_params(length=0, pad=1)
+        top.spines["top"].set_visible(False)
+        top.set_xlabel("lock-step step", fontsize=7, labelpad=2)
+
+    fig.text(0.08 / width_in, 1 - 0.08 / fig_h, "\n".join(title), fontsize=10.5, ha="left", va="top", weight="bold")
+    fig.text(0.08 / width_in, 1 - (0.12 + 0.22 * len(title)) / fig_h, "\n".join(subtitle), fontsize=8,
+             ha="left", va="top", linespacing=1.35)
+    handles = [
+        Patch(facecolor="white", edgecolor=COLORS["dummy"], hatch="////", label=LABELS[k]) if k == "dummy"
+        else Patch(color=COLORS[k], label=LABELS[k])
+        for k in legend_kinds
+    ] + [Line2D([], [], color="black", linestyle="--", linewidth=0.8, label="1.0: the ideal pass")]
+    notes_in = 0.12 * len(notes) + 0.06
+    fig.legend(handles=handles, loc="lower left", ncol=legend_cols, fontsize=7.5, frameon=False,
+               bbox_to_anchor=(0.0, notes_in / fig_h), handlelength=1.6, columnspacing=1.2)
+    fig.text(0.08 / width_in, 0.05 / fig_h, "\n".join(notes), fontsize=6.5, ha="left", va="bottom", color="#444444")
+    out_png = Path(out_png)
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)
+    return out_png
+
+
+def draw_plan_file(path: Path, out_png: Optional[Path] = None, **kwargs) -> Path:
+    """Draw the plan at ``path`` (a point folder or a plan.json) into ``out_png`` (default: plan.png beside it)."""
+    plan_path = find_plan(path)
+    doc = load_plan(plan_path)
+    out = Path(out_png) if out_png is not None else plan_path.with_suffix(".png")
+    return draw_plan(doc, out, workload=_workload_name(plan_path), **kwargs)
+
+
+def draw_side_by_side(plans: Sequence[Path], pngs: Sequence[Path], width_in: float = 6.5) -> list[Path]:
+    """Draw plans meant to be compared (the README's): narrow, on one common time axis."""
+    docs = [load_plan(p) for p in plans]
+    longest = max((plan_layout(plan_blocks(d)).total for d in docs), default=0.0)
+    return [draw_plan(d, png, workload=_workload_name(find_plan(p)), width_in=width_in, x_total=longest)
+            for d, p, png in zip(docs, plans, pngs)]
+
+
+def point_name(results_path: Path, out_dir: Path) -> str:
+    """A point's name for its figure: its folder relative to the report's folder ('0', 'sweepA-3'), else its own name."""
+    folder = Path(results_path).parent.resolve()
+    try:
+        rel = folder.relative_to(Path(out_dir).resolve())
+    except ValueError:
+        rel = Path(folder.name)
+    return "-".join(rel.parts) or folder.name
+
+
+def plan_figure_paths(df, out_dir: Path) -> list[Optional[Path]]:
+    """Per row of ``df``: where its figure goes (``out_dir/plots/plan-<point>.png``); None where there is no plan.json."""
+    out: list[Optional[Path]] = []
+    for results_path in df["path"]:
+        has_plan = (Path(results_path).parent / PLAN_FILE).is_file()
+        out.append(Path(out_dir) / "plots" / f"plan-{point_name(Path(results_path), out_dir)}.png" if has_plan else None)
+    return out
+
+
+def write_plan_figures(df, out_dir: Path) -> list[Optional[Path]]:
+    """Draw every row's plan figure (see ``plan_figure_paths``); returns them, None where none was drawn.
+
+    A plan that cannot be drawn is a warning: it never stops the report.
+    """
+    import logging
+
+    out: list[Optional[Path]] = []
+    for results_path, png in zip(df["path"], plan_figure_paths(df, out_dir)):
+        if png is None:
+            out.append(None)
+            continue
+        try:
+            out.append(draw_plan_file(Path(results_path).parent, png))
+        except (UserError, OSError, ValueError) as exc:
+            logging.getLogger(__name__).warning("plan figure %s not drawn: %s", png, exc)
+            out.append(None)
+    return out
+
+
+def published_plans(plans_dir: Path) -> list[Path]:
+    """The README's plans, ``plans_dir/<name>/plan.json``: by budget, the seed's greedy first, padded before packed."""
+    docs = []
+    for path in sorted(Path(plans_dir).glob(f"*/{PLAN_FILE}")):
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, ValueError):
+            doc = {}
+        docs.append(((doc.get("max_tokens_per_microbatch") or 0, doc.get("planner") != "greedy",
+                      doc.get("layout") != "padded", path.parent.name), path))
+    return [p for _, p in sorted(docs)]
+
+
+def readme_plan_lines(figures: Sequence[Path], plans: Sequence[Path], base: Path) -> list[str]:
+    """The README lines showing the published plans side by side (empty when there are none)."""
+    if not figures:
+        return []
+    width = f"{100 // len(figures) - 1}%"
+    imgs = " ".join(
+        f'<img src="{Path(os.path.relpath(png, base)).as_posix()}" width="{width}" alt="plan {plan.parent.name}">'
+        for png, plan in zip(figures, plans)
+    )
+    sources = ", ".join(f"`{Path(os.path.relpath(p, base)).as_posix()}`" for p in plans)
+    return [
+        "",
+        f"The plans behind a budget, from dry runs ({sources}): one row per rank, each micro-batch's real tokens, "
+        "padding and the time it waits for the slowest rank, on the modeled cost a·L + b·L², both on one scale "
+        "(1.0: the same sequences with no padding and no waiting). "
+        "Draw any run's plan with `python -m reports plan POINT_DIR`.",
+        "",
+        f"<p>{imgs}</p>",
+    ]
