@@ -171,10 +171,11 @@ def _segment_attention(original: Callable, module, query, key, value, attention_
     # sequence alone is exactly what the padded and mbs=1 paths compute.
     plain = {k: v for k, v in kwargs.items() if k not in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")}
     bounds = _bounds(cu)
-    outs = [
-        sdpa_attention_forward(module, query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], None, **plain)[0]
-        for s, e in zip(bounds[:-1], bounds[1:])
-    ]
+    lengths = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
+    # torch.split, not slices: one backward that concatenates, where each slice's
+    # backward would write into a zero tensor the size of the whole row.
+    pieces = zip(*(t.split(lengths, dim=2) for t in (query, key, value)))
+    outs = [sdpa_attention_forward(module, q, k, v, None, **plain)[0] for q, k, v in pieces]
     return torch.cat(outs, dim=1), None
 
 
@@ -335,14 +336,19 @@ def segment_chunk_gated_delta_rule(
     chunk_decay = cum[..., -1].exp()[..., None, None]
 
     # Scan over chunk steps, all running sequences at once; a sequence's state starts at zero.
-    state = q.new_zeros(int(active[0]), v_heads, k.shape[-1], v.shape[-1])
+    # Steps are taken with torch.split (one backward for all steps); a slice per step
+    # would cost a zero tensor the size of the whole row in backward, each step.
+    per_step = [int(a) for a in active]
+    steps_of = lambda t: t.split(per_step, dim=0)  # noqa: E731
+    state = q.new_zeros(per_step[0], v_heads, k.shape[-1], v.shape[-1])
     outs = []
-    for j in range(steps):
-        n, rows = int(active[j]), slice(int(offset[j]), int(offset[j + 1]))
-        state = state[:n]  # sequences that have ended drop off the end
-        delta = corrected_v[rows] - state_keys[rows] @ state
-        outs.append(q_read[rows] @ state + intra[rows] @ delta)
-        state = state * chunk_decay[rows] + k_write[rows].transpose(-1, -2) @ delta
+    for n, cv, sk, qr, ia, cd, kw in zip(
+        per_step, *map(steps_of, (corrected_v, state_keys, q_read, intra, chunk_decay, k_write))
+    ):
+        state = state[:n]  # sequences that have ended drop off the end (the state is small)
+        delta = cv - sk @ state
+        outs.append(qr @ state + ia @ delta)
+        state = state * cd + kw.transpose(-1, -2) @ delta
     out = torch.cat(outs, dim=0)  # [slots, heads, chunk, v_dim], slot order
     out = out.transpose(0, 1).reshape(v_heads, n_slots * chunk_size, -1).index_select(1, slot_token_t)
     return out.transpose(0, 1).unsqueeze(0).to(out_dtype)
