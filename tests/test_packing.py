@@ -232,3 +232,33 @@ def test_packing_survives_fully_shard(tmp_path):
         _assert_same((result[0], {k: local(v) for k, v in result[1].items()}, result[2]), reference, n)
     finally:
         dist.destroy_process_group()
+
+
+def test_a_packed_row_builds_no_attention_mask(monkeypatch):
+    # A mask over the row would cost (Σ lengths)²; the packed attention needs none.
+    import importlib
+
+    modeling = importlib.import_module(MODELING)
+
+    def no_mask_please(*args, **kwargs):
+        raise AssertionError("a packed row must not build a dense attention mask")
+
+    model = prepare_model_for_packing(build_model(ModelSpec(lora_rank=0), CPU, False))
+    batch = collate_packed(make_examples([30, 20], 2048, seed=0), [0, 1], CPU)
+    monkeypatch.setattr(modeling, "create_causal_mask", no_mask_please)
+    with torch.no_grad():
+        model(input_ids=batch.ids, **batch.model_kwargs())
+        kwargs = batch.model_kwargs()
+        del kwargs["attention_mask"]  # what position ids alone would do
+        with pytest.raises(AssertionError, match="dense attention mask"):
+            model(input_ids=batch.ids, **kwargs)
+
+
+def test_eager_attention_models_pack_too():
+    model = build_model(ModelSpec(lora_rank=0, attn_implementation="eager"), CPU, False)
+    examples = make_examples(LENGTHS, 2048, seed=9)
+    n = len(examples)
+    alone = _run(model, examples, [[i] for i in range(n)], "padded", "forward")
+    packed = _run(model, examples, [list(range(n))[::-1]], "packed", "forward")
+    assert model.config._attn_implementation == "packed_eager"
+    _assert_same(packed, alone, n)
