@@ -159,7 +159,7 @@ def _segment_attention(original: Callable, module, query, key, value, attention_
             cu32,
             cu32,
             int(kwargs["max_length_q"]),
-            int(kwargs["max_length_q"]),
+            int(kwargs["max_length_k"]),
             dropout_p=kwargs.get("dropout", 0.0),
             softmax_scale=scaling,
             causal=True,
@@ -217,7 +217,7 @@ def segment_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias, activatio
     lengths = bounds[1:] - bounds[:-1]
     gap = width - 1
     # Sequence s's tokens move right by gap * (s + 1); the gaps point at a zero column.
-    seg = torch.repeat_interleave(torch.arange(lengths.numel(), device=x.device), lengths)
+    seg = torch.repeat_interleave(torch.arange(lengths.numel(), device=x.device), lengths, output_size=total)
     dest = torch.arange(total, device=x.device) + gap * (seg + 1)
     source = torch.full((total + gap * lengths.numel(),), total, dtype=torch.long, device=x.device)
     source[dest] = torch.arange(total, device=x.device)
@@ -240,7 +240,9 @@ def _packed_conv1d(original: Callable) -> Callable:
         if hidden_states.is_cuda and _cuda_kernel_available("causal_conv1d"):
             # causal-conv1d keeps sequences apart by seq_idx (the layer hands it a channel-last view)
             bounds = cu.long()
-            seg = torch.repeat_interleave(torch.arange(bounds.numel() - 1, device=cu.device), bounds[1:] - bounds[:-1])
+            seg = torch.repeat_interleave(
+                torch.arange(bounds.numel() - 1, device=cu.device), bounds[1:] - bounds[:-1], output_size=hidden_states.shape[-1]
+            )
             return original(hidden_states, weight, bias, activation=activation, seq_idx=seg.to(torch.int32)[None])
         return segment_causal_conv1d(hidden_states, weight, bias, activation, cu)
 
