@@ -10,8 +10,10 @@ import torch
 
 from backends.examples import Example, ExampleOutput
 from backends.microbatch import Schedule
+from backends.packing import collate_packed, prepare_model_for_packing
 
 PASS_TYPES = ("forward", "forward_backward")
+LAYOUTS = ("padded", "packed")  # padded: one row per sequence; packed: one row, sequences end to end
 
 class PassTimeout(RuntimeError):
     """A pass ran past bench.pass_timeout_s."""
@@ -48,9 +50,12 @@ def dummy_inputs(device: torch.device):
     return zeros, zeros.clone(), torch.zeros((1, 1), dtype=torch.float32, device=device)
 
 
-def token_logprobs(model: torch.nn.Module, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Log-probability of each target token, in float32, shape [batch, length]."""
-    logits = model(input_ids=ids, use_cache=False).logits
+def token_logprobs(model: torch.nn.Module, ids: torch.Tensor, targets: torch.Tensor, **model_kwargs) -> torch.Tensor:
+    """Log-probability of each target token, in float32, shape [batch, length].
+
+    ``model_kwargs`` go to the model's forward (a packed row's position ids and ``cu_seq_lens``).
+    """
+    logits = model(input_ids=ids, use_cache=False, **model_kwargs).logits
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     return logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
@@ -70,6 +75,7 @@ def run_schedule(
     progress: Optional[ProgressFn] = None,
     before_step: Optional[Callable[[int, bool], None]] = None,
     deadline: Optional[float] = None,
+    layout: str = "padded",
 ) -> dict[int, ExampleOutput]:
     """Run one rank's schedule; return outputs keyed by example index.
 
@@ -78,9 +84,15 @@ def run_schedule(
     same however the batch is split. ``None`` entries run a zero-weight dummy.
     ``before_step(i, is_last)`` lets a backend set per-step sync behaviour.
     Past ``deadline`` (a ``time.monotonic()`` value) the next step raises PassTimeout.
+    ``layout="packed"`` runs each micro-batch as one row of its sequences end
+    to end (see backends.packing); outputs are the same as padded.
     """
     if pass_type not in PASS_TYPES:
         raise ValueError(f"pass type must be one of {PASS_TYPES}, got {pass_type!r}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if layout == "packed":
+        prepare_model_for_packing(model)  # idempotent: a packed row must never leak across sequences
     backward = pass_type == "forward_backward"
     scale = 1.0 / total_weight if total_weight > 0 else 0.0
     outputs: dict[int, ExampleOutput] = {}
@@ -91,6 +103,11 @@ def run_schedule(
             raise PassTimeout(f"{pass_type} still running after its time-out, at micro-batch {step + 1}/{n_steps}")
         if before_step is not None:
             before_step(step, step == n_steps - 1)
+        if layout == "packed":
+            tokens_done += _packed_step(model, examples, batch, backward, scale, device, outputs)
+            if progress is not None:
+                progress(step + 1, n_steps, tokens_done)
+            continue
         if batch is None:
             ids, targets, weights = dummy_inputs(device)
         else:
@@ -109,6 +126,25 @@ def run_schedule(
         if progress is not None:
             progress(step + 1, n_steps, tokens_done)
     return outputs
+
+
+def _packed_step(model, examples, batch, backward: bool, scale: float, device, outputs: dict) -> int:
+    """One packed micro-batch (``None`` = the one-token dummy); fills ``outputs``, returns its real tokens."""
+    packed = collate_packed(examples, batch, device)
+    with torch.set_grad_enabled(backward):
+        logprobs = token_logprobs(model, packed.ids, packed.targets, **packed.model_kwargs())
+        token_loss = -(logprobs * packed.weights)
+        if backward:
+            (token_loss.sum() * scale).backward()
+    if batch is None:
+        return 0
+    lp = logprobs.detach().float().cpu().numpy()[0]
+    losses = token_loss.detach().double().cpu().numpy()[0]
+    start = 0
+    for i, n in zip(batch, packed.lengths):
+        outputs[i] = ExampleOutput(logprobs=lp[start : start + n].copy(), loss=float(losses[start : start + n].sum()))
+        start += n
+    return start
 
 
 class ProgressLogger:
