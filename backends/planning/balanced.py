@@ -342,6 +342,38 @@ class _Grid:
         return max(cost_j, cost_k, rest) - mx_s
 
 
+def _best_transfer(b: _Bins, slots: list[list[int]], maxima: list[float], totals: list[float], hi: int, lo: int):
+    """The move (or swap) of a sequence from rank ``hi`` to rank ``lo`` that lowers the larger of their totals most.
+
+    Returns (gain, (i, i2 or None, step of i, step of the target, change of hi, change of lo), evaluations).
+    No micro-batch grows past its step's maximum or the budget.
+    """
+    S = len(slots)
+    sources, targets = range(S), range(S)
+    if S > 256:  # look only where a transfer is likeliest to help
+        sources = sorted(range(S), key=lambda s: (b.cost[slots[s][lo]] - b.cost[slots[s][hi]], s))[:64]
+        targets = sorted(range(S), key=lambda t: (b.cost[slots[t][lo]] - maxima[t], t))[:64]
+    best_gain, best, used = 0.0, None, 0
+    for s in sources:
+        j = slots[s][hi]
+        for i in b.candidates(j):
+            for t in targets:
+                k = slots[t][lo]
+                for i2 in [None, *b.candidates(k)]:  # None: move i; else swap it with i2
+                    used += 1
+                    tok_k, cost_k, cnt_k = b.after(k, i2, i)
+                    if cost_k > maxima[t] or not b.fits(tok_k, cnt_k):
+                        continue
+                    tok_j, cost_j, cnt_j = b.after(j, i, i2)
+                    if cost_j > maxima[s] or not b.fits(tok_j, cnt_j):
+                        continue
+                    d_hi, d_lo = cost_j - b.cost[j], cost_k - b.cost[k]
+                    gain = totals[hi] - max(totals[hi] + d_hi, totals[lo] + d_lo)
+                    if gain > best_gain:
+                        best_gain, best = gain, (i, i2, s, t, d_hi, d_lo)
+    return best_gain, best, used
+
+
 def _assign_ranks(grid: _Grid, work: int) -> list[list[int]]:
     """Per step, which rank runs which micro-batch: rank totals as even as the steps allow.
 
@@ -387,39 +419,26 @@ def _assign_ranks(grid: _Grid, work: int) -> list[list[int]]:
         slots[s][hi], slots[s][lo] = slots[s][lo], slots[s][hi]
         totals[hi] -= d
         totals[lo] += d
-    # Sequences moved from the busiest rank to the idlest, into micro-batches below their step's maximum.
+    # Sequences moved (or swapped) from the busiest rank to another, never past a step's maximum.
     maxima = [grid.step_max(s) for s in range(S)]
-    many = S > 256
     while work > 0:
         hi = max(range(W), key=lambda r: (totals[r], -r))
-        lo = min(range(W), key=lambda r: (totals[r], r))
-        if totals[hi] - totals[lo] <= tol:
-            break
-        sources, targets = range(S), range(S)
-        if many:  # look where moving is likeliest to help
-            sources = sorted(range(S), key=lambda s: (b.cost[slots[s][lo]] - b.cost[slots[s][hi]], s))[:64]
-            targets = sorted(range(S), key=lambda t: (b.cost[slots[t][lo]] - maxima[t], t))[:64]
-        gain_best, best = tol, None
-        for s in sources:
-            j = slots[s][hi]
-            for i in b.items[j]:
-                d_hi = b.cost[j] - b.after(j, i, None)[1]
-                if d_hi <= 0:
-                    continue
-                for t in targets:
-                    work -= 1
-                    k = slots[t][lo]
-                    tok_k, cost_k, cnt_k = b.after(k, None, i)
-                    if cost_k > maxima[t] or not b.fits(tok_k, cnt_k):
-                        continue  # k may grow up to its step's maximum, never past it
-                    gain = totals[hi] - max(totals[hi] - d_hi, totals[lo] + cost_k - b.cost[k])
-                    if gain > gain_best:
-                        gain_best, best = gain, (i, j, k, d_hi, cost_k - b.cost[k], s, t)
+        best_gain, best = tol, None
+        for lo in sorted(range(W), key=lambda r: (totals[r], r)):
+            if totals[hi] - totals[lo] <= tol:
+                break
+            gain, transfer, used = _best_transfer(b, slots, maxima, totals, hi, lo)
+            work -= used
+            if gain > best_gain:
+                best_gain, best = gain, (lo, transfer)
         if best is None:
             break
-        i, j, k, d_hi, d_lo, s, t = best
+        lo, (i, i2, s, t, d_hi, d_lo) = best
+        j, k = slots[s][hi], slots[t][lo]
         b.move(i, j, k)
-        totals[hi] -= d_hi
+        if i2 is not None:
+            b.move(i2, k, j)
+        totals[hi] += d_hi
         totals[lo] += d_lo
         for u in {s, t}:
             maxima[u] = grid.step_max(u)
