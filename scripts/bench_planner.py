@@ -4,7 +4,8 @@
 
 Prints, per planner, layout, ranks and budget: lock-step steps against the
 lower bound, pad efficiency, per-rank modeled cost max/mean, the critical path
-(sum over steps of the costliest rank's micro-batch / mean per-rank cost),
+(sum over steps of the costliest rank's micro-batch / mean per-rank cost) and,
+packed, the critical path no plan can beat (``critical_path_lower_bound``),
 micro-batches over budget and planning time; then the large case (the seed
 generator with N lengths, 8 ranks). Cost model: Qwen3.5-35B-A3B's shipped config.
 Timings are wall-clock on whatever machine runs it: upper bounds on a busy one.
@@ -18,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from backends.microbatch import plan_batch
+from backends.microbatch import critical_path_lower_bound, plan_batch
 from backends.model_configs import cost_model_for
 from backends.specs import ModelSpec
 from harness.workload import mixed_lengths
@@ -42,6 +43,7 @@ def row(lengths, planner, layout, world, budget, cost_model) -> list[str]:
         f"{st.pad_efficiency:.3f}",
         f"{st.cost_imbalance:.4f}",
         f"{st.critical_path:.4f}",
+        f"{critical_path_lower_bound(lengths, world, budget, cost_model):.4f}" if layout == "packed" else "—",
         str(st.over_budget),
         f"{elapsed_ms:,.1f}",
     ]
@@ -60,7 +62,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     cost_model = cost_model_for(ModelSpec(name="qwen3_5_35b_a3b", path="/nonexistent/Qwen3.5-35B-A3B"))
     header = ["planner", "layout", "ranks", "budget", "steps / lower bound", "pad eff.", "cost max/mean",
-              "critical path", "over budget", "plan ms"]
+              "critical path", "critical path ≥", "over budget", "plan ms"]
     lengths = mixed_lengths(128, 64, 32768, 42)
     out = [
         "# Planner benchmark",

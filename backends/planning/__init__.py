@@ -23,7 +23,14 @@ from backends.planning.greedy import (
 )
 from backends.planning.balanced import balanced_schedules, fewest_padded_microbatches
 from backends.planning.plan import PLAN_JSON_VERSION, PLANNERS, Plan, plan_batch
-from backends.planning.stats import PlanStats, lower_bound_bins, lower_bound_steps, padded_tokens, plan_stats
+from backends.planning.stats import (
+    PlanStats,
+    critical_path_lower_bound,
+    lower_bound_bins,
+    lower_bound_steps,
+    padded_tokens,
+    plan_stats,
+)
 
 __all__ = [
     "LAYOUTS",
@@ -38,6 +45,7 @@ __all__ = [
     "align_schedules",
     "balanced_schedules",
     "cost_model_from_config",
+    "critical_path_lower_bound",
     "deal_to_ranks",
     "fewest_padded_microbatches",
     "greedy_packed_microbatches",

@@ -41,6 +41,30 @@ def lower_bound_steps(
     return math.ceil(lower_bound_bins(lengths, max_tokens, micro_batch_size) / world_size)
 
 
+def critical_path_lower_bound(
+    lengths: Sequence[int], world_size: int, max_tokens: int, cost_model: Optional[CostModel] = None
+) -> float:
+    """No packed lock-step plan has a shorter critical path (sum of step maxima / mean per-rank cost).
+
+    Sequences longer than the budget sit alone and cost more than any
+    micro-batch within it (cost is convex), so the k-th costliest step costs
+    at least the (k·W)-th costliest of them (the k-1 costlier steps hold at
+    most (k-1)·W). The remaining steps cost at least their mean share of
+    what is left, where the free slots of those first steps hold at most
+    cost(budget) each. Tight when over-long sequences dominate the budget.
+    """
+    cost_model = cost_model or CostModel.tokens()
+    costs = [cost_model.sequence(n) for n in lengths]
+    total = sum(costs)
+    if total <= 0:
+        return 1.0
+    lone = sorted((c for n, c in zip(lengths, costs) if n > max_tokens), reverse=True)
+    leaders = lone[::world_size]  # the costliest over-long sequence of each of the first steps
+    free_slots = len(leaders) * world_size - len(lone)
+    rest = max(0.0, total - sum(lone) - free_slots * cost_model.sequence(max_tokens))
+    return (sum(leaders) + rest / world_size) / (total / world_size)
+
+
 @dataclass
 class PlanStats:
     """What a plan costs. Lists are per rank.
