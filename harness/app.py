@@ -291,7 +291,7 @@ class Point:
             OmegaConf.to_container(self.cfg.logger, resolve=True) if self.cfg.get("logger") else None,
             self.out_dir,
             OmegaConf.to_container(self.cfg, resolve=True),
-            run_name(backend.name, mtpm, mbs),
+            run_name(backend.name, mtpm, mbs, b.planner, b.layout),
             _sweep_group(),
         )
         outputs: dict[str, Any] = {}
