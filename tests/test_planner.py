@@ -95,6 +95,40 @@ def test_balanced_steps_against_the_bounds(case):
         assert plan.stats.critical_path >= critical_path_lower_bound(lengths, world, budget, cm) - 1e-9
 
 
+def _packs_into(lengths: list[int], budget: int, bins: int) -> bool:
+    """Exact search: do these sequences (each within the budget) fit in ``bins`` micro-batches?"""
+    room = [budget] * bins
+    order = sorted(lengths, reverse=True)
+
+    def place(i: int) -> bool:
+        if i == len(order):
+            return True
+        tried = set()
+        for j in range(bins):
+            if room[j] >= order[i] and room[j] not in tried:
+                tried.add(room[j])
+                room[j] -= order[i]
+                if place(i + 1):
+                    return True
+                room[j] += order[i]
+        return False
+
+    return place(0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 120), min_size=1, max_size=9), st.integers(1, 5), st.integers(10, 100))
+def test_balanced_packed_reaches_the_bound_whenever_a_plan_can(lengths, world, budget):
+    """On small inputs an exact search says whether any plan has the lower-bound step count; then ours has it."""
+    plan = plan_batch(lengths, world, budget, 1, align=True, layout="packed", planner="balanced")
+    bound = lower_bound_steps(lengths, world, budget)
+    rest = [n for n in lengths if n <= budget]
+    if _packs_into(rest, budget, bound * world - (len(lengths) - len(rest))):
+        assert plan.stats.steps == bound
+    else:
+        assert plan.stats.steps > bound
+
+
 @settings(max_examples=60, deadline=None)
 @given(cases())
 def test_balanced_is_deterministic_and_puts_the_costliest_step_first(case):
