@@ -86,7 +86,7 @@ def main(argv=None) -> int:
         big = mixed_lengths(args.large, 64, 32768, 42)
         out += ["", f"## {args.large:,} lengths (the seed generator, seed 42), 8 ranks, {sum(big):,} tokens", ""]
         big_rows = []
-        for planner, layout in [("balanced", "packed"), ("balanced", "padded")]:
+        for planner, layout in CASES:
             for budget in BUDGETS:
                 big_rows.append(row(big, planner, layout, 8, budget, cost_model))
                 print(" | ".join(big_rows[-1]), flush=True)

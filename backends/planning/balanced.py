@@ -483,8 +483,10 @@ def balanced_schedules(
             bins.add_bin(g)
     else:
         bins = _Bins(lengths, costs, B, layout, cost_model)
-        n_steps = math.ceil(len(fewest_padded_microbatches(lengths, B)) / W)
-        for g in _padded_groups(lengths, costs, B, n_steps * W):
+        fewest = fewest_padded_microbatches(lengths, B)
+        n_steps = math.ceil(len(fewest) / W)
+        # one rank has nothing to balance: the fewest micro-batches, filled greedily, pad least
+        for g in fewest if W == 1 else _padded_groups(lengths, costs, B, n_steps * W):
             bins.add_bin(g)
     grid = _Grid(bins, n_steps, W)
     work = grid.improve(work // 2) + work // 2
