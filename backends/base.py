@@ -10,6 +10,8 @@ import torch
 
 from backends.errors import UserError
 from backends.examples import Example, ExampleOutput
+from backends.planning import LAYOUTS, PLANNERS, CostModel, Plan, plan_batch
+from backends.planning.plan import check_choice
 from backends.specs import BackendSpec, ModelSpec
 from backends.step import PASS_TYPES
 
@@ -19,16 +21,42 @@ def make_command(
     examples: Sequence[Example],
     max_tokens_per_microbatch: Optional[int],
     micro_batch_size: int,
+    layout: str = "padded",
+    planner: str = "greedy",
+    cost_model: Optional[dict] = None,
 ) -> dict[str, Any]:
-    """The command dict a backend (and its workers) executes for one pass."""
+    """The command dict a backend (and its workers) executes for one pass.
+
+    ``cost_model`` is ``CostModel.as_dict()`` (None: cost = computed tokens);
+    every rank plans the same global plan from it, so it travels with the command.
+    """
     if pass_type not in PASS_TYPES:
         raise ValueError(f"pass type must be one of {PASS_TYPES}, got {pass_type!r}")
+    check_choice("layout", layout, LAYOUTS)
+    check_choice("planner", planner, PLANNERS)
     return {
         "pass_type": pass_type,
         "examples": list(examples),
         "max_tokens_per_microbatch": max_tokens_per_microbatch,
         "micro_batch_size": micro_batch_size,
+        "layout": layout,
+        "planner": planner,
+        "cost_model": cost_model,
     }
+
+
+def plan_command(command: dict[str, Any], world_size: int, lockstep: bool) -> Plan:
+    """The global plan of a command: every rank (and the controller) computes the same one from the same inputs."""
+    return plan_batch(
+        [len(e) for e in command["examples"]],
+        world_size,
+        command["max_tokens_per_microbatch"],
+        command["micro_batch_size"],
+        align=lockstep,
+        layout=command.get("layout", "padded"),
+        planner=command.get("planner", "greedy"),
+        cost_model=CostModel.from_dict(command.get("cost_model")),
+    )
 
 
 @dataclass

@@ -7,7 +7,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from backends.microbatch import MicroBatch, Schedule
+from backends.microbatch import Schedule
 from backends.step import grad_norm_local_sq
 from backends.workers import DistributedBackend, RankHooks
 
@@ -37,9 +37,10 @@ class FSDP2Hooks(RankHooks):
                     module.set_force_sum_reduction_for_comms(True)
         return model
 
-    def align(self, local: list[MicroBatch]) -> Schedule:
+    def align(self, local: Schedule) -> Schedule:
         # Every rank must call the model equally often: agree on the most steps
-        # on the main process group and pad with zero-weight dummy steps.
+        # on the main process group and pad with zero-weight dummy steps (a
+        # lock-step plan already has equal lengths: the count then changes nothing).
         count = torch.tensor([len(local)], dtype=torch.int64, device=self.device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
         return list(local) + [None] * (int(count.item()) - len(local))

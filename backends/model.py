@@ -11,33 +11,10 @@ from typing import Optional
 import torch
 
 from backends.errors import UserError
+from backends.model_configs import TINY_CONFIG
 from backends.specs import ModelSpec
 
 log = logging.getLogger(__name__)
-
-
-# The benchmark model's architecture (Qwen3.5-MoE: gated delta-net linear
-# attention and full attention layers, 3:1, routed experts plus a shared
-# expert) at a size two CPU cores can train in seconds.
-TINY_CONFIG = dict(
-    vocab_size=2048,
-    hidden_size=64,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    linear_key_head_dim=16,
-    linear_value_head_dim=16,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    linear_conv_kernel_dim=4,
-    moe_intermediate_size=32,
-    shared_expert_intermediate_size=32,
-    num_experts=8,
-    num_experts_per_tok=2,
-    max_position_embeddings=262144,
-    tie_word_embeddings=False,
-)
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

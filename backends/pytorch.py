@@ -11,10 +11,9 @@ from typing import Any
 import torch
 
 from backends import resolve_world_size
-from backends.base import Backend, BackendSpec, PassResult, resolve_device
+from backends.base import Backend, BackendSpec, PassResult, plan_command, resolve_device
 from backends.errors import BackendError
 from backends.memory import is_out_of_memory, limit_memory, oom_message, restore_memory_limit
-from backends.microbatch import plan_batch
 from backends.model import ModelSpec, build_model
 from backends.step import PassTimeout, ProgressLogger, grad_norm_local_sq, run_schedule, total_loss_weight
 
@@ -40,12 +39,7 @@ class PyTorchBackend(Backend):
     def _run_pass(self, command: dict[str, Any]) -> PassResult:
         examples = command["examples"]
         pass_type = command["pass_type"]
-        plan = plan_batch(
-            [len(e) for e in examples],
-            world_size=1,
-            max_tokens_per_microbatch=command["max_tokens_per_microbatch"],
-            micro_batch_size=command["micro_batch_size"],
-        )
+        plan = plan_command(command, world_size=1, lockstep=False)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         if pass_type == "forward_backward":

@@ -26,20 +26,12 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from backends import resolve_world_size
-from backends.base import Backend, BackendSpec, PassResult, resolve_device
+from backends import LOCKSTEP_BACKENDS, resolve_world_size
+from backends.base import Backend, BackendSpec, PassResult, plan_command, resolve_device
 from backends.errors import BackendError, UserError, first_line
 from backends.examples import Example
 from backends.memory import is_out_of_memory, limit_memory, oom_message
-from backends.microbatch import (
-    MicroBatch,
-    Schedule,
-    deal_to_ranks,
-    microbatches_for_rank,
-    padded_tokens,
-    plan_stats,
-    sort_by_length,
-)
+from backends.microbatch import CostModel, Schedule, microbatch_tokens, plan_stats
 from backends.model import ModelSpec, build_model
 from backends.step import ProgressLogger, run_schedule, total_loss_weight
 
@@ -60,7 +52,7 @@ class RankHooks:
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         return model
 
-    def align(self, local: list[MicroBatch]) -> Schedule:
+    def align(self, local: Schedule) -> Schedule:
         """The schedule this rank runs; lock-step backends pad it to the ranks' common length."""
         return list(local)
 
@@ -171,9 +163,10 @@ def worker_main(
             continue
         except BaseException as exc:  # noqa: BLE001
             if is_out_of_memory(exc):
-                _, local = _rank_share(command, rank, world_size)
+                _, local = _rank_share(command, rank, world_size, spec.name in LOCKSTEP_BACKENDS)
                 lengths = [len(e) for e in command["examples"]]
-                largest = max((padded_tokens(b, lengths) for b in local), default=0)
+                layout = command.get("layout", "padded")
+                largest = max((microbatch_tokens(b, lengths, layout) for b in local), default=0)
                 message = oom_message(command["pass_type"], f" on rank {rank}", largest, spec.memory_limit_gb, exc)
                 failure = ("oom", rank, (message, traceback.format_exc()))
             else:
@@ -188,11 +181,18 @@ def worker_main(
         pass
 
 
-def _rank_share(command: dict[str, Any], rank: int, world_size: int) -> tuple[list[int], list[MicroBatch]]:
-    """This rank's examples (dealt from the length-sorted order) and its own micro-batches."""
-    lengths = [len(e) for e in command["examples"]]
-    mine = deal_to_ranks(sort_by_length(lengths), world_size)[rank]
-    local = microbatches_for_rank(mine, lengths, command["max_tokens_per_microbatch"], command["micro_batch_size"])
+def _rank_share(
+    command: dict[str, Any], rank: int, world_size: int, lockstep: bool = False
+) -> tuple[list[int], Schedule]:
+    """This rank's examples and its micro-batches: its row of the global plan every rank computes alike.
+
+    Lock-step plans keep their ``None`` (dummy) entries where the planner put
+    them; ranks that run independently skip them.
+    """
+    local = plan_command(command, world_size, lockstep).schedules[rank]
+    if not lockstep:
+        local = [b for b in local if b is not None]
+    mine = [i for b in local if b is not None for i in b]
     return mine, local
 
 
@@ -202,7 +202,8 @@ def _run_command(
     examples: Sequence[Example] = command["examples"]
     pass_type = command["pass_type"]
     lengths = [len(e) for e in examples]
-    mine, local = _rank_share(command, rank, world_size)
+    lockstep = hooks.spec.name in LOCKSTEP_BACKENDS
+    mine, local = _rank_share(command, rank, world_size, lockstep)
     schedule = hooks.align(local)
     # The whole batch's loss weight, summed over ranks once per pass: every rank divides by it.
     total_weight = _all_reduce_float(total_loss_weight(examples, mine), dist.ReduceOp.SUM, device)
@@ -237,7 +238,16 @@ def _run_command(
     peaks = [m for _, _, m in gathered if m is not None]
     return {
         "outputs": [merged[i] for i in range(len(examples))],
-        "plan": plan_stats(schedules, lengths).as_dict(),
+        "plan": plan_stats(
+            schedules,
+            lengths,
+            layout=command.get("layout", "padded"),
+            cost_model=CostModel.from_dict(command.get("cost_model")),
+            max_tokens=command["max_tokens_per_microbatch"],
+            micro_batch_size=command["micro_batch_size"],
+            lockstep=lockstep,
+            planner=command.get("planner", "greedy"),
+        ).as_dict(),
         "grad_norm": grad_norm,
         "mem_peak_bytes": max(peaks) if peaks else None,
     }

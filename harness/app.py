@@ -16,9 +16,10 @@ from omegaconf.errors import OmegaConfBaseException
 from backends import LOCKSTEP_BACKENDS, resolve_world_size
 from backends.errors import BackendError, UserError
 from backends.microbatch import plan_batch
+from backends.model_configs import cost_model_for
 from harness.cli import config_error_line
 from harness.config import HarnessConfig, validate
-from harness.results import OUTPUTS_FILE, RESULTS_FILE, write_json_atomic
+from harness.results import OUTPUTS_FILE, PLAN_FILE, RESULTS_FILE, write_json_atomic, write_plan_json
 from harness.tracking import Tracker, run_name, sweep_group
 from harness.workload import make_examples, workload_lengths
 
@@ -102,6 +103,8 @@ def base_document(cfg: DictConfig) -> dict[str, Any]:
         "model": {"name": get("model.name"), "path": get("model.path"), "lora_rank": get("model.lora_rank")},
         "mtpm": get("mtpm"),
         "mbs": get("mbs"),
+        "layout": get("layout"),
+        "planner": get("planner"),
         "gc": get("gc"),
         "bench": {"warmup": get("bench.warmup"), "repeat": get("bench.repeat")},
         "workload": {"name": get("workload.name")},
@@ -126,6 +129,7 @@ class Point:
         self.hot = False
         self.vocab_size = 0
         self.tracker = None
+        self.cost_model = None  # the planner's cost model (backends.planning.CostModel), from the model's config
 
     def save(self) -> None:
         self.doc["wall_s"] = time.perf_counter() - self.t0
@@ -189,7 +193,18 @@ class Point:
             backend = self._start_backend(spec)
             name, world_size, device_info = backend.name, backend.world_size, backend.describe_device()
             self.label = f"[{name} mtpm={mtpm} mbs={mbs}] "
-        plan = plan_batch(lengths, world_size, mtpm, mbs, align=name in LOCKSTEP_BACKENDS)
+        self.cost_model = cost_model_for(spec.model)
+        plan = plan_batch(
+            lengths,
+            world_size,
+            mtpm,
+            mbs,
+            align=name in LOCKSTEP_BACKENDS,
+            layout=b.layout,
+            planner=b.planner,
+            cost_model=self.cost_model,
+        )
+        write_plan_json(self.out_dir / PLAN_FILE, plan.to_json(backend=name))
         self.doc.update(
             backend=name,
             world_size=world_size,
@@ -214,14 +229,25 @@ class Point:
         )
         st = plan.stats
         log.info(
-            "%splan: %d examples, %s real / %s padded tokens, pad efficiency %.3f, micro-batches per rank %s, dummies %s",
+            "%splan (%s, %s): %d examples, %s real / %s padded tokens, pad efficiency %.3f, micro-batches per rank %s, dummies %s",
             self.label,
+            st.planner,
+            st.layout,
             len(lengths),
             f"{st.real_tokens:,}",
             f"{st.padded_tokens:,}",
             st.pad_efficiency,
             st.n_microbatches,
             st.n_dummy,
+        )
+        log.info(
+            "%s%d steps (fewest possible %d), %d micro-batches over budget, modeled cost per rank max/mean %.4f, critical path %.4f",
+            self.label,
+            st.steps,
+            st.lower_bound_steps,
+            st.over_budget,
+            st.cost_imbalance,
+            st.critical_path,
         )
         if spec.dry_run:
             self.doc["status"] = "planned"
@@ -265,12 +291,19 @@ class Point:
             OmegaConf.to_container(self.cfg.logger, resolve=True) if self.cfg.get("logger") else None,
             self.out_dir,
             OmegaConf.to_container(self.cfg, resolve=True),
-            run_name(backend.name, mtpm, mbs),
+            run_name(backend.name, mtpm, mbs, b.planner, b.layout),
             _sweep_group(),
         )
         outputs: dict[str, Any] = {}
         command_for = default_command_for(
-            examples, mtpm, mbs, progress_every_s=spec.bench.progress_every_s, timeout_s=spec.bench.pass_timeout_s
+            examples,
+            mtpm,
+            mbs,
+            layout=b.layout,
+            planner=b.planner,
+            cost_model=self.cost_model.as_dict(),
+            progress_every_s=spec.bench.progress_every_s,
+            timeout_s=spec.bench.pass_timeout_s,
         )
         for pass_type in PASS_TYPES:
             record, result = measure_pass(

@@ -9,6 +9,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 from backends.errors import UserError
+from backends.planning import LAYOUTS, PLANNERS
 from backends.specs import BackendSpec, ModelSpec
 from harness.workload import WorkloadSpec
 
@@ -59,6 +60,8 @@ class HarnessConfig:
     # The knobs a user types; backend.* interpolates them.
     mtpm: Optional[int] = None  # max tokens per micro-batch; null = fixed mbs slices
     mbs: int = 1  # micro-batch size (sequences) when mtpm is null
+    layout: str = "padded"  # padded or packed (see backends/planning)
+    planner: str = "greedy"  # greedy or balanced
     gc: bool = False  # gradient checkpointing
     seed: int = 0  # token ids of the workload
     world_size: Optional[int] = None  # ranks; null = one per GPU, else 2 CPU ranks (1 for pytorch)
@@ -88,6 +91,16 @@ def validate(cfg: HarnessConfig) -> None:
     _positive_int("mtpm", cfg.backend.max_tokens_per_microbatch, allow_none=True)
     _positive_int("mbs", cfg.backend.micro_batch_size)
     _positive_int("world_size", cfg.backend.world_size, allow_none=True)
+    if cfg.backend.layout not in LAYOUTS:
+        raise UserError(f"layout: '{cfg.backend.layout}' is not a layout (valid: {', '.join(LAYOUTS)})")
+    if cfg.backend.planner not in PLANNERS:
+        raise UserError(f"planner: '{cfg.backend.planner}' is not a planner (valid: {', '.join(PLANNERS)})")
+    if cfg.backend.planner == "balanced" and cfg.backend.max_tokens_per_microbatch is None:
+        raise UserError("planner: balanced needs a budget (set mtpm=<tokens>; with mtpm=null use planner=greedy: fixed-size slices have nothing to balance)")
+    # Packed execution comes with issue 11 (branch `packing`): until it is merged, packed plans are dry runs only.
+    # Delete this check when the backends run packed micro-batches.
+    if cfg.backend.layout == "packed" and not cfg.dry_run:
+        raise UserError("layout: packed execution is not available yet (plan it with dry_run=true, or run layout=padded)")
     if cfg.bench.warmup < 0:
         raise UserError(f"bench.warmup: must be >= 0, got {cfg.bench.warmup}")
     _positive_int("bench.repeat", cfg.bench.repeat)

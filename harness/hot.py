@@ -22,8 +22,9 @@ class HotBackends:
         self.control: Optional[ControlFile] = None
 
     def get(self, spec: BackendSpec, model: ModelSpec):
-        # The batching knobs do not change what is loaded: they go through the control file.
-        key = repr((replace(spec, max_tokens_per_microbatch=None, micro_batch_size=1), model))
+        # The batching knobs do not change what is loaded: mtpm and mbs go through the control
+        # file, layout and planner ride in every pass's command.
+        key = repr((replace(spec, max_tokens_per_microbatch=None, micro_batch_size=1, layout="padded", planner="greedy"), model))
         if key != self.key:
             self.close()
             from backends import make_backend

@@ -11,6 +11,7 @@ from backends.atomic import write_text_atomic
 
 RESULTS_FILE = "results.json"
 OUTPUTS_FILE = "example_outputs.json"
+PLAN_FILE = "plan.json"  # which rank runs which examples in which step (backends.planning.Plan.to_json)
 
 
 def _clean(value: Any) -> Any:
@@ -27,3 +28,8 @@ def _clean(value: Any) -> Any:
 def write_json_atomic(path: Path, data: Any) -> None:
     """results.json and friends: atomic and fsynced, so a crash never leaves half a file."""
     write_text_atomic(path, json.dumps(_clean(data), indent=2) + "\n", durable=True)
+
+
+def write_plan_json(path: Path, plan: dict) -> None:
+    """plan.json: compact (a plan of many lengths stays small), atomic like results.json."""
+    write_text_atomic(path, json.dumps(_clean(plan), separators=(",", ":")) + "\n", durable=True)

@@ -95,13 +95,22 @@ def parse_examples(body: Any, vocab_size: int, max_tokens: int):
     return out
 
 
-def build_app(backend, control, vocab_size: int, server, admin_token: Optional[str], default_mbs: int):
-    """The FastAPI app around a started backend and its control file."""
+def build_app(
+    backend, control, vocab_size: int, server, admin_token: Optional[str], default_mbs: int,
+    plan_options: Optional[dict] = None,
+):
+    """The FastAPI app around a started backend and its control file.
+
+    ``plan_options`` (layout, planner, cost_model; see backends.base.make_command)
+    are fixed for the server's life; only the budget and mbs change live.
+    """
     from fastapi import FastAPI
     from fastapi.concurrency import run_in_threadpool
     from fastapi.responses import JSONResponse
 
     from backends.base import make_command
+
+    plan_options = dict(plan_options or {})
 
     app = FastAPI(title="balance-batch", docs_url=None, redoc_url=None)
     passes = asyncio.Semaphore(1)  # one pass at a time
@@ -164,10 +173,15 @@ def build_app(backend, control, vocab_size: int, server, admin_token: Optional[s
         log.info("%s set to %s", name, value)
         return current()
 
+    def set_budget(value: Optional[int]):
+        if value is None and plan_options.get("planner") == "balanced":
+            raise RequestError(422, "max_tokens_per_microbatch: null is not allowed with planner=balanced "
+                                    "(fixed-size slices have no budget to balance)")
+        return control.set_max_tokens_per_microbatch(value)
+
     @app.post("/admin/set_max_tokens_per_microbatch")
     async def set_mtpm(request: Request):
-        return await admin_set(request, "max_tokens_per_microbatch", server.mtpm_ceiling,
-                               control.set_max_tokens_per_microbatch)
+        return await admin_set(request, "max_tokens_per_microbatch", server.mtpm_ceiling, set_budget)
 
     @app.post("/admin/set_micro_batch_size")
     async def set_mbs(request: Request):
@@ -184,7 +198,7 @@ def build_app(backend, control, vocab_size: int, server, admin_token: Optional[s
         try:
             async with passes:
                 # The backend fills in the budget from the control file before the pass.
-                command = make_command(pass_type, examples, None, 1)
+                command = make_command(pass_type, examples, None, 1, **plan_options)
                 result = await run_in_threadpool(backend.run_pass, command)
         except BackendError as exc:
             log.error("%s failed: %s", pass_type, exc)
@@ -240,6 +254,7 @@ def serve(cfg: DictConfig) -> int:
     from backends import make_backend
     from backends.control import BatchingSettings, ControlFile
     from backends.model import model_vocab_size
+    from backends.model_configs import cost_model_for
 
     b = spec.backend
     control = ControlFile(server.control_path, BatchingSettings(b.max_tokens_per_microbatch, b.micro_batch_size))
@@ -248,7 +263,8 @@ def serve(cfg: DictConfig) -> int:
         vocab = model_vocab_size(spec.model)
         backend = make_backend(b, spec.model)
         backend.attach_control(control)
-        app = build_app(backend, control, vocab, server, token, b.micro_batch_size)
+        plan_options = {"layout": b.layout, "planner": b.planner, "cost_model": cost_model_for(spec.model).as_dict()}
+        app = build_app(backend, control, vocab, server, token, b.micro_batch_size, plan_options)
         log.info(
             "serving %s (%d x %s) on http://%s:%d; control file %s; admin API %s",
             backend.name, backend.world_size, backend.device.type, server.host, server.port, control.path,

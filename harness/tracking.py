@@ -34,8 +34,12 @@ def summary_metrics(doc: dict) -> dict:
     return out
 
 
-def run_name(backend: Optional[str], mtpm: Optional[int], mbs: Optional[int]) -> str:
-    return f"{backend}-mtpm{mtpm}" if mtpm is not None else f"{backend}-mbs{mbs}"
+def run_name(
+    backend: Optional[str], mtpm: Optional[int], mbs: Optional[int], planner: str = "greedy", layout: str = "padded"
+) -> str:
+    name = f"{backend}-mtpm{mtpm}" if mtpm is not None else f"{backend}-mbs{mbs}"
+    # the seed's defaults keep the names runs always had
+    return name + "".join(f"-{v}" for v, default in ((planner, "greedy"), (layout, "padded")) if v != default)
 
 
 def sweep_group(sweep_dir: Optional[str]) -> Optional[str]:

@@ -14,6 +14,8 @@ log = logging.getLogger(__name__)
 BACKEND_ORDER = {"fsdp2": 0, "megatron_ddp": 1, "pytorch": 2}
 BACKEND_LABEL = {"fsdp2": "FSDP2", "megatron_ddp": "Megatron DDP", "pytorch": "PyTorch"}
 PASSES = ("forward", "forward_backward")
+PLANNER_ORDER = {"greedy": 0, "balanced": 1}
+LAYOUT_ORDER = {"padded": 0, "packed": 1}
 
 
 def find_results(dirs: Iterable[Path]) -> list[Path]:
@@ -87,9 +89,16 @@ def row_of(path: Path, doc: dict) -> dict:
         "setting": _setting(doc),
         "mbs": doc.get("mbs"),
         "mtpm": doc.get("mtpm"),
+        # results written before the balanced planner ran the seed's: greedy, padded
+        "planner": plan.get("planner") or doc.get("planner") or "greedy",
+        "layout": plan.get("layout") or doc.get("layout") or "padded",
         "status": doc.get("status"),
         "error": doc.get("error"),
         "pad_efficiency": plan.get("pad_efficiency"),
+        "critical_path": plan.get("critical_path"),
+        "cost_imbalance": plan.get("cost_imbalance"),
+        "steps": plan.get("steps"),
+        "lower_bound_steps": plan.get("lower_bound_steps"),
         "n_microbatches": plan.get("n_microbatches"),
         "n_dummy": plan.get("n_dummy"),
         "max_microbatch_padded_tokens": plan.get("max_microbatch_padded_tokens"),
@@ -123,7 +132,7 @@ def collect(dirs: Iterable[Path]) -> pd.DataFrame:
 
 
 def sort_rows(df: pd.DataFrame) -> pd.DataFrame:
-    """Per backend: fixed-mbs rows first (by mbs), then mtpm ascending."""
+    """Per backend: fixed-mbs rows first (by mbs), then mtpm ascending; greedy before balanced, padded before packed."""
     key = pd.DataFrame(
         {
             "setting": df["setting"],
@@ -131,10 +140,13 @@ def sort_rows(df: pd.DataFrame) -> pd.DataFrame:
             "budget": df["mtpm"].isna().map(lambda fixed: 0 if fixed else 1),
             "mtpm": df["mtpm"].fillna(0),
             "mbs": df["mbs"].fillna(0),
+            "planner": df["planner"].map(lambda p: PLANNER_ORDER.get(p, 9)),
+            "layout": df["layout"].map(lambda x: LAYOUT_ORDER.get(x, 9)),
             "started": df["started_at"].fillna(""),
         }
     )
-    order = key.sort_values(["setting", "backend", "budget", "mtpm", "mbs", "started"], kind="stable").index
+    columns = ["setting", "backend", "budget", "mtpm", "mbs", "planner", "layout", "started"]
+    order = key.sort_values(columns, kind="stable").index
     return df.loc[order].reset_index(drop=True)
 
 

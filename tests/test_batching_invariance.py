@@ -28,8 +28,8 @@ def examples():
     return make_examples(LENGTHS, 2048, seed=0)
 
 
-def _run(backend, examples, pass_type, mtpm, mbs):
-    return backend.run_pass(make_command(pass_type, examples, mtpm, mbs))
+def _run(backend, examples, pass_type, mtpm, mbs, **options):
+    return backend.run_pass(make_command(pass_type, examples, mtpm, mbs, **options))
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +46,14 @@ def test_losses_and_gradient_do_not_depend_on_grouping(backend, examples, refere
     assert math.isclose(result.grad_norm, reference.grad_norm, rel_tol=1e-5)
     for o, r in zip(result.outputs, reference.outputs):
         np.testing.assert_allclose(o.logprobs, r.logprobs, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("mtpm", [300, 600, 100_000])
+def test_the_balanced_planner_gives_the_same_answer(backend, examples, reference, mtpm):
+    result = _run(backend, examples, "forward_backward", mtpm, 1, planner="balanced")
+    assert result.plan["planner"] == "balanced"
+    np.testing.assert_allclose([o.loss for o in result.outputs], [o.loss for o in reference.outputs], rtol=1e-5)
+    assert math.isclose(result.grad_norm, reference.grad_norm, rel_tol=1e-5)
 
 
 def test_grouping_really_differs_between_cases(backend, examples):

@@ -25,6 +25,9 @@ CASES = {
     "mtpm=700": (EXAMPLES, 700, 1),
     "mtpm=null mbs=1": (EXAMPLES, None, 1),
     "n_examples=1": (EXAMPLES[:1], None, 1),
+    # every rank plans the same global plan and takes its row (a lone rank gets a dummy)
+    "balanced mtpm=700": (EXAMPLES, 700, 1, {"planner": "balanced"}),
+    "balanced n_examples=3": (EXAMPLES[:3], 400, 1, {"planner": "balanced"}),
 }
 
 
@@ -46,9 +49,9 @@ def _pids(procs) -> frozenset:
 
 def run_cases(backend) -> dict:
     out = {}
-    for name, (examples, mtpm, mbs) in CASES.items():
+    for name, (examples, mtpm, mbs, *options) in CASES.items():
         for pass_type in ("forward", "forward_backward"):
-            out[name, pass_type] = backend.run_pass(make_command(pass_type, examples, mtpm, mbs))
+            out[name, pass_type] = backend.run_pass(make_command(pass_type, examples, mtpm, mbs, **(options or [{}])[0]))
     return out
 
 
@@ -94,6 +97,13 @@ def test_fsdp2_pads_unequal_ranks_with_dummies(distributed):
         assert lonely["n_dummy"] == [0, 1]
     else:
         assert plan["n_dummy"] == [0, 0] and lonely["n_dummy"] == [0, 0]
+    balanced = results["balanced mtpm=700", "forward_backward"].plan
+    greedy_steps = max(m + d for m, d in zip(plan["n_microbatches"], plan["n_dummy"]))
+    assert balanced["planner"] == "balanced" and balanced["steps"] <= greedy_steps
+    assert balanced["n_microbatches"][0] == balanced["n_microbatches"][1]  # equal work, equal steps
+    three = results["balanced n_examples=3", "forward_backward"].plan
+    assert sum(three["n_microbatches"]) == 3 and three["steps"] == 2
+    assert three["n_dummy"] == ([0, 1] if name == "fsdp2" else [0, 0])
 
 
 def test_workers_stop_at_close(distributed):

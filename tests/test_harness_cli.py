@@ -7,6 +7,8 @@ import math
 import pytest
 
 from backends.microbatch import plan_batch
+from backends.model_configs import cost_model_for
+from backends.specs import ModelSpec
 from harness.workload import mixed_lengths
 from tests.conftest import load_json, run_harness, sweep_results
 
@@ -29,7 +31,7 @@ def test_single_run_writes_results_json(workdir):
     assert res["workload"]["n_examples"] == 16
     assert res["workload"]["total_tokens"] == sum(lengths)
     assert (res["workload"]["min_len"], res["workload"]["max_len"]) == (min(lengths), max(lengths))
-    expected = plan_batch(lengths, 1, 600, 1).stats
+    expected = plan_batch(lengths, 1, 600, 1, cost_model=cost_model_for(ModelSpec())).stats
     assert res["plan"]["n_microbatches"] == expected.n_microbatches
     assert res["plan"]["padded_tokens"] == expected.padded_tokens
     assert math.isclose(res["plan"]["pad_efficiency"], expected.pad_efficiency)
@@ -64,7 +66,7 @@ def test_dry_run_of_the_seed_workload_plans_every_point(workdir):
     for r, budget in zip(results, budgets):
         assert r["status"] == "planned"
         assert r["workload"]["total_tokens"] == 1_669_550
-        assert r["plan"] == plan_batch(lengths, 1, budget, 1).stats.as_dict()
+        assert r["plan"] == plan_batch(lengths, 1, budget, 1, cost_model=cost_model_for(ModelSpec())).stats.as_dict()
         assert r["passes"] == {}
     effs = [r["plan"]["pad_efficiency"] for r in results]
     assert effs == sorted(effs, reverse=True)  # bigger budgets pad more on this workload
@@ -122,6 +124,9 @@ def _one_error_line(proc) -> str:
         ("workload=huge", "workload", "smoke"),
         ("workload.n_examples=0", "workload.n_examples", "positive integer"),
         ("mtmp=1000", "mtmp", "not a config key"),
+        ("layout=zigzag", "layout", "valid: padded, packed"),
+        ("planner=magic", "planner", "valid: greedy, balanced"),
+        ("planner=balanced", "planner", "mtpm"),  # mtpm is null here: fixed slices have no budget to balance
     ],
 )
 def test_bad_input_is_one_line_naming_the_key(workdir, override, key, valid):
@@ -154,3 +159,59 @@ def test_a_bad_point_does_not_stop_the_sweep(workdir):
     proc = run_harness("-m", "mtpm=-5,4096", "dry_run=true", "workload=smoke", f"hydra.sweep.dir={sweep}", cwd=workdir)
     assert proc.returncode == 2
     assert [r["status"] for r in sweep_results(sweep)] == ["error", "planned"]
+
+
+def test_packed_execution_is_refused_until_the_backends_run_it(workdir):
+    proc = run_harness("layout=packed", "mtpm=4096", *FAST, f"hydra.run.dir={workdir / 'run'}", cwd=workdir)
+    assert proc.returncode == 2
+    line = _one_error_line(proc)
+    assert "layout" in line and "packed execution is not available yet" in line and "dry_run=true" in line
+
+
+def test_dry_runs_plan_every_planner_and_layout_and_write_plan_json(workdir):
+    sweep = workdir / "sweep"
+    proc = run_harness(
+        "-m", "planner=greedy,balanced", "layout=padded,packed", "mtpm=32768", "world_size=4",
+        "backend=fsdp2", "model=qwen3_5_35b_a3b", "workload=seed_mixed_128", "dry_run=true",
+        f"hydra.sweep.dir={sweep}", cwd=workdir,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lengths = mixed_lengths(128, 64, 32768, 42)
+    points = sorted(p for p in sweep.iterdir() if (p / "results.json").exists())
+    assert len(points) == 4
+    seen = set()
+    for point in points:
+        res, plan = load_json(point / "results.json"), load_json(point / "plan.json")
+        p = res["plan"]
+        seen.add((p["planner"], p["layout"]))
+        assert res["status"] == "planned" and (res["planner"], res["layout"]) == (p["planner"], p["layout"])
+        assert p["lower_bound_steps"] == 13 and p["steps"] >= 13
+        assert p["cost_model"]["b"] == 81920 and "qwen3_5_35b_a3b" in p["cost_model"]["source"]
+        assert len(p["cost_per_rank"]) == 4 and p["cost_imbalance"] >= 1 and p["critical_path"] >= 1
+        # plan.json: what ran where, enough to check or draw the plan
+        assert plan["version"] == 1 and plan["backend"] == "fsdp2" and plan["world_size"] == 4 and plan["lockstep"]
+        assert (plan["planner"], plan["layout"]) == (p["planner"], p["layout"])
+        assert plan["max_tokens_per_microbatch"] == 32768 and plan["cost_model"] == p["cost_model"]
+        assert plan["lengths"] == lengths
+        assert {len(s) for s in plan["schedules"]} == {p["steps"]}
+        assert sorted(i for s in plan["schedules"] for b in s if b for i in b) == list(range(128))
+        if p["layout"] == "packed":
+            assert p["pad_efficiency"] == 1.0
+        if p["planner"] == "balanced":
+            assert p["over_budget"] == 0 and p["cost_imbalance"] <= 1.005
+        if (p["planner"], p["layout"]) == ("balanced", "packed"):
+            assert p["steps"] == 13 and p["critical_path"] <= 1.02
+    assert seen == {("greedy", "padded"), ("greedy", "packed"), ("balanced", "padded"), ("balanced", "packed")}
+    assert "critical path" in proc.stdout
+
+
+def test_a_real_run_writes_the_plan_it_ran(workdir):
+    run_dir = workdir / "run"
+    proc = run_harness(*FAST, "mtpm=700", "planner=balanced", "bench.repeat=1", f"hydra.run.dir={run_dir}", cwd=workdir)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    res, plan = load_json(run_dir / "results.json"), load_json(run_dir / "plan.json")
+    assert res["status"] == "ok" and res["plan"]["planner"] == "balanced" and plan["planner"] == "balanced"
+    assert plan["lockstep"] is False and plan["backend"] == "pytorch"
+    ran = [len(b) for b in plan["schedules"][0]]
+    assert res["plan"]["n_microbatches"] == [len(ran)]
+    assert res["plan"]["steps"] == len(ran) and res["plan"]["max_tokens_per_microbatch"] == 700

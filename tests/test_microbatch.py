@@ -138,3 +138,29 @@ def test_planner_does_not_import_torch():
 
     code = "import sys, backends.microbatch; sys.exit(1 if 'torch' in sys.modules else 0)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_seed_greedy_outputs_are_pinned():
+    """The seed's greedy plans, exactly as the seed computed them (the defaults must never drift)."""
+    from harness.workload import mixed_lengths
+
+    small = mixed_lengths(16, 64, 512, 42)
+    plan = plan_batch(small, 2, 700, 1, align=True)
+    assert plan.schedules == [[[7], [4], [3], [6, 1], [11, 14], [9]], [[13], [10], [12, 0], [8, 5], [15, 2], None]]
+    assert plan.stats.n_dummy == [0, 1]
+    assert plan_batch(small, 3, None, 2).schedules == [
+        [[7, 10], [6, 8], [14, 2]], [[13, 3], [0, 11], [15]], [[4, 12], [1, 5], [9]]
+    ]
+    seed = mixed_lengths(128, 64, 32768, 42)
+    expected = {  # budget: (steps per rank, pad efficiency, padded tokens, rank 0's first two micro-batches)
+        16384: (23, 0.971048, 1719328, [[79], [126]]),
+        32768: (18, 0.939152, 1777721, [[79], [126]]),
+        65536: (9, 0.885227, 1886014, [[79, 126], [88, 37]]),
+        131072: (5, 0.80369, 2077355, [[79, 126, 88, 37], [71, 127, 75, 6]]),
+    }
+    for budget, (steps, eff, padded, head) in expected.items():
+        plan = plan_batch(seed, 4, budget, 1, align=True)
+        assert [len(s) for s in plan.schedules] == [steps] * 4 and plan.stats.n_dummy == [0] * 4
+        assert round(plan.stats.pad_efficiency, 6) == eff and plan.stats.padded_tokens == padded
+        assert plan.schedules[0][:2] == head
+        assert (plan.layout, plan.planner) == ("padded", "greedy")

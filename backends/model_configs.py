@@ -1,0 +1,105 @@
+"""Model architectures as plain dicts (no torch): the tiny test model, the benchmark model's shipped config, and their cost models."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from backends.planning.cost import CostModel, cost_model_from_config
+from backends.specs import ModelSpec
+
+# The benchmark model's architecture (Qwen3.5-MoE: gated delta-net linear
+# attention and full attention layers, 3:1, routed experts plus a shared
+# expert) at a size two CPU cores can train in seconds.
+TINY_CONFIG = dict(
+    vocab_size=2048,
+    hidden_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_conv_kernel_dim=4,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=32,
+    num_experts=8,
+    num_experts_per_tok=2,
+    max_position_embeddings=262144,
+    tie_word_embeddings=False,
+)
+
+# Qwen3.5-35B-A3B's text config (the fields the cost model reads), so a dry run
+# needs no checkpoint. Values as published with the model: they agree across
+# THUDM/slime scripts/models/qwen3.5-35B-A3B.sh (40 layers, hidden 2048, 16
+# heads / 2 KV heads of 256, 256 experts top-8 of 512, shared expert 512,
+# linear attention 16 key / 32 value heads of 128, 1 full-attention layer in 4,
+# vocabulary 248,320, untied embeddings), a public test fixture copied from
+# mlx-community/Qwen3.5-35B-A3B-4bit's text_config, and the defaults of
+# transformers 5.24's Qwen3_5MoeTextConfig (documented as Qwen/Qwen3.5-35B-A3B).
+QWEN3_5_35B_A3B_TEXT_CONFIG = dict(
+    model_type="qwen3_5_moe_text",
+    vocab_size=248320,
+    hidden_size=2048,
+    num_hidden_layers=40,
+    full_attention_interval=4,
+    num_attention_heads=16,
+    num_key_value_heads=2,
+    head_dim=256,
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_num_key_heads=16,
+    linear_num_value_heads=32,
+    num_experts=256,
+    num_experts_per_tok=8,
+    moe_intermediate_size=512,
+    shared_expert_intermediate_size=512,
+    mlp_only_layers=[],
+    max_position_embeddings=262144,
+    tie_word_embeddings=False,
+)
+
+# Configs shipped in the repository, by model name (conf/model/<name>.yaml).
+SHIPPED_CONFIGS: dict[str, dict[str, Any]] = {
+    "tiny": {**TINY_CONFIG, "model_type": "qwen3_5_moe_text"},
+    "qwen3_5_35b_a3b": QWEN3_5_35B_A3B_TEXT_CONFIG,
+}
+
+
+def model_config(spec: ModelSpec) -> tuple[dict[str, Any], str]:
+    """The model's config and where it came from: the checkpoint's config.json when it is on disk, else the shipped one.
+
+    The tiny model (no path) is TINY_CONFIG with the spec's vocabulary size.
+    A named model whose checkpoint is absent (a dry run on a laptop) falls back
+    to its shipped config; a model with neither gets the token-count cost.
+    """
+    if spec.path is not None:
+        path = Path(os.path.expanduser(str(spec.path))) / "config.json"
+        if path.is_file():
+            data = json.loads(path.read_text())
+            return dict(data.get("text_config") or data), str(path)
+    if spec.path is None:
+        config = dict(SHIPPED_CONFIGS["tiny"])
+        if spec.vocab_size:
+            config["vocab_size"] = int(spec.vocab_size)
+        return config, "backends/model_configs.py:TINY_CONFIG"
+    if spec.name in SHIPPED_CONFIGS:
+        return dict(SHIPPED_CONFIGS[spec.name]), f"backends/model_configs.py:{spec.name} (checkpoint not on disk)"
+    return {}, ""
+
+
+def cost_model_for(spec: ModelSpec) -> CostModel:
+    """The planner's cost model for a model spec (torch-free; reads config.json only)."""
+    config, source = model_config(spec)
+    if not config:
+        return CostModel.tokens()
+    try:
+        return cost_model_from_config(config, source)
+    except (KeyError, TypeError, ValueError):
+        return CostModel.tokens()  # an architecture the formula does not know: fall back to tokens
+

@@ -1,0 +1,64 @@
+"""Micro-batch planning over sequence lengths, pure Python (no torch): greedy and balanced planners, cost model, statistics."""
+
+from backends.planning.cost import (
+    LAYOUTS,
+    CostModel,
+    active_matmul_params,
+    cost_model_from_config,
+    layer_types,
+    microbatch_cost,
+    microbatch_tokens,
+)
+from backends.planning.greedy import (
+    MicroBatch,
+    Schedule,
+    _greedy_token_budget,
+    align_schedules,
+    deal_to_ranks,
+    greedy_packed_microbatches,
+    make_fixed_size_microbatches,
+    make_token_balanced_microbatches,
+    microbatches_for_rank,
+    sort_by_length,
+)
+from backends.planning.balanced import balanced_schedules, fewest_padded_microbatches
+from backends.planning.plan import PLAN_JSON_VERSION, PLANNERS, Plan, plan_batch
+from backends.planning.stats import (
+    PlanStats,
+    critical_path_lower_bound,
+    lower_bound_bins,
+    lower_bound_steps,
+    padded_tokens,
+    plan_stats,
+)
+
+__all__ = [
+    "LAYOUTS",
+    "PLANNERS",
+    "PLAN_JSON_VERSION",
+    "CostModel",
+    "MicroBatch",
+    "Plan",
+    "PlanStats",
+    "Schedule",
+    "active_matmul_params",
+    "align_schedules",
+    "balanced_schedules",
+    "cost_model_from_config",
+    "critical_path_lower_bound",
+    "deal_to_ranks",
+    "fewest_padded_microbatches",
+    "greedy_packed_microbatches",
+    "layer_types",
+    "lower_bound_bins",
+    "lower_bound_steps",
+    "make_fixed_size_microbatches",
+    "make_token_balanced_microbatches",
+    "microbatch_cost",
+    "microbatch_tokens",
+    "microbatches_for_rank",
+    "padded_tokens",
+    "plan_batch",
+    "plan_stats",
+    "sort_by_length",
+]

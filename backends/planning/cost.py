@@ -1,0 +1,153 @@
+"""Modeled forward cost of sequences and micro-batches, a·L + b·L² per sequence, derived from a model's config.
+
+The planner balances this cost, not token counts: attention makes a long
+sequence cost more per token than a short one. Units are forward FLOPs
+(multiply-adds count 2), so the same numbers give FLOPs for MFU.
+
+- ``a`` (FLOPs per token): every weight a token is multiplied by — attention
+  or linear-attention projections, the router, the top-k routed experts plus
+  the shared expert (or the dense MLP), and the LM head (the harness computes
+  log-probs of every position). The embedding lookup is a gather, not a
+  matmul, so it is left out. Linear-attention layers (gated delta rule) add a
+  per-token state update of about 6·heads·d_k·d_v FLOPs and a short
+  depthwise convolution: linear in L, so they land in ``a`` too.
+- ``b`` (FLOPs per token pair): full-attention layers only. Causal scores and
+  the weighted sum over L(L+1)/2 query-key pairs cost 2·heads·head_dim·(L²+L)
+  per layer; the L² part is ``b``, the L part goes to ``a``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Sequence
+
+LAYOUTS = ("padded", "packed")
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Forward cost of one sequence of length L: ``a * L + b * L**2``; ``source`` says where a and b came from."""
+
+    a: float
+    b: float
+    source: str = "tokens"
+
+    def sequence(self, length: int) -> float:
+        return self.a * length + self.b * length * length
+
+    def as_dict(self) -> dict:
+        return {"a": self.a, "b": self.b, "source": self.source}
+
+    @classmethod
+    def from_dict(cls, data: Optional[Mapping[str, Any]]) -> "CostModel":
+        if data is None:
+            return cls.tokens()
+        return cls(float(data["a"]), float(data["b"]), str(data.get("source", "")))
+
+    @classmethod
+    def tokens(cls) -> "CostModel":
+        """No model at hand: the cost of a micro-batch is the tokens it computes."""
+        return cls(1.0, 0.0, "tokens (no model config: cost = computed tokens)")
+
+
+def microbatch_tokens(batch: Optional[Sequence[int]], lengths: Sequence[int], layout: str = "padded") -> int:
+    """Tokens a micro-batch computes: ``count * longest`` padded, the sum of lengths packed (0 for a dummy)."""
+    if not batch:
+        return 0
+    if layout == "packed":
+        return sum(lengths[i] for i in batch)
+    return len(batch) * max(lengths[i] for i in batch)
+
+
+def microbatch_cost(
+    batch: Optional[Sequence[int]], lengths: Sequence[int], layout: str, cost_model: CostModel
+) -> float:
+    """Modeled forward cost: ``count * cost(longest)`` padded, the sum of per-sequence costs packed, 0 for a dummy."""
+    if not batch:
+        return 0.0
+    if layout == "packed":
+        return sum(cost_model.sequence(lengths[i]) for i in batch)
+    return len(batch) * cost_model.sequence(max(lengths[i] for i in batch))
+
+
+def _text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The language model's part of a (possibly multimodal) Hugging Face config.json."""
+    return config.get("text_config") or config
+
+
+def layer_types(config: Mapping[str, Any]) -> list[str]:
+    """Each layer's token mixer: ``layer_types`` when given, else every ``full_attention_interval``-th layer full.
+
+    Models without linear-attention keys are all full attention.
+    """
+    c = _text_config(config)
+    n = int(c["num_hidden_layers"])
+    if c.get("layer_types"):
+        return list(c["layer_types"])
+    if "linear_num_value_heads" not in c:
+        return ["full_attention"] * n
+    # Qwen3.5 / Qwen3-Next: layer i is full attention when (i + 1) % interval == 0 (3 linear : 1 full by default).
+    interval = int(c.get("full_attention_interval", 4))
+    return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n)]
+
+
+def _gated_attention(c: Mapping[str, Any]) -> bool:
+    # Qwen3.5 and Qwen3-Next gate the attention output: q_proj emits queries and the gate (2 x heads x head_dim).
+    if "attn_output_gate" in c:
+        return bool(c["attn_output_gate"])
+    return str(c.get("model_type", "")).startswith(("qwen3_5", "qwen3_next"))
+
+
+def active_matmul_params(config: Mapping[str, Any]) -> int:
+    """Weights one token is multiplied by in a forward pass (multiply-adds per token, attention scores excluded)."""
+    c = _text_config(config)
+    h = int(c["hidden_size"])
+    heads = int(c["num_attention_heads"])
+    kv_heads = int(c.get("num_key_value_heads") or heads)
+    head_dim = int(c.get("head_dim") or h // heads)
+    q_out = heads * head_dim * (2 if _gated_attention(c) else 1)
+    full_attention = h * q_out + 2 * h * kv_heads * head_dim + heads * head_dim * h
+    linear_attention = 0
+    if "linear_num_value_heads" in c:
+        key_dim = int(c["linear_key_head_dim"]) * int(c["linear_num_key_heads"])
+        v_heads = int(c["linear_num_value_heads"])
+        value_dim = int(c["linear_value_head_dim"]) * v_heads
+        # in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj
+        linear_attention = h * (2 * key_dim + value_dim) + h * value_dim + 2 * h * v_heads + value_dim * h
+    mlp_only = set(c.get("mlp_only_layers") or [])
+    experts = int(c.get("num_experts") or 0)
+    total = 0
+    for i, kind in enumerate(layer_types(c)):
+        total += full_attention if kind == "full_attention" else linear_attention
+        if experts and i not in mlp_only:
+            top_k = int(c["num_experts_per_tok"])
+            total += h * experts  # router
+            total += top_k * 3 * h * int(c["moe_intermediate_size"])  # gate, up, down of each chosen expert
+            shared = int(c.get("shared_expert_intermediate_size") or 0)
+            if shared:
+                total += 3 * h * shared + h  # the shared expert and its sigmoid gate
+        else:
+            total += 3 * h * int(c["intermediate_size"])
+    total += h * int(c["vocab_size"])  # LM head (tied or not, it is a matmul); the embedding lookup is not
+    return total
+
+
+def cost_model_from_config(config: Mapping[str, Any], source: str) -> CostModel:
+    """a and b (forward FLOPs) from a Hugging Face config dict; see the module docstring for what counts."""
+    c = _text_config(config)
+    h = int(c["hidden_size"])
+    heads = int(c["num_attention_heads"])
+    head_dim = int(c.get("head_dim") or h // heads)
+    kinds = layer_types(c)
+    n_full = sum(1 for k in kinds if k == "full_attention")
+    n_linear = len(kinds) - n_full
+    a = 2.0 * active_matmul_params(c)
+    pair_flops = 2.0 * heads * head_dim * n_full  # causal QK^T and AV over L(L+1)/2 pairs
+    a += pair_flops
+    if n_linear:
+        dk, dv = int(c["linear_key_head_dim"]), int(c["linear_value_head_dim"])
+        v_heads = int(c["linear_num_value_heads"])
+        conv_dim = 2 * dk * int(c["linear_num_key_heads"]) + dv * v_heads
+        per_layer = 6.0 * v_heads * dk * dv + 2.0 * conv_dim * int(c.get("linear_conv_kernel_dim", 4))
+        a += n_linear * per_layer
+    return CostModel(a=a, b=pair_flops, source=source)

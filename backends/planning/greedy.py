@@ -1,0 +1,120 @@
+"""The seed's planner: sort by length, deal ranks like cards, fill micro-batches greedily (padded or packed)."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Sized
+
+# A schedule is one rank's ordered list of micro-batches. A micro-batch is a
+# list of example indices into the whole request; ``None`` is a dummy entry
+# that only exists so all ranks call the model the same number of times.
+MicroBatch = list[int]
+Schedule = list[Optional[MicroBatch]]
+
+
+def sort_by_length(lengths: Sequence[int]) -> list[int]:
+    """Indices ordered longest first (ties by index, so the order is stable).
+
+    Longest first puts the largest micro-batch at the start of a pass, so a
+    budget that does not fit fails on the first step rather than the last.
+    """
+    return sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+
+
+def _greedy_token_budget(order: Sequence[int], lengths: Sequence[int], max_tokens: int) -> list[MicroBatch]:
+    batches: list[MicroBatch] = []
+    current: MicroBatch = []
+    current_max = 0
+    for idx in order:
+        n = lengths[idx]
+        if current and (len(current) + 1) * max(current_max, n) > max_tokens:
+            batches.append(current)
+            current, current_max = [], 0
+        current.append(idx)
+        current_max = max(current_max, n)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def make_token_balanced_microbatches(
+    sorted_indices: Sequence[int], all_input_ids: Sequence[Sized], max_tokens: int
+) -> list[MicroBatch]:
+    """Greedy token-budget micro-batches over ``sorted_indices``, in that order.
+
+    A new micro-batch starts when the current one is non-empty and adding the
+    next sequence would make ``count * longest`` exceed ``max_tokens``. A
+    sequence longer than ``max_tokens`` is never dropped: it sits alone.
+    """
+    if max_tokens <= 0:
+        raise ValueError(f"max_tokens must be a positive integer, got {max_tokens}")
+    lengths = [len(seq) for seq in all_input_ids]
+    return _greedy_token_budget(sorted_indices, lengths, max_tokens)
+
+
+def make_fixed_size_microbatches(sorted_indices: Sequence[int], micro_batch_size: int) -> list[MicroBatch]:
+    """Consecutive slices of ``micro_batch_size`` examples (the last may be shorter)."""
+    if micro_batch_size <= 0:
+        raise ValueError(f"micro_batch_size must be a positive integer, got {micro_batch_size}")
+    order = list(sorted_indices)
+    return [order[i : i + micro_batch_size] for i in range(0, len(order), micro_batch_size)]
+
+
+def deal_to_ranks(sorted_indices: Sequence[int], world_size: int) -> list[list[int]]:
+    """Deal the length-sorted indices to ranks like cards: rank r gets positions r, r+W, ...
+
+    Each rank then holds a similar mix of long and short sequences, and keeps
+    the sorted order, so its own micro-batches stay tight.
+    """
+    if world_size <= 0:
+        raise ValueError(f"world_size must be a positive integer, got {world_size}")
+    order = list(sorted_indices)
+    return [order[r::world_size] for r in range(world_size)]
+
+
+def align_schedules(schedules: Sequence[Sequence[MicroBatch]]) -> list[Schedule]:
+    """Pad every rank's schedule with ``None`` up to the longest one."""
+    longest = max((len(s) for s in schedules), default=0)
+    return [list(s) + [None] * (longest - len(s)) for s in schedules]
+
+
+def microbatches_for_rank(
+    rank_indices: Sequence[int],
+    lengths: Sequence[int],
+    max_tokens: Optional[int],
+    micro_batch_size: int,
+    layout: str = "padded",
+) -> list[MicroBatch]:
+    """One rank's micro-batches: token budget when ``max_tokens`` is set, else fixed size.
+
+    ``layout="packed"`` bounds the sum of lengths instead of ``count * longest``.
+    """
+    if max_tokens is None:
+        return make_fixed_size_microbatches(rank_indices, micro_batch_size)
+    if max_tokens <= 0:
+        raise ValueError(f"max_tokens must be a positive integer, got {max_tokens}")
+    if layout == "packed":
+        return greedy_packed_microbatches(rank_indices, lengths, max_tokens)
+    return _greedy_token_budget(rank_indices, lengths, max_tokens)
+
+
+def greedy_packed_microbatches(order: Sequence[int], lengths: Sequence[int], max_tokens: int) -> list[MicroBatch]:
+    """Greedy over ``order`` for packed micro-batches: a new one starts when the sum of lengths would pass ``max_tokens``.
+
+    Sequences are laid end to end with no padding, so the budget bounds the sum,
+    not ``count * longest``. A sequence longer than ``max_tokens`` sits alone.
+    """
+    if max_tokens <= 0:
+        raise ValueError(f"max_tokens must be a positive integer, got {max_tokens}")
+    batches: list[MicroBatch] = []
+    current: MicroBatch = []
+    total = 0
+    for idx in order:
+        n = lengths[idx]
+        if current and total + n > max_tokens:
+            batches.append(current)
+            current, total = [], 0
+        current.append(idx)
+        total += n
+    if current:
+        batches.append(current)
+    return batches

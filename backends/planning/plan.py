@@ -1,0 +1,115 @@
+"""One pass's plan: which rank runs which examples in which step, by the chosen planner and layout."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from backends.planning.balanced import balanced_schedules
+from backends.planning.cost import LAYOUTS, CostModel
+from backends.planning.greedy import Schedule, align_schedules, deal_to_ranks, microbatches_for_rank, sort_by_length
+from backends.planning.stats import PlanStats, plan_stats
+
+PLANNERS = ("greedy", "balanced")
+PLAN_JSON_VERSION = 1
+
+
+@dataclass
+class Plan:
+    """Per-rank schedules for one pass and what they cost."""
+
+    schedules: list[Schedule]
+    stats: PlanStats = field(repr=False)
+    max_tokens_per_microbatch: Optional[int] = None
+    micro_batch_size: int = 1
+    layout: str = "padded"
+    planner: str = "greedy"
+    cost_model: CostModel = field(default_factory=CostModel.tokens)
+    lengths: list[int] = field(default_factory=list, repr=False)
+    lockstep: bool = False
+
+    def to_json(self, **extra) -> dict:
+        """The plan.json document (see CONTRACTS.md); ``extra`` adds keys such as ``backend``."""
+        doc = {
+            "version": PLAN_JSON_VERSION,
+            "world_size": len(self.schedules),
+            "lockstep": self.lockstep,
+            "planner": self.planner,
+            "layout": self.layout,
+            "max_tokens_per_microbatch": self.max_tokens_per_microbatch,
+            "micro_batch_size": self.micro_batch_size,
+            "cost_model": self.cost_model.as_dict(),
+            "lengths": list(self.lengths),
+            "schedules": [[None if b is None else list(b) for b in s] for s in self.schedules],
+        }
+        return {"version": doc.pop("version"), **extra, **doc}
+
+
+def check_choice(key: str, value: str, valid: Sequence[str]) -> None:
+    if value not in valid:
+        raise ValueError(f"{key} must be one of {', '.join(valid)}, got {value!r}")
+
+
+def plan_batch(
+    lengths: Sequence[int],
+    world_size: int = 1,
+    max_tokens_per_microbatch: Optional[int] = None,
+    micro_batch_size: int = 1,
+    align: bool = False,
+    layout: str = "padded",
+    planner: str = "greedy",
+    cost_model: Optional[CostModel] = None,
+) -> Plan:
+    """Plan one pass over ``lengths`` for ``world_size`` ranks.
+
+    ``planner="greedy"`` is the seed's: sort, deal to ranks like cards, form
+    each rank's micro-batches greedily (``count * longest <= budget`` padded,
+    sum of lengths packed), and for lock-step backends (``align=True``) pad
+    shorter schedules with ``None``. ``planner="balanced"`` plans globally for
+    the fewest steps and even modeled cost (see backends/planning/balanced.py);
+    it needs a budget. With ``align=False`` (ranks run independently) its
+    empty slots are dropped. The FSDP backend agrees on the step count with a
+    collective; computing it here from the same inputs gives the same answer.
+    """
+    check_choice("layout", layout, LAYOUTS)
+    check_choice("planner", planner, PLANNERS)
+    if world_size <= 0:
+        raise ValueError(f"world_size must be a positive integer, got {world_size}")
+    lengths = [int(n) for n in lengths]
+    if cost_model is None:
+        cost_model = CostModel.tokens()
+    if planner == "balanced":
+        if max_tokens_per_microbatch is None:
+            raise ValueError("planner 'balanced' needs max_tokens_per_microbatch (fixed-size slices have no budget to balance)")
+        if max_tokens_per_microbatch <= 0:
+            raise ValueError(f"max_tokens must be a positive integer, got {max_tokens_per_microbatch}")
+        grid = balanced_schedules(lengths, world_size, max_tokens_per_microbatch, layout, cost_model)
+        schedules = grid if align else [[b for b in s if b is not None] for s in grid]
+    else:
+        order = sort_by_length(lengths)
+        per_rank = [
+            microbatches_for_rank(indices, lengths, max_tokens_per_microbatch, micro_batch_size, layout)
+            for indices in deal_to_ranks(order, world_size)
+        ]
+        schedules = align_schedules(per_rank) if align else [list(s) for s in per_rank]
+    stats = plan_stats(
+        schedules,
+        lengths,
+        layout=layout,
+        cost_model=cost_model,
+        max_tokens=max_tokens_per_microbatch,
+        micro_batch_size=micro_batch_size,
+        lockstep=align,
+        planner=planner,
+    )
+    return Plan(
+        schedules=schedules,
+        stats=stats,
+        max_tokens_per_microbatch=max_tokens_per_microbatch,
+        micro_batch_size=micro_batch_size,
+        layout=layout,
+        planner=planner,
+        cost_model=cost_model,
+        lengths=lengths,
+        lockstep=align,
+    )

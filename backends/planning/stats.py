@@ -1,0 +1,190 @@
+"""What a plan costs: tokens, padding, lock-step steps against their lower bound, modeled cost per rank."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from backends.planning.cost import CostModel, microbatch_cost, microbatch_tokens
+from backends.planning.greedy import MicroBatch, Schedule
+
+
+def padded_tokens(batch: Optional[MicroBatch], lengths: Sequence[int]) -> int:
+    """What a micro-batch costs once padded: size x longest (0 for a dummy entry)."""
+    if not batch:
+        return 0
+    return len(batch) * max(lengths[i] for i in batch)
+
+
+def lower_bound_bins(lengths: Sequence[int], max_tokens: Optional[int], micro_batch_size: int = 1) -> int:
+    """The fewest micro-batches any plan can have.
+
+    With a budget B: every sequence longer than B sits alone, the rest need
+    at least (their sum / B) micro-batches, and no two of those longer than
+    B/2 can share one. Without a budget: ``micro_batch_size`` sequences each.
+    """
+    if not lengths:
+        return 0
+    if max_tokens is None:
+        return math.ceil(len(lengths) / micro_batch_size)
+    over = sum(1 for n in lengths if n > max_tokens)
+    rest = [n for n in lengths if n <= max_tokens]
+    halves = sum(1 for n in rest if 2 * n > max_tokens)
+    return over + max(math.ceil(sum(rest) / max_tokens), halves)
+
+
+def lower_bound_steps(
+    lengths: Sequence[int], world_size: int, max_tokens: Optional[int], micro_batch_size: int = 1
+) -> int:
+    """The fewest lock-step steps any plan can have: the fewest micro-batches spread over ``world_size`` ranks."""
+    return math.ceil(lower_bound_bins(lengths, max_tokens, micro_batch_size) / world_size)
+
+
+def critical_path_lower_bound(
+    lengths: Sequence[int], world_size: int, max_tokens: int, cost_model: Optional[CostModel] = None
+) -> float:
+    """No packed lock-step plan has a shorter critical path (sum of step maxima / mean per-rank cost).
+
+    Sequences longer than the budget sit alone and cost more than any
+    micro-batch within it (cost is convex), so the k-th costliest step costs
+    at least the (k·W)-th costliest of them (the k-1 costlier steps hold at
+    most (k-1)·W). The remaining steps cost at least their mean share of
+    what is left, where the free slots of those first steps hold at most
+    cost(budget) each. Tight when over-long sequences dominate the budget.
+    """
+    cost_model = cost_model or CostModel.tokens()
+    costs = [cost_model.sequence(n) for n in lengths]
+    total = sum(costs)
+    if total <= 0:
+        return 1.0
+    lone = sorted((c for n, c in zip(lengths, costs) if n > max_tokens), reverse=True)
+    leaders = lone[::world_size]  # the costliest over-long sequence of each of the first steps
+    free_slots = len(leaders) * world_size - len(lone)
+    rest = max(0.0, total - sum(lone) - free_slots * cost_model.sequence(max_tokens))
+    return (sum(leaders) + rest / world_size) / (total / world_size)
+
+
+@dataclass
+class PlanStats:
+    """What a plan costs. Lists are per rank.
+
+    For the packed layout "padded" tokens are the tokens computed, which are the
+    real tokens: pad efficiency is 1.
+    """
+
+    real_tokens: int
+    padded_tokens: int
+    pad_efficiency: float
+    n_microbatches: list[int]
+    n_dummy: list[int]
+    real_tokens_per_rank: list[int]
+    padded_tokens_per_rank: list[int]
+    max_microbatch_padded_tokens: int
+    max_microbatch_size: int
+    layout: str = "padded"
+    planner: str = "greedy"
+    steps: int = 0  # the longest schedule, dummies included (lock-step: every rank's)
+    lower_bound_steps: int = 0
+    over_budget: int = 0  # micro-batches above the budget (only a lone sequence longer than it may be)
+    cost_per_rank: list[float] = field(default_factory=list)
+    cost_imbalance: float = 1.0  # max / mean modeled cost per rank
+    critical_path: float = 1.0  # lock-step: sum over steps of the costliest rank's micro-batch / mean; else = imbalance
+    cost_model: dict = field(default_factory=lambda: CostModel.tokens().as_dict())
+
+    def as_dict(self) -> dict:
+        return {
+            "real_tokens": self.real_tokens,
+            "padded_tokens": self.padded_tokens,
+            "pad_efficiency": self.pad_efficiency,
+            "n_microbatches": list(self.n_microbatches),
+            "n_dummy": list(self.n_dummy),
+            "real_tokens_per_rank": list(self.real_tokens_per_rank),
+            "padded_tokens_per_rank": list(self.padded_tokens_per_rank),
+            "max_microbatch_padded_tokens": self.max_microbatch_padded_tokens,
+            "max_microbatch_size": self.max_microbatch_size,
+            "layout": self.layout,
+            "planner": self.planner,
+            "steps": self.steps,
+            "lower_bound_steps": self.lower_bound_steps,
+            "over_budget": self.over_budget,
+            "cost_per_rank": list(self.cost_per_rank),
+            "cost_imbalance": self.cost_imbalance,
+            "critical_path": self.critical_path,
+            "cost_model": dict(self.cost_model),
+        }
+
+
+def plan_stats(
+    schedules: Sequence[Schedule],
+    lengths: Sequence[int],
+    layout: str = "padded",
+    cost_model: Optional[CostModel] = None,
+    max_tokens: Optional[int] = None,
+    micro_batch_size: int = 1,
+    lockstep: bool = False,
+    planner: str = "greedy",
+) -> PlanStats:
+    """Statistics of per-rank schedules (``None`` entries count as dummies).
+
+    ``lockstep`` says step s of every rank runs together (FSDP2): the critical
+    path is then the sum over steps of the costliest rank's micro-batch; ranks
+    that run independently wait only for the busiest rank (max / mean).
+    """
+    cost_model = cost_model or CostModel.tokens()
+    real_per_rank, padded_per_rank, n_mb, n_dummy, cost_per_rank = [], [], [], [], []
+    max_padded, max_size, over = 0, 0, 0
+    for schedule in schedules:
+        real = padded = mb = dummy = 0
+        cost = 0.0
+        for batch in schedule:
+            if batch is None:
+                dummy += 1
+                continue
+            mb += 1
+            real += sum(lengths[i] for i in batch)
+            tokens = microbatch_tokens(batch, lengths, layout)
+            padded += tokens
+            cost += microbatch_cost(batch, lengths, layout, cost_model)
+            max_padded = max(max_padded, tokens)
+            max_size = max(max_size, len(batch))
+            if max_tokens is not None and tokens > max_tokens:
+                over += 1
+        real_per_rank.append(real)
+        padded_per_rank.append(padded)
+        n_mb.append(mb)
+        n_dummy.append(dummy)
+        cost_per_rank.append(cost)
+    real_total, padded_total = sum(real_per_rank), sum(padded_per_rank)
+    world = max(1, len(schedules))
+    mean_cost = sum(cost_per_rank) / world
+    imbalance = max(cost_per_rank) / mean_cost if mean_cost > 0 else 1.0
+    steps = max((len(s) for s in schedules), default=0)
+    if lockstep and mean_cost > 0:
+        per_step = [
+            max(microbatch_cost(s[k], lengths, layout, cost_model) if k < len(s) else 0.0 for s in schedules)
+            for k in range(steps)
+        ]
+        critical = sum(per_step) / mean_cost
+    else:
+        critical = imbalance
+    return PlanStats(
+        real_tokens=real_total,
+        padded_tokens=padded_total,
+        pad_efficiency=(real_total / padded_total) if padded_total else 1.0,
+        n_microbatches=n_mb,
+        n_dummy=n_dummy,
+        real_tokens_per_rank=real_per_rank,
+        padded_tokens_per_rank=padded_per_rank,
+        max_microbatch_padded_tokens=max_padded,
+        max_microbatch_size=max_size,
+        layout=layout,
+        planner=planner,
+        steps=steps,
+        lower_bound_steps=lower_bound_steps(lengths, world, max_tokens, micro_batch_size),
+        over_budget=over,
+        cost_per_rank=cost_per_rank,
+        cost_imbalance=imbalance,
+        critical_path=critical,
+        cost_model=cost_model.as_dict(),
+    )
