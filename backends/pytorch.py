@@ -59,6 +59,7 @@ class PyTorchBackend(Backend):
                 self.device,
                 progress=progress,
                 deadline=None if timeout_s is None else time.monotonic() + timeout_s,
+                layout=command.get("layout", "padded"),
             )
         except PassTimeout as exc:
             raise BackendError(f"{exc} (bench.pass_timeout_s={timeout_s:g})", status="timeout") from None

@@ -223,6 +223,7 @@ def _run_command(
         device,
         progress=progress,
         before_step=lambda step, is_last: hooks.before_step(model, step, is_last),
+        layout=command.get("layout", "padded"),
     )
     hooks.finish_pass(model, pass_type)
     grad_norm = hooks.grad_norm(model) if pass_type == "forward_backward" else None

@@ -97,10 +97,6 @@ def validate(cfg: HarnessConfig) -> None:
         raise UserError(f"planner: '{cfg.backend.planner}' is not a planner (valid: {', '.join(PLANNERS)})")
     if cfg.backend.planner == "balanced" and cfg.backend.max_tokens_per_microbatch is None:
         raise UserError("planner: balanced needs a budget (set mtpm=<tokens>; with mtpm=null use planner=greedy: fixed-size slices have nothing to balance)")
-    # Packed execution comes with issue 11 (branch `packing`): until it is merged, packed plans are dry runs only.
-    # Delete this check when the backends run packed micro-batches.
-    if cfg.backend.layout == "packed" and not cfg.dry_run:
-        raise UserError("layout: packed execution is not available yet (plan it with dry_run=true, or run layout=padded)")
     if cfg.bench.warmup < 0:
         raise UserError(f"bench.warmup: must be >= 0, got {cfg.bench.warmup}")
     _positive_int("bench.repeat", cfg.bench.repeat)

@@ -28,6 +28,10 @@ CASES = {
     # every rank plans the same global plan and takes its row (a lone rank gets a dummy)
     "balanced mtpm=700": (EXAMPLES, 700, 1, {"planner": "balanced"}),
     "balanced n_examples=3": (EXAMPLES[:3], 400, 1, {"planner": "balanced"}),
+    # packed rows (sequences end to end), uneven ranks and a rank that runs only a dummy
+    "greedy packed mtpm=1500": (EXAMPLES, 1500, 1, {"layout": "packed"}),
+    "balanced packed mtpm=1500": (EXAMPLES, 1500, 1, {"planner": "balanced", "layout": "packed"}),
+    "packed n_examples=1": (EXAMPLES[:1], 1500, 1, {"layout": "packed"}),
 }
 
 

@@ -161,11 +161,22 @@ def test_a_bad_point_does_not_stop_the_sweep(workdir):
     assert [r["status"] for r in sweep_results(sweep)] == ["error", "planned"]
 
 
-def test_packed_execution_is_refused_until_the_backends_run_it(workdir):
-    proc = run_harness("layout=packed", "mtpm=4096", *FAST, f"hydra.run.dir={workdir / 'run'}", cwd=workdir)
-    assert proc.returncode == 2
-    line = _one_error_line(proc)
-    assert "layout" in line and "packed execution is not available yet" in line and "dry_run=true" in line
+def test_a_packed_balanced_run_measures_real_tokens_only(workdir):
+    run = workdir / "run"
+    proc = run_harness(
+        "layout=packed", "planner=balanced", "mtpm=4096", "bench.save_outputs=true", *FAST,
+        f"hydra.run.dir={run}", cwd=workdir,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    doc = load_json(run / "results.json")
+    assert doc["status"] == "ok"
+    plan = doc["plan"]
+    assert (plan["layout"], plan["planner"]) == ("packed", "balanced")
+    # Packed: what is computed is exactly the real tokens, and no micro-batch is over the budget.
+    assert plan["padded_tokens"] == plan["real_tokens"] == doc["workload"]["total_tokens"]
+    assert plan["pad_efficiency"] == 1.0 and plan["over_budget"] == 0
+    assert max(plan["n_microbatches"]) < doc["workload"]["n_examples"]  # sequences really share a row
+    assert doc["passes"]["forward_backward"]["tok_per_s"] > 0
 
 
 def test_dry_runs_plan_every_planner_and_layout_and_write_plan_json(workdir):
