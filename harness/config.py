@@ -88,6 +88,11 @@ def validate(cfg: HarnessConfig) -> None:
     _positive_int("mtpm", cfg.backend.max_tokens_per_microbatch, allow_none=True)
     _positive_int("mbs", cfg.backend.micro_batch_size)
     _positive_int("world_size", cfg.backend.world_size, allow_none=True)
+    # numpy's generators take no negative seed, and the published length generator (RandomState) none above 2**32-1.
+    if cfg.seed < 0:
+        raise UserError(f"seed: must be an integer >= 0, got {cfg.seed}")
+    if not 0 <= cfg.workload.seed <= 2**32 - 1:
+        raise UserError(f"workload.seed: must be an integer in 0..{2**32 - 1}, got {cfg.workload.seed}")
     if cfg.bench.warmup < 0:
         raise UserError(f"bench.warmup: must be >= 0, got {cfg.bench.warmup}")
     _positive_int("bench.repeat", cfg.bench.repeat)
