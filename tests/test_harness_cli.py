@@ -211,26 +211,6 @@ def test_a_folder_holding_results_is_not_reused_without_resume(workdir):
     assert _tree_digest(run) == before
 
 
-@pytest.fixture
-def unwritable_dir(tmp_path):
-    """A folder nobody can create files in (chmod; as root, which ignores modes, the immutable attribute)."""
-    import os
-    import subprocess
-
-    folder = tmp_path / "locked"
-    folder.mkdir()
-    folder.chmod(0o555)
-    immutable = False
-    if os.access(folder, os.W_OK):
-        immutable = subprocess.run(["chattr", "+i", str(folder)], capture_output=True).returncode == 0
-        if not immutable:
-            pytest.skip("cannot make a read-only folder here")
-    yield folder
-    if immutable:
-        subprocess.run(["chattr", "-i", str(folder)], check=True)
-    folder.chmod(0o755)
-
-
 @pytest.mark.parametrize("multirun", [False, True], ids=["run", "sweep"])
 def test_an_unwritable_output_folder_is_one_line(workdir, unwritable_dir, multirun):
     target = unwritable_dir / "out"
