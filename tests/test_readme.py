@@ -56,15 +56,18 @@ def pasted(tmp_path):
     env.pop("BALANCE_BATCH_ADMIN_TOKEN", None)
 
     def run(block: str) -> subprocess.CompletedProcess:
-        proc = subprocess.Popen(["bash", "-euo", "pipefail", "-c", block], cwd=tmp_path, env=env, text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        log = tmp_path / "block.log"  # a file, not a pipe: a server the block leaves behind must not hold it open
+        with open(log, "w") as out:
+            proc = subprocess.Popen(["bash", "-euo", "pipefail", "-c", block], cwd=tmp_path, env=env,
+                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            out, _ = proc.communicate(timeout=540)
+            proc.wait(timeout=540)
         finally:
-            left = wait_session_empty(proc.pid)
+            left = wait_session_empty(proc.pid, timeout_s=60)  # the server stops its workers first
             for p in left:  # a failed block may leave its server running: stop it, then fail
                 p.kill()
-        assert left == [], [p.cmdline() for p in left]  # the block stopped what it started
+        out = log.read_text()
+        assert left == [], out  # the block stopped what it started
         return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
 
     return run
