@@ -9,10 +9,10 @@ from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
 from backends.errors import UserError
+from harness.results import RESULTS_FILE
 
 log = logging.getLogger(__name__)
 
-RESULTS_FILE = "results.json"
 # Keys that say how a point is run, not what it measures.
 NOT_IDENTITY = ("resume", "dry_run")
 

@@ -135,6 +135,7 @@ class ServedBackend:
         self.backend = start()
         self.restarts = 0
         self.down_reason: Optional[str] = None  # set while restarting or after a failed restart
+        self._cause = ""  # why the workers went down, for the messages of the restart
 
     def failure(self) -> Optional[str]:
         if self.down_reason is not None:
@@ -149,15 +150,16 @@ class ServedBackend:
         return self.backend.run_pass(command)
 
     def _restart(self, why: str) -> None:
-        log.warning("workers down (%s); starting them again", why)
-        self.down_reason = f"restarting the workers (they were down: {why})"
-        if self.backend is not None:
+        if self.backend is not None:  # else a restart failed before: keep its first cause
+            self._cause = why
             self.backend.close()
             self.backend = None
+        log.warning("workers down (%s); starting them again", self._cause)
+        self.down_reason = f"restarting the workers (they were down: {self._cause})"
         try:
             self.backend = self._start()
         except Exception as exc:  # noqa: BLE001 - reported to the client and on /healthz
-            self.down_reason = f"the workers were down ({why}) and did not start again: {first_line(str(exc), 300)}"
+            self.down_reason = f"the workers were down ({self._cause}) and did not start again: {first_line(str(exc), 300)}"
             log.error("%s", self.down_reason)
             raise BackendError(self.down_reason) from None
         self.down_reason = None

@@ -363,3 +363,31 @@ def test_healthz_tells_the_truth_after_a_worker_dies_and_the_next_pass_restarts(
     finally:
         assert stop(s) == 0
     assert session_processes(sid) == []
+
+
+def test_a_restart_that_fails_keeps_the_server_down_with_the_first_cause():
+    import psutil
+
+    from backends import make_backend
+    from backends.base import BackendSpec, make_command
+    from backends.errors import BackendError
+    from backends.model import ModelSpec
+    from harness.serve import ServedBackend
+    from harness.workload import make_examples
+
+    first = [BackendSpec(name="fsdp2", world_size=2, device="cpu")]  # then every start fails
+    served = ServedBackend(lambda: make_backend(first.pop() if first else BackendSpec(name="no_such_backend"), ModelSpec()))
+    try:
+        assert served.failure() is None
+        psutil.Process(served.backend.pids()[0]).kill()
+        deadline = time.monotonic() + 30
+        while served.failure() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert "rank 0 was killed by SIGKILL" in served.failure()
+        command = make_command("forward", make_examples([20], 2048, seed=0), None, 1)
+        for _ in range(2):  # every pass tries again; the reason keeps the first cause
+            with pytest.raises(BackendError, match="did not start again"):
+                served.run_pass(command)
+            assert served.failure().startswith("the workers were down (rank 0 was killed by SIGKILL) and did not start")
+    finally:
+        served.close()
