@@ -119,6 +119,7 @@ class Backend:
     world_size: int = 1
     device: torch.device = torch.device("cpu")
     control = None  # a backends.control.ControlFile, or None
+    model_info: Optional[dict] = None  # what was built (backends.model.describe_model), once started
 
     def __init__(self, spec: BackendSpec, model: ModelSpec):
         self.spec = spec
@@ -151,6 +152,10 @@ class Backend:
     def pids(self) -> list[int]:
         """Processes doing the work (besides this one), for CPU utilisation and memory sampling."""
         return []
+
+    def failure(self) -> Optional[str]:
+        """Why this backend can run no more passes (a dead worker, stopped workers); None while it can."""
+        return None
 
     def close(self) -> None:
         pass

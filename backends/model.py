@@ -26,9 +26,19 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return valid[name]
 
 
+# The one model built in code; every other model name is a checkpoint read from model.path.
+TINY_MODEL_NAME = "tiny"
+
+
 def check_model_path(spec: ModelSpec) -> Optional[Path]:
     """The checkpoint directory, checked before any process is started; None for the tiny model."""
     if spec.path is None:
+        if spec.name != TINY_MODEL_NAME:
+            # Building the tiny model here would run a random toy labelled as this model.
+            raise UserError(
+                f"model.path: model '{spec.name}' needs a local checkpoint directory (model.path=/path/to/checkpoint); "
+                f"null builds the tiny random model, which only model={TINY_MODEL_NAME} may do"
+            )
         return None
     path = Path(os.path.expanduser(str(spec.path)))
     if not (path / "config.json").is_file():
@@ -103,6 +113,24 @@ def build_model(spec: ModelSpec, device: torch.device, gradient_checkpointing: b
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     return model
+
+
+def describe_model(model: torch.nn.Module, spec: ModelSpec) -> dict:
+    """What was built, for results.json: architecture, parameter counts, vocabulary, dtype, source."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = base.config
+    params = list(model.parameters())
+    return {
+        "architecture": type(base).__name__,
+        "model_type": getattr(config, "model_type", None),
+        "n_layers": getattr(config, "num_hidden_layers", None),
+        "hidden_size": getattr(config, "hidden_size", None),
+        "vocab_size": int(config.vocab_size),
+        "n_params": sum(p.numel() for p in params),
+        "n_trainable_params": sum(p.numel() for p in params if p.requires_grad),
+        "dtype": str(params[0].dtype).removeprefix("torch."),
+        "source": "random init (tiny, built in code)" if spec.path is None else f"checkpoint {spec.path}",
+    }
 
 
 def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:

@@ -14,7 +14,7 @@ from backends import resolve_world_size
 from backends.base import Backend, BackendSpec, PassResult, plan_command, resolve_device
 from backends.errors import BackendError
 from backends.memory import is_out_of_memory, limit_memory, oom_message, restore_memory_limit
-from backends.model import ModelSpec, build_model
+from backends.model import ModelSpec, build_model, describe_model
 from backends.step import PassTimeout, ProgressLogger, grad_norm_local_sq, run_schedule, total_loss_weight
 
 log = logging.getLogger(__name__)
@@ -32,6 +32,7 @@ class PyTorchBackend(Backend):
         self._previous_limit = limit_memory(spec.memory_limit_gb, self.device)
         try:
             self.model = build_model(model, self.device, spec.gradient_checkpointing)
+            self.model_info = describe_model(self.model, model)
         except BaseException:
             restore_memory_limit(self._previous_limit)
             raise

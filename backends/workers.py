@@ -32,7 +32,7 @@ from backends.errors import BackendError, UserError, first_line
 from backends.examples import Example
 from backends.memory import is_out_of_memory, limit_memory, oom_message
 from backends.microbatch import CostModel, Schedule, microbatch_tokens, plan_stats
-from backends.model import ModelSpec, build_model
+from backends.model import ModelSpec, build_model, describe_model
 from backends.step import ProgressLogger, run_schedule, total_loss_weight
 
 log = logging.getLogger(__name__)
@@ -144,8 +144,11 @@ def worker_main(
             timeout=timedelta(seconds=spec.dist_timeout_s),
             device_id=device if device.type == "cuda" else None,
         )
-        model = hooks.wrap(build_model(model_spec, device, spec.gradient_checkpointing))
-        replies.put(("ready", rank, None))
+        model = build_model(model_spec, device, spec.gradient_checkpointing)
+        # Rank 0 says what was built (counted before wrapping: FSDP2 shards the parameters).
+        built = describe_model(model, model_spec) if rank == 0 else None
+        model = hooks.wrap(model)
+        replies.put(("ready", rank, built))
     except BaseException as exc:  # noqa: BLE001 - reported to the controller, which names the rank
         kind = "oom" if is_out_of_memory(exc) else "error"
         message = oom_message("start-up", f" on rank {rank}", 0, spec.memory_limit_gb, exc) if kind == "oom" else None
@@ -305,8 +308,18 @@ class DistributedBackend(Backend):
                 f"world_size: {self.world_size} ranks need {self.world_size} GPUs, "
                 f"{torch.cuda.device_count()} visible (valid: 1..{torch.cuda.device_count()} or null)"
             )
+        if self.device.type == "cpu":
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+            if self.world_size > cores:
+                log.warning(
+                    "world_size=%d ranks on %d CPU cores: the ranks share the cores (one thread each), so start-up "
+                    "and every pass are slow; world_size=%d or fewer avoids it",
+                    self.world_size, cores, cores,
+                )
+        log.info("%s: starting %d ranks on %s (each builds the model)", spec.name, self.world_size, self.device.type)
         self.hooks_path = hooks_path or spec.hooks or self.hooks_path
         self.closed = False
+        self.failure_reason: Optional[str] = None  # why the workers were stopped, after a failure
         ctx = mp.get_context("spawn")
         self.store = dist.TCPStore("127.0.0.1", 0, self.world_size + 1, is_master=True, wait_for_workers=False,
                                    timeout=timedelta(seconds=spec.dist_timeout_s))
@@ -336,7 +349,7 @@ class DistributedBackend(Backend):
             p.start()
             self.procs.append(p)
         try:
-            self._collect("ready", timeout_s=None, what="start-up")
+            self.model_info = self._collect("ready", timeout_s=None, what="start-up", progress_every_s=30.0)[0]
         except BaseException:
             self.close()
             raise
@@ -345,11 +358,25 @@ class DistributedBackend(Backend):
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs if p.pid is not None]
 
-    def _collect(self, kind: str, timeout_s: Optional[float], what: str) -> dict[int, Any]:
+    def failure(self) -> Optional[str]:
+        if self.failure_reason is not None:
+            return self.failure_reason
+        if self.closed:
+            return f"{self.spec.name}: workers are stopped"
+        dead = self._dead_rank(wait_s=0)  # a rank that died between passes is noticed here, not only mid-pass
+        if dead is not None:
+            return f"rank {dead} {_describe_exit(self.procs[dead].exitcode)}"
+        return None
+
+    def _collect(self, kind: str, timeout_s: Optional[float], what: str,
+                 progress_every_s: Optional[float] = None) -> dict[int, Any]:
         """Wait for one reply per rank; any error or death ends the wait at once, naming the rank."""
         got: dict[int, Any] = {}
-        start = time.monotonic()
+        start = last_progress = time.monotonic()
         while len(got) < self.world_size:
+            if progress_every_s is not None and time.monotonic() - last_progress >= progress_every_s:
+                last_progress = time.monotonic()
+                log.info("%s: %d/%d ranks ready after %.0f s", what, len(got), self.world_size, last_progress - start)
             try:
                 msg_kind, rank, payload = self.replies.get(timeout=_STARTUP_POLL_S)
             except queue.Empty:
@@ -404,6 +431,7 @@ class DistributedBackend(Backend):
             time.sleep(0.05)
 
     def _abort(self, message: str, details: Optional[str] = None, status: str = "error") -> None:
+        self.failure_reason = message
         self.close(graceful=False)
         raise BackendError(message, details=details, status=status)
 

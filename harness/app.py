@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import traceback
@@ -189,9 +188,13 @@ class Point:
             device = resolve_device(b.device)
             name, world_size = b.name, resolve_world_size(b.name, b.world_size, device.type)
             device_info = device_description(device, world_size)
+            built = None  # a dry run builds no model
         else:
             backend = self._start_backend(spec)
             name, world_size, device_info = backend.name, backend.world_size, backend.describe_device()
+            built = backend.model_info
+            if spec.target.url:
+                mtpm, mbs = backend.batching  # what the server runs: its plan is authoritative
             self.label = f"[{name} mtpm={mtpm} mbs={mbs}] "
         self.cost_model = cost_model_for(spec.model)
         plan = plan_batch(
@@ -208,12 +211,15 @@ class Point:
         self.doc.update(
             backend=name,
             world_size=world_size,
+            mtpm=mtpm,
+            mbs=mbs,
             device=device_info,
             model={
                 "name": spec.model.name,
                 "path": spec.model.path,
                 "lora_rank": spec.model.lora_rank,
                 "dtype": spec.model.dtype,
+                "built": built,  # what the backend reports it built: architecture, parameters, vocabulary, dtype
             },
             workload={
                 "name": spec.workload.name,
@@ -338,27 +344,28 @@ class Point:
         )
 
 
-def _job_overrides() -> list[str]:
-    return sorted(o for o in _overrides() if not o.startswith(("resume=", "hydra.")))
-
-
-def finished_before(cfg: DictConfig) -> Path | None:
-    """With resume=true: a results.json of this sweep (or run) folder that is ok for the same overrides."""
+def _folder_key() -> str:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    hc = HydraConfig.get()
-    root = Path(hc.sweep.dir) if hc.mode == RunMode.MULTIRUN else Path(hc.run.dir)
-    mine = _job_overrides()
-    candidates = [root / RESULTS_FILE, *root.glob(f"*/{RESULTS_FILE}")]
-    for path in candidates:
-        try:
-            doc = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        theirs = sorted(o for o in doc.get("overrides", []) if not o.startswith(("resume=", "hydra.")))
-        if doc.get("status") == "ok" and theirs == mine:
-            return path
+    return "hydra.sweep.dir" if HydraConfig.get().mode == RunMode.MULTIRUN else "hydra.run.dir"
+
+
+def skip_reason(cfg: DictConfig, out_dir: Path) -> str | None:
+    """Why this point is not run (a finished result is kept); raises UserError for a folder it must not write."""
+    from harness.points import check_run_folder, identity, read_result
+
+    previous = read_result(out_dir)
+    if previous is None:
+        return None
+    # The sweeper and the run-folder callback check this before anything is written; this
+    # also covers other sweepers and launchers: never overwrite another point's result.
+    check_run_folder(_folder_key(), out_dir, _overrides(), bool(cfg.get("resume")))
+    point = " ".join(identity(_overrides())) or "this point"
+    if previous.get("status") == "ok":
+        return f"resume: {point} already ok in {out_dir}; skipped"
+    if cfg.get("dry_run") and previous.get("status") != "planned":
+        return f"resume: dry run; {point} keeps its {previous.get('status')} result in {out_dir}"
     return None
 
 
@@ -366,11 +373,15 @@ def run_point(cfg: DictConfig) -> int:
     """Hydra task function body: never raises for a failed point, records its exit code."""
     out_dir = _output_dir()
     STATE.last_dir = out_dir
-    if cfg.get("resume"):
-        done = finished_before(cfg)
-        if done is not None:
-            log.info("resume: %s already ok in %s; skipped", " ".join(_job_overrides()) or "this point", done.parent)
-            return EXIT_OK
+    try:
+        skip = skip_reason(cfg, out_dir)
+    except UserError as exc:
+        log.error("%s", exc)
+        STATE.record(EXIT_USER_ERROR)
+        return EXIT_USER_ERROR
+    if skip is not None:
+        log.info("%s", skip)
+        return EXIT_OK
     code = Point(cfg, out_dir).run()
     STATE.record(code)
     return code

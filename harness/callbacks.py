@@ -1,4 +1,4 @@
-"""Hydra callback: after a multirun, write the report (table, CSV, plots, plan figures) into the sweep folder."""
+"""Hydra callbacks: check a single run's folder before it starts; after a multirun, write the report (table, CSV, plots, plan figures) into the sweep folder."""
 
 from __future__ import annotations
 
@@ -28,6 +28,22 @@ def record_sweep_status(sweep_dir: Path) -> None:
             status = "unreadable"
         if status in FAILED_STATUSES:
             STATE.record(EXIT_FAILED)
+
+
+class RunFolderCallback(Callback):
+    """Before a single run: its folder must be writable and hold no other run's results (multiruns: the sweeper checks)."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from backends.errors import UserError
+        from harness.cli import StartRefused
+        from harness.points import check_run_folder, check_writable
+
+        run_dir = Path(str(config.hydra.run.dir))
+        try:
+            check_writable("hydra.run.dir", run_dir)
+            check_run_folder("hydra.run.dir", run_dir, list(config.hydra.overrides.task), bool(config.get("resume")))
+        except UserError as exc:
+            raise StartRefused(str(exc)) from None
 
 
 class ReportCallback(Callback):

@@ -10,7 +10,16 @@ from typing import Callable
 from hydra.errors import HydraException, MissingConfigException
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
+from backends.errors import UserError
 from harness.config import register_configs
+
+
+class StartRefused(BaseException):
+    """A user error found in a Hydra callback before the run starts.
+
+    Hydra turns an ``Exception`` raised in a callback into a warning and goes
+    on, so this one derives from ``BaseException`` to stop the run.
+    """
 
 
 def config_error_line(exc: OmegaConfBaseException) -> str:
@@ -59,12 +68,24 @@ def run_hydra_cli(hydra_main: Callable[[], object], exit_code: Callable[[], int]
     except KeyboardInterrupt:
         print(f"interrupted: {interrupted_hint()}", file=sys.stderr)
         return 130
-    except (HydraException, OmegaConfBaseException, ValueError) as exc:
-        # ValueError: Hydra's own command-line usage errors (e.g. -m with --cfg)
+    except StartRefused as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except (HydraException, OmegaConfBaseException, ValueError, UserError) as exc:
+        # ValueError: Hydra's own command-line usage errors (e.g. -m with --cfg);
+        # UserError: the sweeper's checks of the sweep folder
         if user_wants_trace:
             raise
-        line = composition_error_line(exc) if not isinstance(exc, ValueError) else str(exc)
+        line = composition_error_line(exc) if isinstance(exc, (HydraException, OmegaConfBaseException)) else str(exc)
         print(f"error: {line}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        # Whatever the callbacks and the sweeper did not catch: Hydra writing its output folder or logs.
+        if user_wants_trace:
+            raise
+        key = "hydra.sweep.dir" if {"-m", "--multirun"} & set(sys.argv[1:]) else "hydra.run.dir"
+        print(f"error: {key}: cannot write '{exc.filename or ''}' ({exc.strerror or exc}); choose a writable folder",
+              file=sys.stderr)
         return 2
     finally:
         signal.signal(signal.SIGTERM, previous_term)

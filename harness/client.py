@@ -35,11 +35,14 @@ class RemoteBackend(Backend):
         try:
             self.info = self._request("GET", "/healthz", timeout=10)
         except BackendError as exc:
-            raise UserError(f"target.url: no server answers at {self.url} ({exc})") from None
+            raise UserError(f"target.url: no ready server at {self.url} ({exc})") from None
         self.name = self.info["backend"]
         self.world_size = int(self.info["world_size"])
         self.device = torch.device(self.info["device"]["type"])
         self.vocab_size = int(self.info["vocab_size"])
+        self.model_info = self.info.get("model")
+        # (max_tokens_per_microbatch, micro_batch_size) every pass of this run must report in its plan
+        self.batching: Optional[tuple[Optional[int], int]] = None
 
     def _request(self, method: str, path: str, body: Any = None, timeout: Optional[float] = None, token: Optional[str] = None):
         data = None if body is None else json.dumps(body).encode()
@@ -60,15 +63,35 @@ class RemoteBackend(Backend):
         except (urllib.error.URLError, OSError) as exc:
             raise BackendError(f"server {self.url}{path} unreachable: {getattr(exc, 'reason', exc)}") from None
 
-    def configure(self, max_tokens_per_microbatch: Optional[int], micro_batch_size: int) -> bool:
-        """Set the server's budget and micro-batch size through its admin API; False when no token is at hand."""
+    def configure(self, max_tokens_per_microbatch: Optional[int], micro_batch_size: int) -> tuple[Optional[int], int]:
+        """Make the server run this budget and micro-batch size; returns what it runs, to be recorded.
+
+        With the admin token the values are set. Without it they cannot be, so a
+        request the server does not already run is refused: recording it would
+        label the server's numbers with a budget that never ran.
+        """
         token = os.environ.get(TOKEN_ENV)
-        if not token:
-            log.warning("%s unset: using the server's own max_tokens_per_microbatch / micro_batch_size", TOKEN_ENV)
-            return False
-        self._request("POST", "/admin/set_max_tokens_per_microbatch", {"value": max_tokens_per_microbatch}, 30, token)
-        self._request("POST", "/admin/set_micro_batch_size", {"value": micro_batch_size}, 30, token)
-        return True
+        if token:
+            self._request("POST", "/admin/set_max_tokens_per_microbatch", {"value": max_tokens_per_microbatch}, 30, token)
+            self._request("POST", "/admin/set_micro_batch_size", {"value": micro_batch_size}, 30, token)
+            self.batching = (max_tokens_per_microbatch, micro_batch_size)
+            return self.batching
+        info = self._request("GET", "/healthz", timeout=10)
+        server_mtpm, server_mbs = info["max_tokens_per_microbatch"], int(info["micro_batch_size"])
+        unset = f"without {TOKEN_ENV} this run cannot change it"
+        if server_mtpm != max_tokens_per_microbatch:
+            raise UserError(
+                f"mtpm: the server at {self.url} runs max_tokens_per_microbatch={_show(server_mtpm)}, not "
+                f"{_show(max_tokens_per_microbatch)}; {unset}: rerun with mtpm={_show(server_mtpm)}, or set {TOKEN_ENV}"
+            )
+        if server_mtpm is None and server_mbs != micro_batch_size:
+            raise UserError(
+                f"mbs: the server at {self.url} runs micro_batch_size={server_mbs}, not {micro_batch_size}; "
+                f"{unset}: rerun with mbs={server_mbs}, or set {TOKEN_ENV}"
+            )
+        # With a budget set, micro_batch_size is not used by the planner: record the server's.
+        self.batching = (server_mtpm, server_mbs)
+        return self.batching
 
     def describe_device(self) -> dict:
         return dict(self.info["device"])
@@ -86,9 +109,26 @@ class RemoteBackend(Backend):
         reply = self._request("POST", f"/{command['pass_type']}", body)
         import numpy as np
 
-        outputs = [ExampleOutput(logprobs=np.asarray(o["logprobs"], dtype=np.float32), loss=float(o["loss"])) for o in reply["outputs"]]
+        plan = reply["plan"]
+        used = (plan.get("max_tokens_per_microbatch"), plan.get("micro_batch_size"))
+        if self.batching is not None and used != self.batching:
+            # The server's plan is authoritative: someone changed its batching during this run.
+            raise BackendError(
+                f"the server ran this {command['pass_type']} pass with max_tokens_per_microbatch={_show(used[0])}, "
+                f"micro_batch_size={used[1]}, but this run records {_show(self.batching[0])}, {self.batching[1]}: "
+                "its batching was changed during the run (another client's admin call?); the point is not recorded as ok"
+            )
+        outputs = [
+            ExampleOutput(logprobs=np.asarray(o["logprobs"], dtype=np.float32),
+                          loss=float("nan") if o["loss"] is None else float(o["loss"]))
+            for o in reply["outputs"]
+        ]
         return PassResult(outputs=outputs, plan=reply["plan"], grad_norm=reply.get("grad_norm"),
                           mem_peak_bytes=reply.get("mem_peak_bytes"))
+
+
+def _show(value: Optional[int]) -> str:
+    return "null" if value is None else str(value)
 
 
 def is_loopback(host: str) -> bool:

@@ -97,6 +97,11 @@ def validate(cfg: HarnessConfig) -> None:
         raise UserError(f"planner: '{cfg.backend.planner}' is not a planner (valid: {', '.join(PLANNERS)})")
     if cfg.backend.planner == "balanced" and cfg.backend.max_tokens_per_microbatch is None:
         raise UserError("planner: balanced needs a budget (set mtpm=<tokens>; with mtpm=null use planner=greedy: fixed-size slices have nothing to balance)")
+    # numpy's generators take no negative seed, and the published length generator (RandomState) none above 2**32-1.
+    if cfg.seed < 0:
+        raise UserError(f"seed: must be an integer >= 0, got {cfg.seed}")
+    if not 0 <= cfg.workload.seed <= 2**32 - 1:
+        raise UserError(f"workload.seed: must be an integer in 0..{2**32 - 1}, got {cfg.workload.seed}")
     if cfg.bench.warmup < 0:
         raise UserError(f"bench.warmup: must be >= 0, got {cfg.bench.warmup}")
     _positive_int("bench.repeat", cfg.bench.repeat)

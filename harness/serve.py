@@ -5,7 +5,8 @@
 Routes: POST /forward, POST /forward_backward (examples in, per-example outputs
 in request order out); POST /admin/set_max_tokens_per_microbatch and
 /admin/set_micro_batch_size ({"value": positive int | null}), GET /admin/config
-(all admin routes need ``Authorization: Bearer <token>``); GET /healthz.
+(all admin routes need ``Authorization: Bearer <token>``); GET /healthz (503 and the
+reason while the workers are down: a dead worker's backend is started again at the next pass).
 """
 
 from __future__ import annotations
@@ -17,14 +18,15 @@ import logging
 import math
 import os
 import signal
+import socket
 import sys
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import hydra
 from fastapi import Request  # at module level: FastAPI resolves the route annotations here
 from omegaconf import DictConfig
 
-from backends.errors import BackendError, UserError
+from backends.errors import BackendError, UserError, first_line
 from harness.cli import run_hydra_cli
 from harness.client import TOKEN_ENV, is_loopback
 
@@ -37,6 +39,25 @@ class RequestError(Exception):
     def __init__(self, status: int, message: str):
         super().__init__(message)
         self.status = status
+
+
+# Losses are weighted sums of log-probabilities in float32 (or bfloat16, same range): weights
+# this large would overflow them, so such a request is refused rather than answered with inf.
+MAX_WEIGHT = 1e30
+
+
+def _finite_or_none(value: Optional[float]) -> Optional[float]:
+    return value if value is None or math.isfinite(value) else None
+
+
+def _json_floats(values) -> list:
+    """A float array as a JSON list; NaN/inf (a model that overflowed) as null, which JSON can carry."""
+    import numpy as np
+
+    arr = np.asarray(values)
+    if np.isfinite(arr).all():
+        return arr.tolist()
+    return [v if math.isfinite(v) else None for v in arr.tolist()]
 
 
 def parse_setting(body: Any, name: str, ceiling: int, allow_null: bool = True) -> Optional[int]:
@@ -62,6 +83,7 @@ def parse_examples(body: Any, vocab_size: int, max_tokens: int):
     if not isinstance(body, dict) or not isinstance(body.get("examples"), list) or not body["examples"]:
         raise RequestError(422, 'examples: expected {"examples": [{"input_ids": [...], "target_tokens": [...], "weights": [...]}, ...]} with at least one example')
     total = 0
+    total_weight = 0.0
     out = []
     for i, ex in enumerate(body["examples"]):
         where = f"examples[{i}]"
@@ -73,9 +95,13 @@ def parse_examples(body: Any, vocab_size: int, max_tokens: int):
             if not isinstance(value, list) or not value:
                 raise RequestError(422, f"{where}.{key}: expected a non-empty list")
             if key == "weights":
-                if not all(isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) and w >= 0 for w in value):
-                    raise RequestError(422, f"{where}.weights: every weight must be a finite number >= 0")
+                if not all(isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) and 0 <= w <= MAX_WEIGHT
+                           for w in value):
+                    raise RequestError(422, f"{where}.weights: every weight must be a finite number in 0..{MAX_WEIGHT:g}")
                 arrays[key] = np.asarray(value, dtype=np.float32)
+                total_weight += float(arrays[key].sum(dtype=np.float64))
+                if total_weight > MAX_WEIGHT:
+                    raise RequestError(422, f"{where}.weights: the request's weights sum to more than {MAX_WEIGHT:g}")
             else:
                 if not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
                     raise RequestError(422, f"{where}.{key}: every token must be an integer")
@@ -95,8 +121,59 @@ def parse_examples(body: Any, vocab_size: int, max_tokens: int):
     return out
 
 
+class ServedBackend:
+    """The server's backend: says whether it can run a pass, and starts it again at the next pass once its workers died.
+
+    A worker killed (by the OOM killer, a signal, a crash) stops every rank of a
+    distributed backend. Until the next pass /healthz answers 503 with the
+    reason; the next pass starts the workers again (the port, the token, the
+    control file and clients' URLs stay) and then runs.
+    """
+
+    def __init__(self, start: Callable[[], Any]):
+        self._start = start
+        self.backend = start()
+        self.restarts = 0
+        self.down_reason: Optional[str] = None  # set while restarting or after a failed restart
+        self._cause = ""  # why the workers went down, for the messages of the restart
+
+    def failure(self) -> Optional[str]:
+        if self.down_reason is not None:
+            return self.down_reason
+        return self.backend.failure() if self.backend is not None else "not started"
+
+    def run_pass(self, command: dict):
+        """One pass (the server runs one at a time): restart first when the workers are gone."""
+        why = self.failure()
+        if why is not None:
+            self._restart(why)
+        return self.backend.run_pass(command)
+
+    def _restart(self, why: str) -> None:
+        if self.backend is not None:  # else a restart failed before: keep its first cause
+            self._cause = why
+            self.backend.close()
+            self.backend = None
+        log.warning("workers down (%s); starting them again", self._cause)
+        self.down_reason = f"restarting the workers (they were down: {self._cause})"
+        try:
+            self.backend = self._start()
+        except Exception as exc:  # noqa: BLE001 - reported to the client and on /healthz
+            self.down_reason = f"the workers were down ({self._cause}) and did not start again: {first_line(str(exc), 300)}"
+            log.error("%s", self.down_reason)
+            raise BackendError(self.down_reason) from None
+        self.down_reason = None
+        self.restarts += 1
+        log.info("workers started again (restart %d)", self.restarts)
+
+    def close(self) -> None:
+        if self.backend is not None:
+            self.backend.close()
+            self.backend = None
+
+
 def build_app(
-    backend, control, vocab_size: int, server, admin_token: Optional[str], default_mbs: int,
+    served: ServedBackend, control, vocab_size: int, server, admin_token: Optional[str], default_mbs: int,
     plan_options: Optional[dict] = None,
 ):
     """The FastAPI app around a started backend and its control file.
@@ -107,6 +184,7 @@ def build_app(
     from fastapi import FastAPI
     from fastapi.concurrency import run_in_threadpool
     from fastapi.responses import JSONResponse
+    from starlette.requests import ClientDisconnect
 
     from backends.base import make_command
 
@@ -115,13 +193,12 @@ def build_app(
     app = FastAPI(title="balance-batch", docs_url=None, redoc_url=None)
     passes = asyncio.Semaphore(1)  # one pass at a time
     state = {"pending": 0}
+    first = served.backend
     info = {
-        "status": "ok",
-        "backend": backend.name,
-        "world_size": backend.world_size,
-        "device": backend.describe_device(),
+        "backend": first.name,
+        "world_size": first.world_size,
+        "device": first.describe_device(),
         "vocab_size": vocab_size,
-        "pids": [os.getpid(), *backend.pids()],
     }
 
     def error(status: int, message: str, headers: Optional[dict] = None) -> JSONResponse:
@@ -134,7 +211,13 @@ def build_app(
         if int(length) > server.max_request_bytes:
             raise RequestError(413, f"request body of {int(length)} bytes is above server.max_request_bytes ({server.max_request_bytes})")
         try:
-            return json.loads(await request.body())
+            raw = await request.body()
+        except ClientDisconnect:
+            # Nobody is left to answer; one line instead of an ASGI traceback.
+            log.info("%s %s: the client left before sending its whole request", request.method, request.url.path)
+            raise RequestError(400, "the client disconnected before the request was complete") from None
+        try:
+            return json.loads(raw)
         except ValueError:
             raise RequestError(422, "the body is not valid JSON") from None
 
@@ -149,7 +232,7 @@ def build_app(
         return None
 
     def current() -> dict:
-        return {**control.read().as_dict(), "backend": backend.name, "world_size": backend.world_size,
+        return {**control.read().as_dict(), "backend": info["backend"], "world_size": info["world_size"],
                 "control_path": str(control.path)}
 
     @app.exception_handler(RequestError)
@@ -158,7 +241,13 @@ def build_app(
 
     @app.get("/healthz")
     async def healthz():
-        return info
+        why = served.failure()
+        if why is not None:
+            return JSONResponse({"status": "down", "reason": why, "restarts": served.restarts,
+                                 "recovery": "the workers are started again at the next pass"}, status_code=503)
+        backend = served.backend
+        return {"status": "ok", **info, **control.read().as_dict(), "model": backend.model_info,
+                "pids": [os.getpid(), *backend.pids()], "restarts": served.restarts}
 
     @app.get("/admin/config")
     async def admin_config(request: Request):
@@ -199,16 +288,16 @@ def build_app(
             async with passes:
                 # The backend fills in the budget from the control file before the pass.
                 command = make_command(pass_type, examples, None, 1, **plan_options)
-                result = await run_in_threadpool(backend.run_pass, command)
+                result = await run_in_threadpool(served.run_pass, command)
         except BackendError as exc:
             log.error("%s failed: %s", pass_type, exc)
             return error(500, str(exc))
         finally:
             state["pending"] -= 1
         return {
-            "outputs": [{"logprobs": o.logprobs.tolist(), "loss": o.loss} for o in result.outputs],
+            "outputs": [{"logprobs": _json_floats(o.logprobs), "loss": _finite_or_none(o.loss)} for o in result.outputs],
             "plan": result.plan,
-            "grad_norm": result.grad_norm,
+            "grad_norm": _finite_or_none(result.grad_norm),
             "mem_peak_bytes": result.mem_peak_bytes,
         }
 
@@ -223,6 +312,22 @@ def build_app(
     return app
 
 
+def bind_port(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the model loads: a port in use is one line at once, not after minutes."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as exc:
+        raise UserError(f"server.host: cannot resolve '{host}' ({exc.strerror})") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: a restart need not wait for TIME_WAIT
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise UserError(f"server.port: cannot listen on {host}:{port} ({exc.strerror}); choose another server.port") from None
+    return sock
+
+
 class _Stop(Exception):
     """SIGTERM after uvicorn's graceful shutdown."""
 
@@ -232,11 +337,14 @@ def _raise_stop(signum, frame):
 
 
 def serve(cfg: DictConfig) -> int:
+    from backends.control import BatchingSettings, ControlFile
     from harness.app import resolve_config
 
+    sock = None
     try:
         spec = resolve_config(cfg)
         server = spec.server
+        b = spec.backend
         token = os.environ.get(TOKEN_ENV) or None
         if not is_loopback(server.host) and not token:
             raise UserError(
@@ -245,36 +353,49 @@ def serve(cfg: DictConfig) -> int:
             )
         if not 0 <= server.port <= 65535:
             raise UserError(f"server.port: must be 0..65535, got {server.port}")
+        # Everything a user can get wrong is checked before the model loads (minutes for a large one).
+        sock = bind_port(server.host, server.port)
+        try:
+            control = ControlFile(server.control_path, BatchingSettings(b.max_tokens_per_microbatch, b.micro_batch_size))
+        except OSError as exc:
+            raise UserError(
+                f"server.control_path: cannot write {server.control_path or exc.filename} ({exc.strerror or exc}); "
+                "choose a writable path, or null for one in /dev/shm"
+            ) from None
     except UserError as exc:
         log.error("%s", exc)
+        if sock is not None:
+            sock.close()
         return 2
 
     import uvicorn
 
     from backends import make_backend
-    from backends.control import BatchingSettings, ControlFile
     from backends.model import model_vocab_size
     from backends.model_configs import cost_model_for
 
-    b = spec.backend
-    control = ControlFile(server.control_path, BatchingSettings(b.max_tokens_per_microbatch, b.micro_batch_size))
-    backend = None
-    try:
-        vocab = model_vocab_size(spec.model)
+    def start_backend():
         backend = make_backend(b, spec.model)
         backend.attach_control(control)
+        return backend
+
+    served = None
+    try:
+        vocab = model_vocab_size(spec.model)
+        served = ServedBackend(start_backend)
         plan_options = {"layout": b.layout, "planner": b.planner, "cost_model": cost_model_for(spec.model).as_dict()}
-        app = build_app(backend, control, vocab, server, token, b.micro_batch_size, plan_options)
+        app = build_app(served, control, vocab, server, token, b.micro_batch_size, plan_options)
+        backend = served.backend
         log.info(
             "serving %s (%d x %s) on http://%s:%d; control file %s; admin API %s",
-            backend.name, backend.world_size, backend.device.type, server.host, server.port, control.path,
+            backend.name, backend.world_size, backend.device.type, server.host, sock.getsockname()[1], control.path,
             "enabled" if token else f"disabled ({TOKEN_ENV} unset)",
         )
         # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal;
         # turning it into an exception lets the finally below stop the workers.
         signal.signal(signal.SIGTERM, _raise_stop)
-        uvicorn.run(app, host=server.host, port=server.port, log_config=None, log_level=server.log_level,
-                    timeout_graceful_shutdown=5)
+        config = uvicorn.Config(app, log_config=None, log_level=server.log_level, timeout_graceful_shutdown=5)
+        uvicorn.Server(config).run(sockets=[sock])
     except (KeyboardInterrupt, _Stop):
         pass
     except UserError as exc:
@@ -284,8 +405,9 @@ def serve(cfg: DictConfig) -> int:
         log.error("%s", exc)
         return 1
     finally:
-        if backend is not None:
-            backend.close()
+        sock.close()
+        if served is not None:
+            served.close()
         control.remove()
         log.info("server stopped; workers stopped")
     return 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -115,6 +116,7 @@ def main() -> int:
     # 1. The three backends agree, in float32 (tight) and in the model's own dtype (bf16 on GPU).
     for dtype in ("float32", "auto"):
         sweep = out / "runs" / f"agree_{dtype}"
+        shutil.rmtree(sweep, ignore_errors=True)  # a rerun replaces this script's own runs (the harness keeps results)
         rc, wall = harness("-m", "backend=pytorch,fsdp2,megatron_ddp", "mtpm=700", f"model.dtype={dtype}", *common,
                            f"hydra.sweep.dir={sweep}", timeout=240)
         report = agreement(sweep, dtype if dtype == "float32" else ("bfloat16" if args.device == "auto" else "float32"))
@@ -126,6 +128,7 @@ def main() -> int:
     # 2. The default budget sweep and the fixed-mbs baselines on fsdp2 (bf16 on GPU).
     if not args.skip_sweep:
         sweep = out / "runs" / "sweep"
+        shutil.rmtree(sweep, ignore_errors=True)
         rc, wall = harness("-m", "backend=fsdp2", f"backend.device={args.device}", "mtpm=null,16384,32768,65536,131072",
                            f"hydra.sweep.dir={sweep}", timeout=300)
         rows = sweep_table(sweep)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -84,3 +85,20 @@ def start_harness(*args: str, cwd: Path, env: dict | None = None, log: Path | No
 @pytest.fixture
 def workdir(tmp_path: Path) -> Path:
     return tmp_path
+
+
+@pytest.fixture
+def unwritable_dir(tmp_path):
+    """A folder nobody can create files in (chmod; as root, which ignores modes, the immutable attribute)."""
+    folder = tmp_path / "locked"
+    folder.mkdir()
+    folder.chmod(0o555)
+    immutable = False
+    if os.access(folder, os.W_OK):
+        immutable = bool(shutil.which("chattr")) and subprocess.run(["chattr", "+i", str(folder)], capture_output=True).returncode == 0
+        if not immutable:
+            pytest.skip("cannot make a read-only folder here")
+    yield folder
+    if immutable:
+        subprocess.run(["chattr", "-i", str(folder)], check=True)
+    folder.chmod(0o755)

@@ -164,6 +164,9 @@ def test_cli_backends_agree_and_leave_nothing_in_their_session(workdir):
     assert [r["world_size"] for r in results] == [1, 2, 2]
     assert all(r["status"] == "ok" for r in results)
     assert results[1]["plan"]["n_dummy"] == [0, 1]
+    # what was built, as each backend reports it (the workers from rank 0): the same model everywhere
+    assert results[0]["model"]["built"]["architecture"] == "Qwen3_5MoeForCausalLM"
+    assert [r["model"]["built"] for r in results[1:]] == [results[0]["model"]["built"]] * 2
     outs = [load_json(p.parent / "example_outputs.json") for p in sorted(sweep.glob("*/results.json"))]
     for out in outs[1:]:
         np.testing.assert_allclose(out["forward_backward"]["loss"], outs[0]["forward_backward"]["loss"], rtol=1e-4)

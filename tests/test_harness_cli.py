@@ -24,6 +24,10 @@ def test_single_run_writes_results_json(workdir):
     assert res["backend"] == "pytorch" and res["world_size"] == 1
     assert res["device"]["type"] == "cpu" and res["device"]["count"] == 1
     assert res["model"]["name"] == "tiny" and res["model"]["lora_rank"] == 32
+    built = res["model"]["built"]  # what the backend reports it built, not the config's name
+    assert built["architecture"] == "Qwen3_5MoeForCausalLM" and built["source"].startswith("random init")
+    assert built["vocab_size"] == 2048 and built["dtype"] == "float32"
+    assert 0 < built["n_trainable_params"] < built["n_params"]  # LoRA: only the adapters train
     assert (res["mtpm"], res["mbs"], res["gc"]) == (600, 1, False)
     assert res["bench"] == {"warmup": 0, "repeat": 2}
     lengths = mixed_lengths(16, 64, 512, 42)
@@ -127,6 +131,8 @@ def _one_error_line(proc) -> str:
         ("layout=zigzag", "layout", "valid: padded, packed"),
         ("planner=magic", "planner", "valid: greedy, balanced"),
         ("planner=balanced", "planner", "mtpm"),  # mtpm is null here: fixed slices have no budget to balance
+        ("seed=-1", "seed", ">= 0"),
+        ("workload.seed=-1", "workload.seed", "0..4294967295"),
     ],
 )
 def test_bad_input_is_one_line_naming_the_key(workdir, override, key, valid):
@@ -226,3 +232,114 @@ def test_a_real_run_writes_the_plan_it_ran(workdir):
     ran = [len(b) for b in plan["schedules"][0]]
     assert res["plan"]["n_microbatches"] == [len(ran)]
     assert res["plan"]["steps"] == len(ran) and res["plan"]["max_tokens_per_microbatch"] == 700
+
+
+def test_a_named_checkpoint_model_without_a_path_is_refused(workdir):
+    """Building the tiny model under the 35B model's name would record a toy as the benchmark model."""
+    proc = run_harness("model=qwen3_5_35b_a3b", "model.path=null", *FAST, "logger=none", f"hydra.run.dir={workdir / 'run'}",
+                       cwd=workdir)
+    assert proc.returncode == 2
+    line = _one_error_line(proc)
+    assert "model.path" in line and "qwen3_5_35b_a3b" in line and "model=tiny" in line
+    assert load_json(workdir / "run" / "results.json")["status"] == "error"
+    # a dry run builds no model, so it needs no checkpoint
+    plan = run_harness("model=qwen3_5_35b_a3b", "model.path=null", "dry_run=true", "workload=smoke",
+                       f"hydra.run.dir={workdir / 'plan'}", cwd=workdir)
+    assert plan.returncode == 0, plan.stdout + plan.stderr
+    res = load_json(workdir / "plan" / "results.json")
+    assert res["status"] == "planned" and res["model"]["built"] is None
+
+
+def test_a_duplicated_sweep_value_is_measured_once(workdir):
+    sweep = workdir / "sweep"
+    proc = run_harness("-m", "mtpm=512,4096,512", "dry_run=true", "workload=smoke", f"hydra.sweep.dir={sweep}", cwd=workdir)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert [r["mtpm"] for r in sweep_results(sweep)] == [512, 4096]
+    assert "mtpm=512 workload=smoke is listed 2 times; it is measured once" in proc.stdout + proc.stderr
+
+
+def _tree_digest(folder) -> dict:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_folder_holding_results_is_not_reused_without_resume(workdir):
+    sweep = workdir / "sweep"
+    args = ["-m", "mtpm=512,4096", "dry_run=true", "workload=smoke", f"hydra.sweep.dir={sweep}"]
+    assert run_harness(*args, cwd=workdir).returncode == 0
+    before = _tree_digest(sweep)
+    proc = run_harness(*args, cwd=workdir)
+    assert proc.returncode == 2
+    line = _one_error_line(proc)
+    assert "hydra.sweep.dir" in line and "resume=true" in line and str(sweep) in line
+    assert _tree_digest(sweep) == before  # nothing in the folder was touched
+
+    run = workdir / "run"
+    assert run_harness("dry_run=true", "workload=smoke", f"hydra.run.dir={run}", cwd=workdir).returncode == 0
+    before = _tree_digest(run)
+    again = run_harness("dry_run=true", "workload=smoke", "mtpm=512", f"hydra.run.dir={run}", cwd=workdir)
+    assert again.returncode == 2 and "resume=true" in _one_error_line(again)
+    other = run_harness("dry_run=true", "workload=smoke", "mtpm=512", "resume=true", f"hydra.run.dir={run}", cwd=workdir)
+    assert other.returncode == 2 and "another point" in _one_error_line(other)
+    assert _tree_digest(run) == before
+
+
+@pytest.mark.parametrize("multirun", [False, True], ids=["run", "sweep"])
+def test_an_unwritable_output_folder_is_one_line(workdir, unwritable_dir, multirun):
+    target = unwritable_dir / "out"
+    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    args = ["-m", "mtpm=512,4096"] if multirun else []
+    proc = run_harness(*args, "dry_run=true", "workload=smoke", f"{key}={target}", cwd=workdir)
+    assert proc.returncode == 2
+    line = _one_error_line(proc)
+    assert key in line and str(target) in line
+
+
+@pytest.mark.slow
+def test_resume_keeps_finished_results_and_finds_points_by_their_overrides(workdir):
+    """The issue's case: a resumed sweep with a new point first must not overwrite the old point 0."""
+    import hashlib
+
+    def digests(sweep):
+        return {p.parent.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sweep.glob("*/results.json")}
+
+    sweep = workdir / "sweep"
+    common = ["backend=pytorch", "workload=smoke", "workload.n_examples=4", "bench.warmup=0", "bench.repeat=1",
+              "logger=none", f"hydra.sweep.dir={sweep}"]
+    first = run_harness("-m", "mtpm=512,100000", *common, cwd=workdir)
+    assert first.returncode == 0, first.stdout + first.stderr
+    done = digests(sweep)
+    assert [(r["mtpm"], r["status"]) for r in sweep_results(sweep)] == [(512, "ok"), (100000, "ok")]
+
+    resumed = run_harness("-m", "mtpm=2048,512,100000", "resume=true", *common, cwd=workdir)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert (resumed.stdout + resumed.stderr).count("already ok") == 2
+    after = digests(sweep)
+    assert {k: after[k] for k in done} == done  # the finished points were not measured again
+    assert [(r["mtpm"], r["status"]) for r in sweep_results(sweep)] == [(512, "ok"), (100000, "ok"), (2048, "ok")]
+
+    planned = run_harness("-m", "mtpm=2048,512,100000,300", "resume=true", "dry_run=true", *common, cwd=workdir)
+    assert planned.returncode == 0, planned.stdout + planned.stderr
+    assert {k: digests(sweep)[k] for k in after} == after  # a dry run never replaces a measurement
+    assert [(r["mtpm"], r["status"]) for r in sweep_results(sweep)][-1] == (300, "planned")
+    assert len(sweep_results(sweep)) == 4
+
+
+@pytest.mark.slow
+def test_more_ranks_than_cores_says_so(workdir):
+    """On one core, two ranks: a warning that says what is happening, then the run still finishes."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import harness_env
+
+    core = sorted(os.sched_getaffinity(0))[0]
+    proc = subprocess.run(
+        [sys.executable, "-m", "harness", "backend=fsdp2", "world_size=2", "workload=smoke", "workload.n_examples=2",
+         "bench.warmup=0", "bench.repeat=1", "logger=none", f"hydra.run.dir={workdir / 'run'}"],
+        cwd=workdir, env=harness_env(), capture_output=True, text=True, timeout=300,
+        preexec_fn=lambda: os.sched_setaffinity(0, {core}),
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    text = proc.stdout + proc.stderr
+    assert "world_size=2 ranks on 1 CPU cores" in text and "starting 2 ranks" in text

@@ -165,6 +165,11 @@ def test_set_then_a_pass_uses_the_new_budget(server):
         ({"input_ids": [1, -2], "target_tokens": [2, 3], "weights": [1, 1]}, "vocabulary"),
         ({"input_ids": [1, 2], "target_tokens": [2, 3], "weights": [1, "a"]}, "weights"),
         ({"input_ids": "1 2", "target_tokens": [2, 3], "weights": [1, 1]}, "input_ids"),
+        # float32 cannot hold the first two; the third overflows the loss
+        ({"input_ids": [1, 2], "target_tokens": [2, 3], "weights": [1, 1e308]}, "weights"),
+        ({"input_ids": [1, 2], "target_tokens": [2, 3], "weights": [1, float("inf")]}, "weights"),
+        ({"input_ids": [1, 2], "target_tokens": [2, 3], "weights": [1, 1e38]}, "weights"),
+        ({"input_ids": [1, 2], "target_tokens": [2, 3], "weights": [1, float("nan")]}, "weights"),
     ],
 )
 def test_malformed_examples_are_422(server, bad, needle):
@@ -216,6 +221,90 @@ def test_client_mode_writes_the_same_results_json(server, tmp_path):
     assert server.config()["max_tokens_per_microbatch"] == 640
 
 
+def _no_token_env() -> dict:
+    env = harness_env()
+    env.pop("BALANCE_BATCH_ADMIN_TOKEN", None)
+    return env
+
+
+def test_client_without_the_token_never_records_a_budget_the_server_did_not_run(server, tmp_path):
+    assert server.call("POST", "/admin/set_max_tokens_per_microbatch", {"value": 2048})[0] == 200
+    common = ["workload=smoke", "workload.n_examples=4", "bench.warmup=0", "bench.repeat=1", "logger=none"]
+    asked = run_harness(f"target.url={server.url}", "mtpm=65536", *common, f"hydra.run.dir={tmp_path / 'asked'}",
+                        cwd=tmp_path, env=_no_token_env())
+    assert asked.returncode == 2
+    text = asked.stdout + asked.stderr
+    assert "Traceback" not in text
+    line = next(ln for ln in text.splitlines() if "ERROR" in ln)
+    assert "mtpm" in line and "2048" in line and "BALANCE_BATCH_ADMIN_TOKEN" in line
+    assert load_json(tmp_path / "asked" / "results.json")["status"] == "error"
+    assert server.config()["max_tokens_per_microbatch"] == 2048
+
+    same = run_harness(f"target.url={server.url}", "mtpm=2048", *common, f"hydra.run.dir={tmp_path / 'same'}",
+                       cwd=tmp_path, env=_no_token_env())
+    assert same.returncode == 0, same.stdout + same.stderr
+    res = load_json(tmp_path / "same" / "results.json")
+    assert res["status"] == "ok" and res["mtpm"] == 2048 and res["plan"]["max_tokens_per_microbatch"] == 2048
+    assert res["model"]["built"]["architecture"] == "Qwen3_5MoeForCausalLM"  # reported by the server
+
+
+def test_a_budget_changed_during_a_client_run_fails_the_point(server, monkeypatch):
+    from backends.base import make_command
+    from backends.errors import BackendError
+    from harness.client import RemoteBackend
+    from harness.workload import make_examples
+
+    monkeypatch.delenv("BALANCE_BATCH_ADMIN_TOKEN", raising=False)
+    assert server.call("POST", "/admin/set_max_tokens_per_microbatch", {"value": 700})[0] == 200
+    remote = RemoteBackend(server.url, timeout_s=120)
+    assert remote.configure(700, 1) == (700, 1)
+    exs = make_examples([50, 80], remote.vocab_size, seed=0)
+    assert remote.run_pass(make_command("forward", exs, 700, 1)).plan["max_tokens_per_microbatch"] == 700
+    assert server.call("POST", "/admin/set_max_tokens_per_microbatch", {"value": 900})[0] == 200  # another client
+    with pytest.raises(BackendError, match="changed during the run"):
+        remote.run_pass(make_command("forward", exs, 700, 1))
+
+
+def test_a_client_leaving_mid_request_leaves_no_traceback(server):
+    body = json.dumps({"examples": examples([2000] * 4)}).encode()
+    port = int(server.url.rsplit(":", 1)[1])
+    head = b"POST /forward_backward HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    with socket.create_connection(("127.0.0.1", port)) as s:  # leaves before sending the whole body
+        s.sendall(head + b"Content-Length: %d\r\n\r\n" % len(body) + body[:100])
+        time.sleep(0.5)
+    with socket.create_connection(("127.0.0.1", port)) as s:  # leaves while its pass runs
+        s.sendall(head + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        time.sleep(0.5)
+    deadline = time.monotonic() + 120
+    while (status := server.call("POST", "/forward", {"examples": examples([10])})[0]) == 503 and time.monotonic() < deadline:
+        time.sleep(0.5)  # busy with the abandoned pass (this server queues none)
+    assert status == 200
+    log = server.log.read_text()
+    assert "left before sending its whole request" in log
+    assert "Traceback" not in log and "Exception in ASGI application" not in log
+
+
+def test_a_port_in_use_fails_before_the_model_loads(server, tmp_path):
+    port = server.url.rsplit(":", 1)[1]
+    proc = subprocess.run([sys.executable, "-m", "harness.serve", "backend=fsdp2", f"server.port={port}",
+                           f"hydra.run.dir={tmp_path}"], cwd=tmp_path, env=harness_env(), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2
+    text = proc.stdout + proc.stderr
+    assert "server.port" in text and port in text and "Traceback" not in text
+    assert "starting 2 ranks" not in text  # no worker was started
+
+
+def test_an_unwritable_control_path_is_one_line(tmp_path, unwritable_dir):
+    target = unwritable_dir / "control.ctl"
+    proc = subprocess.run([sys.executable, "-m", "harness.serve", "backend=pytorch", "server.port=0",
+                           f"server.control_path={target}", f"hydra.run.dir={tmp_path / 'run'}"],
+                          cwd=tmp_path, env=harness_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    text = proc.stdout + proc.stderr
+    assert "server.control_path" in text and str(target) in text and "Traceback" not in text
+
+
 def test_admin_is_refused_without_a_configured_token(tmp_path):
     s = start_server(tmp_path, "backend=pytorch", token=None)
     try:
@@ -245,3 +334,60 @@ def test_fsdp2_server_shutdown_leaves_no_process(tmp_path):
     assert status == 200 and reply["plan"]["max_tokens_per_microbatch"] == 300 and len(reply["plan"]["n_dummy"]) == 2
     assert stop(s) == 0
     assert session_processes(sid) == []
+
+
+def test_healthz_tells_the_truth_after_a_worker_dies_and_the_next_pass_restarts(tmp_path):
+    import psutil
+
+    s = start_server(tmp_path, "backend=fsdp2", "world_size=2")
+    sid = s.proc.pid
+    try:
+        status, health = s.call("GET", "/healthz", token=None)
+        assert status == 200 and health["status"] == "ok" and health["restarts"] == 0
+        assert health["model"]["architecture"] == "Qwen3_5MoeForCausalLM"  # reported by rank 0
+        assert 0 < health["model"]["n_trainable_params"] < health["model"]["n_params"]
+        workers = health["pids"][1:]
+        psutil.Process(workers[-1]).kill()
+        deadline = time.monotonic() + 30
+        while (answer := s.call("GET", "/healthz", token=None))[0] == 200 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        status, down = answer
+        assert status == 503 and down["status"] == "down"
+        assert "rank 1" in down["reason"] and "SIGKILL" in down["reason"] and "next pass" in down["recovery"]
+
+        status, reply = s.call("POST", "/forward", {"examples": examples([100, 40])})
+        assert status == 200, reply  # the workers were started again
+        status, health = s.call("GET", "/healthz", token=None)
+        assert status == 200 and health["restarts"] == 1 and set(health["pids"][1:]).isdisjoint(workers)
+        assert "starting them again" in s.log.read_text()
+    finally:
+        assert stop(s) == 0
+    assert session_processes(sid) == []
+
+
+def test_a_restart_that_fails_keeps_the_server_down_with_the_first_cause():
+    import psutil
+
+    from backends import make_backend
+    from backends.base import BackendSpec, make_command
+    from backends.errors import BackendError
+    from backends.model import ModelSpec
+    from harness.serve import ServedBackend
+    from harness.workload import make_examples
+
+    first = [BackendSpec(name="fsdp2", world_size=2, device="cpu")]  # then every start fails
+    served = ServedBackend(lambda: make_backend(first.pop() if first else BackendSpec(name="no_such_backend"), ModelSpec()))
+    try:
+        assert served.failure() is None
+        psutil.Process(served.backend.pids()[0]).kill()
+        deadline = time.monotonic() + 30
+        while served.failure() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert "rank 0 was killed by SIGKILL" in served.failure()
+        command = make_command("forward", make_examples([20], 2048, seed=0), None, 1)
+        for _ in range(2):  # every pass tries again; the reason keeps the first cause
+            with pytest.raises(BackendError, match="did not start again"):
+                served.run_pass(command)
+            assert served.failure().startswith("the workers were down (rank 0 was killed by SIGKILL) and did not start")
+    finally:
+        served.close()

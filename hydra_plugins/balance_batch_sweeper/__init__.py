@@ -1,0 +1,1 @@
+"""Hydra plugin package (Hydra finds plugins only under ``hydra_plugins``): the harness's sweeper."""

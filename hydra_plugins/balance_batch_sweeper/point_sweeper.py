@@ -1,0 +1,33 @@
+"""Hydra's basic sweeper, plus: each point once, and a point's folder found by its overrides (see harness/points.py)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import List, Optional
+
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra.core.override_parser.types import Override
+from omegaconf import OmegaConf
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SUBDIR = "${hydra.job.num}"
+
+
+class PointSweeper(BasicSweeper):
+    """Expands the sweep like BasicSweeper, then de-duplicates it and places each point before anything is written."""
+
+    def split_arguments(self, overrides: List[Override], max_batch_size: Optional[int]) -> List[List[List[str]]]:
+        from harness.points import check_writable, dedupe, place_points
+
+        assert self.config is not None
+        jobs = dedupe(BasicSweeper.split_arguments(overrides, None)[0])
+        sweep_dir = Path(str(self.config.hydra.sweep.dir))
+        check_writable("hydra.sweep.dir", sweep_dir)
+        resume = bool(OmegaConf.select(self.config, "resume", default=False))
+        subdir = OmegaConf.to_container(self.config.hydra.sweep, resolve=False).get("subdir")
+        folders = place_points(jobs, sweep_dir, resume)
+        if subdir == DEFAULT_SUBDIR:  # a user's own subdir pattern is left alone
+            jobs = [job + [f"hydra.sweep.subdir={folder}"] if folder is not None else job for job, folder in zip(jobs, folders)]
+        return [list(chunk) for chunk in BasicSweeper.split_overrides_to_chunks(jobs, max_batch_size)]

@@ -1,0 +1,100 @@
+"""The README's shell blocks, run as pasted: every block parses, and those that run on a CPU run and succeed."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, harness_env, wait_session_empty
+
+pytestmark = pytest.mark.slow
+
+BLOCKS = re.findall(r"```bash\n(.*?)```", (REPO / "README.md").read_text(), flags=re.S)
+
+# `python` for the blocks: the real interpreter, with `python -m harness` kept CPU-sized. A client
+# run (target.url=) measures a small workload; any other run plans only (dry_run=true), which
+# still composes the config and expands the sweep; each run gets a folder of its own.
+SHIM = """#!/bin/sh
+if [ "$1" = "-m" ] && [ "$2" = "harness" ]; then
+  shift 2
+  n=$(date +%s%N)
+  case " $* " in
+    *" --cfg "*) exec {python} -m harness "$@" ;;
+    *" target.url="*) exec {python} -m harness "$@" workload=smoke workload.n_examples=4 bench.warmup=0 \\
+        bench.repeat=1 logger=none hydra.run.dir=outputs/readme-$n ;;
+    *" -m "*) exec {python} -m harness "$@" dry_run=true hydra.sweep.dir=multirun/readme-$n ;;
+    *) exec {python} -m harness "$@" dry_run=true hydra.run.dir=outputs/readme-$n ;;
+  esac
+fi
+exec {python} "$@"
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def pasted(tmp_path):
+    """Runs a block in a fresh folder whose `python` and `.venv/bin/python` are the shim."""
+    for folder in (tmp_path / "bin", tmp_path / ".venv" / "bin"):
+        folder.mkdir(parents=True)
+        shim = folder / "python"
+        shim.write_text(SHIM.format(python=sys.executable))
+        shim.chmod(0o755)
+    env = harness_env(PATH=f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}", PYTHONPATH=str(REPO),
+                      PORT=str(_free_port()))
+    env.pop("BALANCE_BATCH_ADMIN_TOKEN", None)
+
+    def run(block: str) -> subprocess.CompletedProcess:
+        log = tmp_path / "block.log"  # a file, not a pipe: a server the block leaves behind must not hold it open
+        with open(log, "w") as out:
+            proc = subprocess.Popen(["bash", "-euo", "pipefail", "-c", block], cwd=tmp_path, env=env,
+                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            proc.wait(timeout=540)
+        finally:
+            left = wait_session_empty(proc.pid, timeout_s=60)  # the server stops its workers first
+            for p in left:  # a failed block may leave its server running: stop it, then fail
+                p.kill()
+        out = log.read_text()
+        assert left == [], out  # the block stopped what it started
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
+
+    return run
+
+
+def _runs_on_a_cpu(block: str) -> bool:
+    # make runs the whole set-up and test suite; that is CI's job, not this test's
+    return not re.search(r"^\s*make\b", block, flags=re.M)
+
+
+def test_every_block_parses():
+    assert len(BLOCKS) >= 4
+    for block in BLOCKS:
+        proc = subprocess.run(["bash", "-n"], input=block, capture_output=True, text=True)
+        assert proc.returncode == 0, f"{block}\n{proc.stderr}"
+
+
+@pytest.mark.parametrize("index", [i for i, b in enumerate(BLOCKS) if _runs_on_a_cpu(b)])
+def test_block_runs_as_pasted(pasted, tmp_path, index):
+    block = BLOCKS[index]
+    proc = pasted(block)
+    assert proc.returncode == 0, f"{block}\n{proc.stdout}"
+    assert "Traceback" not in proc.stdout, proc.stdout
+    results = [json.loads(p.read_text()) for p in Path(tmp_path).rglob("results.json")]
+    if re.search(r"python -m harness ", block):  # the benchmark ran (planned, or measured as a client)
+        assert results and all(r["status"] in ("ok", "planned") for r in results)
+    if "target.url=" in block:  # the live-control block: the client measured through the server
+        measured = [r for r in results if r["status"] == "ok"]
+        assert len(measured) == 1 and measured[0]["mtpm"] == 32768 and measured[0]["target"]
+        assert measured[0]["plan"]["max_tokens_per_microbatch"] == 32768
