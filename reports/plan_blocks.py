@@ -13,7 +13,7 @@ MAX_COLUMNS = 32
 
 
 def check_plan_doc(doc) -> None:
-    """Raise ValueError naming the first thing that makes ``doc`` no plan.json document (see CONTRACTS.md)."""
+    """Raise ValueError naming the first thing that makes ``doc`` no plan.json document (see the plan.json format of backends/planning/plan.py)."""
     if not isinstance(doc, dict):
         raise ValueError("not a JSON object")
     for key in ("lengths", "schedules"):

@@ -1,10 +1,10 @@
-"""plan.json documents (CONTRACTS.md format) for the plan-figure tests: from today's greedy planner, or by hand."""
+"""plan.json documents (the format harness writes) for the plan-figure tests: from today's greedy planner, or by hand."""
 
 from __future__ import annotations
 
 from typing import Optional
 
-from backends.microbatch import Plan, plan_batch
+from backends.microbatch import plan_batch
 
 # Roughly the benchmark model's shape: a ≈ 2 × 3e9 active parameters per token,
 # b from its full-attention layers; what matters for the figure is b/a.
@@ -49,8 +49,3 @@ def greedy_doc(lengths: list[int], world_size: int, max_tokens: Optional[int], *
     doc = plan_doc(lengths, plan.schedules, lockstep=lockstep, layout=layout, max_tokens=max_tokens,
                    micro_batch_size=micro_batch_size, cost_model=cost_model)
     return doc, plan
-
-
-def harness_writes_plan_json() -> bool:
-    """Whether runs write plan.json yet (issue 10 adds Plan.to_json and the writing together)."""
-    return hasattr(Plan, "to_json")

@@ -25,7 +25,7 @@ def cost(n: int) -> float:
 
 
 def reference(doc: dict) -> dict:
-    """What the plan costs, computed here straight from CONTRACTS.md (independently of reports.plan_blocks)."""
+    """What the plan costs, computed here straight from the plan.json format of backends/planning/plan.py (independently of reports.plan_blocks)."""
     lengths, padded = doc["lengths"], doc["layout"] == "padded"
     def mb_cost(mb) -> float:
         if mb is None:

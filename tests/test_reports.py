@@ -12,7 +12,6 @@ import pytest
 from reports.collect import collect
 from reports.render import BEGIN, END, table_frame
 from tests.conftest import REPO, run_cli, run_harness, sweep_results
-from tests.plan_docs import harness_writes_plan_json
 
 README_TEXT = f"# A project\n\nIntro stays.\n\n{BEGIN}\nold table\n{END}\n\nOutro stays.\n"
 
@@ -37,7 +36,6 @@ def test_callback_wrote_the_report_into_the_sweep_folder(sweep):
         assert (sweep / "plots" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.skipif(not harness_writes_plan_json(), reason="the harness writes plan.json once issue 10 is merged")
 def test_callback_drew_each_points_plan_and_linked_it(sweep):
     rows = [line for line in (sweep / "report.md").read_text().splitlines() if line.startswith("| PyTorch")]
     for point in ("0", "1"):

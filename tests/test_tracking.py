@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import harness_env, run_harness, sweep_results
-from tests.plan_docs import harness_writes_plan_json
 from tests.wandb_records import run_contents
 
 pytestmark = pytest.mark.slow
@@ -91,7 +90,6 @@ def test_the_run_logs_the_plan_figure_as_an_image(tmp_path):
     assert run["summary"]["plan/pad_efficiency"] == pytest.approx(plan.stats.pad_efficiency)  # the numbers stay beside it
 
 
-@pytest.mark.skipif(not harness_writes_plan_json(), reason="the harness writes plan.json once issue 10 is merged")
 def test_sweep_runs_log_their_plan_figures(offline_sweep):
     for wandb_file in sorted(offline_sweep.glob("*/wandb/offline-run-*/run-*.wandb")):
         assert _logged_plan_image(run_contents(wandb_file))["format"] == "png"

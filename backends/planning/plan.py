@@ -29,7 +29,15 @@ class Plan:
     lockstep: bool = False
 
     def to_json(self, **extra) -> dict:
-        """The plan.json document (see CONTRACTS.md); ``extra`` adds keys such as ``backend``."""
+        """The plan.json document; ``extra`` adds keys such as ``backend``.
+
+        Keys: ``version``, ``world_size``, ``lockstep`` (step s of every rank runs
+        together), ``planner``, ``layout``, ``max_tokens_per_microbatch``,
+        ``micro_batch_size``, ``cost_model`` ({a, b, source}: a sequence of
+        length L costs a*L + b*L**2), ``lengths`` (per example) and
+        ``schedules``: per rank, per step, a list of example indices or null
+        (a dummy step of zero loss weight).
+        """
         doc = {
             "version": PLAN_JSON_VERSION,
             "world_size": len(self.schedules),
