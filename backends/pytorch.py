@@ -65,6 +65,7 @@ class PyTorchBackend(Backend):
                 self.device,
                 progress=progress,
                 deadline=None if timeout_s is None else time.monotonic() + timeout_s,
+                logprob_chunk_tokens=command.get("logprob_chunk_tokens", self.spec.logprob_chunk_tokens),
             )
         except PassTimeout as exc:
             raise BackendError(f"{exc} (bench.pass_timeout_s={timeout_s:g})", status="timeout") from None

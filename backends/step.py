@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from backends.examples import Example, ExampleOutput
+from backends.logprobs import find_logprob_head
 from backends.microbatch import Schedule
 
 PASS_TYPES = ("forward", "forward_backward")
@@ -48,11 +49,36 @@ def dummy_inputs(device: torch.device):
     return zeros, zeros.clone(), torch.zeros((1, 1), dtype=torch.float32, device=device)
 
 
-def token_logprobs(model: torch.nn.Module, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Log-probability of each target token, in float32, shape [batch, length]."""
-    logits = model(input_ids=ids, use_cache=False).logits
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    return logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+def token_logprobs(
+    model: torch.nn.Module,
+    ids: torch.Tensor,
+    targets: torch.Tensor,
+    chunk_tokens: Optional[int] = None,
+    **model_kwargs,
+) -> torch.Tensor:
+    """Log-probability of each target token, in float32, shape [batch, length].
+
+    With ``chunk_tokens`` the model's own output layer (a ``TokenLogprobHead``,
+    see backends/logprobs.py) computes them that many tokens at a time, so no
+    [tokens × vocab] tensor exists in forward or backward; ``None`` keeps the
+    unchunked path (full logits, then log-softmax), the reference the tests
+    compare against. ``model_kwargs`` (position_ids, cu_seq_lens_q, ...) go to
+    the model's forward.
+    """
+    if chunk_tokens is None:
+        logits = model(input_ids=ids, use_cache=False, **model_kwargs).logits
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        return logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens <= 0:
+        raise ValueError(f"chunk_tokens must be a positive integer or None, got {chunk_tokens!r}")
+    head = find_logprob_head(model)
+    if head is None:
+        raise ValueError(
+            "chunked log-probs need the model's output layer replaced by backends.logprobs.install_logprob_head "
+            "before wrapping (build_model does it); pass chunk_tokens=None for the unchunked path"
+        )
+    with head.target_logprobs(targets, chunk_tokens):
+        return model(input_ids=ids, use_cache=False, **model_kwargs).logits
 
 
 def total_loss_weight(examples: Sequence[Example], indices: Optional[Sequence[int]] = None) -> float:
@@ -70,6 +96,7 @@ def run_schedule(
     progress: Optional[ProgressFn] = None,
     before_step: Optional[Callable[[int, bool], None]] = None,
     deadline: Optional[float] = None,
+    logprob_chunk_tokens: Optional[int] = None,
 ) -> dict[int, ExampleOutput]:
     """Run one rank's schedule; return outputs keyed by example index.
 
@@ -78,6 +105,7 @@ def run_schedule(
     same however the batch is split. ``None`` entries run a zero-weight dummy.
     ``before_step(i, is_last)`` lets a backend set per-step sync behaviour.
     Past ``deadline`` (a ``time.monotonic()`` value) the next step raises PassTimeout.
+    ``logprob_chunk_tokens`` goes to ``token_logprobs`` (None = unchunked).
     """
     if pass_type not in PASS_TYPES:
         raise ValueError(f"pass type must be one of {PASS_TYPES}, got {pass_type!r}")
@@ -96,7 +124,7 @@ def run_schedule(
         else:
             ids, targets, weights = collate(examples, batch, device)
         with torch.set_grad_enabled(backward):
-            logprobs = token_logprobs(model, ids, targets)
+            logprobs = token_logprobs(model, ids, targets, logprob_chunk_tokens)
             loss_per_row = -(logprobs * weights).sum(dim=-1)
             if backward:
                 (loss_per_row.sum() * scale).backward()

@@ -222,6 +222,7 @@ def _run_command(
         device,
         progress=progress,
         before_step=lambda step, is_last: hooks.before_step(model, step, is_last),
+        logprob_chunk_tokens=command.get("logprob_chunk_tokens", hooks.spec.logprob_chunk_tokens),
     )
     hooks.finish_pass(model, pass_type)
     grad_norm = hooks.grad_norm(model) if pass_type == "forward_backward" else None
