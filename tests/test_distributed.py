@@ -102,6 +102,21 @@ def test_chunked_logprobs_match_full_logits_on_each_backend(distributed, chunk):
     assert math.isclose(got.grad_norm, full.grad_norm, rel_tol=1e-5), (name, chunk, got.grad_norm, full.grad_norm)
 
 
+def test_fsdp2_runs_bf16_with_fp32_gradient_reduction(reference):
+    """model.dtype=bfloat16 on gloo: the policy is checked inside the ranks; answers stay near float32's."""
+    spec = BackendSpec(name="fsdp2", world_size=2, device="cpu", gradient_checkpointing=True,
+                       hooks="tests.probes:FSDP2ExpectsBf16Policy")
+    with make_backend(spec, ModelSpec(dtype="bfloat16")) as backend:
+        command = make_command("forward_backward", EXAMPLES, 700, 1)
+        chunked = backend.run_pass(command)
+        full = backend.run_pass({**command, "logprob_chunk_tokens": None})
+    ref = reference["mtpm=700", "forward_backward"]
+    for got in (chunked, full):
+        np.testing.assert_allclose([o.loss for o in got.outputs], [o.loss for o in ref.outputs], rtol=2e-2)
+        assert math.isclose(got.grad_norm, ref.grad_norm, rel_tol=5e-2)
+    np.testing.assert_allclose([o.loss for o in chunked.outputs], [o.loss for o in full.outputs], rtol=1e-3)
+
+
 def test_fsdp2_pads_unequal_ranks_with_dummies(distributed):
     name, results, _ = distributed
     plan = results["mtpm=700", "forward_backward"].plan
