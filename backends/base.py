@@ -38,7 +38,9 @@ class PassResult:
     outputs: list[ExampleOutput]
     plan: dict
     grad_norm: Optional[float] = None
-    mem_peak_bytes: Optional[int] = None  # device memory peak over ranks (GPU); None on CPU
+    mem_peak_bytes: Optional[int] = None  # the largest of mem_peak_bytes_per_rank
+    # Each rank's memory peak during the pass: CUDA memory reserved on GPU, resident set (VmHWM) on CPU.
+    mem_peak_bytes_per_rank: Optional[list[Optional[int]]] = None
 
 
 def resolve_device(name: str) -> torch.device:

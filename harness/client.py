@@ -88,7 +88,8 @@ class RemoteBackend(Backend):
 
         outputs = [ExampleOutput(logprobs=np.asarray(o["logprobs"], dtype=np.float32), loss=float(o["loss"])) for o in reply["outputs"]]
         return PassResult(outputs=outputs, plan=reply["plan"], grad_norm=reply.get("grad_norm"),
-                          mem_peak_bytes=reply.get("mem_peak_bytes"))
+                          mem_peak_bytes=reply.get("mem_peak_bytes"),
+                          mem_peak_bytes_per_rank=reply.get("mem_peak_bytes_per_rank"))
 
 
 def is_loopback(host: str) -> bool:

@@ -196,6 +196,7 @@ def build_app(backend, control, vocab_size: int, server, admin_token: Optional[s
             "plan": result.plan,
             "grad_norm": result.grad_norm,
             "mem_peak_bytes": result.mem_peak_bytes,
+            "mem_peak_bytes_per_rank": result.mem_peak_bytes_per_rank,
         }
 
     @app.post("/forward")

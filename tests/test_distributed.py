@@ -87,6 +87,8 @@ def test_same_losses_and_gradient_as_pytorch(reference, distributed, case):
         for o, r in zip(got.outputs, ref.outputs):
             np.testing.assert_allclose(o.logprobs, r.logprobs, rtol=1e-4, atol=1e-5)
     got, ref = results[case, "forward_backward"], reference[case, "forward_backward"]
+    assert len(got.mem_peak_bytes_per_rank) == 2 and all(m > 100 * 1024**2 for m in got.mem_peak_bytes_per_rank)
+    assert got.mem_peak_bytes == max(got.mem_peak_bytes_per_rank)
     assert ref.grad_norm > 0
     assert math.isclose(got.grad_norm, ref.grad_norm, rel_tol=1e-4), (name, case, got.grad_norm, ref.grad_norm)
 
