@@ -73,7 +73,8 @@ class _ChunkedTargetLogprobs(torch.autograd.Function):
             if dlogprob_dhidden is not None:
                 grad_logits = _minus_softmax_plus_onehot_(probs, targets[rows])
                 dlogprob_dhidden[rows] = grad_logits.to(weight.dtype) @ weight
-            del probs
+                del grad_logits
+            del probs  # before the next chunk allocates its own: one [chunk × vocab] buffer at a time
         ctx.chunk_tokens = chunk_tokens
         ctx.has_bias = bias is not None
         if dlogprob_dhidden is not None:
@@ -111,6 +112,7 @@ class _ChunkedTargetLogprobs(torch.autograd.Function):
                 grad_hidden[rows] = grad_logits @ weight
             if grad_weight is not None:
                 grad_weight += (grad_logits.t() @ hidden[rows]).float()
+            del grad_logits  # before the next chunk allocates its own
         return (
             grad_hidden,
             None if grad_weight is None else grad_weight.to(weight.dtype),
