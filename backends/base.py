@@ -20,7 +20,11 @@ def make_command(
     max_tokens_per_microbatch: Optional[int],
     micro_batch_size: int,
 ) -> dict[str, Any]:
-    """The command dict a backend (and its workers) executes for one pass."""
+    """The command dict a backend (and its workers) executes for one pass.
+
+    Optional key: ``logprob_chunk_tokens`` overrides ``backend.logprob_chunk_tokens``
+    for this pass (None = full logits), e.g. to compare the two paths on one backend.
+    """
     if pass_type not in PASS_TYPES:
         raise ValueError(f"pass type must be one of {PASS_TYPES}, got {pass_type!r}")
     return {
