@@ -29,6 +29,8 @@ def make_command(
 
     ``cost_model`` is ``CostModel.as_dict()`` (None: cost = computed tokens);
     every rank plans the same global plan from it, so it travels with the command.
+    Optional key: ``logprob_chunk_tokens`` overrides ``backend.logprob_chunk_tokens``
+    for this pass (None = full logits), e.g. to compare the two paths on one backend.
     """
     if pass_type not in PASS_TYPES:
         raise ValueError(f"pass type must be one of {PASS_TYPES}, got {pass_type!r}")
@@ -66,7 +68,9 @@ class PassResult:
     outputs: list[ExampleOutput]
     plan: dict
     grad_norm: Optional[float] = None
-    mem_peak_bytes: Optional[int] = None  # device memory peak over ranks (GPU); None on CPU
+    mem_peak_bytes: Optional[int] = None  # the largest of mem_peak_bytes_per_rank
+    # Each rank's memory peak during the pass: CUDA memory reserved on GPU, resident set (VmHWM) on CPU.
+    mem_peak_bytes_per_rank: Optional[list[Optional[int]]] = None
 
 
 def resolve_device(name: str) -> torch.device:

@@ -20,13 +20,29 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if type(m).__name__ in names]
 
 
+def mixed_precision_policy(model: torch.nn.Module):
+    """bf16/fp16 parameters and compute, gradients reduced in fp32, for a model that runs in half precision.
+
+    A float32 model gets the default policy (no casting). Trainable parameters
+    keep the dtype they were created in (peft makes LoRA adapters float32), so
+    their sharded gradients accumulate in that dtype after the fp32 reduction.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    dtype = next(model.parameters()).dtype
+    if dtype not in (torch.bfloat16, torch.float16):
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+
+
 class FSDP2Hooks(RankHooks):
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         from torch.distributed.fsdp import FSDPModule, fully_shard
 
+        mp_policy = mixed_precision_policy(model)
         for layer in decoder_layers(model):
-            fully_shard(layer)
-        fully_shard(model)
+            fully_shard(layer, mp_policy=mp_policy)
+        fully_shard(model, mp_policy=mp_policy)
         # Sum, not average, across ranks: each rank's loss is already divided by
         # the whole batch's weight, so the sum is the batch gradient. A plain SUM
         # (no pre-multiplied sum) is also what gloo supports.

@@ -48,6 +48,36 @@ def restore_memory_limit(previous: Optional[tuple[int, int]]) -> None:
         resource.setrlimit(resource.RLIMIT_DATA, previous)
 
 
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak: the CUDA allocator's statistics, or this process's resident-set high-water mark.
+
+    On Linux, writing 5 to /proc/self/clear_refs resets VmHWM to the current
+    resident size, so the peak of each pass is exact rather than sampled.
+    """
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass  # no such file (not Linux) or not allowed: peak_memory_bytes then reports the lifetime peak
+
+
+def peak_memory_bytes(device: torch.device) -> Optional[int]:
+    """This process's memory peak since ``reset_peak_memory``: CUDA memory reserved, or resident set (VmHWM) on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_reserved(device))
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # reported in kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def oom_message(pass_type: str, where: str, largest_padded: int, limit_gb: Optional[float], exc: BaseException) -> str:
     first = first_line(str(exc), 200) or type(exc).__name__
     limit = f", bench.memory_limit_gb={limit_gb:g}" if limit_gb is not None else ""

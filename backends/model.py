@@ -12,6 +12,7 @@ import torch
 
 from backends.errors import UserError
 from backends.model_configs import TINY_CONFIG
+from backends.logprobs import install_logprob_head
 from backends.specs import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -95,6 +96,8 @@ def build_model(spec: ModelSpec, device: torch.device, gradient_checkpointing: b
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True, **kwargs).to(device)
     model.config.use_cache = False
+    # Before LoRA and wrapping: the chunked log-prob head must be the module FSDP2 and peft see.
+    install_logprob_head(model)
 
     if spec.lora_rank > 0:
         from peft import LoraConfig, get_peft_model

@@ -13,7 +13,14 @@ import torch
 from backends import resolve_world_size
 from backends.base import Backend, BackendSpec, PassResult, plan_command, resolve_device
 from backends.errors import BackendError
-from backends.memory import is_out_of_memory, limit_memory, oom_message, restore_memory_limit
+from backends.memory import (
+    is_out_of_memory,
+    limit_memory,
+    oom_message,
+    peak_memory_bytes,
+    reset_peak_memory,
+    restore_memory_limit,
+)
 from backends.model import ModelSpec, build_model, describe_model
 from backends.step import PassTimeout, ProgressLogger, grad_norm_local_sq, run_schedule, total_loss_weight
 
@@ -41,8 +48,7 @@ class PyTorchBackend(Backend):
         examples = command["examples"]
         pass_type = command["pass_type"]
         plan = plan_command(command, world_size=1, lockstep=False)
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
+        reset_peak_memory(self.device)
         if pass_type == "forward_backward":
             self.model.zero_grad(set_to_none=True)
         progress = ProgressLogger(
@@ -61,6 +67,7 @@ class PyTorchBackend(Backend):
                 progress=progress,
                 deadline=None if timeout_s is None else time.monotonic() + timeout_s,
                 layout=command.get("layout", "padded"),
+                logprob_chunk_tokens=command.get("logprob_chunk_tokens", self.spec.logprob_chunk_tokens),
             )
         except PassTimeout as exc:
             raise BackendError(f"{exc} (bench.pass_timeout_s={timeout_s:g})", status="timeout") from None
@@ -76,12 +83,13 @@ class PyTorchBackend(Backend):
                 torch.cuda.empty_cache()
             raise BackendError(oom, status="oom")
         grad_norm = math.sqrt(grad_norm_local_sq(self.model)) if pass_type == "forward_backward" else None
-        mem_peak = torch.cuda.max_memory_reserved() if self.device.type == "cuda" else None
+        mem_peak = peak_memory_bytes(self.device)
         return PassResult(
             outputs=[by_index[i] for i in range(len(examples))],
             plan=plan.stats.as_dict(),
             grad_norm=grad_norm,
             mem_peak_bytes=mem_peak,
+            mem_peak_bytes_per_rank=[mem_peak],
         )
 
     def close(self) -> None:

@@ -20,6 +20,8 @@ class BackendSpec:
     device: str = "auto"  # auto, cpu or cuda
     dist_timeout_s: float = 600.0  # torch.distributed collective time-out
     memory_limit_gb: Optional[float] = None  # per worker: an OS limit on CPU, the memory fraction on GPU
+    # Target log-probs this many tokens at a time (no [tokens × vocab] logits); None = unchunked.
+    logprob_chunk_tokens: Optional[int] = 1024
     hooks: Optional[str] = None  # "module:RankHooks subclass" replacing the backend's own (experiments, fault tests)
 
 

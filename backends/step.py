@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from backends.examples import Example, ExampleOutput
+from backends.logprobs import find_logprob_head
 from backends.microbatch import Schedule
 from backends.packing import collate_packed, prepare_model_for_packing
 
@@ -50,14 +51,36 @@ def dummy_inputs(device: torch.device):
     return zeros, zeros.clone(), torch.zeros((1, 1), dtype=torch.float32, device=device)
 
 
-def token_logprobs(model: torch.nn.Module, ids: torch.Tensor, targets: torch.Tensor, **model_kwargs) -> torch.Tensor:
+def token_logprobs(
+    model: torch.nn.Module,
+    ids: torch.Tensor,
+    targets: torch.Tensor,
+    chunk_tokens: Optional[int] = None,
+    **model_kwargs,
+) -> torch.Tensor:
     """Log-probability of each target token, in float32, shape [batch, length].
 
-    ``model_kwargs`` go to the model's forward (a packed row's position ids and ``cu_seq_lens``).
+    With ``chunk_tokens`` the model's own output layer (a ``TokenLogprobHead``,
+    see backends/logprobs.py) computes them that many tokens at a time, so no
+    [tokens × vocab] tensor exists in forward or backward; ``None`` keeps the
+    unchunked path (full logits, then log-softmax), the reference the tests
+    compare against. ``model_kwargs`` (position_ids, cu_seq_lens_q, ...) go to
+    the model's forward.
     """
-    logits = model(input_ids=ids, use_cache=False, **model_kwargs).logits
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    return logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    if chunk_tokens is None:
+        logits = model(input_ids=ids, use_cache=False, **model_kwargs).logits
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        return logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens <= 0:
+        raise ValueError(f"chunk_tokens must be a positive integer or None, got {chunk_tokens!r}")
+    head = find_logprob_head(model)
+    if head is None:
+        raise ValueError(
+            "chunked log-probs need the model's output layer replaced by backends.logprobs.install_logprob_head "
+            "before wrapping (build_model does it); pass chunk_tokens=None for the unchunked path"
+        )
+    with head.target_logprobs(targets, chunk_tokens):
+        return model(input_ids=ids, use_cache=False, **model_kwargs).logits
 
 
 def total_loss_weight(examples: Sequence[Example], indices: Optional[Sequence[int]] = None) -> float:
@@ -76,6 +99,7 @@ def run_schedule(
     before_step: Optional[Callable[[int, bool], None]] = None,
     deadline: Optional[float] = None,
     layout: str = "padded",
+    logprob_chunk_tokens: Optional[int] = None,
 ) -> dict[int, ExampleOutput]:
     """Run one rank's schedule; return outputs keyed by example index.
 
@@ -86,6 +110,7 @@ def run_schedule(
     Past ``deadline`` (a ``time.monotonic()`` value) the next step raises PassTimeout.
     ``layout="packed"`` runs each micro-batch as one row of its sequences end
     to end (see backends.packing); outputs are the same as padded.
+    ``logprob_chunk_tokens`` goes to ``token_logprobs`` (None = unchunked).
     """
     if pass_type not in PASS_TYPES:
         raise ValueError(f"pass type must be one of {PASS_TYPES}, got {pass_type!r}")
@@ -104,7 +129,7 @@ def run_schedule(
         if before_step is not None:
             before_step(step, step == n_steps - 1)
         if layout == "packed":
-            tokens_done += _packed_step(model, examples, batch, backward, scale, device, outputs)
+            tokens_done += _packed_step(model, examples, batch, backward, scale, device, outputs, logprob_chunk_tokens)
             if progress is not None:
                 progress(step + 1, n_steps, tokens_done)
             continue
@@ -113,7 +138,7 @@ def run_schedule(
         else:
             ids, targets, weights = collate(examples, batch, device)
         with torch.set_grad_enabled(backward):
-            logprobs = token_logprobs(model, ids, targets)
+            logprobs = token_logprobs(model, ids, targets, logprob_chunk_tokens)
             loss_per_row = -(logprobs * weights).sum(dim=-1)
             if backward:
                 (loss_per_row.sum() * scale).backward()
@@ -128,11 +153,13 @@ def run_schedule(
     return outputs
 
 
-def _packed_step(model, examples, batch, backward: bool, scale: float, device, outputs: dict) -> int:
+def _packed_step(
+    model, examples, batch, backward: bool, scale: float, device, outputs: dict, chunk_tokens: Optional[int] = None
+) -> int:
     """One packed micro-batch (``None`` = the one-token dummy); fills ``outputs``, returns its real tokens."""
     packed = collate_packed(examples, batch, device)
     with torch.set_grad_enabled(backward):
-        logprobs = token_logprobs(model, packed.ids, packed.targets, **packed.model_kwargs())
+        logprobs = token_logprobs(model, packed.ids, packed.targets, chunk_tokens, **packed.model_kwargs())
         token_loss = -(logprobs * packed.weights)
         if backward:
             (token_loss.sum() * scale).backward()

@@ -30,7 +30,7 @@ from backends import LOCKSTEP_BACKENDS, resolve_world_size
 from backends.base import Backend, BackendSpec, PassResult, plan_command, resolve_device
 from backends.errors import BackendError, UserError, first_line
 from backends.examples import Example
-from backends.memory import is_out_of_memory, limit_memory, oom_message
+from backends.memory import is_out_of_memory, limit_memory, oom_message, peak_memory_bytes, reset_peak_memory
 from backends.microbatch import CostModel, Schedule, microbatch_tokens, plan_stats
 from backends.model import ModelSpec, build_model, describe_model
 from backends.step import ProgressLogger, run_schedule, total_loss_weight
@@ -210,8 +210,7 @@ def _run_command(
     schedule = hooks.align(local)
     # The whole batch's loss weight, summed over ranks once per pass: every rank divides by it.
     total_weight = _all_reduce_float(total_loss_weight(examples, mine), dist.ReduceOp.SUM, device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    reset_peak_memory(device)
     hooks.start_pass(model, pass_type)
     progress = None
     if rank == 0:
@@ -227,10 +226,11 @@ def _run_command(
         progress=progress,
         before_step=lambda step, is_last: hooks.before_step(model, step, is_last),
         layout=command.get("layout", "padded"),
+        logprob_chunk_tokens=command.get("logprob_chunk_tokens", hooks.spec.logprob_chunk_tokens),
     )
     hooks.finish_pass(model, pass_type)
     grad_norm = hooks.grad_norm(model) if pass_type == "forward_backward" else None
-    mem_peak = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None
+    mem_peak = peak_memory_bytes(device)
     gathered: list = [None] * world_size
     dist.all_gather_object(gathered, (outputs, schedule, mem_peak))
     if rank != 0:
@@ -239,7 +239,8 @@ def _run_command(
     for rank_outputs, _, _ in gathered:
         merged.update(rank_outputs)
     schedules = [s for _, s, _ in gathered]
-    peaks = [m for _, _, m in gathered if m is not None]
+    per_rank = [m for _, _, m in gathered]
+    peaks = [m for m in per_rank if m is not None]
     return {
         "outputs": [merged[i] for i in range(len(examples))],
         "plan": plan_stats(
@@ -254,6 +255,7 @@ def _run_command(
         ).as_dict(),
         "grad_norm": grad_norm,
         "mem_peak_bytes": max(peaks) if peaks else None,
+        "mem_peak_bytes_per_rank": per_rank,
     }
 
 
@@ -447,6 +449,7 @@ class DistributedBackend(Backend):
             plan=reply["plan"],
             grad_norm=reply["grad_norm"],
             mem_peak_bytes=reply["mem_peak_bytes"],
+            mem_peak_bytes_per_rank=reply["mem_peak_bytes_per_rank"],
         )
 
     def close(self, graceful: bool = True) -> None:

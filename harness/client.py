@@ -124,7 +124,8 @@ class RemoteBackend(Backend):
             for o in reply["outputs"]
         ]
         return PassResult(outputs=outputs, plan=reply["plan"], grad_norm=reply.get("grad_norm"),
-                          mem_peak_bytes=reply.get("mem_peak_bytes"))
+                          mem_peak_bytes=reply.get("mem_peak_bytes"),
+                          mem_peak_bytes_per_rank=reply.get("mem_peak_bytes_per_rank"))
 
 
 def _show(value: Optional[int]) -> str:

@@ -102,6 +102,7 @@ def validate(cfg: HarnessConfig) -> None:
         raise UserError(f"seed: must be an integer >= 0, got {cfg.seed}")
     if not 0 <= cfg.workload.seed <= 2**32 - 1:
         raise UserError(f"workload.seed: must be an integer in 0..{2**32 - 1}, got {cfg.workload.seed}")
+    _positive_int("backend.logprob_chunk_tokens", cfg.backend.logprob_chunk_tokens, allow_none=True)
     if cfg.bench.warmup < 0:
         raise UserError(f"bench.warmup: must be >= 0, got {cfg.bench.warmup}")
     _positive_int("bench.repeat", cfg.bench.repeat)

@@ -161,6 +161,8 @@ class PassRecord:
     mem_pct: Optional[float]
     real_tokens: int
     grad_norm: Optional[float] = None
+    # Per rank, the largest over the timed repeats (see PassResult.mem_peak_bytes_per_rank); None where unknown.
+    mem_peak_bytes: Optional[list[Optional[int]]] = None
 
     def as_dict(self) -> dict:
         return {
@@ -168,6 +170,7 @@ class PassRecord:
             "tok_per_s": self.tok_per_s,
             "util_pct": self.util_pct,
             "mem_pct": self.mem_pct,
+            "mem_peak_bytes": self.mem_peak_bytes,
             "real_tokens": self.real_tokens,
             "grad_norm": self.grad_norm,
         }
@@ -192,6 +195,7 @@ def measure_pass(
         result = backend.run_pass(command_for(pass_type))
         log.info("%s%s warm-up %d/%d: %.2f s", label, pass_type, i + 1, warmup, time.perf_counter() - t0)
     elapsed, utils, mems = [], [], []
+    rank_peaks: Optional[list[Optional[int]]] = None
     sampler = make_sampler(backend, sample_interval_s)
     for i in range(repeat):
         if sampler is not None:
@@ -202,6 +206,7 @@ def measure_pass(
         util, mem_pct = sampler.stop() if sampler is not None else (None, None)
         if result.mem_peak_bytes is not None and backend.device.type == "cuda":
             mem_pct = 100.0 * result.mem_peak_bytes / backend.device_memory_bytes()
+        rank_peaks = _max_per_rank(rank_peaks, result.mem_peak_bytes_per_rank)
         elapsed.append(dt)
         utils.append(util)
         mems.append(mem_pct)
@@ -228,8 +233,19 @@ def measure_pass(
         mem_pct=max(known_mem) if known_mem else None,
         real_tokens=real_tokens,
         grad_norm=result.grad_norm,
+        mem_peak_bytes=rank_peaks,
     )
     return record, result
+
+
+def _max_per_rank(
+    so_far: Optional[list[Optional[int]]], new: Optional[list[Optional[int]]]
+) -> Optional[list[Optional[int]]]:
+    if not new:
+        return so_far
+    if not so_far or len(so_far) != len(new):
+        return list(new)
+    return [b if a is None else a if b is None else max(a, b) for a, b in zip(so_far, new)]
 
 
 def default_command_for(

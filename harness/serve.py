@@ -299,6 +299,7 @@ def build_app(
             "plan": result.plan,
             "grad_norm": _finite_or_none(result.grad_norm),
             "mem_peak_bytes": result.mem_peak_bytes,
+            "mem_peak_bytes_per_rank": result.mem_peak_bytes_per_rank,
         }
 
     @app.post("/forward")

@@ -106,15 +106,25 @@ def row_of(path: Path, doc: dict) -> dict:
         "overrides": " ".join(_overrides(path, doc)),
     }
     mems = []
+    rank_peaks: list = []
     for p in PASSES:
         rec = passes.get(p) or {}
         row[f"{p}_tok_per_s"] = rec.get("tok_per_s")
         row[f"{p}_util_pct"] = rec.get("util_pct")
         row[f"{p}_mem_pct"] = rec.get("mem_pct")
+        row[f"{p}_mem_peak_bytes"] = rec.get("mem_peak_bytes")
         if rec.get("mem_pct") is not None:
             mems.append(rec["mem_pct"])
+        rank_peaks = _max_per_rank(rank_peaks, rec.get("mem_peak_bytes") or [])
     row["peak_mem_pct"] = max(mems) if mems else None
+    row["peak_mem_bytes_per_rank"] = rank_peaks or None  # each rank's peak over both passes
     return row
+
+
+def _max_per_rank(a: list, b: list) -> list:
+    longer, shorter = (a, b) if len(a) >= len(b) else (b, a)
+    known = lambda x, y: y if x is None else x if y is None else max(x, y)  # noqa: E731
+    return [known(x, shorter[i] if i < len(shorter) else None) for i, x in enumerate(longer)]
 
 
 def collect(dirs: Iterable[Path]) -> pd.DataFrame:

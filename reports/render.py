@@ -26,6 +26,7 @@ COLUMNS = [
     "fwd+bwd tok/s",
     "util (fwd+bwd)",
     "peak mem %",
+    "peak mem per rank (GiB)",
     "pad efficiency",
     "critical path",
     "micro-batches per rank",
@@ -43,6 +44,12 @@ def _int(x) -> str:
 
 def _pct(x, digits: int = 0) -> str:
     return "—" if _missing(x) else f"{x:.{digits}f}%"
+
+
+def _gib_per_rank(peaks) -> str:
+    if not isinstance(peaks, (list, tuple)) or not any(p is not None for p in peaks):
+        return "—"
+    return ", ".join("?" if p is None else f"{p / 1024**3:.2f}" for p in peaks)
 
 
 def _microbatches(n_mb, n_dummy) -> str:
@@ -83,6 +90,7 @@ def table_frame(df: pd.DataFrame, base: Optional[Path] = None) -> pd.DataFrame:
                 _int(r.forward_backward_tok_per_s),
                 _pct(r.forward_backward_util_pct),
                 _pct(r.peak_mem_pct, 1),
+                _gib_per_rank(r.peak_mem_bytes_per_rank),
                 _pct(None if _missing(r.pad_efficiency) else 100 * r.pad_efficiency, 1),
                 "—" if _missing(r.critical_path) else f"{r.critical_path:.3f}",
                 _microbatches(r.n_microbatches, r.n_dummy),
@@ -135,7 +143,8 @@ def replace_block(text: str, block: str, path: Path) -> str:
 
 def write_csv(df: pd.DataFrame, path: Path) -> None:
     out = df.drop(columns=["plan_png"], errors="ignore")  # a figure's path on this machine, not a measurement
-    for col in ("n_microbatches", "n_dummy"):
+    for col in ("n_microbatches", "n_dummy", "forward_mem_peak_bytes", "forward_backward_mem_peak_bytes",
+                "peak_mem_bytes_per_rank"):
         out[col] = out[col].map(lambda v: " ".join(map(str, v)) if isinstance(v, (list, tuple)) else v)
     path.parent.mkdir(parents=True, exist_ok=True)
     out.to_csv(path, index=False)

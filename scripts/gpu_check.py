@@ -95,6 +95,7 @@ def sweep_table(sweep: Path) -> list[dict]:
                 "fwdbwd_tok_per_s": passes.get("forward_backward", {}).get("tok_per_s"),
                 "fwdbwd_util_pct": passes.get("forward_backward", {}).get("util_pct"),
                 "mem_pct": passes.get("forward_backward", {}).get("mem_pct"),
+                "mem_peak_bytes": passes.get("forward_backward", {}).get("mem_peak_bytes"),
                 "pad_efficiency": (r.get("plan") or {}).get("pad_efficiency"),
                 "n_microbatches": (r.get("plan") or {}).get("n_microbatches"),
             }

@@ -28,8 +28,10 @@ def examples():
     return make_examples(LENGTHS, 2048, seed=0)
 
 
-def _run(backend, examples, pass_type, mtpm, mbs, **options):
-    return backend.run_pass(make_command(pass_type, examples, mtpm, mbs, **options))
+def _run(backend, examples, pass_type, mtpm, mbs, **extra):
+    """``extra``: make_command's options (layout, planner) or command keys (logprob_chunk_tokens)."""
+    options = {k: extra.pop(k) for k in ("layout", "planner") if k in extra}
+    return backend.run_pass({**make_command(pass_type, examples, mtpm, mbs, **options), **extra})
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +68,20 @@ def test_the_balanced_planner_and_packed_layout_give_the_same_answer(
     assert math.isclose(result.grad_norm, reference.grad_norm, rel_tol=1e-5)
     for o, r in zip(result.outputs, reference.outputs):
         np.testing.assert_allclose(o.logprobs, r.logprobs, rtol=1e-4, atol=1e-5)
+@pytest.fixture(scope="module")
+def unchunked(backend, examples):
+    """Full logits, then log-softmax: the reference for the chunked log-probs the backends run by default."""
+    assert backend.spec.logprob_chunk_tokens is not None
+    return _run(backend, examples, "forward_backward", 600, 3, logprob_chunk_tokens=None)
+
+
+@pytest.mark.parametrize("chunk", [100, 1000, 100_000])  # under most rows, divides no micro-batch, all at once
+def test_chunked_logprobs_change_nothing(backend, examples, unchunked, chunk):
+    chunked = _run(backend, examples, "forward_backward", 600, 3, logprob_chunk_tokens=chunk)
+    np.testing.assert_allclose([o.loss for o in chunked.outputs], [o.loss for o in unchunked.outputs], rtol=1e-5)
+    assert math.isclose(chunked.grad_norm, unchunked.grad_norm, rel_tol=1e-5)
+    for o, r in zip(chunked.outputs, unchunked.outputs):
+        np.testing.assert_allclose(o.logprobs, r.logprobs, rtol=1e-5, atol=1e-6)
 
 
 def test_grouping_really_differs_between_cases(backend, examples):

@@ -65,11 +65,21 @@ def reference():
         return run_cases(b)
 
 
+# Log-prob chunk sizes run beside the default on the "mtpm=700" case: None = full logits (the
+# reference), 37 = under every row and dividing no micro-batch.
+CHUNKS = (None, 37)
+
+
+def run_chunk_cases(backend) -> dict:
+    command = make_command("forward_backward", EXAMPLES, 700, 1)
+    return {("mtpm=700", "forward_backward", c): backend.run_pass({**command, "logprob_chunk_tokens": c}) for c in CHUNKS}
+
+
 @pytest.fixture(scope="module", params=["fsdp2", "megatron_ddp"])
 def distributed(request):
     backend = make_backend(BackendSpec(name=request.param, world_size=2, device="cpu"), ModelSpec())
     try:
-        yield request.param, run_cases(backend), backend.procs
+        yield request.param, {**run_cases(backend), **run_chunk_cases(backend)}, backend.procs
     finally:
         backend.close()
 
@@ -84,8 +94,36 @@ def test_same_losses_and_gradient_as_pytorch(reference, distributed, case):
         for o, r in zip(got.outputs, ref.outputs):
             np.testing.assert_allclose(o.logprobs, r.logprobs, rtol=1e-4, atol=1e-5)
     got, ref = results[case, "forward_backward"], reference[case, "forward_backward"]
+    assert len(got.mem_peak_bytes_per_rank) == 2 and all(m > 100 * 1024**2 for m in got.mem_peak_bytes_per_rank)
+    assert got.mem_peak_bytes == max(got.mem_peak_bytes_per_rank)
     assert ref.grad_norm > 0
     assert math.isclose(got.grad_norm, ref.grad_norm, rel_tol=1e-4), (name, case, got.grad_norm, ref.grad_norm)
+
+
+@pytest.mark.parametrize("chunk", ["default", 37])
+def test_chunked_logprobs_match_full_logits_on_each_backend(distributed, chunk):
+    name, results, _ = distributed
+    full = results["mtpm=700", "forward_backward", None]
+    got = results["mtpm=700", "forward_backward"] if chunk == "default" else results["mtpm=700", "forward_backward", chunk]
+    np.testing.assert_allclose([o.loss for o in got.outputs], [o.loss for o in full.outputs], rtol=1e-5)
+    for o, r in zip(got.outputs, full.outputs):
+        np.testing.assert_allclose(o.logprobs, r.logprobs, rtol=1e-5, atol=1e-6)
+    assert math.isclose(got.grad_norm, full.grad_norm, rel_tol=1e-5), (name, chunk, got.grad_norm, full.grad_norm)
+
+
+def test_fsdp2_runs_bf16_with_fp32_gradient_reduction(reference):
+    """model.dtype=bfloat16 on gloo: the policy is checked inside the ranks; answers stay near float32's."""
+    spec = BackendSpec(name="fsdp2", world_size=2, device="cpu", gradient_checkpointing=True,
+                       hooks="tests.probes:FSDP2ExpectsBf16Policy")
+    with make_backend(spec, ModelSpec(dtype="bfloat16")) as backend:
+        command = make_command("forward_backward", EXAMPLES, 700, 1)
+        chunked = backend.run_pass(command)
+        full = backend.run_pass({**command, "logprob_chunk_tokens": None})
+    ref = reference["mtpm=700", "forward_backward"]
+    for got in (chunked, full):
+        np.testing.assert_allclose([o.loss for o in got.outputs], [o.loss for o in ref.outputs], rtol=2e-2)
+        assert math.isclose(got.grad_norm, ref.grad_norm, rel_tol=5e-2)
+    np.testing.assert_allclose([o.loss for o in chunked.outputs], [o.loss for o in full.outputs], rtol=1e-3)
 
 
 def test_fsdp2_pads_unequal_ranks_with_dummies(distributed):

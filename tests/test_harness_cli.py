@@ -45,6 +45,7 @@ def test_single_run_writes_results_json(workdir):
         assert math.isclose(p["tok_per_s"], sum(lengths) / (sum(p["elapsed_s"]) / 2), rel_tol=1e-9)
         assert 0 < p["util_pct"] <= 100
         assert 0 < p["mem_pct"] < 100
+        assert len(p["mem_peak_bytes"]) == 1 and 100 * 1024**2 < p["mem_peak_bytes"][0] < res["device"]["memory_bytes"]
     outputs = load_json(run_dir / "example_outputs.json")
     assert len(outputs["forward"]["loss"]) == 16
     assert outputs["forward_backward"]["grad_norm"] > 0

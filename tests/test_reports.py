@@ -31,6 +31,8 @@ def sweep(tmp_path_factory) -> Path:
 
 def test_callback_wrote_the_report_into_the_sweep_folder(sweep):
     assert (sweep / "report.md").read_text().count("| PyTorch") == 2
+    peaks = table_frame(collect([sweep]))["peak mem per rank (GiB)"]
+    assert all(float(p) > 0.05 for p in peaks)  # bytes from results.json, one value per rank (1 here)
     assert (sweep / "results.csv").exists()
     for name in ("tok_per_s.png", "pad_efficiency.png"):
         assert (sweep / "plots" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -154,6 +154,7 @@ def test_set_then_a_pass_uses_the_new_budget(server):
     assert status == 200 and reply["plan"]["max_tokens_per_microbatch"] is None
     assert reply["plan"]["micro_batch_size"] == 2 and reply["plan"]["n_microbatches"] == [2]
     assert reply["grad_norm"] > 0
+    assert len(reply["mem_peak_bytes_per_rank"]) == 1 and reply["mem_peak_bytes"] == reply["mem_peak_bytes_per_rank"][0]
 
 
 @pytest.mark.parametrize(
