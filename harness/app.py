@@ -109,6 +109,7 @@ def base_document(cfg: DictConfig) -> dict[str, Any]:
         "workload": {"name": get("workload.name")},
         "plan": None,
         "passes": {},
+        "peak": None,  # the device peak MFU is measured against (harness/flops.py)
         "overrides": _overrides(),
         "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "versions": _versions(),
@@ -287,6 +288,7 @@ class Point:
         return backend
 
     def _measure(self, spec: HarnessConfig, lengths: list[int], backend) -> None:
+        from harness.flops import device_peak, flops_record
         from harness.measure import PASS_TYPES, default_command_for, measure_pass
 
         b = spec.backend
@@ -311,6 +313,8 @@ class Point:
             progress_every_s=spec.bench.progress_every_s,
             timeout_s=spec.bench.pass_timeout_s,
         )
+        # The device's peak for MFU: a data-sheet figure on GPUs, measured once per process on CPUs.
+        self.doc["peak"] = device_peak(self.doc["device"] or {}, backend.world_size)
         for pass_type in PASS_TYPES:
             record, result = measure_pass(
                 backend,
@@ -323,8 +327,12 @@ class Point:
                 label=self.label,
                 on_repeat=self.tracker.log_repeat,
             )
-            self.doc["passes"][pass_type] = record.as_dict()
             self.doc["plan"] = result.plan  # what the backend ran (same as planned; FSDP2 agrees on it by collective)
+            self.doc["passes"][pass_type] = {
+                **record.as_dict(),
+                **flops_record(pass_type, lengths, self.cost_model, result.plan, b.gradient_checkpointing,
+                               record.elapsed_s, backend.world_size, self.doc["peak"]),
+            }
             self.save()
             if spec.bench.save_outputs:
                 outputs[pass_type] = {"loss": [o.loss for o in result.outputs]}
@@ -336,11 +344,12 @@ class Point:
         self.save()
         fwd, fb = self.doc["passes"]["forward"], self.doc["passes"]["forward_backward"]
         log.info(
-            "%sok: forward %s tok/s, forward_backward %s tok/s, pad efficiency %.3f",
+            "%sok: forward %s tok/s, forward_backward %s tok/s, pad efficiency %.3f, MFU (fwd+bwd) %s",
             self.label,
             f"{fwd['tok_per_s']:,.0f}",
             f"{fb['tok_per_s']:,.0f}",
             self.doc["plan"]["pad_efficiency"],
+            "—" if fb["mfu_pct"] is None else f"{fb['mfu_pct']:.2f}%",
         )
 
 

@@ -113,6 +113,7 @@ def row_of(path: Path, doc: dict) -> dict:
         row[f"{p}_util_pct"] = rec.get("util_pct")
         row[f"{p}_mem_pct"] = rec.get("mem_pct")
         row[f"{p}_mem_peak_bytes"] = rec.get("mem_peak_bytes")
+        row[f"{p}_mfu_pct"] = rec.get("mfu_pct")
         if rec.get("mem_pct") is not None:
             mems.append(rec["mem_pct"])
         rank_peaks = _max_per_rank(rank_peaks, rec.get("mem_peak_bytes") or [])

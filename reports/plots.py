@@ -1,4 +1,4 @@
-"""Plots: tok/s against mtpm per backend and pass (fixed-mbs runs as reference lines), pad efficiency against mtpm."""
+"""Plots: tok/s against mtpm per backend, pass, planner and layout (fixed-mbs runs as reference lines), pad efficiency against mtpm."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pandas as pd
 from reports.collect import BACKEND_LABEL, PASSES
 
 PLOT_FILES = ("tok_per_s.png", "pad_efficiency.png")
+MARKERS = ("o", "s", "^", "D")
 PASS_TITLE = {"forward": "forward", "forward_backward": "forward + backward"}
 
 
@@ -36,9 +37,12 @@ def write_plots(df: pd.DataFrame, out_dir: Path) -> list[Path]:
         for i, (backend, devices) in enumerate(groups):
             color = colors[i % len(colors)]
             label = f"{BACKEND_LABEL.get(backend, backend)}, {devices}"
-            pts = budget[(budget["backend"] == backend) & (budget["devices"] == devices)].sort_values("mtpm")
-            if not pts.empty:
-                ax.plot(pts["mtpm"], pts[col], marker="o", color=color, label=f"{label}, token budget")
+            mine = budget[(budget["backend"] == backend) & (budget["devices"] == devices)]
+            # one line per planner and layout: the seed's greedy padded solid, the others dashed/dotted
+            for k, ((planner, layout), pts) in enumerate(mine.groupby(["planner", "layout"], sort=True)):
+                pts = pts.sort_values("mtpm")
+                ax.plot(pts["mtpm"], pts[col], marker=MARKERS[k % len(MARKERS)], color=color,
+                        linestyle=("-", "--", "-.", ":")[k % 4], label=f"{label}, {planner} {layout}")
             base = fixed[(fixed["backend"] == backend) & (fixed["devices"] == devices)]
             for j, r in enumerate(base.itertuples(index=False)):
                 ax.axhline(getattr(r, col), color=color, linestyle=("--", ":", "-.")[j % 3], linewidth=1,
@@ -58,9 +62,12 @@ def write_plots(df: pd.DataFrame, out_dir: Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(6, 4))
     planned = df[df["mtpm"].notna() & df["pad_efficiency"].notna()]
     for i, (backend, devices) in enumerate(dict.fromkeys(zip(planned["backend"], planned["devices"]))):
-        pts = planned[(planned["backend"] == backend) & (planned["devices"] == devices)].sort_values("mtpm")
-        ax.plot(pts["mtpm"], 100 * pts["pad_efficiency"], marker="o", color=colors[i % len(colors)],
-                label=f"{BACKEND_LABEL.get(backend, backend)}, {devices}")
+        mine = planned[(planned["backend"] == backend) & (planned["devices"] == devices)]
+        for k, ((planner, layout), pts) in enumerate(mine.groupby(["planner", "layout"], sort=True)):
+            pts = pts.sort_values("mtpm")
+            ax.plot(pts["mtpm"], 100 * pts["pad_efficiency"], marker=MARKERS[k % len(MARKERS)],
+                    color=colors[i % len(colors)], linestyle=("-", "--", "-.", ":")[k % 4],
+                    label=f"{BACKEND_LABEL.get(backend, backend)}, {devices}, {planner} {layout}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("max tokens per micro-batch (mtpm)")
     ax.set_ylabel("pad efficiency (real / padded tokens), %")

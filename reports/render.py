@@ -25,6 +25,8 @@ COLUMNS = [
     "util (fwd)",
     "fwd+bwd tok/s",
     "util (fwd+bwd)",
+    "speedup (fwd+bwd vs mbs 1)",
+    "MFU (fwd+bwd)",
     "peak mem %",
     "peak mem per rank (GiB)",
     "pad efficiency",
@@ -67,6 +69,50 @@ def _plan_link(png, base: Optional[Path]) -> str:
     return f"[plan]({link.as_posix()})"
 
 
+def _is_baseline(r) -> bool:
+    """The row every other is compared with: fixed micro-batches of one sequence, measured."""
+    return _missing(r.mtpm) and not _missing(r.mbs) and int(r.mbs) == 1 and r.status == "ok"
+
+
+def speedups(df: pd.DataFrame) -> list[Optional[float]]:
+    """fwd+bwd tok/s of each row ÷ that of the same setting's and backend's mbs=1 row (None without one)."""
+    base = {}
+    for r in df.itertuples(index=False):
+        if _is_baseline(r) and not _missing(r.forward_backward_tok_per_s):
+            base.setdefault((r.setting, r.backend), r.forward_backward_tok_per_s)
+    out = []
+    for r in df.itertuples(index=False):
+        ref = base.get((r.setting, r.backend))
+        ok = ref and r.status == "ok" and not _missing(r.forward_backward_tok_per_s)
+        out.append(r.forward_backward_tok_per_s / ref if ok else None)
+    return out
+
+
+def _describe_batching(r) -> str:
+    if _missing(r.mtpm):
+        return f"fixed mbs={int(r.mbs)}"
+    return f"{r.planner} {r.layout} mtpm={int(r.mtpm):,}"
+
+
+def fastest_lines(df: pd.DataFrame) -> list[str]:
+    """One line per backend (and setting): its fastest fwd+bwd setting and the speedup over its mbs=1 row."""
+    if df.empty:
+        return []
+    df = df.assign(speedup=speedups(df))
+    lines = []
+    for (setting, backend), sub in df.groupby(["setting", "backend"], sort=False):
+        ok = sub[(sub["status"] == "ok") & sub["forward_backward_tok_per_s"].notna()]
+        if ok.empty:
+            continue
+        best = ok.loc[ok["forward_backward_tok_per_s"].idxmax()]
+        speed = "no mbs=1 row to compare with" if _missing(best.speedup) else f"{best.speedup:.2f}× its mbs=1 row"
+        lines.append(
+            f"{BACKEND_LABEL.get(backend, str(backend))}: fastest fwd+bwd is {_describe_batching(best)} "
+            f"({best.forward_backward_tok_per_s:,.0f} tok/s, {speed})"
+        )
+    return lines
+
+
 def table_frame(df: pd.DataFrame, base: Optional[Path] = None) -> pd.DataFrame:
     """The displayed table: one formatted row per run, in ``df``'s order.
 
@@ -74,7 +120,7 @@ def table_frame(df: pd.DataFrame, base: Optional[Path] = None) -> pd.DataFrame:
     linking each row's plan figure, relative to ``base`` (the markdown file's folder).
     """
     rows = []
-    for r in df.itertuples(index=False):
+    for r, speedup in zip(df.itertuples(index=False), speedups(df)):
         budget = not _missing(r.mtpm)
         status = STATUS_LABEL.get(r.status, str(r.status))
         rows.append(
@@ -89,6 +135,8 @@ def table_frame(df: pd.DataFrame, base: Optional[Path] = None) -> pd.DataFrame:
                 _pct(r.forward_util_pct),
                 _int(r.forward_backward_tok_per_s),
                 _pct(r.forward_backward_util_pct),
+                "—" if _missing(speedup) else f"{speedup:.2f}×",
+                _pct(getattr(r, "forward_backward_mfu_pct", None), 2),
                 _pct(r.peak_mem_pct, 1),
                 _gib_per_rank(r.peak_mem_bytes_per_rank),
                 _pct(None if _missing(r.pad_efficiency) else 100 * r.pad_efficiency, 1),
@@ -110,7 +158,11 @@ def markdown_tables(df: pd.DataFrame, base: Optional[Path] = None) -> str:
     parts = []
     for setting in settings_of(df):
         sub = df[df["setting"] == setting]
-        parts.append(f"Measured on {setting}.\n\n" + table_frame(sub, base).to_markdown(index=False, disable_numparse=True))
+        text = f"Measured on {setting}.\n\n" + table_frame(sub, base).to_markdown(index=False, disable_numparse=True)
+        fastest = fastest_lines(sub)
+        if fastest:
+            text += "\n\n" + "\n".join(f"- {line}" for line in fastest)
+        parts.append(text)
     return "\n\n".join(parts)
 
 

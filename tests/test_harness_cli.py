@@ -46,6 +46,15 @@ def test_single_run_writes_results_json(workdir):
         assert 0 < p["util_pct"] <= 100
         assert 0 < p["mem_pct"] < 100
         assert len(p["mem_peak_bytes"]) == 1 and 100 * 1024**2 < p["mem_peak_bytes"][0] < res["device"]["memory_bytes"]
+        # MFU: the cost model's FLOPs of the real sequences (x3 with backward) over the measured time and CPU peak
+        cost = cost_model_for(ModelSpec())
+        forward_flops = sum(cost.sequence(n) for n in lengths)
+        factor = 1 if pass_type == "forward" else 3
+        assert math.isclose(p["model_flops"], factor * forward_flops)
+        assert p["hardware_flops"] > p["model_flops"]  # the padded layout computes its pads too
+        mean_s = sum(p["elapsed_s"]) / 2
+        assert math.isclose(p["mfu_pct"], 100 * p["model_flops"] / mean_s / res["peak"]["flops_per_device"])
+        assert 0 < p["mfu_pct"] < 100
     outputs = load_json(run_dir / "example_outputs.json")
     assert len(outputs["forward"]["loss"]) == 16
     assert outputs["forward_backward"]["grad_norm"] > 0

@@ -1,0 +1,56 @@
+"""MFU: model FLOPs from the cost model, hardware FLOPs from the plan, peaks by device."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from backends.microbatch import CostModel, plan_batch
+from harness.flops import device_peak, flops_record, gpu_peak_flops, pass_flops
+
+COST = CostModel(a=100.0, b=2.0, source="test")
+LENGTHS = [10, 3, 7]
+
+
+def test_model_flops_count_real_sequences_and_three_forwards_for_backward():
+    plan = plan_batch(LENGTHS, 1, 20, layout="padded", cost_model=COST)
+    fwd = sum(100 * n + 2 * n * n for n in LENGTHS)  # 1000+200, 300+18, 700+98
+    padded = sum(plan.stats.cost_per_rank)
+    assert padded > fwd  # padding is computed but is not model work
+    assert pass_flops("forward", LENGTHS, COST, plan.stats.cost_per_rank, False) == (fwd, padded)
+    assert pass_flops("forward_backward", LENGTHS, COST, plan.stats.cost_per_rank, False) == (3 * fwd, 3 * padded)
+    # gradient checkpointing recomputes one forward: hardware work, not model work
+    assert pass_flops("forward_backward", LENGTHS, COST, plan.stats.cost_per_rank, True) == (3 * fwd, 4 * padded)
+
+
+def test_packed_hardware_flops_are_the_model_flops():
+    plan = plan_batch(LENGTHS, 1, 20, layout="packed", cost_model=COST)
+    model, hardware = pass_flops("forward", LENGTHS, COST, plan.stats.cost_per_rank, False)
+    assert math.isclose(model, hardware)
+
+
+def test_mfu_is_model_flops_per_second_per_device_over_the_peak():
+    plan = plan_batch(LENGTHS, 2, 20, align=True, cost_model=COST).stats.as_dict()
+    rec = flops_record("forward", LENGTHS, COST, plan, False, [2.0, 4.0], 2, {"flops_per_device": 1000.0})
+    fwd = sum(100 * n + 2 * n * n for n in LENGTHS)
+    assert math.isclose(rec["model_flops_per_s_per_device"], fwd / 3.0 / 2)
+    assert math.isclose(rec["mfu_pct"], 100 * fwd / 3.0 / 2 / 1000.0)
+    assert flops_record("forward", LENGTHS, COST, plan, False, [1.0], 2, {"flops_per_device": None})["mfu_pct"] is None
+
+
+@pytest.mark.parametrize(
+    "name, peak",
+    [("NVIDIA B200", 2.25e15), ("NVIDIA H200", 989e12), ("NVIDIA H100 80GB HBM3", 989e12),
+     ("NVIDIA H100 PCIe", 756e12), ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA GeForce RTX 4090", None)],
+)
+def test_gpu_peaks_come_from_the_table(name, peak):
+    assert gpu_peak_flops(name) == peak
+    got = device_peak({"type": "cuda", "name": name}, 4)
+    assert got["flops_per_device"] == peak and (peak is not None or "no MFU" in got["source"])
+
+
+def test_a_cpu_peak_is_measured_and_split_over_ranks():
+    one, two = device_peak({"type": "cpu"}, 1), device_peak({"type": "cpu"}, 2)
+    assert one["flops_per_device"] > 1e8 and "measured" in one["source"]
+    assert math.isclose(two["flops_per_device"], one["flops_per_device"] / 2)
