@@ -123,6 +123,7 @@ def _one_error_line(proc) -> str:
         ("workload=huge", "workload", "smoke"),
         ("workload.n_examples=0", "workload.n_examples", "positive integer"),
         ("mtmp=1000", "mtmp", "not a config key"),
+        ("backend.logprob_chunk_tokens=0", "backend.logprob_chunk_tokens", "positive integer or null"),
     ],
 )
 def test_bad_input_is_one_line_naming_the_key(workdir, override, key, valid):
