@@ -143,6 +143,7 @@ def _one_error_line(proc) -> str:
         ("planner=balanced", "planner", "mtpm"),  # mtpm is null here: fixed slices have no budget to balance
         ("seed=-1", "seed", ">= 0"),
         ("workload.seed=-1", "workload.seed", "0..4294967295"),
+        ("backend.logprob_chunk_tokens=0", "backend.logprob_chunk_tokens", "positive integer or null"),
     ],
 )
 def test_bad_input_is_one_line_naming_the_key(workdir, override, key, valid):
