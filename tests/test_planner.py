@@ -212,6 +212,18 @@ def test_balanced_packed_meets_the_issue_targets_on_the_seed_workload(world):
             assert bound > 1.05 and st_.critical_path <= bound + 0.003, (bound, st_.critical_path)
 
 
+@pytest.mark.parametrize("world", [1, 4, 8])
+def test_balanced_padded_evens_the_ranks_on_the_seed_workload(world):
+    """Issue 10: padded, ranks within 0.5% of each other, in no more steps than the seed's greedy."""
+    for budget in BUDGETS:
+        kw = dict(align=True, layout="padded", cost_model=QWEN)
+        greedy = plan_batch(SEED, world, budget, 1, planner="greedy", **kw).stats
+        st_ = plan_batch(SEED, world, budget, 1, planner="balanced", **kw).stats
+        assert st_.steps <= greedy.steps, (world, budget)
+        assert st_.over_budget == sum(1 for n in SEED if n > budget)
+        assert st_.cost_imbalance <= 1.005, (world, budget, st_.cost_imbalance)
+
+
 @pytest.mark.parametrize("world", [4, 8])
 def test_balanced_beats_greedy_on_the_seed_workload(world):
     for layout in ("padded", "packed"):

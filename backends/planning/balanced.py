@@ -6,7 +6,10 @@ How it plans (B = the budget, W = ranks, S = steps):
    more only when the micro-batches do not fit in S x W slots. Padded: S is
    what the fewest padded micro-batches (greedy over the globally sorted
    lengths, which is optimal for ``count * longest <= B``) need over W ranks,
-   never more than the seed's dealt greedy.
+   never more than the seed's dealt greedy. With few micro-batches per rank
+   padded ones are too coarse to even out the ranks: when the ranks end more
+   than 0.5% apart, other micro-batch counts and then more steps (up to the
+   greedy's) are tried, and the first step count within 0.5% is kept.
 2. Micro-batches, S x W of them (fewer when there are fewer sequences).
    Packed: every sequence longer than B alone, the rest longest-processing-
    time first into the cheapest micro-batch that has room, so they come out
@@ -35,7 +38,7 @@ import math
 from typing import Optional, Sequence
 
 from backends.planning.cost import CostModel
-from backends.planning.greedy import Schedule, sort_by_length
+from backends.planning.greedy import Schedule, _greedy_token_budget, deal_to_ranks, sort_by_length
 from backends.planning.stats import lower_bound_bins
 
 # Bounds on refinement work (candidate evaluations), so huge inputs still plan in seconds.
@@ -43,6 +46,8 @@ _WORK_PER_ITEM = 400
 _MIN_WORK = 400_000
 _MAX_WORK = 400_000
 _CANDIDATES = 24  # sequences of one micro-batch considered for a move or swap
+_PADDED_IMBALANCE = 1.005  # padded: per-rank cost max/mean worth a step more (issue 10)
+_PADDED_RETRIES = 8  # padded: at most this many steps more than the fewest, each a whole planning pass
 
 
 class _Bins:
@@ -481,20 +486,69 @@ def balanced_schedules(
             bins.add_bin([i])
         for g in groups:
             bins.add_bin(g)
+        grid = _Grid(bins, n_steps, W)
+        work = grid.improve(work // 2) + work // 2
+        slots = _assign_ranks(grid, work)
     else:
-        bins = _Bins(lengths, costs, B, layout, cost_model)
         fewest = fewest_padded_microbatches(lengths, B)
         n_steps = math.ceil(len(fewest) / W)
-        # one rank has nothing to balance: the fewest micro-batches, filled greedily, pad least
-        for g in fewest if W == 1 else _padded_groups(lengths, costs, B, n_steps * W):
-            bins.add_bin(g)
-    grid = _Grid(bins, n_steps, W)
-    work = grid.improve(work // 2) + work // 2
-    slots = _assign_ranks(grid, work)
+        if W == 1:  # one rank has nothing to balance: the fewest micro-batches, filled greedily, pad least
+            bins, grid, slots = _padded_attempt(lengths, costs, B, W, cost_model, n_steps, fewest, work)
+        else:
+            bins, grid, slots = _padded_plan(lengths, costs, B, W, cost_model, n_steps, len(fewest), work)
     step_order = sorted(range(grid.S), key=lambda s: (-grid.step_max(s), s))
     schedules: list[Schedule] = [[] for _ in range(W)]
     for s in step_order:
+        if not any(bins.items[slots[s][r]] for r in range(W)):
+            continue  # a step with nothing to run (more steps than micro-batches need) is left out
         for r in range(W):
             items = bins.items[slots[s][r]]
             schedules[r].append(list(items) if items else None)
     return schedules
+
+
+def _padded_attempt(lengths: Sequence[int], costs: Sequence[float], B: int, W: int, cost_model: CostModel,
+                    n_steps: int, groups: Sequence[Sequence[int]], work: int) -> tuple[_Bins, _Grid, list[list[int]]]:
+    """Steps 3-5 of the module docstring for padded micro-batches ``groups`` over ``n_steps`` steps."""
+    bins = _Bins(lengths, costs, B, "padded", cost_model)
+    for g in groups:
+        bins.add_bin(g)
+    grid = _Grid(bins, n_steps, W)
+    work = grid.improve(work // 2) + work // 2
+    return bins, grid, _assign_ranks(grid, work)
+
+
+def _padded_plan(lengths: Sequence[int], costs: Sequence[float], B: int, W: int, cost_model: CostModel,
+                 n_steps: int, n_fewest: int, work: int) -> tuple[_Bins, _Grid, list[list[int]]]:
+    """Padded over several ranks: the fewest steps whose plan has ranks within ``_PADDED_IMBALANCE`` of each other.
+
+    With a few micro-batches per rank, padded ones are too coarse to even out
+    the ranks. Other counts of micro-batches cut the sorted lengths elsewhere,
+    and more steps make them finer. So when S x W micro-batches over the fewest
+    steps S leave the ranks uneven, every other count that fills those steps is
+    tried (the most even within the target wins, ties: the shorter critical
+    path), then one step more, and so on up to the seed's greedy step count (no
+    plan may take more). If none is within the target, the most even plan wins.
+    """
+    greedy_steps = max(len(_greedy_token_budget(d, lengths, B)) for d in deal_to_ranks(sort_by_length(lengths), W))
+    last = min(max(n_steps, greedy_steps), n_steps + _PADDED_RETRIES)
+    best, best_key = None, None
+    for steps in range(n_steps, last + 1):
+        # S x W first (what suits the critical path best as a rule), then fewer, down to one over the last step
+        counts = [steps * W, *range(steps * W - 1, max(n_fewest, (steps - 1) * W + 1) - 1, -1)]
+        for n_bins in counts:
+            attempt = _padded_attempt(lengths, costs, B, W, cost_model, steps,
+                                      _padded_groups(lengths, costs, B, n_bins), work)
+            _, grid, slots = attempt
+            totals = [sum(grid.bins.cost[slots[s][r]] for s in range(grid.S)) for r in range(W)]
+            mean = sum(totals) / W
+            imbalance = max(totals) / mean if mean > 0 else 1.0
+            # within the target, only the critical path counts; outside it, evenness first
+            key = (0.0 if imbalance <= _PADDED_IMBALANCE else imbalance, grid.total())
+            if best_key is None or key < best_key:
+                best, best_key = attempt, key
+            if n_bins == steps * W and imbalance <= _PADDED_IMBALANCE:
+                break  # the usual case: the first cut is even enough
+        if best_key[0] == 0.0:
+            break
+    return best
