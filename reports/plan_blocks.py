@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-LAYOUTS = ("padded", "packed")
+from backends.planning.cost import LAYOUTS, CostModel, microbatch_cost, microbatch_tokens
 # Above this many columns a figure's blocks get too thin to read: consecutive
 # steps (or micro-batches) are drawn summed in groups instead.
 MAX_COLUMNS = 32
@@ -136,11 +136,7 @@ def plan_blocks(doc: dict) -> PlanBlocks:
     lengths: list[int] = doc["lengths"]
     layout = doc.get("layout", "padded")
     lockstep = bool(doc.get("lockstep", True))
-    cm = doc.get("cost_model") or {"a": 1.0, "b": 0.0, "source": "tokens (plan.json has no cost model)"}
-    a, b = float(cm["a"]), float(cm["b"])
-
-    def cost(n: int) -> float:
-        return a * n + b * n * n
+    model = CostModel.from_dict(doc.get("cost_model"))  # none recorded: cost = computed tokens
 
     # per rank, per step: (count, real tokens, padding tokens, real cost, padding cost, dummy)
     raw: list[list[tuple]] = []
@@ -150,15 +146,11 @@ def plan_blocks(doc: dict) -> PlanBlocks:
             if batch is None:
                 row.append((0, 0, 0, 0.0, 0.0, True))
                 continue
-            lens = [lengths[i] for i in batch]
-            real, real_cost = sum(lens), sum(cost(n) for n in lens)
-            if layout == "padded":
-                longest = max(lens)
-                padding = len(lens) * longest - real
-                padding_cost = max(0.0, len(lens) * cost(longest) - real_cost)  # max(): float rounding only
-            else:
-                padding, padding_cost = 0, 0.0
-            row.append((len(lens), real, padding, real_cost, padding_cost, False))
+            real = sum(lengths[i] for i in batch)
+            real_cost = microbatch_cost(batch, lengths, "packed", model)  # the sequences' own cost, no padding
+            padding = microbatch_tokens(batch, lengths, layout) - real
+            padding_cost = max(0.0, microbatch_cost(batch, lengths, layout, model) - real_cost)  # max(): rounding only
+            row.append((len(batch), real, padding, real_cost, padding_cost, False))
         raw.append(row)
 
     n_steps = max((len(r) for r in raw), default=0)
@@ -187,7 +179,7 @@ def plan_blocks(doc: dict) -> PlanBlocks:
         lockstep=lockstep,
         budget=doc.get("max_tokens_per_microbatch"),
         micro_batch_size=doc.get("micro_batch_size"),
-        cost_model={"a": a, "b": b, "source": cm.get("source")},
+        cost_model=model.as_dict(),
         n_sequences=sum(b.n_sequences for row in blocks for b in row),
         blocks=blocks,
         step_cost=step_cost,

@@ -3,7 +3,7 @@
     PYTHONPATH=. python scripts/bench_packing.py                       # cpu_mixed, tiny model, LoRA 32
     PYTHONPATH=. python scripts/bench_packing.py --profile packed:16384  # plus the top entries of one packed pass
 
-Packed rows are filled first-fit-decreasing up to the budget (real tokens);
+Packed rows are the balanced planner's (real tokens up to the budget);
 padded micro-batches are the seed's sorted greedy (count x longest <= budget).
 The numbers are wall-clock on whatever else the machine is doing: compare
 them within one run, not across machines.
@@ -17,27 +17,11 @@ import time
 
 import torch
 
-from backends.microbatch import make_token_balanced_microbatches, sort_by_length
+from backends.microbatch import make_token_balanced_microbatches, plan_batch, sort_by_length
 from backends.model import ModelSpec, build_model
 from backends.packing import prepare_model_for_packing
 from backends.step import run_schedule, total_loss_weight
 from harness.workload import make_examples, mixed_lengths
-
-
-def packed_rows(lengths: list[int], budget: int) -> list[list[int]]:
-    """First-fit decreasing by real tokens; a sequence over the budget sits alone."""
-    rows: list[list[int]] = []
-    room: list[int] = []
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        for r, left in enumerate(room):
-            if lengths[i] <= left:
-                rows[r].append(i)
-                room[r] -= lengths[i]
-                break
-        else:
-            rows.append([i])
-            room.append(budget - lengths[i])
-    return rows
 
 
 def schedules(lengths: list[int], budgets: list[int]) -> dict[str, tuple[list, str]]:
@@ -45,7 +29,7 @@ def schedules(lengths: list[int], budgets: list[int]) -> dict[str, tuple[list, s
     out = {"mbs1": ([[i] for i in order], "padded")}
     for b in budgets:
         out[f"padded:{b}"] = (make_token_balanced_microbatches(order, [range(n) for n in lengths], b), "padded")
-        out[f"packed:{b}"] = (packed_rows(lengths, b), "packed")
+        out[f"packed:{b}"] = (plan_batch(lengths, 1, b, layout="packed", planner="balanced").schedules[0], "packed")
     return out
 
 
