@@ -115,9 +115,9 @@ def build_model(
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, **kwargs)
     else:
-        # Straight onto the target: from_pretrained reads tensor by tensor into the
-        # device, so no host copy of the model outlives (or precedes) the load.
-        device_map = {"": target} if target.type == "cuda" else None
+        # On a GPU straight onto it (device_map; accelerate comes with peft): from_pretrained
+        # reads tensor by tensor into the device, so no host copy of the model is kept.
+        device_map = target if target.type == "cuda" else None
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, local_files_only=True, device_map=device_map, **kwargs
         )
