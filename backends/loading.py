@@ -57,6 +57,11 @@ def fill_from_rank0(model: torch.nn.Module, source: Optional[torch.nn.Module], d
         raise ValueError("rank 0 must pass the model to load from")
     model.to_empty(device=device)
     full = source.state_dict() if is_source else {}
+    if is_source:  # the broadcast would cast silently: a dtype the meta build got differently is a bug to see
+        local = model.state_dict()
+        differ = [f"{k}: {v.dtype} vs {local[k].dtype}" for k, v in full.items() if k in local and v.dtype != local[k].dtype]
+        if differ:
+            raise RuntimeError(f"the meta build and rank 0's loaded model differ in dtype: {differ[:3]}")
     set_model_state_dict(
         model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True)
     )

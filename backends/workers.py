@@ -327,7 +327,7 @@ class DistributedBackend(Backend):
                     "and every pass are slow; world_size=%d or fewer avoids it",
                     self.world_size, cores, cores,
                 )
-        log.info("%s: starting %d ranks on %s (each builds the model)", spec.name, self.world_size, self.device.type)
+        log.info("%s: starting %d ranks on %s (loading the model)", spec.name, self.world_size, self.device.type)
         self.hooks_path = hooks_path or spec.hooks or self.hooks_path
         self.closed = False
         self.failure_reason: Optional[str] = None  # why the workers were stopped, after a failure

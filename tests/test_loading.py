@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -53,7 +54,9 @@ def test_fsdp2_loads_a_local_checkpoint_into_shards_built_on_meta(checkpoint):
 
 
 @pytest.mark.slow
-def test_fsdp2_tiny_model_is_bit_identical_to_the_unsharded_build_in_bf16():
-    """No checkpoint: rank 0's seeded build, shards and non-persistent buffers (rotary inv_freq in bf16) equal bit for bit."""
-    _, load, _ = _run(BackendSpec(name="fsdp2", world_size=2, device="cpu", hooks=PROBE), ModelSpec(dtype="bfloat16"))
-    assert load["method"] == "meta+rank0-from_config-broadcast"
+@pytest.mark.parametrize("source", ["tiny", "checkpoint"])
+def test_fsdp2_sharded_load_is_bit_identical_to_the_unsharded_build_in_bf16(source, request):
+    """Shards, LoRA adapters and non-persistent buffers (rotary inv_freq) equal the unsharded build bit for bit, in bf16."""
+    model = ModelSpec() if source == "tiny" else request.getfixturevalue("checkpoint")
+    _, load, _ = _run(BackendSpec(name="fsdp2", world_size=2, device="cpu", hooks=PROBE), replace(model, dtype="bfloat16"))
+    assert load["method"] == f"meta+rank0-{'from_config' if source == 'tiny' else 'from_pretrained'}-broadcast"
