@@ -7,6 +7,7 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from backends.memory import peak_memory_bytes, reset_peak_memory
 from backends.model import build_model, describe_model, load_method
@@ -43,35 +44,58 @@ def load_sharded(
 def fill_from_rank0(model: torch.nn.Module, source: Optional[torch.nn.Module], device: torch.device) -> None:
     """Give a sharded meta model storage on ``device`` and copy rank 0's ``source`` into it (None on other ranks).
 
-    Parameters and persistent buffers go through torch's full-state-dict
-    loading with broadcast from rank 0, which distributes each full tensor to
-    the ranks' shards. Buffers that are not in a state dict (Qwen3.5's rotary
-    ``inv_freq`` and ``original_inv_freq`` are non-persistent) would be left
-    uninitialised by ``to_empty``: they are copied from rank 0 too, so they hold
-    exactly what an unsharded build computes rather than a recomputation.
+    One tensor at a time: rank 0 broadcasts the full tensor and every rank
+    copies its own chunk into its shard in place, so a rank never holds more
+    than its shards plus one full tensor (what torch's full-state-dict loading
+    with ``broadcast_from_rank0`` does too; written out here so that rank 0
+    checks names, shapes and dtypes first and buffers go in the same pass).
+    Buffers travel the same way, persistent or not: Qwen3.5's rotary ``inv_freq`` and
+    ``original_inv_freq`` are non-persistent, and ``to_empty`` leaves them
+    uninitialised, so they are copied from rank 0 and hold exactly what an
+    unsharded build computes rather than a recomputation.
     """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
     is_source = dist.get_rank() == 0
     if is_source and source is None:
         raise ValueError("rank 0 must pass the model to load from")
     model.to_empty(device=device)
-    full = source.state_dict() if is_source else {}
-    if is_source:  # the broadcast would cast silently: a dtype the meta build got differently is a bug to see
-        local = model.state_dict()
-        differ = [f"{k}: {v.dtype} vs {local[k].dtype}" for k, v in full.items() if k in local and v.dtype != local[k].dtype]
+    targets = [*model.named_parameters(), *model.named_buffers()]
+    sources = dict([*source.named_parameters(), *source.named_buffers()]) if is_source else {}
+    if is_source:
+        # Rank 0 alone can compare; its error stops every rank (the controller ends them all).
+        names = {name for name, _ in targets}
+        if names != set(sources):
+            raise RuntimeError(f"the meta build and the loaded model differ in names: {sorted(names ^ set(sources))[:5]}")
+        differ = [f"{n}: {tuple(sources[n].shape)} {sources[n].dtype} vs {tuple(t.shape)} {t.dtype}"
+                  for n, t in targets if sources[n].shape != t.shape or sources[n].dtype != t.dtype]
         if differ:
-            raise RuntimeError(f"the meta build and rank 0's loaded model differ in dtype: {differ[:3]}")
-    set_model_state_dict(
-        model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True)
-    )
-    del full
-    source_buffers = dict(source.named_buffers()) if is_source else {}
+            raise RuntimeError(f"the meta build and the loaded model differ in shape or dtype: {differ[:3]}")
     with torch.no_grad():
-        for name, buffer in model.named_buffers():
-            if is_source:
-                buffer.copy_(source_buffers[name])
-            dist.broadcast(buffer, src=0)
+        for name, target in targets:
+            if isinstance(target, DTensor):
+                full = (sources[name].to(device) if is_source
+                        else torch.empty(target.shape, dtype=target.dtype, device=device))
+                dist.broadcast(full, src=0)
+                target.to_local().copy_(_local_chunk(full, target))
+                del full
+            else:
+                if is_source:
+                    target.copy_(sources[name])
+                dist.broadcast(target, src=0)
+
+
+def _local_chunk(full: torch.Tensor, sharded: "DTensor") -> torch.Tensor:
+    """This rank's part of ``full`` under the DTensor's placements (FSDP2: ``Shard(0)``, torch.chunk's split)."""
+    from torch.distributed.tensor import Shard
+
+    local = full
+    for mesh_dim, placement in enumerate(sharded.placements):
+        if isinstance(placement, Shard):
+            chunks = torch.chunk(local, sharded.device_mesh.size(mesh_dim), dim=placement.dim)
+            index = sharded.device_mesh.get_local_rank(mesh_dim)
+            local = chunks[index] if index < len(chunks) else local.narrow(placement.dim, 0, 0)
+        elif not placement.is_replicate():
+            raise NotImplementedError(f"loading into a {placement} placement")
+    return local
 
 
 class LoadMeter:
