@@ -124,6 +124,8 @@ class Backend:
     device: torch.device = torch.device("cpu")
     control = None  # a backends.control.ControlFile, or None
     model_info: Optional[dict] = None  # what was built (backends.model.describe_model), once started
+    # How the weights were loaded and what it cost (backends.loading.merge_load_records), once started.
+    load_info: Optional[dict] = None
 
     def __init__(self, spec: BackendSpec, model: ModelSpec):
         self.spec = spec

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+from backends.loading import load_sharded
 from backends.microbatch import Schedule
+from backends.specs import ModelSpec
 from backends.step import grad_norm_local_sq
 from backends.workers import DistributedBackend, RankHooks
 
@@ -35,14 +38,30 @@ def mixed_precision_policy(model: torch.nn.Module):
     return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
 
 
+def shard_mesh(device: torch.device, world_size: int):
+    """The 1-D mesh the shards live on, of the ranks' own device type.
+
+    Explicit because ``fully_shard`` without a mesh picks the accelerator
+    whenever one exists, so CPU ranks on a GPU host would shard onto the GPU.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device.type, (world_size,))
+
+
 class FSDP2Hooks(RankHooks):
+    def load_model(self, model_spec: ModelSpec) -> tuple[torch.nn.Module, Optional[dict], str]:
+        # Built on meta and sharded before any weight is read: no rank ever holds the unsharded model.
+        return load_sharded(model_spec, self.device, self.spec.gradient_checkpointing, self.wrap, self.rank)
+
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         from torch.distributed.fsdp import FSDPModule, fully_shard
 
         mp_policy = mixed_precision_policy(model)
+        mesh = shard_mesh(self.device, self.world_size)
         for layer in decoder_layers(model):
-            fully_shard(layer, mp_policy=mp_policy)
-        fully_shard(model, mp_policy=mp_policy)
+            fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
+        fully_shard(model, mesh=mesh, mp_policy=mp_policy)
         # Sum, not average, across ranks: each rank's loss is already divided by
         # the whole batch's weight, so the sum is the batch gradient. A plain SUM
         # (no pre-multiplied sum) is also what gloo supports.

@@ -14,10 +14,22 @@ from backends.workers import DistributedBackend, RankHooks
 def point_cuda_device_at_cpu() -> None:
     """megatron-core allocates its gradient buffers on ``torch.cuda.current_device()``.
 
-    Without CUDA that lookup fails; answering "cpu" makes megatron-core 0.16.1
-    DDP run correctly on gloo. Only ever called in a worker process with no CUDA.
+    Without CUDA that lookup fails, and with CUDA it would put a CPU rank's
+    buffers on a GPU; answering "cpu" makes megatron-core 0.16.1 DDP run
+    correctly on gloo. Only ever called in a worker process whose rank runs on the CPU.
     """
     torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
+
+
+def needs_cpu_device_shim(device_type: str, cuda_available: bool) -> bool:
+    """Whether a rank on ``device_type`` must point megatron-core's device lookup at the CPU.
+
+    Every CPU rank does, whether or not the host has a GPU (``cuda_available``
+    does not change the answer: a CPU rank on a GPU host would otherwise get
+    its buffers on the GPU); CUDA ranks never do.
+    """
+    del cuda_available  # named so the decision is visibly independent of it
+    return device_type == "cpu"
 
 
 class MegatronDDPHooks(RankHooks):
@@ -25,7 +37,7 @@ class MegatronDDPHooks(RankHooks):
         warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
         warnings.filterwarnings("ignore", message=".*cuda_graph_scope.*")
         logging.getLogger("megatron").setLevel(logging.WARNING)  # it lists every bucketed parameter at INFO
-        if not torch.cuda.is_available():
+        if needs_cpu_device_shim(self.device.type, torch.cuda.is_available()):
             point_cuda_device_at_cpu()
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:

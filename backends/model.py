@@ -69,14 +69,25 @@ def quiet_library_noise(device: torch.device) -> None:
         logging.getLogger("transformers.integrations.hub_kernels").setLevel(logging.ERROR)
 
 
-def build_model(spec: ModelSpec, device: torch.device, gradient_checkpointing: bool) -> torch.nn.Module:
-    """The causal LM on ``device`` in train mode, with LoRA adapters when ``lora_rank > 0``.
+PLACES = ("device", "cpu", "meta")
+
+
+def build_model(
+    spec: ModelSpec, device: torch.device, gradient_checkpointing: bool, place: str = "device"
+) -> torch.nn.Module:
+    """The causal LM in train mode, with LoRA adapters when ``lora_rank > 0``.
 
     Every rank calls this with the same spec and gets the same weights: the
     tiny model is initialised from ``init_seed``, a checkpoint is read from disk.
+    ``device`` decides the dtype ("auto": bf16 on CUDA); ``place`` where the
+    weights go: "device" (a checkpoint is read straight onto it, no host copy
+    kept), "cpu" (host memory, a source to broadcast from) or "meta" (shapes
+    only, nothing allocated or read: FSDP2 shards this and loads the shards).
     """
-    from transformers import AutoModelForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+    from transformers import AutoConfig, AutoModelForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
+    if place not in PLACES:
+        raise ValueError(f"place must be one of {PLACES}, got {place!r}")
     quiet_library_noise(device)
     dtype = resolve_dtype(spec.dtype, device)
     if spec.lora_rank < 0:
@@ -85,16 +96,33 @@ def build_model(spec: ModelSpec, device: torch.device, gradient_checkpointing: b
     kwargs = {}
     if spec.attn_implementation:
         kwargs["attn_implementation"] = spec.attn_implementation
+    target = torch.device("cpu") if place == "cpu" else device
     if path is None:
         config = dict(TINY_CONFIG)
         if spec.vocab_size:
             config["vocab_size"] = int(spec.vocab_size)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(spec.init_seed)
-            model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**config, **kwargs))
-        model = model.to(device=device, dtype=dtype)
+        if place == "meta":
+            with torch.device("meta"):
+                model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**config, **kwargs))
+            model = model.to(dtype=dtype)
+        else:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(spec.init_seed)
+                model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**config, **kwargs))
+            model = model.to(device=target, dtype=dtype)
+    elif place == "meta":
+        config = AutoConfig.from_pretrained(path, local_files_only=True, **kwargs)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, **kwargs)
     else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True, **kwargs).to(device)
+        # On a GPU straight onto it (device_map; accelerate comes with peft): from_pretrained
+        # reads tensor by tensor into the device, so no host copy of the model is kept.
+        device_map = target if target.type == "cuda" else None
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, local_files_only=True, device_map=device_map, **kwargs
+        )
+        if device_map is None:
+            model = model.to(target)
     model.config.use_cache = False
     # Before LoRA and wrapping: the chunked log-prob head must be the module FSDP2 and peft see.
     install_logprob_head(model)
@@ -109,6 +137,7 @@ def build_model(spec: ModelSpec, device: torch.device, gradient_checkpointing: b
             target_modules="all-linear",
             bias="none",
         )
+        # On meta the adapters are shapes only: their values come with the base weights (see backends/loading.py).
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(spec.init_seed + 1)
             model = get_peft_model(model, lora)
@@ -116,6 +145,11 @@ def build_model(spec: ModelSpec, device: torch.device, gradient_checkpointing: b
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     return model
+
+
+def load_method(spec: ModelSpec) -> str:
+    """How ``build_model`` gets the weights: "from_pretrained" (a checkpoint) or "from_config" (the tiny model)."""
+    return "from_config" if spec.path is None else "from_pretrained"
 
 
 def describe_model(model: torch.nn.Module, spec: ModelSpec) -> dict:

@@ -21,7 +21,8 @@ from backends.memory import (
     reset_peak_memory,
     restore_memory_limit,
 )
-from backends.model import ModelSpec, build_model, describe_model
+from backends.loading import LoadMeter, merge_load_records
+from backends.model import ModelSpec, build_model, describe_model, load_method
 from backends.step import PassTimeout, ProgressLogger, grad_norm_local_sq, run_schedule, total_loss_weight
 
 log = logging.getLogger(__name__)
@@ -38,8 +39,10 @@ class PyTorchBackend(Backend):
             torch.cuda.set_device(0)
         self._previous_limit = limit_memory(spec.memory_limit_gb, self.device)
         try:
-            self.model = build_model(model, self.device, spec.gradient_checkpointing)
+            with LoadMeter(self.device) as meter:
+                self.model = build_model(model, self.device, spec.gradient_checkpointing)
             self.model_info = describe_model(self.model, model)
+            self.load_info = merge_load_records(load_method(model), [meter.as_dict()])
         except BaseException:
             restore_memory_limit(self._previous_limit)
             raise

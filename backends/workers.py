@@ -32,7 +32,8 @@ from backends.errors import BackendError, UserError, first_line
 from backends.examples import Example
 from backends.memory import is_out_of_memory, limit_memory, oom_message, peak_memory_bytes, reset_peak_memory
 from backends.microbatch import CostModel, Schedule, microbatch_tokens, plan_stats
-from backends.model import ModelSpec, build_model, describe_model
+from backends.loading import LoadMeter, merge_load_records
+from backends.model import ModelSpec, build_model, describe_model, load_method
 from backends.step import ProgressLogger, run_schedule, total_loss_weight
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,16 @@ class RankHooks:
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         return model
+
+    def load_model(self, model_spec: ModelSpec) -> tuple[torch.nn.Module, Optional[dict], str]:
+        """The wrapped model this rank trains, what was built (rank 0 says; None elsewhere) and how it was loaded.
+
+        The default holds a full replica per rank: built straight on this rank's device, then wrapped.
+        """
+        model = build_model(model_spec, self.device, self.spec.gradient_checkpointing)
+        # Rank 0 says what was built (counted before wrapping).
+        built = describe_model(model, model_spec) if self.rank == 0 else None
+        return self.wrap(model), built, load_method(model_spec)
 
     def align(self, local: Schedule) -> Schedule:
         """The schedule this rank runs; lock-step backends pad it to the ranks' common length."""
@@ -144,11 +155,9 @@ def worker_main(
             timeout=timedelta(seconds=spec.dist_timeout_s),
             device_id=device if device.type == "cuda" else None,
         )
-        model = build_model(model_spec, device, spec.gradient_checkpointing)
-        # Rank 0 says what was built (counted before wrapping: FSDP2 shards the parameters).
-        built = describe_model(model, model_spec) if rank == 0 else None
-        model = hooks.wrap(model)
-        replies.put(("ready", rank, built))
+        with LoadMeter(device) as meter:
+            model, built, method = hooks.load_model(model_spec)
+        replies.put(("ready", rank, {"built": built, "method": method, "load": meter.as_dict()}))
     except BaseException as exc:  # noqa: BLE001 - reported to the controller, which names the rank
         kind = "oom" if is_out_of_memory(exc) else "error"
         message = oom_message("start-up", f" on rank {rank}", 0, spec.memory_limit_gb, exc) if kind == "oom" else None
@@ -318,7 +327,7 @@ class DistributedBackend(Backend):
                     "and every pass are slow; world_size=%d or fewer avoids it",
                     self.world_size, cores, cores,
                 )
-        log.info("%s: starting %d ranks on %s (each builds the model)", spec.name, self.world_size, self.device.type)
+        log.info("%s: starting %d ranks on %s (loading the model)", spec.name, self.world_size, self.device.type)
         self.hooks_path = hooks_path or spec.hooks or self.hooks_path
         self.closed = False
         self.failure_reason: Optional[str] = None  # why the workers were stopped, after a failure
@@ -351,7 +360,9 @@ class DistributedBackend(Backend):
             p.start()
             self.procs.append(p)
         try:
-            self.model_info = self._collect("ready", timeout_s=None, what="start-up", progress_every_s=30.0)[0]
+            ready = self._collect("ready", timeout_s=None, what="start-up", progress_every_s=30.0)
+            self.model_info = ready[0]["built"]
+            self.load_info = merge_load_records(ready[0]["method"], [ready[r]["load"] for r in range(self.world_size)])
         except BaseException:
             self.close()
             raise

@@ -247,7 +247,7 @@ def build_app(
                                  "recovery": "the workers are started again at the next pass"}, status_code=503)
         backend = served.backend
         return {"status": "ok", **info, **control.read().as_dict(), "model": backend.model_info,
-                "pids": [os.getpid(), *backend.pids()], "restarts": served.restarts}
+                "load": backend.load_info, "pids": [os.getpid(), *backend.pids()], "restarts": served.restarts}
 
     @app.get("/admin/config")
     async def admin_config(request: Request):

@@ -35,3 +35,48 @@ class FSDP2ExpectsBf16Policy(FSDP2Hooks):
     def _check_compute_dtype(module, args):
         if module.weight.dtype != torch.bfloat16:
             raise RuntimeError(f"LoRA computes in {module.weight.dtype} under FSDP2, expected bfloat16")
+
+
+class FSDP2ChecksShardedLoad(FSDP2Hooks):
+    """Checks the sharded load inside each rank: meta before sharding, only this rank's chunk after, the same values.
+
+    The reference is the unsharded build every other backend uses (plain
+    from_pretrained for a checkpoint, the seed for the tiny model); every
+    parameter, persistent and non-persistent buffer must equal it bit for bit.
+    """
+
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        real = [n for n, p in [*model.named_parameters(), *model.named_buffers()] if p.device.type != "meta"]
+        if real:
+            raise RuntimeError(f"rank {self.rank}: {len(real)} tensors hold storage before sharding, e.g. {real[:3]}")
+        return super().wrap(model)
+
+    def load_model(self, model_spec):
+        from torch.distributed.tensor import DTensor
+
+        from backends.model import build_model
+
+        model, built, method = super().load_model(model_spec)
+        reference = build_model(model_spec, self.device, False)
+        expected = reference.state_dict()
+        names = list(model.state_dict())
+        if set(names) != set(expected):
+            raise RuntimeError(f"rank {self.rank}: state dict names differ: {sorted(set(names) ^ set(expected))[:5]}")
+        for name, value in model.state_dict().items():
+            if not isinstance(value, DTensor):
+                raise RuntimeError(f"rank {self.rank}: {name} is not sharded ({type(value).__name__})")
+            if value.device_mesh.device_type != self.device.type:
+                raise RuntimeError(f"rank {self.rank}: {name} sharded on {value.device_mesh.device_type}")
+            full = expected[name]
+            chunks = torch.chunk(full, self.world_size, dim=0)
+            mine = chunks[self.rank] if self.rank < len(chunks) else full[:0]
+            if not torch.equal(value.to_local(), mine):
+                raise RuntimeError(f"rank {self.rank}: {name} holds {tuple(value.to_local().shape)}, not its chunk "
+                                   f"{tuple(mine.shape)} of {tuple(full.shape)} with the reference's values")
+        reference_buffers = dict(reference.named_buffers())
+        for name, buffer in model.named_buffers():
+            if not torch.equal(buffer, reference_buffers[name]) or buffer.dtype != reference_buffers[name].dtype:
+                raise RuntimeError(f"rank {self.rank}: buffer {name} differs from the unsharded build")
+        if not any(n.endswith("inv_freq") for n in reference_buffers):
+            raise RuntimeError("no rotary inv_freq buffer found: the non-persistent buffer check checked nothing")
+        return model, built, method

@@ -68,3 +68,6 @@ def test_harness_runs_a_local_checkpoint(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     res = load_json(run_dir / "results.json")
     assert res["status"] == "ok" and res["model"]["path"] == str(tmp_path / "ckpt")
+    load = res["load"]  # how the weights were loaded and what it cost
+    assert load["method"] == "from_pretrained" and load["elapsed_s"] > 0
+    assert len(load["host_peak_bytes"]) == 1 and load["host_peak_bytes"][0] > 0 and load["device_peak_bytes"] is None

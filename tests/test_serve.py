@@ -247,6 +247,7 @@ def test_client_without_the_token_never_records_a_budget_the_server_did_not_run(
     res = load_json(tmp_path / "same" / "results.json")
     assert res["status"] == "ok" and res["mtpm"] == 2048 and res["plan"]["max_tokens_per_microbatch"] == 2048
     assert res["model"]["built"]["architecture"] == "Qwen3_5MoeForCausalLM"  # reported by the server
+    assert res["load"]["method"] and res["load"]["elapsed_s"] > 0  # the server's load, as it reported it
 
 
 def test_a_budget_changed_during_a_client_run_fails_the_point(server, monkeypatch):
