@@ -209,9 +209,12 @@ class Point:
             cost_model=self.cost_model,
         )
         write_plan_json(self.out_dir / PLAN_FILE, plan.to_json(backend=name))
+        from backends.launch import launch_record
+
         self.doc.update(
             backend=name,
             world_size=world_size,
+            launch=launch_record(world_size),  # who started the ranks: spawn (the harness), torchrun, slurm
             mtpm=mtpm,
             mbs=mbs,
             device=device_info,
@@ -380,6 +383,29 @@ def skip_reason(cfg: DictConfig, out_dir: Path) -> str | None:
 
 def run_point(cfg: DictConfig) -> int:
     """Hydra task function body: never raises for a failed point, records its exit code."""
+    from backends.launch import detect_launch
+
+    launched = detect_launch()
+    if launched is None:
+        return _run_point(cfg)
+    from backends.launch import end_after_failure, job_spans_run, launched_job
+
+    job = launched_job()
+    if job.rank != 0:
+        # Under submitit every task runs this Hydra job; only global rank 0 measures and writes.
+        from backends.launched import follow
+
+        return follow(job)
+    try:
+        code = _run_point(cfg)
+        end_after_failure(code)  # a failed launched job runs no more points: every rank ends now
+        return code
+    finally:
+        if not job_spans_run():
+            job.finish()
+
+
+def _run_point(cfg: DictConfig) -> int:
     out_dir = _output_dir()
     STATE.last_dir = out_dir
     try:
