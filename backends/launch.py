@@ -121,6 +121,7 @@ class LaunchedJob:
         self.env = env
         self.rank, self.world_size = env.rank, env.world_size
         self.failed: Optional[str] = None  # rank 0: why the job was ended
+        self.store_lost: Optional[str] = None  # rank 0: why the store stopped answering, seen by the heartbeat
         self._seq = 0
         self._base = self._connect(is_master=self._hosts_store())
         self.store = dist.PrefixStore("balance-batch/ctl/", self._base)
@@ -169,6 +170,10 @@ class LaunchedJob:
                     self.exit_now(f"rank {self.rank}: rank 0 stopped answering (no heartbeat for {STALE_AFTER_S:g} s); exiting")
             except Exception as exc:  # noqa: BLE001 - the store is gone: the launcher ended the job
                 if self._stop.is_set():
+                    return
+                if self.rank == 0:  # rank 0 writes the point's result first (LaunchedBackend reads this)
+                    self.store_lost = (f"lost the job's store at {self.env.master_addr}:{self.env.master_port} "
+                                       f"({type(exc).__name__}): the launcher ended the job (a rank or a node failed)")
                     return
                 self.exit_now(f"rank {self.rank}: lost the job's store at {self.env.master_addr}:{self.env.master_port} "
                                f"({type(exc).__name__}); the job has ended; exiting")
@@ -239,9 +244,12 @@ class LaunchedJob:
 
     def finish(self) -> None:
         """Rank 0 at the end of the run: the other ranks exit cleanly."""
-        if self.failed is None:
-            self.send("exit")
         self._stop.set()
+        if self.failed is None and self.store_lost is None:
+            try:
+                self.send("exit")
+            except Exception:  # noqa: BLE001 - the store is gone: the other ranks see that and exit
+                pass
 
 
 _JOB: Optional[LaunchedJob] = None

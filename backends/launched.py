@@ -120,6 +120,7 @@ class LaunchedBackend(Backend):
         self.world_size = check_world_size(spec.name, spec.world_size, job.env)
         self.closed = False
         self.failure_reason: Optional[str] = None
+        self.seen_failure: Optional[str] = None  # rank 0's own failure while its peers are checked
         self.hooks_path = hooks_path
         self.commands: queue.Queue = queue.Queue()
         self.replies: queue.Queue = queue.Queue()
@@ -150,6 +151,30 @@ class LaunchedBackend(Backend):
 
     def _wait(self, what: str, timeout_s: Optional[float]) -> Any:
         """Rank 0's reply; a rank that posts a failure or stops beating ends the wait, naming it."""
+        try:
+            return self._wait_for_reply(what, timeout_s)
+        except KeyboardInterrupt:
+            # The launcher stops every rank (SIGTERM) when a rank or a node fails; often before the
+            # heartbeats can name it. Record what rank 0 saw; a plain interrupt stays an interrupt.
+            seen = self.seen_failure or self._drained_failure()
+            cause = self._peer_cause()
+            if cause is None and seen is None:
+                raise
+            if cause is not None:
+                message = f"{cause[0]} during {what}"
+            else:
+                message = (f"{self.job.env.launcher} stopped the job during {what} after rank 0's collective failed "
+                           f"(another rank died; the launcher's log names it): {first_line(seen, 200)}")
+            self._abort(message, status="error")
+
+    def _drained_failure(self) -> Optional[str]:
+        try:
+            kind, payload = self.replies.get_nowait()
+        except queue.Empty:
+            return None
+        return payload[0] if kind != "done" else None
+
+    def _wait_for_reply(self, what: str, timeout_s: Optional[float]) -> Any:
         start = last_check = time.monotonic()
         while True:
             try:
@@ -168,11 +193,17 @@ class LaunchedBackend(Backend):
 
     def _peer_cause(self) -> Optional[tuple[str, Optional[str], str]]:
         """(message, details, status) of another rank's failure or death, None when none is known."""
-        posted = self.job.peer_failure()
+        if self.job.store_lost is not None:
+            return self.job.store_lost, None, "error"
+        try:
+            posted = self.job.peer_failure()
+            dead = self.job.dead_peer() if posted is None else None
+        except Exception as exc:  # noqa: BLE001 - the store itself is gone
+            self.job.store_lost = f"lost the job's store ({type(exc).__name__}): the launcher ended the job"
+            return self.job.store_lost, None, "error"
         if posted is not None:
             kind, message, details = posted
             return message, details, "oom" if kind == "oom" else "error"
-        dead = self.job.dead_peer()
         return (dead, None, "error") if dead is not None else None
 
     def _check_peers(self, what: str) -> None:
@@ -183,6 +214,7 @@ class LaunchedBackend(Backend):
 
     def _own_failure(self, kind: str, payload, what: str) -> None:
         message, details = payload
+        self.seen_failure = message
         if kind == "oom":
             self._abort(message, details=details, status="oom")
         # Rank 0 failing in a collective is mostly a peer's death: give its heartbeat time to tell.
