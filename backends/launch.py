@@ -30,7 +30,10 @@ log = logging.getLogger(__name__)
 
 # A rank whose heartbeat has not moved for this long is declared dead (well under the issue's 60 s).
 HEARTBEAT_EVERY_S = 1.0
-STALE_AFTER_S = 20.0
+STALE_AFTER_S = 15.0
+_BEAT_STORE_TIMEOUT_S = 10.0
+# The watchdog's patience once the job has ended: rank 0 first writes the point's result.
+_GRACE_S = {0: 30.0, "other": 5.0}
 _STORE_TIMEOUT_S = 300.0  # how long a rank waits for the store itself at start-up (nodes start at different times)
 
 
@@ -125,11 +128,28 @@ class LaunchedJob:
         self._seq = 0
         self._base = self._connect(is_master=self._hosts_store())
         self.store = dist.PrefixStore("balance-batch/ctl/", self._base)
-        self._beat_store = dist.PrefixStore("balance-batch/ctl/", self._connect(is_master=False))
+        beat_client = self._connect(is_master=False)
+        beat_client.set_timeout(timedelta(seconds=_BEAT_STORE_TIMEOUT_S))  # a stopped store host must not block the beat
+        self._beat_store = dist.PrefixStore("balance-batch/ctl/", beat_client)
         self._seen: dict[int, tuple[int, float]] = {}  # rank -> (last counter, when it last moved)
         self._stop = threading.Event()
         self._beats = threading.Thread(target=self._beat, name="launch-heartbeat", daemon=True)
         self._beats.start()
+        self._start_watchdog()
+
+    def _start_watchdog(self) -> None:
+        """A small process that SIGKILLs this rank when the job has ended and the rank did not follow.
+
+        A stopped or hung rank cannot exit by itself, and its node's launcher
+        may never notice (torchrun watches only its own workers' exits). The
+        watchdog dies with this process (PR_SET_PDEATHSIG), so it is never left behind.
+        """
+        import subprocess
+
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        args = [str(os.getpid()), str(self.rank), self.env.master_addr, str(self.env.master_port)]
+        self._watchdog = subprocess.Popen([sys.executable, "-c", "from backends.launch import watch; watch()", *args],
+                                          env=env, stdin=subprocess.DEVNULL, close_fds=True)
 
     # -- the store ------------------------------------------------------------------------------
     def _hosts_store(self) -> bool:
@@ -325,3 +345,55 @@ def end_after_failure(exit_code: int) -> None:
     os._exit(max(1, exit_code))
 
 
+
+
+def watch() -> None:
+    """The watchdog process of one rank (argv: rank pid, rank, store address, store port); see ``_start_watchdog``."""
+    import signal
+
+    parent, rank, addr, port = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:
+        return
+    import torch.distributed as dist
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the rank's to handle
+    client = dist.TCPStore(addr, port, None, is_master=False, timeout=timedelta(seconds=_STORE_TIMEOUT_S))
+    client.set_timeout(timedelta(seconds=_BEAT_STORE_TIMEOUT_S))
+    store = dist.PrefixStore("balance-batch/ctl/", client)
+    seen: dict[int, tuple[int, float]] = {}
+
+    def stale(r: int) -> bool:
+        count, now = int(store.add(f"hb/{r}", 0)), time.monotonic()
+        if seen.get(r, (None,))[0] != count:
+            seen[r] = (count, now)
+            return False
+        return now - seen[r][1] > STALE_AFTER_S
+
+    ended_at, reason = None, ""
+    grace = _GRACE_S[0] if rank == 0 else _GRACE_S["other"]
+    while True:
+        time.sleep(HEARTBEAT_EVERY_S)
+        try:
+            os.kill(parent, 0)
+        except ProcessLookupError:
+            return
+        if ended_at is None:
+            try:
+                if stale(rank):
+                    ended_at, reason, grace = time.monotonic(), f"rank {rank} is hung or stopped (no heartbeat)", 0.0
+                elif store.check(["abort"]):
+                    ended_at, reason = time.monotonic(), "the job was ended by rank 0"
+                elif rank != 0 and stale(0):
+                    ended_at, reason = time.monotonic(), "rank 0 stopped answering"
+            except Exception:  # noqa: BLE001 - the store is gone: the job has ended
+                ended_at, reason = time.monotonic(), "the job's store is gone"
+        if ended_at is not None and time.monotonic() - ended_at >= grace:
+            print(f"rank {rank} watchdog: {reason}; killing rank {rank} (pid {parent})", file=sys.stderr, flush=True)
+            os.kill(parent, signal.SIGKILL)
+            return

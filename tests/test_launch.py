@@ -133,9 +133,10 @@ def test_two_torchrun_nodes_match_the_spawned_ranks(workdir, backend):
 
 
 @pytest.mark.slow
-def test_a_killed_rank_ends_the_point_on_every_node(workdir):
-    """SIGKILL to rank 1 mid-run: rank 0 names it in results.json, both torchruns end within 60 s, nothing is left."""
-    procs = start_nodes(workdir, "backend=fsdp2", *POINT[:-3], "bench.repeat=40", "logger=none",
+@pytest.mark.parametrize("backend, sig", [("fsdp2", signal.SIGKILL), ("megatron_ddp", signal.SIGSTOP)])
+def test_a_killed_or_hung_rank_ends_the_point_on_every_node(workdir, backend, sig):
+    """Rank 1 killed (or stopped: hung) mid-run: rank 0 records the failure, both torchruns end within 60 s, nothing is left."""
+    procs = start_nodes(workdir, f"backend={backend}", *POINT[:-3], "bench.repeat=40", "logger=none",
                         "hydra.run.dir=run")
     victim = rank_process(procs, 1)
     rank_process(procs, 0)
@@ -144,7 +145,7 @@ def test_a_killed_rank_ends_the_point_on_every_node(workdir):
     while "forward_backward repeat 1/" not in node_logs(workdir) and time.monotonic() < deadline:
         assert all(p.poll() is None for p in procs), node_logs(workdir)
         time.sleep(0.5)
-    victim.send_signal(signal.SIGKILL)
+    victim.send_signal(sig)
     codes = [p.wait(timeout=60) for p in procs]
     assert all(c != 0 for c in codes), node_logs(workdir)
     files = results_files(workdir)
