@@ -136,7 +136,7 @@ def test_two_torchrun_nodes_match_the_spawned_ranks(workdir, backend):
 @pytest.mark.parametrize("backend, sig", [("fsdp2", signal.SIGKILL), ("megatron_ddp", signal.SIGSTOP)])
 def test_a_killed_or_hung_rank_ends_the_point_on_every_node(workdir, backend, sig):
     """Rank 1 killed (or stopped: hung) mid-run: rank 0 records the failure, both torchruns end within 60 s, nothing is left."""
-    procs = start_nodes(workdir, f"backend={backend}", *POINT[:-3], "bench.repeat=40", "logger=none",
+    procs = start_nodes(workdir, f"backend={backend}", *POINT[:-3], "bench.repeat=15", "logger=none",
                         "hydra.run.dir=run")
     victim = rank_process(procs, 1)
     rank_process(procs, 0)
