@@ -181,6 +181,7 @@ class Point:
         b = spec.backend
         mtpm, mbs = b.max_tokens_per_microbatch, b.micro_batch_size
         self.label = f"[{b.name} mtpm={mtpm} mbs={mbs}] "
+        _launcher_sets_world_size(b)
         lengths = workload_lengths(spec.workload)
         if spec.dry_run:
             # torch is imported here, not at start-up, so a config error is reported at once.
@@ -354,6 +355,18 @@ class Point:
             self.doc["plan"]["pad_efficiency"],
             "—" if fb["mfu_pct"] is None else f"{fb['mfu_pct']:.2f}%",
         )
+
+
+def _launcher_sets_world_size(backend_spec) -> None:
+    """Under torchrun/Slurm a preset's world_size (experiment=seed_b200: 4) gives way to the launcher's;
+    only one typed on the command line is checked against it (backends.launch.check_world_size)."""
+    from backends.launch import launch_env
+    from harness.points import override_key
+
+    if launch_env() is None:
+        return
+    if not any(override_key(o) in ("world_size", "backend.world_size") for o in _overrides()):
+        backend_spec.world_size = None
 
 
 def _folder_key() -> str:
