@@ -126,6 +126,7 @@ class LaunchedJob:
         self.failed: Optional[str] = None  # rank 0: why the job was ended
         self.store_lost: Optional[str] = None  # rank 0: why the store stopped answering, seen by the heartbeat
         self._seq = 0
+        self._forgotten = 0  # commands below this number are deleted from the store
         self._base = self._connect(is_master=self._hosts_store())
         self.store = dist.PrefixStore("balance-batch/ctl/", self._base)
         beat_client = self._connect(is_master=False)
@@ -230,13 +231,19 @@ class LaunchedJob:
         return None
 
     # -- commands -------------------------------------------------------------------------------
-    def send(self, kind: str, payload: Any = None) -> None:
-        """Rank 0: the next command for every other rank."""
+    def send(self, kind: str, payload: Any = None) -> int:
+        """Rank 0: the next command for every other rank; returns its number."""
         if self.world_size > 1:
             self.store.set(f"cmd/{self._seq}", pickle.dumps((kind, payload), protocol=pickle.HIGHEST_PROTOCOL))
-            if self._seq >= 2:  # every rank has read it: a pass after it needed them all
-                self.store.delete_key(f"cmd/{self._seq - 2}")
         self._seq += 1
+        return self._seq - 1
+
+    def forget(self, before: int) -> None:
+        """Rank 0: drop the commands numbered below ``before`` from the store, once every rank has read them."""
+        if self.world_size > 1:
+            for seq in range(self._forgotten, before):
+                self.store.delete_key(f"cmd/{seq}")
+        self._forgotten = max(self._forgotten, before)
 
     def receive(self) -> tuple[str, Any]:
         """A non-zero rank: wait for rank 0's next command (the heartbeat thread ends the wait if the job ends)."""
@@ -263,9 +270,11 @@ class LaunchedJob:
             pass
 
     def finish(self) -> None:
-        """Rank 0 at the end of the run: the other ranks exit cleanly."""
+        """At the end of the run: the watchdog goes; rank 0 tells the other ranks to exit cleanly."""
         self._stop.set()
-        if self.failed is None and self.store_lost is None:
+        self._watchdog.kill()  # its parent's heartbeat stops now; it must not take that for a hang
+        self._watchdog.wait()
+        if self.rank == 0 and self.failed is None and self.store_lost is None:
             try:
                 self.send("exit")
             except Exception:  # noqa: BLE001 - the store is gone: the other ranks see that and exit

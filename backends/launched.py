@@ -67,7 +67,7 @@ def follow(job: LaunchedJob) -> int:
     """A non-zero rank: serve rank 0's commands until it says exit; on a failure, post it and exit."""
     logging.basicConfig(level=logging.INFO, format=f"[rank {job.rank}] %(asctime)s %(name)s: %(message)s", force=True)
     rank: Optional[_Rank] = None
-    spec = command = None
+    spec = command = examples = None
     while True:
         kind, payload = job.receive()
         if kind == "exit":
@@ -78,8 +78,10 @@ def follow(job: LaunchedJob) -> int:
                 if spec.device == "cpu" or not torch.cuda.is_available():
                     torch.set_num_threads(_threads_per_rank())
                 rank = _Rank(job, spec, payload["model"], payload["hooks"])
+            elif kind == "examples":
+                examples = payload
             elif kind == "pass":
-                command = payload
+                command = {**payload, "examples": examples}
                 rank.run(command)
             elif kind == "close":
                 if rank is not None:
@@ -121,6 +123,7 @@ class LaunchedBackend(Backend):
         self.closed = False
         self.failure_reason: Optional[str] = None
         self.seen_failure: Optional[str] = None  # rank 0's own failure while its peers are checked
+        self.sent_examples = None  # the examples the other ranks hold
         self.hooks_path = hooks_path
         self.commands: queue.Queue = queue.Queue()
         self.replies: queue.Queue = queue.Queue()
@@ -237,9 +240,14 @@ class LaunchedBackend(Backend):
     def _run_pass(self, command: dict[str, Any]) -> PassResult:
         if self.closed:
             raise BackendError(f"{self.name}: the launched job's ranks are stopped")
-        self.job.send("pass", command)
+        # The examples travel once per point (the passes of a point share them), the rest with every pass.
+        if command["examples"] is not self.sent_examples:
+            self.job.send("examples", command["examples"])
+            self.sent_examples = command["examples"]
+        seq = self.job.send("pass", {**command, "examples": None})
         self.commands.put(command)
         reply = self._wait(command["pass_type"], command.get("timeout_s"))
+        self.job.forget(seq)  # every rank took part in the pass, so each has read all before it
         return PassResult(
             outputs=reply["outputs"],
             plan=reply["plan"],
