@@ -77,9 +77,9 @@ def detect_launch(environ=None) -> Optional[LaunchEnv]:
 
     torchrun (and submitit's exported torch environment) set RANK, WORLD_SIZE,
     LOCAL_RANK, MASTER_ADDR and MASTER_PORT. A Slurm step (``srun``) with more
-    than one task sets SLURM_PROCID, SLURM_STEP_NUM_TASKS (SLURM_NTASKS) and
-    SLURM_LOCALID; the store then lives on the first node of the step, at
-    MASTER_PORT if set, else a port derived from the job id. A one-task Slurm job
+    than one task sets SLURM_PROCID, SLURM_STEP_NUM_TASKS and SLURM_LOCALID;
+    the store then lives on the first node of the step, at MASTER_PORT if set,
+    else a port derived from the job and step ids. A one-task Slurm job
     (``hydra/launcher=slurm`` with one task per node) is not a launched job: the
     harness spawns one rank per GPU itself.
     """
@@ -97,10 +97,12 @@ def detect_launch(environ=None) -> Optional[LaunchEnv]:
             or (max(1, world_size // local_world) if local_world else 1)
         return LaunchEnv(launcher, int(env["RANK"]), world_size, _int(env, "LOCAL_RANK") or 0, nnodes,
                          env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", "29500")))
-    ntasks = _int(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS")
+    # SLURM_STEP_NUM_TASKS, not SLURM_NTASKS: a batch script run with --ntasks=8 is no rank; an srun step is.
+    ntasks = _int(env, "SLURM_STEP_NUM_TASKS")
     if slurm and "SLURM_PROCID" in env and ntasks and ntasks > 1:
         nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "127.0.0.1"
-        port = _int(env, "MASTER_PORT") or 20000 + int(env["SLURM_JOB_ID"]) % 20000
+        # a port of the job's own, so two jobs (or two steps of one job) sharing a node do not meet
+        port = _int(env, "MASTER_PORT") or 20000 + (int(env["SLURM_JOB_ID"]) + (_int(env, "SLURM_STEP_ID") or 0)) % 20000
         return LaunchEnv("slurm", int(env["SLURM_PROCID"]), ntasks, _int(env, "SLURM_LOCALID") or 0,
                          _int(env, "SLURM_STEP_NUM_NODES", "SLURM_NNODES") or 1,
                          env.get("MASTER_ADDR") or first_host(nodelist), port)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import logging
 import queue
+import signal
 import threading
 import time
 from datetime import timedelta
@@ -66,6 +67,8 @@ class _Rank:
 def follow(job: LaunchedJob) -> int:
     """A non-zero rank: serve rank 0's commands until it says exit; on a failure, post it and exit."""
     logging.basicConfig(level=logging.INFO, format=f"[rank {job.rank}] %(asctime)s %(name)s: %(message)s", force=True)
+    # Ctrl-C reaches every process in the terminal's group: rank 0 handles it and ends the job.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     rank: Optional[_Rank] = None
     spec = command = examples = None
     while True:
@@ -162,6 +165,8 @@ class LaunchedBackend(Backend):
             seen = self.seen_failure or self._drained_failure()
             cause = self._peer_cause()
             if cause is None and seen is None:
+                self.closed = True  # rank 0's thread may be mid-pass: the other ranks leave now, not after it
+                self.job.abort("interrupted")
                 raise
             if cause is not None:
                 message = f"{cause[0]} during {what}"

@@ -81,6 +81,8 @@ def test_launch_environment_is_read_for_torchrun_slurm_and_none():
                           "LOCAL_RANK": "1"}).launcher == "slurm"
     # one Slurm task (hydra/launcher=slurm's default): the harness starts its own ranks
     assert detect_launch({"SLURM_JOB_ID": "1", "SLURM_PROCID": "0", "SLURM_NTASKS": "1"}) is None
+    # a batch script of an 8-task allocation, outside any srun step, is no rank either
+    assert detect_launch({"SLURM_JOB_ID": "1", "SLURM_PROCID": "0", "SLURM_NTASKS": "8"}) is None
     assert detect_launch({}) is None
     assert first_host("a[3-4,9],b1") == "a3" and first_host("solo") == "solo"
 
