@@ -12,7 +12,15 @@ DISTRIBUTED_BACKENDS = frozenset({"fsdp2", "megatron_ddp"})
 
 
 def resolve_world_size(backend: str, world_size: Optional[int], device_type: str) -> int:
-    """Ranks a backend runs: pytorch 1; otherwise ``world_size``, else one per visible GPU, else 2 CPU ranks."""
+    """Ranks a backend runs: pytorch 1; otherwise ``world_size``, else one per visible GPU, else 2 CPU ranks.
+
+    Under torchrun or Slurm the launcher's world size, and a ``world_size`` that disagrees is a user error.
+    """
+    from backends.launch import check_world_size, launch_env
+
+    launched = launch_env()
+    if launched is not None:
+        return check_world_size(backend, world_size, launched)
     if backend not in DISTRIBUTED_BACKENDS:
         if world_size not in (None, 1):
             raise UserError(f"world_size: backend={backend} runs one process, got {world_size} (valid: 1 or null)")
@@ -28,6 +36,14 @@ def resolve_world_size(backend: str, world_size: Optional[int], device_type: str
 
 def make_backend(spec, model):
     """Start the backend named by ``spec.name`` (imports only that backend's dependencies)."""
+    if spec.name in DISTRIBUTED_BACKENDS:
+        from backends.launch import launched_job
+
+        if launched_job() is not None:  # rank 0 of a torchrun / Slurm job: the ranks already exist
+            from backends.launched import LaunchedBackend
+
+            hooks = {"fsdp2": "backends.fsdp2:FSDP2Hooks", "megatron_ddp": "backends.megatron_ddp:MegatronDDPHooks"}
+            return LaunchedBackend(spec, model, spec.hooks or hooks[spec.name])
     if spec.name == "pytorch":
         from backends.pytorch import PyTorchBackend
 

@@ -174,15 +174,7 @@ def worker_main(
             replies.put(("done", rank, reply))
             continue
         except BaseException as exc:  # noqa: BLE001
-            if is_out_of_memory(exc):
-                _, local = _rank_share(command, rank, world_size, spec.name in LOCKSTEP_BACKENDS)
-                lengths = [len(e) for e in command["examples"]]
-                layout = command.get("layout", "padded")
-                largest = max((microbatch_tokens(b, lengths, layout) for b in local), default=0)
-                message = oom_message(command["pass_type"], f" on rank {rank}", largest, spec.memory_limit_gb, exc)
-                failure = ("oom", rank, (message, traceback.format_exc()))
-            else:
-                failure = ("error", rank, (f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+            failure = failure_report(exc, rank, spec, command, world_size)
         # Reported once the failed step's frames are released; the other ranks may now be
         # blocked in a collective, and the controller stops them all.
         replies.put(failure)
@@ -191,6 +183,29 @@ def worker_main(
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - best effort on the way out
         pass
+
+
+def failure_report(exc: BaseException, rank: int, spec: Optional[BackendSpec], command: Optional[dict],
+                   world_size: Optional[int] = None) -> tuple:
+    """A rank's failure as its reply: ("oom" or "error", rank, (one-line message, traceback)).
+
+    Called inside the ``except`` that caught ``exc``. Out of memory during a
+    pass names the pass and the largest micro-batch this rank ran.
+    """
+    details = traceback.format_exc()
+    if not is_out_of_memory(exc):
+        return "error", rank, (f"{type(exc).__name__}: {exc}", details)
+    limit_gb = spec.memory_limit_gb if spec is not None else None
+    if command is None:
+        return "oom", rank, (oom_message("start-up", f" on rank {rank}", 0, limit_gb, exc), details)
+    if world_size is None:
+        import torch.distributed as dist
+
+        world_size = dist.get_world_size()
+    _, local = _rank_share(command, rank, world_size, spec.name in LOCKSTEP_BACKENDS)
+    lengths = [len(e) for e in command["examples"]]
+    largest = max((microbatch_tokens(b, lengths, command.get("layout", "padded")) for b in local), default=0)
+    return "oom", rank, (oom_message(command["pass_type"], f" on rank {rank}", largest, limit_gb, exc), details)
 
 
 def _rank_share(

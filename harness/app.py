@@ -181,6 +181,7 @@ class Point:
         b = spec.backend
         mtpm, mbs = b.max_tokens_per_microbatch, b.micro_batch_size
         self.label = f"[{b.name} mtpm={mtpm} mbs={mbs}] "
+        _launcher_sets_world_size(b)
         lengths = workload_lengths(spec.workload)
         if spec.dry_run:
             # torch is imported here, not at start-up, so a config error is reported at once.
@@ -210,9 +211,12 @@ class Point:
             cost_model=self.cost_model,
         )
         write_plan_json(self.out_dir / PLAN_FILE, plan.to_json(backend=name))
+        from backends.launch import launch_record
+
         self.doc.update(
             backend=name,
             world_size=world_size,
+            launch=launch_record(world_size),  # who started the ranks: spawn (the harness), torchrun, slurm
             mtpm=mtpm,
             mbs=mbs,
             device=device_info,
@@ -355,6 +359,18 @@ class Point:
         )
 
 
+def _launcher_sets_world_size(backend_spec) -> None:
+    """Under torchrun/Slurm a preset's world_size (experiment=seed_b200: 4) gives way to the launcher's;
+    only one typed on the command line is checked against it (backends.launch.check_world_size)."""
+    from backends.launch import launch_env
+    from harness.points import override_key
+
+    if launch_env() is None:
+        return
+    if not any(override_key(o) in ("world_size", "backend.world_size") for o in _overrides()):
+        backend_spec.world_size = None
+
+
 def _folder_key() -> str:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
@@ -382,6 +398,29 @@ def skip_reason(cfg: DictConfig, out_dir: Path) -> str | None:
 
 def run_point(cfg: DictConfig) -> int:
     """Hydra task function body: never raises for a failed point, records its exit code."""
+    from backends.launch import detect_launch
+
+    launched = detect_launch()
+    if launched is None:
+        return _run_point(cfg)
+    from backends.launch import end_after_failure, job_spans_run, launched_job
+
+    job = launched_job()
+    if job.rank != 0:
+        # Under submitit every task runs this Hydra job; only global rank 0 measures and writes.
+        from backends.launched import follow
+
+        return follow(job)
+    try:
+        code = _run_point(cfg)
+        end_after_failure(code)  # a failed launched job runs no more points: every rank ends now
+        return code
+    finally:
+        if not job_spans_run():
+            job.finish()
+
+
+def _run_point(cfg: DictConfig) -> int:
     out_dir = _output_dir()
     STATE.last_dir = out_dir
     try:

@@ -36,6 +36,30 @@ fi
 exec {python} "$@"
 """
 
+# `torchrun` for the blocks: the harness's arguments as written, as 2 ranks of a real torchrun on this
+# machine (the block's node count, GPUs per node and rendezvous are a cluster's); `python` above plans.
+TORCHRUN_SHIM = """#!{python}
+import os, sys
+args = sys.argv[1:]
+harness = args[args.index("-m") + 2:] if "-m" in args else []
+assert args[args.index("-m") + 1] == "harness", args
+os.execv("{python}", ["{python}", "-m", "torch.distributed.run", "--standalone", "--nnodes=1", "--nproc-per-node=2",
+                      "--no-python", os.path.join(os.path.dirname(__file__), "python"), "-m", "harness", *harness])
+"""
+
+# `srun` for the blocks: the command as 2 tasks of one step on this machine, each with the variables
+# Slurm gives a task (the job's own #SBATCH sizes are a cluster's).
+SRUN_SHIM = """#!{python}
+import os, subprocess, sys
+args = sys.argv[1:]
+while args and args[0].startswith("-"):
+    args = args[1:]
+env = dict(os.environ, SLURM_JOB_ID=str(os.getpid()), SLURM_NTASKS="2", SLURM_STEP_NUM_TASKS="2", SLURM_NNODES="1",
+           SLURM_STEP_NUM_NODES="1", SLURM_STEP_NODELIST="127.0.0.1", MASTER_PORT=os.environ["PORT"])
+tasks = [subprocess.Popen(args, env=dict(env, SLURM_PROCID=str(i), SLURM_LOCALID=str(i))) for i in range(2)]
+sys.exit(max(t.wait() for t in tasks))
+"""
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -50,6 +74,10 @@ def pasted(tmp_path):
         folder.mkdir(parents=True)
         shim = folder / "python"
         shim.write_text(SHIM.format(python=sys.executable))
+        shim.chmod(0o755)
+    for name, text in (("torchrun", TORCHRUN_SHIM), ("srun", SRUN_SHIM)):
+        shim = tmp_path / "bin" / name
+        shim.write_text(text.format(python=sys.executable))
         shim.chmod(0o755)
     env = harness_env(PATH=f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}", PYTHONPATH=str(REPO),
                       PORT=str(_free_port()))
@@ -92,8 +120,12 @@ def test_block_runs_as_pasted(pasted, tmp_path, index):
     assert proc.returncode == 0, f"{block}\n{proc.stdout}"
     assert "Traceback" not in proc.stdout, proc.stdout
     results = [json.loads(p.read_text()) for p in Path(tmp_path).rglob("results.json")]
-    if re.search(r"python -m harness ", block):  # the benchmark ran (planned, or measured as a client)
+    if re.search(r"python -m harness |-m harness ", block):  # the benchmark ran (planned, or measured as a client)
         assert results and all(r["status"] in ("ok", "planned") for r in results)
+    for launcher in ("torchrun", "srun"):  # one result, written by rank 0 of the 2 ranks the launcher started
+        if re.search(rf"^\s*{launcher} ", block, flags=re.M):
+            name = "slurm" if launcher == "srun" else launcher
+            assert [r["launch"] for r in results] == [{"launcher": name, "nnodes": 1, "world_size": 2}], results
     if "target.url=" in block:  # the live-control block: the client measured through the server
         measured = [r for r in results if r["status"] == "ok"]
         assert len(measured) == 1 and measured[0]["mtpm"] == 32768 and measured[0]["target"]

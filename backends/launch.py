@@ -1,0 +1,410 @@
+"""Running as one rank of a job started by torchrun or Slurm: the ranks in-process, commanded by global rank 0.
+
+Under an external launcher every process is one rank. Global rank 0 runs the
+harness (Hydra, planning, results.json, W&B, the report) and does its own share
+of each pass in a thread; every other rank runs ``follow``: no Hydra, no output
+folder, only the worker loop, taking its commands from rank 0 through the job's
+TCP store. Nothing is spawned.
+
+Failure: each process beats a heartbeat counter in the store. Rank 0 declares a
+rank whose counter stops (killed, stopped, hung with the interpreter locked) or
+that posts a failure, records the point's result, raises ``abort`` in the store
+and exits; the other ranks see ``abort`` (or rank 0's heartbeat stop, or the
+store vanish) and exit too, so the launcher ends the job on every node.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import re
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Optional
+
+log = logging.getLogger(__name__)
+
+# A rank whose heartbeat has not moved for this long is declared dead (well under the issue's 60 s).
+HEARTBEAT_EVERY_S = 1.0
+STALE_AFTER_S = 15.0
+_BEAT_STORE_TIMEOUT_S = 10.0
+# The watchdog's patience once the job has ended: rank 0 first writes the point's result.
+_GRACE_S = {0: 30.0, "other": 5.0}
+_STORE_TIMEOUT_S = 300.0  # how long a rank waits for the store itself at start-up (nodes start at different times)
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """Where this process sits in a launched job, read from the launcher's environment."""
+
+    launcher: str  # torchrun, slurm or env (RANK/WORLD_SIZE set by something else)
+    rank: int
+    world_size: int
+    local_rank: int
+    nnodes: int
+    master_addr: str
+    master_port: int
+
+    def record(self) -> dict:
+        return {"launcher": self.launcher, "nnodes": self.nnodes, "world_size": self.world_size}
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a Slurm node list: 'gpu[07-09,12],cpu3' -> 'gpu07'."""
+    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if not match:
+        return nodelist
+    prefix, ranges = match.group(1), match.group(2)
+    if not ranges:
+        return prefix
+    return prefix + ranges.split(",")[0].split("-")[0]
+
+
+def _int(environ, *names: str) -> Optional[int]:
+    for name in names:
+        value = environ.get(name)
+        if value not in (None, ""):
+            return int(value.split("(")[0])  # SLURM_TASKS_PER_NODE style '4(x2)' never reaches here, but be safe
+    return None
+
+
+def detect_launch(environ=None) -> Optional[LaunchEnv]:
+    """The launched job this process is a rank of, or None when the harness starts its own ranks.
+
+    torchrun (and submitit's exported torch environment) set RANK, WORLD_SIZE,
+    LOCAL_RANK, MASTER_ADDR and MASTER_PORT. A Slurm step (``srun``) with more
+    than one task sets SLURM_PROCID, SLURM_STEP_NUM_TASKS and SLURM_LOCALID;
+    the store then lives on the first node of the step, at MASTER_PORT if set,
+    else a port derived from the job and step ids. A one-task Slurm job
+    (``hydra/launcher=slurm`` with one task per node) is not a launched job: the
+    harness spawns one rank per GPU itself.
+    """
+    env = os.environ if environ is None else environ
+    slurm = "SLURM_JOB_ID" in env
+    if "RANK" in env and "WORLD_SIZE" in env:
+        world_size = int(env["WORLD_SIZE"])
+        local_world = _int(env, "LOCAL_WORLD_SIZE")
+        if "TORCHELASTIC_RUN_ID" in env:
+            launcher = "torchrun"
+        else:
+            launcher = "slurm" if slurm else "env"
+        nnodes = (_int(env, "GROUP_WORLD_SIZE") if launcher == "torchrun" else None) \
+            or (_int(env, "SLURM_STEP_NUM_NODES", "SLURM_NNODES") if slurm else None) \
+            or (max(1, world_size // local_world) if local_world else 1)
+        return LaunchEnv(launcher, int(env["RANK"]), world_size, _int(env, "LOCAL_RANK") or 0, nnodes,
+                         env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", "29500")))
+    # SLURM_STEP_NUM_TASKS, not SLURM_NTASKS: a batch script run with --ntasks=8 is no rank; an srun step is.
+    ntasks = _int(env, "SLURM_STEP_NUM_TASKS")
+    if slurm and "SLURM_PROCID" in env and ntasks and ntasks > 1:
+        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "127.0.0.1"
+        # a port of the job's own, so two jobs (or two steps of one job) sharing a node do not meet
+        port = _int(env, "MASTER_PORT") or 20000 + (int(env["SLURM_JOB_ID"]) + (_int(env, "SLURM_STEP_ID") or 0)) % 20000
+        return LaunchEnv("slurm", int(env["SLURM_PROCID"]), ntasks, _int(env, "SLURM_LOCALID") or 0,
+                         _int(env, "SLURM_STEP_NUM_NODES", "SLURM_NNODES") or 1,
+                         env.get("MASTER_ADDR") or first_host(nodelist), port)
+    return None
+
+
+class JobFailed(Exception):
+    """A rank of the launched job failed or stopped answering; the message names it."""
+
+    def __init__(self, message: str, details: Optional[str] = None, status: str = "error"):
+        super().__init__(message)
+        self.details, self.status = details, status
+
+
+class LaunchedJob:
+    """This process's place in the launched job: the store, the heartbeats, and the command channel."""
+
+    def __init__(self, env: LaunchEnv):
+        import torch.distributed as dist
+
+        self.env = env
+        self.rank, self.world_size = env.rank, env.world_size
+        self.failed: Optional[str] = None  # rank 0: why the job was ended
+        self.store_lost: Optional[str] = None  # rank 0: why the store stopped answering, seen by the heartbeat
+        self._seq = 0
+        self._forgotten = 0  # commands below this number are deleted from the store
+        self._base = self._connect(is_master=self._hosts_store())
+        self.store = dist.PrefixStore("balance-batch/ctl/", self._base)
+        beat_client = self._connect(is_master=False)
+        beat_client.set_timeout(timedelta(seconds=_BEAT_STORE_TIMEOUT_S))  # a stopped store host must not block the beat
+        self._beat_store = dist.PrefixStore("balance-batch/ctl/", beat_client)
+        self._seen: dict[int, tuple[int, float]] = {}  # rank -> (last counter, when it last moved)
+        self._stop = threading.Event()
+        self._beats = threading.Thread(target=self._beat, name="launch-heartbeat", daemon=True)
+        self._beats.start()
+        self._start_watchdog()
+
+    def _start_watchdog(self) -> None:
+        """A small process that SIGKILLs this rank when the job has ended and the rank did not follow.
+
+        A stopped or hung rank cannot exit by itself, and its node's launcher
+        may never notice (torchrun watches only its own workers' exits). The
+        watchdog dies with this process (PR_SET_PDEATHSIG), so it is never left behind.
+        """
+        import subprocess
+
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        args = [str(os.getpid()), str(self.rank), self.env.master_addr, str(self.env.master_port)]
+        self._watchdog = subprocess.Popen([sys.executable, "-c", "from backends.launch import watch; watch()", *args],
+                                          env=env, stdin=subprocess.DEVNULL, close_fds=True)
+
+    # -- the store ------------------------------------------------------------------------------
+    def _hosts_store(self) -> bool:
+        # torchrun's agent on the first node hosts the store for its workers; otherwise rank 0 does.
+        return self.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+
+    def _connect(self, is_master: bool):
+        import torch.distributed as dist
+
+        try:
+            return dist.TCPStore(self.env.master_addr, self.env.master_port, None if not is_master else self.world_size,
+                                 is_master=is_master, timeout=timedelta(seconds=_STORE_TIMEOUT_S),
+                                 wait_for_workers=False, multi_tenant=True)
+        except Exception as exc:  # noqa: BLE001 - a user-facing start-up failure
+            from backends.errors import UserError
+
+            raise UserError(f"MASTER_ADDR/MASTER_PORT: rank {self.rank} cannot reach the job's store at "
+                            f"{self.env.master_addr}:{self.env.master_port} ({type(exc).__name__}: "
+                            f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+
+    def process_group_store(self):
+        import torch.distributed as dist
+
+        return dist.PrefixStore("balance-batch/pg/", self._base)
+
+    # -- heartbeats -----------------------------------------------------------------------------
+    def _beat(self) -> None:
+        """Every second: show this process is alive; a non-zero rank also watches rank 0 and ``abort``."""
+        while not self._stop.wait(HEARTBEAT_EVERY_S):
+            try:
+                self._beat_store.add(f"hb/{self.rank}", 1)
+                if self.rank == 0:
+                    continue
+                if self._beat_store.check(["abort"]):
+                    reason = self._beat_store.get("abort").decode(errors="replace")
+                    self.exit_now(f"rank {self.rank}: the job was ended by rank 0 ({reason})")
+                if self._stale(0, self._beat_store):
+                    self.exit_now(f"rank {self.rank}: rank 0 stopped answering (no heartbeat for {STALE_AFTER_S:g} s); exiting")
+            except Exception as exc:  # noqa: BLE001 - the store is gone: the launcher ended the job
+                if self._stop.is_set():
+                    return
+                if self.rank == 0:  # rank 0 writes the point's result first (LaunchedBackend reads this)
+                    self.store_lost = (f"lost the job's store at {self.env.master_addr}:{self.env.master_port} "
+                                       f"({type(exc).__name__}): the launcher ended the job (a rank or a node failed)")
+                    return
+                self.exit_now(f"rank {self.rank}: lost the job's store at {self.env.master_addr}:{self.env.master_port} "
+                               f"({type(exc).__name__}); the job has ended; exiting")
+
+    def _stale(self, rank: int, store) -> bool:
+        count = int(store.add(f"hb/{rank}", 0))
+        now = time.monotonic()
+        last = self._seen.get(rank)
+        if last is None or last[0] != count:
+            self._seen[rank] = (count, now)
+            return False
+        return now - last[1] > STALE_AFTER_S
+
+    def exit_now(self, line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+        logging.shutdown()
+        os._exit(1)
+
+    def dead_peer(self) -> Optional[str]:
+        """Rank 0: a rank whose heartbeat stopped, as a phrase; None while all beat."""
+        for rank in range(1, self.world_size):
+            if self._stale(rank, self.store):
+                return f"rank {rank} stopped answering (killed or hung: no heartbeat for {STALE_AFTER_S:g} s)"
+        return None
+
+    def peer_failure(self) -> Optional[tuple[str, str, Optional[str]]]:
+        """Rank 0: (kind, message, details) of a rank that posted its failure, else None."""
+        if int(self.store.add("nfail", 0)) == 0:
+            return None
+        for rank in range(1, self.world_size):
+            if self.store.check([f"fail/{rank}"]):
+                kind, (message, details) = pickle.loads(self.store.get(f"fail/{rank}"))
+                return kind, message, details
+        return None
+
+    # -- commands -------------------------------------------------------------------------------
+    def send(self, kind: str, payload: Any = None) -> int:
+        """Rank 0: the next command for every other rank; returns its number."""
+        if self.world_size > 1:
+            self.store.set(f"cmd/{self._seq}", pickle.dumps((kind, payload), protocol=pickle.HIGHEST_PROTOCOL))
+        self._seq += 1
+        return self._seq - 1
+
+    def forget(self, before: int) -> None:
+        """Rank 0: drop the commands numbered below ``before`` from the store, once every rank has read them."""
+        if self.world_size > 1:
+            for seq in range(self._forgotten, before):
+                self.store.delete_key(f"cmd/{seq}")
+        self._forgotten = max(self._forgotten, before)
+
+    def receive(self) -> tuple[str, Any]:
+        """A non-zero rank: wait for rank 0's next command (the heartbeat thread ends the wait if the job ends)."""
+        key = f"cmd/{self._seq}"
+        while True:
+            try:
+                self.store.wait([key], timedelta(seconds=5))
+                break
+            except Exception:  # noqa: BLE001 - a wait timed out: keep waiting (rank 0 may be between points)
+                continue
+        self._seq += 1
+        return pickle.loads(self.store.get(key))
+
+    def post_failure(self, kind: str, message: str, details: str) -> None:
+        self.store.set(f"fail/{self.rank}", pickle.dumps((kind, (message, details))))
+        self.store.add("nfail", 1)
+
+    def abort(self, reason: str) -> None:
+        """Rank 0: tell every other rank to exit now (they may be stuck in a collective with a dead peer)."""
+        self.failed = self.failed or reason
+        try:
+            self.store.set("abort", reason[:500])
+        except Exception:  # noqa: BLE001 - the store is gone: the other ranks see that instead
+            pass
+
+    def finish(self) -> None:
+        """At the end of the run: the watchdog goes; rank 0 tells the other ranks to exit cleanly."""
+        self._stop.set()
+        self._watchdog.kill()  # its parent's heartbeat stops now; it must not take that for a hang
+        self._watchdog.wait()
+        if self.rank == 0 and self.failed is None and self.store_lost is None:
+            try:
+                self.send("exit")
+            except Exception:  # noqa: BLE001 - the store is gone: the other ranks see that and exit
+                pass
+
+
+_JOB: Optional[LaunchedJob] = None
+# True when ``python -m harness`` itself owns the job (torchrun, srun): it tells the ranks to exit at its
+# end. False under submitit, where every task runs one point's Hydra job: the point's end ends them.
+_JOB_SPANS_RUN = False
+
+
+def keep_job_until_exit() -> None:
+    global _JOB_SPANS_RUN
+    _JOB_SPANS_RUN = True
+
+
+def job_spans_run() -> bool:
+    return _JOB_SPANS_RUN
+
+
+def launched_job() -> Optional[LaunchedJob]:
+    """This process's launched job, connected on first use; None when not launched (or a one-rank launch)."""
+    global _JOB
+    if _JOB is None:
+        env = detect_launch()
+        if env is None:
+            return None
+        _JOB = LaunchedJob(env)
+    return _JOB
+
+
+def launch_env() -> Optional[LaunchEnv]:
+    return _JOB.env if _JOB is not None else detect_launch()
+
+
+def launch_record(world_size: int) -> dict:
+    """results.json's ``launch``: who started the ranks, on how many nodes."""
+    env = launch_env()
+    return env.record() if env is not None else {"launcher": "spawn", "nnodes": 1, "world_size": world_size}
+
+
+def check_world_size(backend: str, world_size: Optional[int], env: LaunchEnv) -> int:
+    """The launcher's world size; a ``world_size=`` that says otherwise, or a one-process backend, is a user error."""
+    from backends import DISTRIBUTED_BACKENDS
+    from backends.errors import UserError
+
+    if backend not in DISTRIBUTED_BACKENDS:
+        if env.world_size != 1:
+            raise UserError(f"backend.name: {backend} runs one process, but {env.launcher} started {env.world_size} "
+                            f"ranks (valid under a launcher: fsdp2, megatron_ddp)")
+        return 1
+    if world_size is not None and world_size != env.world_size:
+        raise UserError(f"world_size: {world_size} conflicts with the {env.world_size} ranks {env.launcher} started "
+                        f"(WORLD_SIZE={env.world_size}); leave world_size unset under a launcher")
+    return env.world_size
+
+
+def end_after_failure(exit_code: int) -> None:
+    """Rank 0, after a point's result is written: a failed launched job cannot run more points; end the process.
+
+    Its rank thread may be stuck in a collective with a dead peer, so the process
+    leaves with ``os._exit`` once the logs are flushed; the other ranks already saw ``abort``.
+    """
+    job = _JOB
+    if job is None or job.failed is None:
+        return
+    log.error("the launched job ends here (%s); finished points are kept; rerun with resume=true to continue a sweep",
+              job.failed)
+    for handler in logging.getLogger().handlers:
+        try:
+            handler.flush()
+        except Exception:  # noqa: BLE001
+            pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(max(1, exit_code))
+
+
+
+
+def watch() -> None:
+    """The watchdog process of one rank (argv: rank pid, rank, store address, store port); see ``_start_watchdog``."""
+    import signal
+
+    parent, rank, addr, port = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:
+        return
+    import torch.distributed as dist
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the rank's to handle
+    client = dist.TCPStore(addr, port, None, is_master=False, timeout=timedelta(seconds=_STORE_TIMEOUT_S))
+    client.set_timeout(timedelta(seconds=_BEAT_STORE_TIMEOUT_S))
+    store = dist.PrefixStore("balance-batch/ctl/", client)
+    seen: dict[int, tuple[int, float]] = {}
+
+    def stale(r: int) -> bool:
+        count, now = int(store.add(f"hb/{r}", 0)), time.monotonic()
+        if seen.get(r, (None,))[0] != count:
+            seen[r] = (count, now)
+            return False
+        return now - seen[r][1] > STALE_AFTER_S
+
+    ended_at, reason = None, ""
+    grace = _GRACE_S[0] if rank == 0 else _GRACE_S["other"]
+    while True:
+        time.sleep(HEARTBEAT_EVERY_S)
+        try:
+            os.kill(parent, 0)
+        except ProcessLookupError:
+            return
+        if ended_at is None:
+            try:
+                if stale(rank):
+                    ended_at, reason, grace = time.monotonic(), f"rank {rank} is hung or stopped (no heartbeat)", 0.0
+                elif store.check(["abort"]):
+                    ended_at, reason = time.monotonic(), "the job was ended by rank 0"
+                elif rank != 0 and stale(0):
+                    ended_at, reason = time.monotonic(), "rank 0 stopped answering"
+            except Exception:  # noqa: BLE001 - the store is gone: the job has ended
+                ended_at, reason = time.monotonic(), "the job's store is gone"
+        if ended_at is not None and time.monotonic() - ended_at >= grace:
+            print(f"rank {rank} watchdog: {reason}; killing rank {rank} (pid {parent})", file=sys.stderr, flush=True)
+            os.kill(parent, signal.SIGKILL)
+            return

@@ -1,0 +1,162 @@
+"""A point run under an external launcher: two real torchrun "nodes" on 127.0.0.1, and the launch environment read."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+
+from backends.launch import LaunchEnv, check_world_size, detect_launch, first_host
+from backends.errors import UserError
+from tests.conftest import harness_env, load_json, run_harness, wait_session_empty
+
+# A few small examples; sizes as in tests/test_distributed.py.
+POINT = ("workload=smoke", "workload.n_examples=6", "mtpm=700", "bench.warmup=0", "bench.repeat=1",
+         "bench.save_outputs=true", "logger=none")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_nodes(workdir: Path, *args: str, nnodes: int = 2) -> list[subprocess.Popen]:
+    """``torchrun --nnodes=2 --nproc-per-node=1 --node-rank i`` per "node", each in its own folder and session."""
+    port = _free_port()
+    procs = []
+    for node in range(nnodes):
+        cwd = workdir / f"node{node}"
+        cwd.mkdir(parents=True, exist_ok=True)
+        command = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", "--nproc-per-node=1",
+                   f"--node-rank={node}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+                   "--max-restarts=0", "-m", "harness", *args]
+        with open(cwd / "node.log", "w") as out:
+            procs.append(subprocess.Popen(command, cwd=cwd, env=harness_env(), stdout=out, stderr=subprocess.STDOUT,
+                                          start_new_session=True))
+    return procs
+
+
+def node_logs(workdir: Path) -> str:
+    return "\n".join(p.read_text() for p in sorted(workdir.glob("node*/node.log")))
+
+
+def results_files(workdir: Path) -> list[Path]:
+    return sorted(p for p in workdir.rglob("results.json") if "spawned" not in p.parts)
+
+
+def rank_process(procs: list[subprocess.Popen], rank: int) -> psutil.Process:
+    """The worker process torchrun started for a global rank (the c10d rendezvous assigns ranks in arrival order)."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        for agent in procs:
+            for child in psutil.Process(agent.pid).children(recursive=True):
+                try:
+                    if child.environ().get("RANK") == str(rank) and "harness" in child.cmdline():
+                        return child
+                except psutil.Error:
+                    continue
+        time.sleep(0.2)
+    raise AssertionError(f"no process for rank {rank}")
+
+
+def test_launch_environment_is_read_for_torchrun_slurm_and_none():
+    torchrun = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_WORLD_SIZE": "2",
+                "MASTER_ADDR": "n1", "MASTER_PORT": "29400", "TORCHELASTIC_RUN_ID": "x"}
+    assert detect_launch(torchrun) == LaunchEnv("torchrun", 3, 4, 1, 2, "n1", 29400)
+    srun = {"SLURM_JOB_ID": "4242", "SLURM_PROCID": "5", "SLURM_STEP_NUM_TASKS": "8", "SLURM_LOCALID": "1",
+            "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_NODELIST": "gpu[07-08]"}
+    assert detect_launch(srun) == LaunchEnv("slurm", 5, 8, 1, 2, "gpu07", 20000 + 4242)
+    # submitit's exported torch environment inside a Slurm job
+    assert detect_launch({**srun, "RANK": "5", "WORLD_SIZE": "8", "MASTER_ADDR": "gpu07", "MASTER_PORT": "1234",
+                          "LOCAL_RANK": "1"}).launcher == "slurm"
+    # one Slurm task (hydra/launcher=slurm's default): the harness starts its own ranks
+    assert detect_launch({"SLURM_JOB_ID": "1", "SLURM_PROCID": "0", "SLURM_NTASKS": "1"}) is None
+    # a batch script of an 8-task allocation, outside any srun step, is no rank either
+    assert detect_launch({"SLURM_JOB_ID": "1", "SLURM_PROCID": "0", "SLURM_NTASKS": "8"}) is None
+    assert detect_launch({}) is None
+    assert first_host("a[3-4,9],b1") == "a3" and first_host("solo") == "solo"
+
+
+def test_world_size_comes_from_the_launcher():
+    env = LaunchEnv("torchrun", 0, 2, 0, 2, "127.0.0.1", 1)
+    assert check_world_size("fsdp2", None, env) == 2 and check_world_size("megatron_ddp", 2, env) == 2
+    with pytest.raises(UserError, match=r"^world_size: 3 conflicts with the 2 ranks torchrun started"):
+        check_world_size("fsdp2", 3, env)
+    with pytest.raises(UserError, match=r"^backend.name: pytorch runs one process"):
+        check_world_size("pytorch", None, env)
+
+
+def test_conflicting_world_size_is_one_line_and_exit_2(workdir):
+    """RANK/WORLD_SIZE set by a launcher, world_size= disagreeing: one line naming world_size, status 2, no traceback."""
+    env = harness_env(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    proc = run_harness("backend=fsdp2", "world_size=3", *POINT, "hydra.run.dir=run", cwd=workdir, env=env, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if "world_size: 3 conflicts" in line]
+    assert lines and "Traceback" not in proc.stdout + proc.stderr
+    assert load_json(workdir / "run" / "results.json")["status"] == "error"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["fsdp2", "megatron_ddp"])
+def test_two_torchrun_nodes_match_the_spawned_ranks(workdir, backend):
+    """Same per-example losses and gradient norm as the harness's own 2 ranks; one results.json; nothing left."""
+    spawned = run_harness(f"backend={backend}", "world_size=2", *POINT, f"hydra.run.dir={workdir / 'spawned'}",
+                          cwd=workdir, timeout=300)
+    assert spawned.returncode == 0, spawned.stdout + spawned.stderr
+    # No hydra.run.dir: each "node" would name its own outputs/<date>/<time> folder; only rank 0 may write one.
+    procs = start_nodes(workdir, f"backend={backend}", *POINT)
+    codes = [p.wait(timeout=300) for p in procs]
+    assert codes == [0, 0], node_logs(workdir)
+    files = results_files(workdir)
+    assert len(files) == 1, files
+    doc = load_json(files[0])
+    assert doc["status"] == "ok" and doc["world_size"] == 2
+    assert doc["launch"] == {"launcher": "torchrun", "nnodes": 2, "world_size": 2}
+    assert len(list(workdir.rglob("plan.json"))) == 2  # the spawned run's and rank 0's
+    got = load_json(files[0].parent / "example_outputs.json")
+    ref = load_json(workdir / "spawned" / "example_outputs.json")
+    for pass_type in ("forward", "forward_backward"):
+        np.testing.assert_allclose(got[pass_type]["loss"], ref[pass_type]["loss"], rtol=1e-5)
+    assert ref["forward_backward"]["grad_norm"] > 0
+    assert math.isclose(got["forward_backward"]["grad_norm"], ref["forward_backward"]["grad_norm"], rel_tol=1e-5)
+    assert load_json(workdir / "spawned" / "results.json")["launch"] == {"launcher": "spawn", "nnodes": 1, "world_size": 2}
+    for p in procs:
+        assert wait_session_empty(p.pid) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend, sig", [("fsdp2", signal.SIGKILL), ("megatron_ddp", signal.SIGSTOP)])
+def test_a_killed_or_hung_rank_ends_the_point_on_every_node(workdir, backend, sig):
+    """Rank 1 killed (or stopped: hung) mid-run: rank 0 records the failure, both torchruns end within 60 s, nothing is left."""
+    procs = start_nodes(workdir, f"backend={backend}", *POINT[:-3], "bench.repeat=15", "logger=none",
+                        "hydra.run.dir=run")
+    victim = rank_process(procs, 1)
+    rank_process(procs, 0)
+    deadline = time.monotonic() + 240
+    # the forward pass is recorded, forward_backward is running
+    while "forward_backward repeat 1/" not in node_logs(workdir) and time.monotonic() < deadline:
+        assert all(p.poll() is None for p in procs), node_logs(workdir)
+        time.sleep(0.5)
+    victim.send_signal(sig)
+    codes = [p.wait(timeout=60) for p in procs]
+    assert all(c != 0 for c in codes), node_logs(workdir)
+    files = results_files(workdir)
+    assert len(files) == 1
+    doc = load_json(files[0])
+    # torchrun usually stops rank 0 before the heartbeats can name rank 1; the line says what rank 0 saw
+    assert doc["status"] == "error", doc
+    assert any(s in doc["error"] for s in ("rank 1 ", "another rank died", "the launcher ended the job")), doc["error"]
+    assert list(doc["passes"]) == ["forward"], "the pass finished before the kill is kept"
+    assert doc["error"] in node_logs(workdir)
+    for p in procs:
+        assert wait_session_empty(p.pid) == []
