@@ -18,7 +18,7 @@ from backends.base import Backend, PassResult, resolve_device
 from backends.errors import BackendError, first_line
 from backends.launch import HEARTBEAT_EVERY_S, STALE_AFTER_S, LaunchedJob, check_world_size, launched_job
 from backends.memory import limit_memory, restore_memory_limit
-from backends.model import build_model, describe_model
+from backends.loading import LoadMeter, merge_load_records
 from backends.workers import _import, _run_command, failure_report
 
 log = logging.getLogger(__name__)
@@ -50,9 +50,13 @@ class _Rank:
                 timeout=timedelta(seconds=spec.dist_timeout_s),
                 device_id=self.device if self.device.type == "cuda" else None,
             )
-        model = build_model(model_spec, self.device, spec.gradient_checkpointing)
-        self.built = describe_model(model, model_spec) if job.rank == 0 else None
-        self.model = self.hooks.wrap(model)
+        with LoadMeter(self.device) as meter:
+            self.model, built, method = self.hooks.load_model(model_spec)
+        # Every rank's load record reaches rank 0 (one collective, as in the spawned path's start-up replies).
+        records: list = [None] * job.world_size
+        dist.all_gather_object(records, meter.as_dict())
+        self.built = built if job.rank == 0 else None
+        self.load = merge_load_records(method, records)
         self.wlog = logging.getLogger(f"backends.{spec.name}")
 
     def run(self, command: dict) -> Optional[dict]:
@@ -137,14 +141,14 @@ class LaunchedBackend(Backend):
         job.send("start", {"spec": spec, "model": model, "hooks": hooks_path})
         self.thread = threading.Thread(target=self._serve, name="rank0", daemon=True)
         self.thread.start()
-        self.model_info = self._wait("start-up", None)
+        self.model_info, self.load_info = self._wait("start-up", None)
         log.info("%s: rank 0 ready (the other ranks are checked at each pass)", spec.name)
 
     def _serve(self) -> None:
         command = None
         try:
             rank = _Rank(self.job, self.spec, self.model_spec, self.hooks_path)
-            self.replies.put(("done", rank.built))
+            self.replies.put(("done", (rank.built, rank.load)))
             while True:
                 command = self.commands.get()
                 if command is None:

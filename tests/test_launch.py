@@ -130,6 +130,10 @@ def test_two_torchrun_nodes_match_the_spawned_ranks(workdir, backend):
     assert ref["forward_backward"]["grad_norm"] > 0
     assert math.isclose(got["forward_backward"]["grad_norm"], ref["forward_backward"]["grad_norm"], rel_tol=1e-5)
     assert load_json(workdir / "spawned" / "results.json")["launch"] == {"launcher": "spawn", "nnodes": 1, "world_size": 2}
+    # Both ranks loaded the way the spawned ranks do, and rank 0 records each rank's load peak.
+    load, ref_load = doc["load"], load_json(workdir / "spawned" / "results.json")["load"]
+    assert load["method"] == ref_load["method"]
+    assert len(load["host_peak_bytes"]) == 2 and all(b > 0 for b in load["host_peak_bytes"])
     for p in procs:
         assert wait_session_empty(p.pid) == []
 
