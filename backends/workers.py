@@ -22,7 +22,7 @@ import threading
 import time
 import traceback
 from datetime import timedelta
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -30,7 +30,6 @@ import torch.distributed as dist
 from backends import LOCKSTEP_BACKENDS, resolve_world_size
 from backends.base import Backend, BackendSpec, PassResult, plan_command, resolve_device
 from backends.errors import BackendError, UserError, first_line
-from backends.examples import Example
 from backends.memory import is_out_of_memory, limit_memory, oom_message, peak_memory, reset_peak_memory
 from backends.microbatch import CostModel, Schedule, microbatch_tokens, plan_stats
 from backends.model import ModelSpec, build_model, describe_model
@@ -207,10 +206,25 @@ def command_lengths(command: dict[str, Any]) -> list[int]:
     return [len(e) for e in command["examples"]]
 
 
+def rank_commands(command: dict[str, Any], world_size: int, lockstep: bool) -> list[dict[str, Any]]:
+    """Each rank's copy of a command: every length, but only the examples of its own share, keyed by index.
+
+    Pickling every example to every rank would cost world_size times the batch
+    in host work per pass; the plan is computed here as the ranks compute it.
+    """
+    examples = command["examples"]
+    plan = plan_command(command, world_size, lockstep)
+    lengths = [len(e) for e in examples]
+    return [
+        {**command, "lengths": lengths, "examples": {i: examples[i] for b in sched if b is not None for i in b}}
+        for sched in plan.schedules
+    ]
+
+
 def _run_command(
     command: dict[str, Any], model, hooks: RankHooks, rank: int, world_size: int, device: torch.device, wlog
 ) -> Optional[dict]:
-    # ``examples``: all of them (a list), or this rank's share keyed by index (see DistributedBackend.rank_commands).
+    # ``examples``: all of them (a list), or this rank's share keyed by index (see rank_commands).
     examples = command["examples"]
     pass_type = command["pass_type"]
     lengths = command_lengths(command)
@@ -465,7 +479,8 @@ class DistributedBackend(Backend):
     def _run_pass(self, command: dict[str, Any]) -> PassResult:
         if self.closed:
             raise BackendError(f"{self.spec.name}: workers are stopped")
-        for q, rank_command in zip(self.command_queues, self.rank_commands(command)):
+        lockstep = self.spec.name in LOCKSTEP_BACKENDS
+        for q, rank_command in zip(self.command_queues, rank_commands(command, self.world_size, lockstep)):
             q.put(rank_command)
         replies = self._collect("done", timeout_s=command.get("timeout_s"), what=command["pass_type"])
         reply = replies[0]
@@ -479,20 +494,6 @@ class DistributedBackend(Backend):
             mem_peak_reserved_bytes_per_rank=reply["mem_peak_reserved_bytes_per_rank"],
             step_s=reply["step_s"],
         )
-
-    def rank_commands(self, command: dict[str, Any]) -> list[dict[str, Any]]:
-        """Each rank's copy of a command: every length, but only the examples of its own share.
-
-        Pickling every example to every rank would cost world_size times the
-        batch in host work; the plan is computed here as the ranks compute it.
-        """
-        examples = command["examples"]
-        plan = plan_command(command, self.world_size, self.spec.name in LOCKSTEP_BACKENDS)
-        lengths = [len(e) for e in examples]
-        return [
-            {**command, "lengths": lengths, "examples": {i: examples[i] for b in sched if b is not None for i in b}}
-            for sched in plan.schedules
-        ]
 
     def close(self, graceful: bool = True) -> None:
         if self.closed:

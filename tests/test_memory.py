@@ -72,3 +72,17 @@ def test_cpu_memory_limit_is_applied_and_restored():
     finally:
         restore_memory_limit(limit)
     assert resource.getrlimit(resource.RLIMIT_DATA) == before
+
+
+def test_cuda_devices_are_matched_to_nvml_devices_by_uuid_not_index():
+    from harness.measure import match_nvml_devices
+
+    nvml = ["GPU-aaaa1111-0000-0000-0000-000000000000", "GPU-bbbb2222-0000-0000-0000-000000000000",
+            "MIG-cccc3333-0000-0000-0000-000000000000", "GPU-dddd4444-0000-0000-0000-000000000000"]
+    # CUDA_VISIBLE_DEVICES=GPU-dddd4444...,GPU-bbbb2222...: CUDA device 0 is NVML's 3, not 0
+    assert match_nvml_devices(["dddd4444-0000-0000-0000-000000000000", "bbbb2222-0000-0000-0000-000000000000"],
+                              nvml) == [3, 1]
+    # a MIG instance (CUDA reports its UUID without the prefix), upper-case or prefixed spellings too
+    assert match_nvml_devices(["CCCC3333-0000-0000-0000-000000000000"], nvml) == [2]
+    assert match_nvml_devices(["GPU-aaaa1111-0000-0000-0000-000000000000"], nvml) == [0]
+    assert match_nvml_devices(["eeee5555-0000-0000-0000-000000000000"], nvml) == [None]
