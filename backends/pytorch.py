@@ -95,9 +95,9 @@ class PyTorchBackend(Backend):
         grad_norm = math.sqrt(grad_norm_local_sq(self.model)) if pass_type == "forward_backward" else None
         synchronize(self.device)
         step_s = time.perf_counter() - t0  # the timed region; copying the outputs to the host comes after
+        mem = peak_memory(self.device)
         by_index = outputs_to_host(pending, examples)
         del pending
-        mem = peak_memory(self.device)
         return PassResult(
             outputs=[by_index[i] for i in range(len(examples))],
             plan=plan.stats.as_dict(),

@@ -257,10 +257,10 @@ def _run_command(
     grad_norm = hooks.grad_norm(model) if pass_type == "forward_backward" else None
     synchronize(device)
     step_s = time.perf_counter() - t0  # the timed region: what a training step does, on this rank
+    mem = peak_memory(device)  # the steps' peak, before the host copies below
     # Host work after the timed region: log-probs to the host, gathered to rank 0.
     outputs = outputs_to_host(pending, examples)
     del pending
-    mem = peak_memory(device)
     gathered: list = [None] * world_size
     dist.all_gather_object(gathered, (outputs, schedule, mem, step_s))
     if rank != 0:
