@@ -49,8 +49,9 @@ def make_command(
 
 def plan_command(command: dict[str, Any], world_size: int, lockstep: bool) -> Plan:
     """The global plan of a command: every rank (and the controller) computes the same one from the same inputs."""
+    lengths = command.get("lengths")  # sent with a rank's share of the examples (backends/workers.py)
     return plan_batch(
-        [len(e) for e in command["examples"]],
+        list(lengths) if lengths is not None else [len(e) for e in command["examples"]],
         world_size,
         command["max_tokens_per_microbatch"],
         command["micro_batch_size"],
@@ -71,6 +72,12 @@ class PassResult:
     mem_peak_bytes: Optional[int] = None  # the largest of mem_peak_bytes_per_rank
     # Each rank's memory peak during the pass: CUDA memory reserved on GPU, resident set (VmHWM) on CPU.
     mem_peak_bytes_per_rank: Optional[list[Optional[int]]] = None
+    # Each rank's CUDA allocator peaks (tensors; tensors plus the allocator's cache); None on CPU.
+    mem_peak_allocated_bytes_per_rank: Optional[list[Optional[int]]] = None
+    mem_peak_reserved_bytes_per_rank: Optional[list[Optional[int]]] = None
+    # The timed region (first step to the last one's end, device synchronized; the slowest rank's);
+    # None where the backend does not time it, and the caller's wall time stands.
+    step_s: Optional[float] = None
 
 
 def resolve_device(name: str) -> torch.device:

@@ -19,7 +19,7 @@ from backends.errors import BackendError, first_line
 from backends.launch import HEARTBEAT_EVERY_S, STALE_AFTER_S, LaunchedJob, check_world_size, launched_job
 from backends.memory import limit_memory, restore_memory_limit
 from backends.loading import LoadMeter, merge_load_records
-from backends.workers import _import, _run_command, failure_report
+from backends.workers import _import, _run_command, failure_report, pass_result
 
 log = logging.getLogger(__name__)
 
@@ -257,13 +257,7 @@ class LaunchedBackend(Backend):
         self.commands.put(command)
         reply = self._wait(command["pass_type"], command.get("timeout_s"))
         self.job.forget(seq)  # every rank took part in the pass, so each has read all before it
-        return PassResult(
-            outputs=reply["outputs"],
-            plan=reply["plan"],
-            grad_norm=reply["grad_norm"],
-            mem_peak_bytes=reply["mem_peak_bytes"],
-            mem_peak_bytes_per_rank=reply["mem_peak_bytes_per_rank"],
-        )
+        return pass_result(reply)
 
     def failure(self) -> Optional[str]:
         if self.failure_reason is not None:

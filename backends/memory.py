@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import logging
 import resource
-from typing import Optional
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 
@@ -22,38 +25,102 @@ def is_out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(m in str(exc).lower() for m in _OOM_MARKERS)
 
 
-def limit_memory(limit_gb: Optional[float], device: torch.device) -> Optional[tuple[int, int]]:
+@dataclass(frozen=True)
+class MemoryLimit:
+    """A memory cap ``limit_memory`` set, and the value that undoes it.
+
+    ``kind`` is "cuda_fraction" (``value``/``previous``: the allocator's
+    per-process fraction of ``device_index``) or "rlimit_data" (soft and hard
+    RLIMIT_DATA).
+    """
+
+    kind: str
+    value: Any
+    previous: Any
+    device_index: Optional[int] = None
+
+    def undone(self) -> "MemoryLimit":
+        """The limit that restores what was there before this one."""
+        return MemoryLimit(self.kind, self.previous, self.value, self.device_index)
+
+
+def plan_memory_limit(
+    limit_gb: Optional[float], device_type: str, total_bytes: int, current: Any, device_index: Optional[int] = None
+) -> Optional[MemoryLimit]:
+    """What to set for a cap of ``limit_gb`` (pure): ``current`` is the fraction in force (CUDA) or (soft, hard) RLIMIT_DATA."""
+    if limit_gb is None:
+        return None
+    limit = int(limit_gb * 1024**3)
+    if device_type == "cuda":
+        return MemoryLimit("cuda_fraction", min(1.0, limit / total_bytes), float(current), device_index)
+    soft_before, hard = current
+    soft = limit if hard == resource.RLIM_INFINITY else min(limit, hard)
+    return MemoryLimit("rlimit_data", (soft, hard), (soft_before, hard))
+
+
+def _apply(limit: MemoryLimit) -> None:
+    if limit.kind == "cuda_fraction":
+        torch.cuda.set_per_process_memory_fraction(limit.value, limit.device_index)
+    else:
+        resource.setrlimit(resource.RLIMIT_DATA, limit.value)
+
+
+def limit_memory(limit_gb: Optional[float], device: torch.device) -> Optional[MemoryLimit]:
     """Cap this process's memory at ``limit_gb``: the per-process fraction on GPU, an OS limit on CPU.
 
     On CPU the limit is RLIMIT_DATA (heap and private anonymous mappings, where
     tensors live), so an allocation beyond it fails as on a full machine. Only
-    the soft limit is lowered; the returned previous limits restore it.
+    the soft limit is lowered. The returned limit goes to ``restore_memory_limit``:
+    on GPU it puts back the fraction in force before (1.0 unless someone capped
+    it), so a capped point does not cap every later point of the process.
     """
     if limit_gb is None:
         return None
-    limit = int(limit_gb * 1024**3)
     if device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), device)
-        return None
-    previous = resource.getrlimit(resource.RLIMIT_DATA)
-    hard = previous[1]
-    soft = limit if hard == resource.RLIM_INFINITY else min(limit, hard)
-    resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
-    return previous
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        total = torch.cuda.get_device_properties(index).total_memory
+        planned = plan_memory_limit(limit_gb, "cuda", total, torch.cuda.get_per_process_memory_fraction(index), index)
+    else:
+        planned = plan_memory_limit(limit_gb, "cpu", 0, resource.getrlimit(resource.RLIMIT_DATA))
+    assert planned is not None
+    _apply(planned)
+    return planned
 
 
-def restore_memory_limit(previous: Optional[tuple[int, int]]) -> None:
+def restore_memory_limit(previous: Optional[MemoryLimit]) -> None:
+    """Undo a ``limit_memory`` (None: nothing was set)."""
     if previous is not None:
-        resource.setrlimit(resource.RLIMIT_DATA, previous)
+        _apply(previous.undone())
+
+
+def _malloc_trim() -> None:
+    """glibc keeps freed heap pages; trimming hands them back, so the resident set (and VmHWM) drops."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc
+
+
+def release_cached_memory(device: torch.device) -> None:
+    """Free what earlier work left cached: unreachable objects, the CUDA caching allocator's blocks, glibc's free heap."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+    _malloc_trim()
 
 
 def reset_peak_memory(device: torch.device) -> None:
-    """Start a new peak: the CUDA allocator's statistics, or this process's resident-set high-water mark.
+    """Start a new peak, after releasing what earlier passes left cached.
 
-    On Linux, writing 5 to /proc/self/clear_refs resets VmHWM to the current
-    resident size, so the peak of each pass is exact rather than sampled.
+    Without the release a peak reset starts from what the allocator (CUDA's
+    caching allocator, or glibc's heap on CPU) still holds, so a small budget
+    measured after a large one in the same process reports the large one's memory.
+    On GPU the CUDA allocator's statistics are reset. On CPU, writing 5 to
+    /proc/self/clear_refs resets VmHWM to the current resident size, so the peak
+    of each pass is exact rather than sampled (Linux).
     """
+    release_cached_memory(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         return
@@ -64,10 +131,7 @@ def reset_peak_memory(device: torch.device) -> None:
         pass  # no such file (not Linux) or not allowed: peak_memory_bytes then reports the lifetime peak
 
 
-def peak_memory_bytes(device: torch.device) -> Optional[int]:
-    """This process's memory peak since ``reset_peak_memory``: CUDA memory reserved, or resident set (VmHWM) on CPU."""
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_reserved(device))
+def _vm_hwm_bytes() -> Optional[int]:
     try:
         with open("/proc/self/status") as f:
             for line in f:
@@ -76,6 +140,28 @@ def peak_memory_bytes(device: torch.device) -> Optional[int]:
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+def peak_memory_bytes(device: torch.device) -> Optional[int]:
+    """This process's memory peak since ``reset_peak_memory``: CUDA memory reserved, or resident set (VmHWM) on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_reserved(device))
+    return _vm_hwm_bytes()
+
+
+def peak_memory(device: torch.device) -> dict[str, Optional[int]]:
+    """This process's peaks since ``reset_peak_memory``.
+
+    ``peak_bytes``: as ``peak_memory_bytes``. ``allocated_bytes``: the most
+    memory tensors held at once (CUDA). ``reserved_bytes``: the most the CUDA
+    caching allocator held (tensors plus its cache). Neither counts the CUDA
+    context or NCCL's buffers (NVML's used memory does); both are None on CPU.
+    """
+    if device.type == "cuda":
+        reserved = int(torch.cuda.max_memory_reserved(device))
+        return {"peak_bytes": reserved, "allocated_bytes": int(torch.cuda.max_memory_allocated(device)),
+                "reserved_bytes": reserved}
+    return {"peak_bytes": _vm_hwm_bytes(), "allocated_bytes": None, "reserved_bytes": None}
 
 
 def oom_message(pass_type: str, where: str, largest_padded: int, limit_gb: Optional[float], exc: BaseException) -> str:

@@ -17,13 +17,21 @@ from backends.memory import (
     is_out_of_memory,
     limit_memory,
     oom_message,
-    peak_memory_bytes,
+    peak_memory,
     reset_peak_memory,
     restore_memory_limit,
 )
 from backends.loading import LoadMeter, merge_load_records
 from backends.model import ModelSpec, build_model, describe_model, load_method
-from backends.step import PassTimeout, ProgressLogger, grad_norm_local_sq, run_schedule, total_loss_weight
+from backends.step import (
+    PassTimeout,
+    ProgressLogger,
+    grad_norm_local_sq,
+    outputs_to_host,
+    run_steps,
+    synchronize,
+    total_loss_weight,
+)
 
 log = logging.getLogger(__name__)
 
@@ -58,14 +66,16 @@ class PyTorchBackend(Backend):
             log.info, f"pytorch {pass_type}", plan.stats.real_tokens, command.get("progress_every_s", 10.0)
         )
         timeout_s = command.get("timeout_s")
+        total_weight = total_loss_weight(examples)
         oom = None
+        t0 = time.perf_counter()
         try:
-            by_index = run_schedule(
+            pending = run_steps(
                 self.model,
                 examples,
                 plan.schedules[0],
                 pass_type,
-                total_loss_weight(examples),
+                total_weight,
                 self.device,
                 progress=progress,
                 deadline=None if timeout_s is None else time.monotonic() + timeout_s,
@@ -86,13 +96,20 @@ class PyTorchBackend(Backend):
                 torch.cuda.empty_cache()
             raise BackendError(oom, status="oom")
         grad_norm = math.sqrt(grad_norm_local_sq(self.model)) if pass_type == "forward_backward" else None
-        mem_peak = peak_memory_bytes(self.device)
+        synchronize(self.device)
+        step_s = time.perf_counter() - t0  # the timed region; copying the outputs to the host comes after
+        mem = peak_memory(self.device)
+        by_index = outputs_to_host(pending, examples)
+        del pending
         return PassResult(
             outputs=[by_index[i] for i in range(len(examples))],
             plan=plan.stats.as_dict(),
             grad_norm=grad_norm,
-            mem_peak_bytes=mem_peak,
-            mem_peak_bytes_per_rank=[mem_peak],
+            mem_peak_bytes=mem["peak_bytes"],
+            mem_peak_bytes_per_rank=[mem["peak_bytes"]],
+            mem_peak_allocated_bytes_per_rank=None if mem["allocated_bytes"] is None else [mem["allocated_bytes"]],
+            mem_peak_reserved_bytes_per_rank=None if mem["reserved_bytes"] is None else [mem["reserved_bytes"]],
+            step_s=step_s,
         )
 
     def close(self) -> None:

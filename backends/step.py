@@ -101,16 +101,43 @@ def run_schedule(
     layout: str = "padded",
     logprob_chunk_tokens: Optional[int] = None,
 ) -> dict[int, ExampleOutput]:
-    """Run one rank's schedule; return outputs keyed by example index.
+    """Run one rank's schedule; return outputs keyed by example index (``run_steps``, then ``outputs_to_host``)."""
+    pending = run_steps(model, examples, schedule, pass_type, total_weight, device, progress, before_step, deadline,
+                        layout, logprob_chunk_tokens)
+    return outputs_to_host(pending, examples)
 
-    The loss of every micro-batch is divided by ``total_weight``, the loss
-    weight of the whole batch on all ranks, so the accumulated gradient is the
-    same however the batch is split. ``None`` entries run a zero-weight dummy.
-    ``before_step(i, is_last)`` lets a backend set per-step sync behaviour.
+
+# One finished micro-batch, its results still on the device: (example indices, log-probs, losses,
+# packed lengths). Padded: log-probs [rows, longest], losses [rows]; packed: both [tokens] of one row.
+PendingStep = tuple[Sequence[int], torch.Tensor, torch.Tensor, Optional[Sequence[int]]]
+
+
+def run_steps(
+    model: torch.nn.Module,
+    examples: Sequence[Example],
+    schedule: Schedule,
+    pass_type: str,
+    total_weight: float,
+    device: torch.device,
+    progress: Optional[ProgressFn] = None,
+    before_step: Optional[Callable[[int, bool], None]] = None,
+    deadline: Optional[float] = None,
+    layout: str = "padded",
+    logprob_chunk_tokens: Optional[int] = None,
+) -> list[PendingStep]:
+    """Run one rank's schedule: what a training step does, nothing more; results stay on the device.
+
+    ``examples`` is indexed by example index (a list, or a dict holding this
+    rank's share). The loss of every micro-batch is divided by ``total_weight``,
+    the loss weight of the whole batch on all ranks, so the accumulated gradient
+    is the same however the batch is split. ``None`` entries run a zero-weight
+    dummy. ``before_step(i, is_last)`` lets a backend set per-step sync behaviour.
     Past ``deadline`` (a ``time.monotonic()`` value) the next step raises PassTimeout.
     ``layout="packed"`` runs each micro-batch as one row of its sequences end
     to end (see backends.packing); outputs are the same as padded.
     ``logprob_chunk_tokens`` goes to ``token_logprobs`` (None = unchunked).
+    Log-probs are not copied to the host per step (that would wait for the
+    device every step); ``outputs_to_host`` copies them once the pass is over.
     """
     if pass_type not in PASS_TYPES:
         raise ValueError(f"pass type must be one of {PASS_TYPES}, got {pass_type!r}")
@@ -120,7 +147,7 @@ def run_schedule(
         prepare_model_for_packing(model)  # idempotent: a packed row must never leak across sequences
     backward = pass_type == "forward_backward"
     scale = 1.0 / total_weight if total_weight > 0 else 0.0
-    outputs: dict[int, ExampleOutput] = {}
+    pending: list[PendingStep] = []
     tokens_done = 0
     n_steps = len(schedule)
     for step, batch in enumerate(schedule):
@@ -129,7 +156,7 @@ def run_schedule(
         if before_step is not None:
             before_step(step, step == n_steps - 1)
         if layout == "packed":
-            tokens_done += _packed_step(model, examples, batch, backward, scale, device, outputs, logprob_chunk_tokens)
+            tokens_done += _packed_step(model, examples, batch, backward, scale, device, pending, logprob_chunk_tokens)
             if progress is not None:
                 progress(step + 1, n_steps, tokens_done)
             continue
@@ -143,20 +170,35 @@ def run_schedule(
             if backward:
                 (loss_per_row.sum() * scale).backward()
         if batch is not None:
-            lp = logprobs.detach().float().cpu().numpy()
-            losses = loss_per_row.detach().double().cpu().numpy()
-            for row, i in enumerate(batch):
-                outputs[i] = ExampleOutput(logprobs=lp[row, : len(examples[i])].copy(), loss=float(losses[row]))
-                tokens_done += len(examples[i])
+            pending.append((batch, logprobs.detach(), loss_per_row.detach(), None))
+            tokens_done += sum(len(examples[i]) for i in batch)
         if progress is not None:
             progress(step + 1, n_steps, tokens_done)
+    return pending
+
+
+def outputs_to_host(pending: Sequence[PendingStep], examples: Sequence[Example]) -> dict[int, ExampleOutput]:
+    """Per-example outputs on the host, keyed by example index, from ``run_steps``'s device-side results."""
+    outputs: dict[int, ExampleOutput] = {}
+    for batch, logprobs, losses, packed_lengths in pending:
+        lp = logprobs.float().cpu().numpy()
+        if packed_lengths is None:
+            per_row = losses.double().cpu().numpy()
+            for row, i in enumerate(batch):
+                outputs[i] = ExampleOutput(logprobs=lp[row, : len(examples[i])].copy(), loss=float(per_row[row]))
+            continue
+        per_token = losses.double().cpu().numpy()
+        start = 0
+        for i, n in zip(batch, packed_lengths):
+            outputs[i] = ExampleOutput(logprobs=lp[start : start + n].copy(), loss=float(per_token[start : start + n].sum()))
+            start += n
     return outputs
 
 
 def _packed_step(
-    model, examples, batch, backward: bool, scale: float, device, outputs: dict, chunk_tokens: Optional[int] = None
+    model, examples, batch, backward: bool, scale: float, device, pending: list, chunk_tokens: Optional[int] = None
 ) -> int:
-    """One packed micro-batch (``None`` = the one-token dummy); fills ``outputs``, returns its real tokens."""
+    """One packed micro-batch (``None`` = the one-token dummy); appends to ``pending``, returns its real tokens."""
     packed = collate_packed(examples, batch, device)
     with torch.set_grad_enabled(backward):
         logprobs = token_logprobs(model, packed.ids, packed.targets, chunk_tokens, **packed.model_kwargs())
@@ -165,13 +207,14 @@ def _packed_step(
             (token_loss.sum() * scale).backward()
     if batch is None:
         return 0
-    lp = logprobs.detach().float().cpu().numpy()[0]
-    losses = token_loss.detach().double().cpu().numpy()[0]
-    start = 0
-    for i, n in zip(batch, packed.lengths):
-        outputs[i] = ExampleOutput(logprobs=lp[start : start + n].copy(), loss=float(losses[start : start + n].sum()))
-        start += n
-    return start
+    pending.append((batch, logprobs.detach()[0], token_loss.detach()[0], list(packed.lengths)))
+    return sum(packed.lengths)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work, so a clock read after it includes that work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 class ProgressLogger:

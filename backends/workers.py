@@ -1,9 +1,10 @@
 """Multi-process workers, written once: the controller in the harness process and the loop each rank runs.
 
 The controller starts ``world_size`` processes, one rank each, and sends every
-pass to all of them as one command dict. Each rank takes its share of the
-length-sorted examples, forms its micro-batches, runs them, and the results are
-gathered to rank 0, which replies. What differs between backends (wrapping the
+pass to all of them as one command dict, holding every length but only the
+rank's own share of the examples. Each rank forms its micro-batches from the
+global plan, runs them (the timed region), and the results are gathered to
+rank 0, which replies. What differs between backends (wrapping the
 model, agreeing on the step count, gradient sync) is a ``RankHooks`` subclass
 in the backend's own module.
 """
@@ -21,7 +22,7 @@ import threading
 import time
 import traceback
 from datetime import timedelta
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -29,12 +30,11 @@ import torch.distributed as dist
 from backends import LOCKSTEP_BACKENDS, resolve_world_size
 from backends.base import Backend, BackendSpec, PassResult, plan_command, resolve_device
 from backends.errors import BackendError, UserError, first_line
-from backends.examples import Example
-from backends.memory import is_out_of_memory, limit_memory, oom_message, peak_memory_bytes, reset_peak_memory
+from backends.memory import is_out_of_memory, limit_memory, oom_message, peak_memory, reset_peak_memory
 from backends.microbatch import CostModel, Schedule, microbatch_tokens, plan_stats
 from backends.loading import LoadMeter, merge_load_records
 from backends.model import ModelSpec, build_model, describe_model, load_method
-from backends.step import ProgressLogger, run_schedule, total_loss_weight
+from backends.step import ProgressLogger, outputs_to_host, run_steps, synchronize, total_loss_weight
 
 log = logging.getLogger(__name__)
 
@@ -203,7 +203,7 @@ def failure_report(exc: BaseException, rank: int, spec: Optional[BackendSpec], c
 
         world_size = dist.get_world_size()
     _, local = _rank_share(command, rank, world_size, spec.name in LOCKSTEP_BACKENDS)
-    lengths = [len(e) for e in command["examples"]]
+    lengths = command_lengths(command)
     largest = max((microbatch_tokens(b, lengths, command.get("layout", "padded")) for b in local), default=0)
     return "oom", rank, (oom_message(command["pass_type"], f" on rank {rank}", largest, limit_gb, exc), details)
 
@@ -223,24 +223,49 @@ def _rank_share(
     return mine, local
 
 
+def command_lengths(command: dict[str, Any]) -> list[int]:
+    """Every example's length: sent as ``lengths`` with a rank's share, else read off the full example list."""
+    if command.get("lengths") is not None:
+        return list(command["lengths"])
+    return [len(e) for e in command["examples"]]
+
+
+def rank_commands(command: dict[str, Any], world_size: int, lockstep: bool) -> list[dict[str, Any]]:
+    """Each rank's copy of a command: every length, but only the examples of its own share, keyed by index.
+
+    Pickling every example to every rank would cost world_size times the batch
+    in host work per pass; the plan is computed here as the ranks compute it.
+    """
+    examples = command["examples"]
+    plan = plan_command(command, world_size, lockstep)
+    lengths = [len(e) for e in examples]
+    return [
+        {**command, "lengths": lengths, "examples": {i: examples[i] for b in sched if b is not None for i in b}}
+        for sched in plan.schedules
+    ]
+
+
 def _run_command(
     command: dict[str, Any], model, hooks: RankHooks, rank: int, world_size: int, device: torch.device, wlog
 ) -> Optional[dict]:
-    examples: Sequence[Example] = command["examples"]
+    # ``examples``: all of them (a list), or this rank's share keyed by index (see rank_commands).
+    examples = command["examples"]
     pass_type = command["pass_type"]
-    lengths = [len(e) for e in examples]
+    lengths = command_lengths(command)
     lockstep = hooks.spec.name in LOCKSTEP_BACKENDS
     mine, local = _rank_share(command, rank, world_size, lockstep)
     schedule = hooks.align(local)
+    reset_peak_memory(device)  # releases what earlier passes left cached: host work, before the timed region
     # The whole batch's loss weight, summed over ranks once per pass: every rank divides by it.
+    # The collective also lines the ranks up, so the timed region starts together on all of them.
     total_weight = _all_reduce_float(total_loss_weight(examples, mine), dist.ReduceOp.SUM, device)
-    reset_peak_memory(device)
+    t0 = time.perf_counter()
     hooks.start_pass(model, pass_type)
     progress = None
     if rank == 0:
         mine_tokens = sum(lengths[i] for i in mine)
         progress = ProgressLogger(wlog.info, f"rank 0 {pass_type}", mine_tokens, command.get("progress_every_s", 10.0))
-    outputs = run_schedule(
+    pending = run_steps(
         model,
         examples,
         schedule,
@@ -254,19 +279,24 @@ def _run_command(
     )
     hooks.finish_pass(model, pass_type)
     grad_norm = hooks.grad_norm(model) if pass_type == "forward_backward" else None
-    mem_peak = peak_memory_bytes(device)
+    synchronize(device)
+    step_s = time.perf_counter() - t0  # the timed region: what a training step does, on this rank
+    mem = peak_memory(device)  # the steps' peak, before the host copies below
+    # Host work after the timed region: log-probs to the host, gathered to rank 0.
+    outputs = outputs_to_host(pending, examples)
+    del pending
     gathered: list = [None] * world_size
-    dist.all_gather_object(gathered, (outputs, schedule, mem_peak))
+    dist.all_gather_object(gathered, (outputs, schedule, mem, step_s))
     if rank != 0:
         return None
     merged: dict = {}
-    for rank_outputs, _, _ in gathered:
+    for rank_outputs, _, _, _ in gathered:
         merged.update(rank_outputs)
-    schedules = [s for _, s, _ in gathered]
-    per_rank = [m for _, _, m in gathered]
+    schedules = [s for _, s, _, _ in gathered]
+    per_rank = [m["peak_bytes"] for _, _, m, _ in gathered]
     peaks = [m for m in per_rank if m is not None]
     return {
-        "outputs": [merged[i] for i in range(len(examples))],
+        "outputs": [merged[i] for i in range(len(lengths))],
         "plan": plan_stats(
             schedules,
             lengths,
@@ -280,7 +310,30 @@ def _run_command(
         "grad_norm": grad_norm,
         "mem_peak_bytes": max(peaks) if peaks else None,
         "mem_peak_bytes_per_rank": per_rank,
+        "mem_peak_allocated_bytes_per_rank": _known([m["allocated_bytes"] for _, _, m, _ in gathered]),
+        "mem_peak_reserved_bytes_per_rank": _known([m["reserved_bytes"] for _, _, m, _ in gathered]),
+        # The slowest rank's timed region is the pass's: lock-step ranks wait for it, independent ones finish with it.
+        "step_s": max(s for _, _, _, s in gathered),
     }
+
+
+def pass_result(reply: dict[str, Any]) -> PassResult:
+    """Rank 0's gathered reply to a pass command, as the pass's result."""
+    return PassResult(
+        outputs=reply["outputs"],
+        plan=reply["plan"],
+        grad_norm=reply["grad_norm"],
+        mem_peak_bytes=reply["mem_peak_bytes"],
+        mem_peak_bytes_per_rank=reply["mem_peak_bytes_per_rank"],
+        mem_peak_allocated_bytes_per_rank=reply["mem_peak_allocated_bytes_per_rank"],
+        mem_peak_reserved_bytes_per_rank=reply["mem_peak_reserved_bytes_per_rank"],
+        step_s=reply["step_s"],
+    )
+
+
+def _known(values: list[Optional[int]]) -> Optional[list[Optional[int]]]:
+    """The per-rank list, or None when no rank knows the figure (CPU has no allocator peaks)."""
+    return values if any(v is not None for v in values) else None
 
 
 class _LogForwarder:
@@ -466,17 +519,11 @@ class DistributedBackend(Backend):
     def _run_pass(self, command: dict[str, Any]) -> PassResult:
         if self.closed:
             raise BackendError(f"{self.spec.name}: workers are stopped")
-        for q in self.command_queues:
-            q.put(command)
+        lockstep = self.spec.name in LOCKSTEP_BACKENDS
+        for q, rank_command in zip(self.command_queues, rank_commands(command, self.world_size, lockstep)):
+            q.put(rank_command)
         replies = self._collect("done", timeout_s=command.get("timeout_s"), what=command["pass_type"])
-        reply = replies[0]
-        return PassResult(
-            outputs=reply["outputs"],
-            plan=reply["plan"],
-            grad_norm=reply["grad_norm"],
-            mem_peak_bytes=reply["mem_peak_bytes"],
-            mem_peak_bytes_per_rank=reply["mem_peak_bytes_per_rank"],
-        )
+        return pass_result(replies[0])
 
     def close(self, graceful: bool = True) -> None:
         if self.closed:

@@ -126,7 +126,10 @@ class RemoteBackend(Backend):
         ]
         return PassResult(outputs=outputs, plan=reply["plan"], grad_norm=reply.get("grad_norm"),
                           mem_peak_bytes=reply.get("mem_peak_bytes"),
-                          mem_peak_bytes_per_rank=reply.get("mem_peak_bytes_per_rank"))
+                          mem_peak_bytes_per_rank=reply.get("mem_peak_bytes_per_rank"),
+                          mem_peak_allocated_bytes_per_rank=reply.get("mem_peak_allocated_bytes_per_rank"),
+                          mem_peak_reserved_bytes_per_rank=reply.get("mem_peak_reserved_bytes_per_rank"),
+                          step_s=reply.get("step_s"))
 
 
 def _show(value: Optional[int]) -> str:

@@ -300,6 +300,9 @@ def build_app(
             "grad_norm": _finite_or_none(result.grad_norm),
             "mem_peak_bytes": result.mem_peak_bytes,
             "mem_peak_bytes_per_rank": result.mem_peak_bytes_per_rank,
+            "mem_peak_allocated_bytes_per_rank": result.mem_peak_allocated_bytes_per_rank,
+            "mem_peak_reserved_bytes_per_rank": result.mem_peak_reserved_bytes_per_rank,
+            "step_s": result.step_s,
         }
 
     @app.post("/forward")

@@ -1,19 +1,28 @@
 #!/usr/bin/env bash
 # Download, here, the wheels the GPU machine lacks (it has torch, transformers and peft, but maybe
 # not new enough, and no registry access). Python 3.12, x86-64 manylinux. They go to .whl/.
+# Every version is pinned: the ones this project is tested with (the venv's), and kernel packages
+# at the release checked against them, so the GPU machine runs what was tested, whatever python3 has here.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo /.whl/ >> .git/info/exclude
 py=(--python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64
     --platform manylinux2014_x86_64 --platform any --only-binary=:all: --no-deps -d .whl)
-python3 -m pip download "${py[@]}" \
-  hydra-core==1.3.8 omegaconf==2.3.1 \
-  megatron-core==0.16.1 "transformers==$(python3 -c 'import transformers; print(transformers.__version__)')" \
-  "huggingface-hub==$(python3 -c 'import huggingface_hub; print(huggingface_hub.__version__)')" \
-  "peft==$(python3 -c 'import peft; print(peft.__version__)')" \
-  "tokenizers==$(python3 -c 'import tokenizers; print(tokenizers.__version__)')" \
-  "safetensors==$(python3 -c 'import safetensors; print(safetensors.__version__)')" \
-  flash-linear-attention fla-core einops
+pins=(
+  hydra-core==1.3.8 omegaconf==2.3.1 megatron-core==0.16.1
+  transformers==5.24.0 huggingface-hub==2.4.0 peft==0.21.2 tokenizers==0.23.3 safetensors==0.8.0
+  flash-linear-attention==0.6.0 fla-core==0.6.0 einops==0.8.2 nvidia-ml-py==13.615.71
+)
+# A venv whose versions drifted from the pins is worth a warning: the wheels would not be what the tests ran on.
+venv_python="${PYTHON:-.venv/bin/python}"
+if [ -x "$venv_python" ]; then
+  for pin in "${pins[@]}"; do
+    name="${pin%%==*}"; want="${pin#*==}"
+    have=$("$venv_python" -c "from importlib import metadata as m; print(m.version('$name'))" 2>/dev/null || true)
+    if [ -n "$have" ] && [ "$have" != "$want" ]; then echo "note: $name $have in $venv_python, pinned $want here" >&2; fi
+  done
+fi
+python3 -m pip download "${py[@]}" "${pins[@]}"
 # antlr4 4.9.3 (what omegaconf 2.3 needs) is published as source only: build its pure-Python wheel here.
 python3 -m pip wheel --no-deps -w .whl antlr4-python3-runtime==4.9.3
 du -sh .whl

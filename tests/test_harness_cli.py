@@ -46,6 +46,12 @@ def test_single_run_writes_results_json(workdir):
         assert 0 < p["util_pct"] <= 100
         assert 0 < p["mem_pct"] < 100
         assert len(p["mem_peak_bytes"]) == 1 and 100 * 1024**2 < p["mem_peak_bytes"][0] < res["device"]["memory_bytes"]
+        # CPU: no allocator peaks, no NVML; the timed region is inside each call, the rest is host work
+        assert p["mem_peak_allocated_bytes"] is None and p["mem_peak_reserved_bytes"] is None
+        assert p["device_mem_used_bytes"] is None
+        assert len(p["pass_wall_s"]) == len(p["host_s"]) == 2
+        for elapsed, wall, host in zip(p["elapsed_s"], p["pass_wall_s"], p["host_s"]):
+            assert elapsed < wall and math.isclose(elapsed + host, wall, rel_tol=1e-9)
         # MFU: the cost model's FLOPs of the real sequences (x3 with backward) over the measured time and CPU peak
         cost = cost_model_for(ModelSpec())
         forward_flops = sum(cost.sequence(n) for n in lengths)

@@ -23,3 +23,66 @@ def test_peak_sees_a_freed_allocation_and_resets():
     assert peak - before >= 250 * 1024**2
     reset_peak_memory(CPU)
     assert peak_memory_bytes(CPU) < peak - 200 * 1024**2
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="VmHWM and clear_refs are Linux's")
+def test_hot_sweep_small_budget_after_a_large_one_reports_its_own_peak(tmp_path):
+    """One process, a large micro-batch then small ones: each pass's peak is the pass's own, not what the last one left cached."""
+    from tests.conftest import run_harness, sweep_results
+
+    sweep = tmp_path / "hot"
+    proc = run_harness("-m", "backend=pytorch", "hot=true", "workload=smoke", "mbs=16,1", "bench.warmup=0",
+                       "bench.repeat=1", "logger=none", f"hydra.sweep.dir={sweep}", cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    big, small = sweep_results(sweep)
+    assert (big["mbs"], small["mbs"]) == (16, 1) and small["hot"] is True
+    for pass_type in ("forward", "forward_backward"):
+        big_peak = big["passes"][pass_type]["mem_peak_bytes"][0]
+        small_peak = small["passes"][pass_type]["mem_peak_bytes"][0]
+        assert small_peak < big_peak, (pass_type, small_peak, big_peak)
+        assert small["passes"][pass_type]["mem_peak_allocated_bytes"] is None  # CPU: no allocator figures
+    # fwd+bwd of 16 sequences at once holds far more activations than one at a time
+    assert small["passes"]["forward_backward"]["mem_peak_bytes"][0] < 0.75 * big["passes"]["forward_backward"]["mem_peak_bytes"][0]
+
+
+def test_cuda_memory_limit_is_undone_to_the_fraction_before():
+    from backends.memory import plan_memory_limit
+
+    gib = 1024**3
+    limit = plan_memory_limit(10, "cuda", 100 * gib, 1.0, device_index=2)
+    assert (limit.kind, limit.value, limit.previous, limit.device_index) == ("cuda_fraction", 0.1, 1.0, 2)
+    undo = limit.undone()
+    assert (undo.kind, undo.value, undo.device_index) == ("cuda_fraction", 1.0, 2)
+    # a limit above the device's memory is no limit; one set over an earlier cap restores that cap
+    assert plan_memory_limit(500, "cuda", 100 * gib, 0.5).value == 1.0
+    assert plan_memory_limit(5, "cuda", 100 * gib, 0.5).undone().value == 0.5
+    assert plan_memory_limit(None, "cuda", 100 * gib, 1.0) is None
+
+
+def test_cpu_memory_limit_is_applied_and_restored():
+    import resource
+
+    from backends.memory import limit_memory, restore_memory_limit
+
+    before = resource.getrlimit(resource.RLIMIT_DATA)
+    limit = limit_memory(64, CPU)
+    try:
+        assert resource.getrlimit(resource.RLIMIT_DATA)[0] == min(64 * 1024**3, before[1]) if before[1] != resource.RLIM_INFINITY else 64 * 1024**3
+    finally:
+        restore_memory_limit(limit)
+    assert resource.getrlimit(resource.RLIMIT_DATA) == before
+
+
+def test_cuda_devices_are_matched_to_nvml_devices_by_uuid_not_index():
+    from harness.measure import match_nvml_devices
+
+    nvml = ["GPU-aaaa1111-0000-0000-0000-000000000000", "GPU-bbbb2222-0000-0000-0000-000000000000",
+            "MIG-cccc3333-0000-0000-0000-000000000000", "GPU-dddd4444-0000-0000-0000-000000000000"]
+    # CUDA_VISIBLE_DEVICES=GPU-dddd4444...,GPU-bbbb2222...: CUDA device 0 is NVML's 3, not 0
+    assert match_nvml_devices(["dddd4444-0000-0000-0000-000000000000", "bbbb2222-0000-0000-0000-000000000000"],
+                              nvml) == [3, 1]
+    # a MIG instance (CUDA reports its UUID without the prefix), upper-case or prefixed spellings too
+    assert match_nvml_devices(["CCCC3333-0000-0000-0000-000000000000"], nvml) == [2]
+    assert match_nvml_devices(["GPU-aaaa1111-0000-0000-0000-000000000000"], nvml) == [0]
+    assert match_nvml_devices(["eeee5555-0000-0000-0000-000000000000"], nvml) == [None]
