@@ -194,6 +194,30 @@ def test_a_worker_that_raises_names_its_rank_and_leaves_no_process(cls, hooks):
     assert worker_children(before) == []
 
 
+def test_fsdp2_a_short_rank_runs_a_dummy_step_and_the_gradient_is_the_oracles():
+    """Three examples on two ranks: rank 1 runs one real step and one dummy; the answer is the hand-computed one."""
+    examples = tiny_examples()[:3]
+    with FSDP2Backend(BackendSpec(name="fsdp2", world_size=2, device="cpu"), ModelSpec()) as backend:
+        result = backend.run_pass(make_command("forward_backward", examples, None, 1))
+    assert result.plan["n_microbatches"] == [2, 1] and result.plan["n_dummy"] == [0, 1]
+    assert math.isclose(result.grad_norm, oracle(examples)["grad_norm"], rel_tol=1e-4)
+
+
+def test_a_step_count_mismatch_is_a_clear_error_in_seconds():
+    """A rank that would skip its dummy steps: named with both counts before any step, not a crash or a hang."""
+    before = _pids(worker_children())
+    backend = FSDP2Backend(BackendSpec(name="fsdp2", world_size=2, device="cpu"), ModelSpec(),
+                           hooks_path="tests.faults:FSDP2Rank1DropsItsDummies")
+    started = time.monotonic()
+    with pytest.raises(BackendError) as info:
+        backend.run_pass(make_command("forward", EXAMPLES[:1], None, 1))  # rank 1's only step is a dummy
+    assert time.monotonic() - started < 30
+    message = str(info.value)
+    assert "\n" not in message and message.startswith("rank ") and "failed during forward: StepCountMismatch" in message
+    assert "rank 0 has 1, rank 1 has 0" in message
+    assert worker_children(before) == []
+
+
 def test_closing_leaves_no_process():
     before = _pids(worker_children())
     backend = FSDP2Backend(BackendSpec(name="fsdp2", world_size=2, device="cpu"), ModelSpec())
