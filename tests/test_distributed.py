@@ -206,7 +206,8 @@ def test_fsdp2_a_short_rank_runs_a_dummy_step_and_the_gradient_is_the_oracles():
 def test_a_step_count_mismatch_is_a_clear_error_in_seconds():
     """A rank that would skip its dummy steps: named with both counts before any step, not a crash or a hang."""
     before = _pids(worker_children())
-    backend = FSDP2Backend(BackendSpec(name="fsdp2", world_size=2, device="cpu"), ModelSpec(),
+    # a short collective time-out: without the check, the unequal ranks fail (gloo) within it instead of hanging
+    backend = FSDP2Backend(BackendSpec(name="fsdp2", world_size=2, device="cpu", dist_timeout_s=60), ModelSpec(),
                            hooks_path="tests.faults:FSDP2Rank1DropsItsDummies")
     started = time.monotonic()
     with pytest.raises(BackendError) as info:
