@@ -49,6 +49,30 @@ def shard_mesh(device: torch.device, world_size: int):
     return init_device_mesh(device.type, (world_size,))
 
 
+class StepCountMismatch(RuntimeError):
+    """FSDP2 ranks about to run different numbers of steps in one pass."""
+
+
+def check_equal_step_counts(steps: int, world_size: int, device: torch.device) -> None:
+    """Raise on every rank, before any step, unless all ranks will run ``steps`` steps.
+
+    FSDP2 gathers and reduces parameters inside each step, so a rank running
+    fewer steps leaves the others in a collective: a crash on gloo, a hang until
+    the time-out on NCCL. One small all-gather first turns that into an error
+    naming each rank's count, raised alike on every rank.
+    """
+    mine = torch.tensor([steps], dtype=torch.int64, device=device)
+    counts = [torch.zeros_like(mine) for _ in range(world_size)]
+    dist.all_gather(counts, mine)
+    per_rank = [int(c.item()) for c in counts]
+    if len(set(per_rank)) > 1:
+        listed = ", ".join(f"rank {r} has {n}" for r, n in enumerate(per_rank))
+        raise StepCountMismatch(
+            f"FSDP2 ranks would run different numbers of steps in this pass ({listed}); every rank must call "
+            "the model equally often (short ranks are padded with dummy steps), so the pass was stopped before its first step"
+        )
+
+
 class FSDP2Hooks(RankHooks):
     def load_model(self, model_spec: ModelSpec) -> tuple[torch.nn.Module, Optional[dict], str]:
         # Built on meta and sharded before any weight is read: no rank ever holds the unsharded model.
@@ -73,6 +97,11 @@ class FSDP2Hooks(RankHooks):
         return model
 
     def align(self, local: Schedule) -> Schedule:
+        schedule = self.pad(local)
+        check_equal_step_counts(len(schedule), self.world_size, self.device)
+        return schedule
+
+    def pad(self, local: Schedule) -> Schedule:
         # Every rank must call the model equally often: agree on the most steps
         # on the main process group and pad with zero-weight dummy steps (a
         # lock-step plan already has equal lengths: the count then changes nothing).

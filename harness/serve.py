@@ -5,8 +5,9 @@
 Routes: POST /forward, POST /forward_backward (examples in, per-example outputs
 in request order out); POST /admin/set_max_tokens_per_microbatch and
 /admin/set_micro_batch_size ({"value": positive int | null}), GET /admin/config
-(all admin routes need ``Authorization: Bearer <token>``); GET /healthz (503 and the
-reason while the workers are down: a dead worker's backend is started again at the next pass).
+(all admin routes need ``Authorization: Bearer <token>``); GET /healthz (the passes running
+or queued as ``pending``; 503 and the reason while the workers are down: a dead worker's
+backend is started again at the next pass).
 """
 
 from __future__ import annotations
@@ -247,7 +248,8 @@ def build_app(
                                  "recovery": "the workers are started again at the next pass"}, status_code=503)
         backend = served.backend
         return {"status": "ok", **info, **control.read().as_dict(), "model": backend.model_info,
-                "load": backend.load_info, "pids": [os.getpid(), *backend.pids()], "restarts": served.restarts}
+                "load": backend.load_info, "pids": [os.getpid(), *backend.pids()], "restarts": served.restarts,
+                "pending": state["pending"]}  # passes running or queued
 
     @app.get("/admin/config")
     async def admin_config(request: Request):

@@ -41,3 +41,11 @@ class FSDP2HangMidPass(FSDP2Hooks):
                 with open(path, "w") as f:
                     f.write(str(os.getpid()))
             time.sleep(3600)
+
+
+class FSDP2Rank1DropsItsDummies(FSDP2Hooks):
+    """Rank 1 pads its schedule, then drops the dummy steps: its step count differs from rank 0's."""
+
+    def pad(self, local):
+        schedule = super().pad(local)
+        return [b for b in schedule if b is not None] if self.rank == 1 else schedule

@@ -10,8 +10,11 @@ import torch
 
 from backends.base import BackendSpec, make_command
 from backends.model import ModelSpec
+from backends.microbatch import plan_batch
 from backends.pytorch import PyTorchBackend
+from backends.step import grad_norm_local_sq, run_schedule, total_loss_weight
 from harness.workload import make_examples, mixed_lengths
+from tests.loss_oracle import oracle, tiny_examples
 
 LENGTHS = mixed_lengths(16, 64, 512, 42)
 
@@ -94,6 +97,13 @@ def test_grouping_really_differs_between_cases(backend, examples):
 
 
 def test_outputs_come_back_in_request_order(backend, examples, reference):
+    """By content: examples of equal lengths, each output equal to that example's own plain forward."""
+    same_lengths = tiny_examples(lengths=(6, 9, 6, 9, 6, 12, 9))
+    expected = oracle(same_lengths)["logprobs"]
+    for mtpm, mbs, layout in ((None, 1, "padded"), (20, 1, "padded"), (None, 3, "padded"), (30, 1, "packed")):
+        got = _run(backend, same_lengths, "forward", mtpm, mbs, layout=layout).outputs
+        for i, out in enumerate(got):
+            np.testing.assert_allclose(out.logprobs, expected[i], rtol=1e-4, atol=1e-5, err_msg=f"example {i}")
     fwd = _run(backend, examples, "forward", 600, 3)
     for ex, out in zip(examples, fwd.outputs):
         assert out.logprobs.shape == (len(ex),)
@@ -110,11 +120,30 @@ def test_gradient_is_normalised_by_the_whole_batch_weight(backend, examples, ref
     assert reference.grad_norm > 0
 
 
-def test_a_broken_normalisation_would_be_caught(backend, examples, reference):
-    # Guard against a test that cannot fail: the per-example weight really moves the gradient.
-    heavier = [type(e)(e.input_ids, e.target_tokens, e.weights * (2.0 if i == 0 else 1.0)) for i, e in enumerate(examples)]
-    result = _run(backend, heavier, "forward_backward", None, 1)
-    assert not math.isclose(result.grad_norm, reference.grad_norm, rel_tol=1e-5)
+def _grad_norm_normalised_per_microbatch(backend, examples, mtpm, mbs, divisor) -> float:
+    """The bug public trainers shipped, run with the real step: each micro-batch divided by its own ``divisor``."""
+    lengths = [len(e) for e in examples]
+    backend.model.zero_grad(set_to_none=True)
+    for batch in plan_batch(lengths, 1, mtpm, mbs).schedules[0]:
+        run_schedule(backend.model, examples, [batch], "forward_backward", divisor(batch), torch.device("cpu"))
+    return math.sqrt(grad_norm_local_sq(backend.model))
+
+
+@pytest.mark.parametrize("divisor", ["micro-batch weight", "micro-batch tokens"])
+def test_a_broken_normalisation_would_be_caught(backend, examples, reference, divisor):
+    """The grouping tests above can fail: a per-micro-batch normalisation breaks exactly their assertion."""
+    per_batch = {
+        "micro-batch weight": lambda batch: total_loss_weight(examples, batch),
+        "micro-batch tokens": lambda batch: float(sum(len(examples[i]) for i in batch)),
+    }[divisor]
+    norms = {(mtpm, mbs): _grad_norm_normalised_per_microbatch(backend, examples, mtpm, mbs, per_batch)
+             for mtpm, mbs in [(None, 1), (600, 3)]}  # several micro-batches: one holding all would hide it
+    for norm in norms.values():  # what test_losses_and_gradient_do_not_depend_on_grouping asserts, and it fails
+        assert not math.isclose(norm, reference.grad_norm, rel_tol=1e-5)
+    assert not math.isclose(norms[None, 1], norms[600, 3], rel_tol=1e-5)
+    # and the same step with the whole batch's weight is the reference: the divisor is the only difference
+    right = _grad_norm_normalised_per_microbatch(backend, examples, 600, 3, lambda batch: total_loss_weight(examples))
+    assert math.isclose(right, reference.grad_norm, rel_tol=1e-5)
 
 
 def test_trainable_parameters_are_lora_only(backend):

@@ -16,7 +16,8 @@ from backends.fsdp2 import FSDP2Backend
 from backends.megatron_ddp import MegatronDDPBackend
 from backends.model import ModelSpec
 from harness.workload import make_examples, mixed_lengths
-from tests.conftest import load_json, run_harness, start_harness, sweep_results, wait_session_empty
+from tests.conftest import load_json, start_harness, sweep_results, wait_session_empty
+from tests.loss_oracle import oracle, tiny_examples
 
 pytestmark = pytest.mark.slow
 
@@ -32,6 +33,9 @@ CASES = {
     "greedy packed mtpm=1500": (EXAMPLES, 1500, 1, {"layout": "packed"}),
     "balanced packed mtpm=1500": (EXAMPLES, 1500, 1, {"planner": "balanced", "layout": "packed"}),
     "packed n_examples=1": (EXAMPLES[:1], 1500, 1, {"layout": "packed"}),
+    # small enough for tests/loss_oracle.py to compute by hand: uneven weights, grouped, uneven ranks
+    "oracle mtpm=28": (tiny_examples(), 28, 1),
+    "oracle packed mtpm=30": (tiny_examples(), 30, 1, {"layout": "packed"}),
 }
 
 
@@ -79,7 +83,7 @@ def run_chunk_cases(backend) -> dict:
 def distributed(request):
     backend = make_backend(BackendSpec(name=request.param, world_size=2, device="cpu"), ModelSpec())
     try:
-        yield request.param, {**run_cases(backend), **run_chunk_cases(backend)}, backend.procs
+        yield request.param, {**run_cases(backend), **run_chunk_cases(backend)}, backend
     finally:
         backend.close()
 
@@ -148,9 +152,28 @@ def test_fsdp2_pads_unequal_ranks_with_dummies(distributed):
     assert three["n_dummy"] == ([0, 1] if name == "fsdp2" else [0, 0])
 
 
+@pytest.mark.parametrize("case", ["oracle mtpm=28", "oracle packed mtpm=30"])
+def test_the_gradient_is_the_hand_computed_one_on_two_ranks(distributed, case):
+    """Not only equal to pytorch's: equal to a plain forward per example, summed and divided by the batch's weight."""
+    name, results, _ = distributed
+    examples = CASES[case][0]
+    expected = oracle(examples)
+    got = results[case, "forward_backward"]
+    assert sum(m > 0 for m in got.plan["n_microbatches"]) == 2 and got.plan["max_microbatch_size"] > 1
+    for i, out in enumerate(got.outputs):
+        np.testing.assert_allclose(out.logprobs, expected["logprobs"][i], rtol=1e-4, atol=1e-5)
+        assert math.isclose(out.loss, expected["losses"][i], rel_tol=1e-4)
+    assert math.isclose(got.grad_norm, expected["grad_norm"], rel_tol=1e-4), (name, got.grad_norm, expected["grad_norm"])
+
+
 def test_workers_stop_at_close(distributed):
-    _, _, procs = distributed
-    assert all(p.pid for p in procs)
+    """close() stops every rank: the processes are gone (exited on their own, status 0), not just signalled."""
+    _, _, backend = distributed
+    procs = [psutil.Process(pid) for pid in backend.pids()]
+    assert len(procs) == 2 and all(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in procs)
+    backend.close()  # the results the other tests read were all gathered when the fixture started
+    assert [p.is_running() for p in procs] == [False, False]  # is_running also tells a reused pid apart
+    assert [p.exitcode for p in backend.procs] == [0, 0]  # each rank left its command loop, none was killed
 
 
 @pytest.mark.parametrize(
@@ -171,6 +194,31 @@ def test_a_worker_that_raises_names_its_rank_and_leaves_no_process(cls, hooks):
     assert worker_children(before) == []
 
 
+def test_fsdp2_a_short_rank_runs_a_dummy_step_and_the_gradient_is_the_oracles():
+    """Three examples on two ranks: rank 1 runs one real step and one dummy; the answer is the hand-computed one."""
+    examples = tiny_examples()[:3]
+    with FSDP2Backend(BackendSpec(name="fsdp2", world_size=2, device="cpu"), ModelSpec()) as backend:
+        result = backend.run_pass(make_command("forward_backward", examples, None, 1))
+    assert result.plan["n_microbatches"] == [2, 1] and result.plan["n_dummy"] == [0, 1]
+    assert math.isclose(result.grad_norm, oracle(examples)["grad_norm"], rel_tol=1e-4)
+
+
+def test_a_step_count_mismatch_is_a_clear_error_in_seconds():
+    """A rank that would skip its dummy steps: named with both counts before any step, not a crash or a hang."""
+    before = _pids(worker_children())
+    # a short collective time-out: without the check, the unequal ranks fail (gloo) within it instead of hanging
+    backend = FSDP2Backend(BackendSpec(name="fsdp2", world_size=2, device="cpu", dist_timeout_s=60), ModelSpec(),
+                           hooks_path="tests.faults:FSDP2Rank1DropsItsDummies")
+    started = time.monotonic()
+    with pytest.raises(BackendError) as info:
+        backend.run_pass(make_command("forward", EXAMPLES[:1], None, 1))  # rank 1's only step is a dummy
+    assert time.monotonic() - started < 30
+    message = str(info.value)
+    assert "\n" not in message and message.startswith("rank ") and "failed during forward: StepCountMismatch" in message
+    assert "rank 0 has 1, rank 1 has 0" in message
+    assert worker_children(before) == []
+
+
 def test_closing_leaves_no_process():
     before = _pids(worker_children())
     backend = FSDP2Backend(BackendSpec(name="fsdp2", world_size=2, device="cpu"), ModelSpec())
@@ -181,9 +229,10 @@ def test_closing_leaves_no_process():
 
 
 def test_cli_backends_agree_and_leave_nothing_in_their_session(workdir):
-    """The issue's check through the CLI: each backend in its own session, outputs within 1e-4 of pytorch's."""
+    """The issue's check through the CLI: outputs within 1e-4 of pytorch's, and the sweep's session empty at the end."""
     sweep = workdir / "sweep"
-    proc = run_harness(
+    log = workdir / "log.txt"
+    proc = start_harness(
         "-m",
         "backend=pytorch,fsdp2,megatron_ddp",
         "world_size=null",
@@ -194,9 +243,14 @@ def test_cli_backends_agree_and_leave_nothing_in_their_session(workdir):
         "bench.repeat=1",
         f"hydra.sweep.dir={sweep}",
         cwd=workdir,
-        timeout=300,
+        log=log,
     )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.wait(timeout=300) == 0, log.read_text()
+    # The harness ran in a session of its own (start_new_session): every rank, queue feeder and
+    # W&B helper it started is in that session, so an empty session means nothing was left behind.
+    left = wait_session_empty(proc.pid)
+    assert left == [], [p.cmdline() for p in left]
+    assert "starting 2 ranks" in log.read_text()  # the session did hold ranks while it ran
     results = sweep_results(sweep)
     assert [r["backend"] for r in results] == ["pytorch", "fsdp2", "megatron_ddp"]
     assert [r["world_size"] for r in results] == [1, 2, 2]

@@ -86,3 +86,21 @@ def test_cuda_devices_are_matched_to_nvml_devices_by_uuid_not_index():
     assert match_nvml_devices(["CCCC3333-0000-0000-0000-000000000000"], nvml) == [2]
     assert match_nvml_devices(["GPU-aaaa1111-0000-0000-0000-000000000000"], nvml) == [0]
     assert match_nvml_devices(["eeee5555-0000-0000-0000-000000000000"], nvml) == [None]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_DATA is how the CPU limit works")
+def test_a_refused_allocation_is_classified_as_out_of_memory():
+    """The allocator's real refusal under the CPU memory limit is an OOM; another RuntimeError is not."""
+    from backends.memory import is_out_of_memory, limit_memory, restore_memory_limit
+
+    previous = limit_memory(peak_memory_bytes(CPU) / 1024**3 + 1.0, CPU)  # 1 GiB above what this process holds
+    try:
+        with pytest.raises(RuntimeError) as refused:
+            torch.empty(8 * 1024**3, dtype=torch.uint8)  # 8 GiB: far past the limit
+    finally:
+        restore_memory_limit(previous)
+    assert is_out_of_memory(refused.value), str(refused.value)
+    assert is_out_of_memory(MemoryError())
+    with pytest.raises(RuntimeError) as other:
+        torch.ones(2, 3) @ torch.ones(2, 3)
+    assert not is_out_of_memory(other.value)

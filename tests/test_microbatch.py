@@ -21,28 +21,46 @@ lengths_st = st.lists(st.integers(min_value=1, max_value=5000), min_size=0, max_
 budget_st = st.integers(min_value=1, max_value=20000)
 
 
+@st.composite
+def lengths_and_budgets(draw):
+    """Lengths and a budget; half the time one the greedy rule meets with equality.
+
+    ``budget = c × L`` with L a drawn length (often the longest, the first
+    micro-batch's): then some micro-batch has ``(count + 1) × longest == budget``,
+    where ``>`` keeps going and ``>=`` would wrongly close it.
+    """
+    lengths = draw(lengths_st)
+    if lengths and draw(st.booleans()):
+        longest = max(lengths) if draw(st.booleans()) else draw(st.sampled_from(lengths))
+        return lengths, longest * draw(st.integers(1, 12))
+    return lengths, draw(budget_st)
+
+
 def _seqs(lengths):
     return [[0] * n for n in lengths]
 
 
-@given(lengths_st, budget_st)
-def test_every_index_once_in_order(lengths, budget):
+@given(lengths_and_budgets())
+def test_every_index_once_in_order(case):
+    lengths, budget = case
     order = sort_by_length(lengths)
     batches = make_token_balanced_microbatches(order, _seqs(lengths), budget)
     assert [i for b in batches for i in b] == order
     assert all(b for b in batches)
 
 
-@given(lengths_st, budget_st)
-def test_no_microbatch_over_budget_unless_alone(lengths, budget):
+@given(lengths_and_budgets())
+def test_no_microbatch_over_budget_unless_alone(case):
+    lengths, budget = case
     batches = make_token_balanced_microbatches(sort_by_length(lengths), _seqs(lengths), budget)
     for b in batches:
         cost = len(b) * max(lengths[i] for i in b)
         assert cost <= budget or len(b) == 1
 
 
-@given(lengths_st, budget_st)
-def test_greedy_closes_a_batch_only_when_the_next_sequence_does_not_fit(lengths, budget):
+@given(lengths_and_budgets())
+def test_greedy_closes_a_batch_only_when_the_next_sequence_does_not_fit(case):
+    lengths, budget = case
     batches = make_token_balanced_microbatches(sort_by_length(lengths), _seqs(lengths), budget)
     for cur, nxt in zip(batches, batches[1:]):
         longest = max(max(lengths[i] for i in cur), lengths[nxt[0]])
@@ -90,6 +108,15 @@ def test_dealing_covers_every_example_once_and_balances_counts(lengths, world):
     assert max(counts) - min(counts) <= 1
     for s in shares:  # each rank keeps the sorted order
         assert [lengths[i] for i in s] == sorted((lengths[i] for i in s), reverse=True)
+    for rank, s in enumerate(shares):  # like cards: rank r holds sorted positions r, r+W, r+2W, ...
+        assert [order.index(i) for i in s] == list(range(rank, len(order), world))
+
+
+def test_greedy_hits_the_budget_exactly():
+    """The property tests above draw such budgets; this one names the case: (count + 1) × longest == budget fits."""
+    lengths = [40, 30, 40, 10, 40]
+    assert make_token_balanced_microbatches(sort_by_length(lengths), _seqs(lengths), 120) == [[0, 2, 4], [1, 3]]
+    assert plan_batch(lengths, 1, 120, 1).stats.n_microbatches == [2]
 
 
 @given(st.lists(st.lists(st.lists(st.integers(0, 99), min_size=1, max_size=3), max_size=6), min_size=1, max_size=5))

@@ -30,9 +30,32 @@ def test_same_seed_same_weights_and_lora_rank_from_config():
     assert ranks == {8}
 
 
+def _layer_forward_calls(model: torch.nn.Module) -> int:
+    """How often one decoder layer's forward runs in one forward+backward (a real forward hook counts).
+
+    transformers checkpoints the layer's ``forward``, not its ``__call__`` (so
+    the layer's own hooks run once); the hook sits on a module inside it, which
+    the recomputation calls again.
+    """
+    from backends.fsdp2 import decoder_layers
+
+    layer = decoder_layers(model)[1]
+    calls = []
+    handle = layer.input_layernorm.register_forward_hook(lambda module, args, output: calls.append(1))
+    try:
+        ids = torch.randint(0, model.config.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
+        model(input_ids=ids, use_cache=False).logits.float().square().mean().backward()
+    finally:
+        handle.remove()
+    return len(calls)
+
+
 def test_gradient_checkpointing_switch():
-    assert build_model(ModelSpec(), CPU, True).is_gradient_checkpointing
-    assert not build_model(ModelSpec(), CPU, False).is_gradient_checkpointing
+    """On: each decoder layer's forward runs again in backward (activations recomputed); off: once."""
+    on, off = build_model(ModelSpec(), CPU, True), build_model(ModelSpec(), CPU, False)
+    assert on.is_gradient_checkpointing and not off.is_gradient_checkpointing
+    assert _layer_forward_calls(off) == 1
+    assert _layer_forward_calls(on) == 2
 
 
 def test_local_checkpoint_loads_and_matches(tmp_path):

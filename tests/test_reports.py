@@ -18,7 +18,7 @@ README_TEXT = f"# A project\n\nIntro stays.\n\n{BEGIN}\nold table\n{END}\n\nOutr
 
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory) -> Path:
-    """A real two-point smoke sweep (logged to offline W&B runs, which test_tracking reads too)."""
+    """A real two-point smoke sweep (W&B disabled: harness_env sets WANDB_MODE=disabled; test_tracking has its own offline runs)."""
     root = tmp_path_factory.mktemp("reports")
     sweep = root / "sweep"
     proc = run_harness(
@@ -124,13 +124,91 @@ def test_a_missing_folder_is_one_line(tmp_path):
     assert proc.stderr.strip().count("\n") == 0 and "no such folder" in proc.stderr
 
 
+def _committed_points() -> list[Path]:
+    points = sorted((REPO / "reports" / "results").glob("*/*/results.json"))
+    assert points, "no committed results"
+    return [p.parent for p in points]
+
+
+def _workload_lengths(res: dict) -> list[int]:
+    """The lengths the point's workload config generates (conf/workload/<name>.yaml plus the point's overrides)."""
+    import yaml
+
+    from harness.workload import mixed_lengths
+
+    conf = yaml.safe_load((REPO / "conf" / "workload" / f"{res['workload']['name']}.yaml").read_text())
+    for override in res["overrides"]:
+        key, _, value = override.partition("=")
+        if key.startswith("workload."):
+            conf[key.removeprefix("workload.")] = yaml.safe_load(value)
+    assert conf["kind"] == "mixed"
+    return mixed_lengths(conf["n_examples"], conf["min_len"], conf["max_len"], conf["seed"])
+
+
 def test_committed_results_are_a_real_sweep_of_this_machine():
+    """Everything that can be recomputed is: an edited number, a hand-made plan or a pasted row does not pass.
+
+    Per point: the overrides Hydra recorded; the lengths from the workload config;
+    the plan (plan.json and every plan statistic) from those lengths; tokens/s from
+    the timings; FLOPs and MFU from the plan, the timings and the recorded peak.
+    Across points: one gradient norm (batching must not change the answer).
+    """
+    import yaml
+
+    from backends import LOCKSTEP_BACKENDS
+    from backends.microbatch import CostModel, plan_batch
+    from harness.flops import flops_record
+
     df = collect([REPO / "reports" / "results"])
     assert not df.empty
     assert set(df["backend"]) >= {"fsdp2", "megatron_ddp"}
     assert {16384, 32768, 65536, 131072} <= set(df["mtpm"].dropna().astype(int))
     assert (df["status"] == "ok").all()
-    assert all(r["passes"]["forward_backward"]["tok_per_s"] > 0 for r in map(_load, df["path"]))
+    grad_norms = []
+    for point in _committed_points():
+        res = _load(point / "results.json")
+        assert yaml.safe_load((point / ".hydra" / "overrides.yaml").read_text()) == res["overrides"], point
+        lengths = _workload_lengths(res)
+        wl = res["workload"]
+        assert (wl["n_examples"], wl["total_tokens"], wl["min_len"], wl["max_len"]) == (
+            len(lengths), sum(lengths), min(lengths), max(lengths)), point
+        stored_plan = json.loads((point / "plan.json").read_text())
+        assert stored_plan["lengths"] == lengths, point
+        plan = plan_batch(lengths, res["world_size"], res["mtpm"], res["mbs"], align=res["backend"] in LOCKSTEP_BACKENDS,
+                          layout=res["layout"], planner=res["planner"],
+                          cost_model=CostModel.from_dict(res["plan"]["cost_model"]))
+        assert [[None if b is None else list(b) for b in s] for s in plan.schedules] == stored_plan["schedules"], point
+        recomputed = plan.stats.as_dict()
+        for key, value in recomputed.items():
+            assert res["plan"][key] == (pytest.approx(value) if isinstance(value, float) else value), (point, key)
+        assert res["plan"]["pad_efficiency"] == pytest.approx(res["plan"]["real_tokens"] / res["plan"]["padded_tokens"])
+        assert res["device"]["type"] == "cpu" and res["device"]["count"] == res["world_size"]
+        assert res["peak"]["source"].startswith("measured:")  # a CPU peak measured on the machine that ran it
+        for pass_type, p in res["passes"].items():
+            assert len(p["elapsed_s"]) == res["bench"]["repeat"] and min(p["elapsed_s"]) > 0, (point, pass_type)
+            assert p["real_tokens"] == sum(lengths)
+            assert p["tok_per_s"] == pytest.approx(sum(lengths) / (sum(p["elapsed_s"]) / len(p["elapsed_s"])))
+            assert len(p["mem_peak_bytes"]) == res["world_size"] and min(p["mem_peak_bytes"]) > 0
+            assert 0 < p["util_pct"] <= 100 * res["device"]["cores"]
+            flops = flops_record(pass_type, lengths, CostModel.from_dict(res["plan"]["cost_model"]), res["plan"],
+                                 res["gc"], p["elapsed_s"], res["world_size"], res["peak"])
+            for key, value in flops.items():
+                assert p[key] == pytest.approx(value), (point, pass_type, key)
+        assert res["passes"]["forward"]["grad_norm"] is None
+        grad_norms.append(res["passes"]["forward_backward"]["grad_norm"])
+    assert min(grad_norms) > 0 and max(grad_norms) == pytest.approx(min(grad_norms), rel=1e-6)
+
+
+@pytest.mark.slow
+def test_committed_gradient_is_the_tiny_models_own():
+    """The committed gradient norm is what a plain forward of the tiny model gives on the point's examples (tests/loss_oracle.py)."""
+    from harness.workload import make_examples
+    from tests.loss_oracle import oracle
+
+    res = _load(_committed_points()[0] / "results.json")
+    assert res["model"]["name"] == "tiny" and res["model"]["lora_rank"] == 32 and not any("seed" in o for o in res["overrides"])
+    examples = make_examples(_workload_lengths(res), res["model"]["built"]["vocab_size"], seed=0)  # conf/config.yaml's seed
+    assert res["passes"]["forward_backward"]["grad_norm"] == pytest.approx(oracle(examples)["grad_norm"], rel=1e-4)
 
 
 def _load(path: str) -> dict:

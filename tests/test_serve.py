@@ -184,16 +184,40 @@ def test_oversized_requests_are_refused(server):
     assert server.call("POST", "/forward", {"examples": []})[0] == 422
 
 
-def test_a_full_queue_answers_503(server):
-    server.call("POST", "/admin/set_max_tokens_per_microbatch", {"value": 100000})
+def test_a_full_queue_answers_503(tmp_path):
+    """Deterministic: a rank held stopped (SIGSTOP) keeps the first pass running while the second request arrives."""
+    import psutil
+
+    s = start_server(tmp_path, "backend=fsdp2", "world_size=2", "workload=smoke", "server.queue_size=0")
+    sid = s.proc.pid
     results = {}
-    first = threading.Thread(target=lambda: results.setdefault("first", server.call("POST", "/forward_backward", {"examples": examples([4000] * 4)})))
-    first.start()
-    time.sleep(1.0)
-    results["second"] = server.call("POST", "/forward", {"examples": examples([10])})
-    first.join()
-    assert results["first"][0] == 200
-    assert results["second"][0] == 503 and "busy" in results["second"][1]["detail"]
+    first = threading.Thread(target=lambda: results.setdefault("first", s.call("POST", "/forward", {"examples": examples([30, 20])})))
+    rank1 = None
+    try:
+        status, health = s.call("GET", "/healthz", token=None)
+        assert status == 200 and health["pending"] == 0
+        rank1 = psutil.Process(health["pids"][-1])
+        rank1.suspend()  # the next pass cannot finish until this rank runs again
+        first.start()
+        deadline = time.monotonic() + 60
+        while s.call("GET", "/healthz", token=None)[1]["pending"] != 1:  # the first pass holds the only slot
+            assert time.monotonic() < deadline and first.is_alive(), results
+            time.sleep(0.05)
+        results["second"] = s.call("POST", "/forward", {"examples": examples([10])})
+        assert first.is_alive()  # still held: the answer above was given while the slot was taken
+    finally:
+        if rank1 is not None:
+            rank1.resume()
+        if first.ident is not None:
+            first.join(timeout=120)
+        try:
+            assert results.get("first", [None])[0] == 200, results
+            assert results["second"][0] == 503 and "busy" in results["second"][1]["detail"]
+            assert s.call("POST", "/forward", {"examples": examples([10])})[0] == 200  # the slot is free again
+            assert s.call("GET", "/healthz", token=None)[1]["pending"] == 0
+        finally:
+            assert stop(s) == 0
+    assert session_processes(sid) == []
 
 
 def test_a_corrupt_control_file_keeps_the_last_good_value(server):

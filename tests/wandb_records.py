@@ -36,8 +36,8 @@ def records(path: Path) -> list[pb.Record]:
 
 
 def run_contents(path: Path) -> dict:
-    """The run's name, group, config, summary and logged history rows, decoded from JSON values."""
-    out = {"config": {}, "summary": {}, "history": [], "name": None, "group": None}
+    """The run's name, group, config, summary, logged history rows (decoded from JSON values) and exit code (None: not finished)."""
+    out = {"config": {}, "summary": {}, "history": [], "name": None, "group": None, "exit_code": None}
     for rec in records(path):
         kind = rec.WhichOneof("record_type")
         if kind == "run":
@@ -51,6 +51,8 @@ def run_contents(path: Path) -> dict:
             for item in rec.summary.update:
                 key = item.key or "/".join(item.nested_key)
                 out["summary"][key] = json.loads(item.value_json)
+        elif kind == "exit":
+            out["exit_code"] = rec.exit.exit_code
         elif kind == "history":
             out["history"].append({(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in rec.history.item})
     return out

@@ -1,0 +1,224 @@
+"""Break the core on purpose, one named mutation at a time, and show the tests that guard it fail.
+
+    python scripts/mutation_check.py                 # every mutation, a markdown table at the end
+    python scripts/mutation_check.py --only greedy   # names containing "greedy"
+    python scripts/mutation_check.py --list
+
+Each mutation is an exact text replacement (it must match once) applied to a
+fresh copy of the working tree in a temporary folder (tracked and untracked,
+not ignored files), never to the checkout itself. The copy's own tests for that
+mutation run there with PYTHONPATH pointing at the copy; a mutation is
+"caught" when they fail and "survived" when they pass. A mutation that no
+longer applies (the code moved) is reported as "stale", so the list is kept
+honest. Not part of CI: it runs real multi-process tests and takes minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    path: str  # relative to the repository root
+    old: str
+    new: str
+    tests: tuple[str, ...]  # pytest node ids (or files) that must fail
+
+
+MUTATIONS = (
+    Mutation(
+        "loss divided by each micro-batch's token count, not the batch's weight",
+        "backends/step.py",
+        "(loss_per_row.sum() * scale).backward()",
+        "(loss_per_row.sum() / weights.numel()).backward()",
+        ("tests/test_loss_oracle.py",),
+    ),
+    Mutation(
+        "greedy closes a micro-batch at the budget (> becomes >=)",
+        "backends/planning/greedy.py",
+        "if current and (len(current) + 1) * max(current_max, n) > max_tokens:",
+        "if current and (len(current) + 1) * max(current_max, n) >= max_tokens:",
+        ("tests/test_microbatch.py::test_greedy_closes_a_batch_only_when_the_next_sequence_does_not_fit",),
+    ),
+    Mutation(
+        "FSDP2 drops its dummy steps",
+        "backends/fsdp2.py",
+        "return list(local) + [None] * (int(count.item()) - len(local))",
+        "return [b for b in local if b is not None]",
+        ("tests/test_distributed.py::test_fsdp2_a_short_rank_runs_a_dummy_step_and_the_gradient_is_the_oracles",),
+    ),
+    Mutation(
+        "FSDP2 ranks do not compare their step counts",
+        "backends/fsdp2.py",
+        "        check_equal_step_counts(len(schedule), self.world_size, self.device)\n",
+        "",
+        ("tests/test_distributed.py::test_a_step_count_mismatch_is_a_clear_error_in_seconds",),
+    ),
+    Mutation(
+        "ranks dealt contiguous blocks instead of cards",
+        "backends/planning/greedy.py",
+        "return [order[r::world_size] for r in range(world_size)]",
+        "return [order[r * len(order) // world_size : (r + 1) * len(order) // world_size] for r in range(world_size)]",
+        (
+            "tests/test_microbatch.py::test_dealing_covers_every_example_once_and_balances_counts",
+            "tests/test_reports.py::test_committed_results_are_a_real_sweep_of_this_machine",
+        ),
+    ),
+    Mutation(
+        "resume runs finished points again",
+        "harness/app.py",
+        'if previous.get("status") == "ok":',
+        'if previous.get("status") == "never":',
+        ("tests/test_harness_cli.py::test_resume_keeps_finished_results_and_finds_points_by_their_overrides",),
+    ),
+    Mutation(
+        "an allocator's refusal is not classified as out of memory",
+        "backends/memory.py",
+        "return isinstance(exc, RuntimeError) and any(m in str(exc).lower() for m in _OOM_MARKERS)",
+        "return False",
+        ("tests/test_memory.py",),
+    ),
+    Mutation(
+        "packed position ids do not restart at each sequence",
+        "backends/packing.py",
+        "positions = np.arange(int(cu[-1]), dtype=np.int64) - starts",
+        "positions = np.arange(int(cu[-1]), dtype=np.int64)",
+        ("tests/test_packing.py::test_collate_lays_sequences_end_to_end",),
+    ),
+    Mutation(
+        "packed cu_seqlens make the whole row one sequence",
+        "backends/packing.py",
+        "cu_seqlens=torch.from_numpy(cu).to(device, non_blocking=True),",
+        "cu_seqlens=torch.from_numpy(cu[[0, -1]].copy()).to(device, non_blocking=True),",
+        (
+            "tests/test_packing.py::test_collate_lays_sequences_end_to_end",
+            "tests/test_loss_oracle.py::test_each_grouping_reports_the_oracles_losses_and_gradient",
+        ),
+    ),
+    Mutation(
+        "a failed point's W&B run is left unfinished",
+        "harness/app.py",
+        "            if self.tracker is not None:\n                self.tracker.finish(self.doc)",
+        '            if self.tracker is not None and self.doc.get("status") == "ok":\n                self.tracker.finish(self.doc)',
+        ("tests/test_tracking.py::test_a_failed_point_still_finishes_its_run_and_the_next_starts",),
+    ),
+    Mutation(
+        "pytorch mixes up the outputs of equal-length examples (shapes stay right)",
+        "backends/pytorch.py",
+        "outputs=[by_index[i] for i in range(len(examples))],",
+        "outputs=[by_index[max(j for j in range(len(examples)) if len(examples[j]) == len(examples[i]))]"
+        " for i in range(len(examples))],",
+        ("tests/test_batching_invariance.py::test_outputs_come_back_in_request_order",),
+    ),
+    Mutation(
+        "a committed result edited by hand (pad efficiency)",
+        "reports/results/cpu-2rank-tiny/3/results.json",
+        '"pad_efficiency": 0.5958749107698851,',
+        '"pad_efficiency": 0.6058749107698851,',
+        ("tests/test_reports.py::test_committed_results_are_a_real_sweep_of_this_machine",),
+    ),
+)
+
+
+def working_tree_files(repo: Path) -> list[str]:
+    """Tracked and untracked files git does not ignore: the working tree as it is, uncommitted edits included."""
+    out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=repo,
+                         capture_output=True, check=True).stdout
+    return sorted({p for p in out.decode().split("\0") if p and (repo / p).is_file()})
+
+
+def copy_tree(repo: Path, dest: Path) -> None:
+    for rel in working_tree_files(repo):
+        target = dest / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(repo / rel, target)
+
+
+def apply(mutation: Mutation, root: Path) -> bool:
+    """Replace the mutation's text in the copy; False when it does not occur exactly once."""
+    path = root / mutation.path
+    text = path.read_text()
+    if text.count(mutation.old) != 1:
+        return False
+    path.write_text(text.replace(mutation.old, mutation.new))
+    return True
+
+
+def run_tests(root: Path, tests: tuple[str, ...], timeout_s: float) -> tuple[str, str]:
+    """(result, last lines of pytest's output) for ``tests`` run in the copy at ``root``."""
+    env = dict(os.environ, PYTHONPATH=str(root), WANDB_MODE="disabled", PYTHONUNBUFFERED="1")
+    env.pop("HYDRA_FULL_ERROR", None)
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
+    try:
+        proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout_s,
+                              start_new_session=True)
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        return f"caught (timed out after {timeout_s:g} s)", out[-2000:]
+    tail = (proc.stdout + proc.stderr)[-2000:]
+    if proc.returncode == 0:
+        return "survived", tail
+    if proc.returncode in (1, 3):  # tests failed, or errored in a fixture
+        return "caught", tail
+    return f"not run (pytest exit {proc.returncode})", tail
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", help="run the mutations whose name contains this text")
+    parser.add_argument("--list", action="store_true", help="list the mutations and exit")
+    parser.add_argument("--baseline", action="store_true", help="first run each mutation's tests unmutated (they must pass)")
+    parser.add_argument("--timeout-s", type=float, default=600.0, help="per mutation (default 600)")
+    parser.add_argument("--verbose", action="store_true", help="print pytest's last lines for every mutation")
+    args = parser.parse_args(argv)
+
+    chosen = [m for m in MUTATIONS if not args.only or args.only.lower() in m.name.lower()]
+    if args.list or not chosen:
+        for m in MUTATIONS:
+            print(f"{m.name}  [{m.path}]  {' '.join(m.tests)}")
+        return 0 if chosen else 2
+
+    rows = []
+    for m in chosen:
+        with tempfile.TemporaryDirectory(prefix="mutation-") as tmp:
+            root = Path(tmp)
+            copy_tree(REPO, root)
+            if args.baseline:
+                result, tail = run_tests(root, m.tests, args.timeout_s)
+                if result != "survived":
+                    print(f"baseline failed for {m.name!r}: {result}\n{tail}", file=sys.stderr)
+                    rows.append((m, "baseline fails", 0.0))
+                    continue
+            start = time.monotonic()
+            if not apply(m, root):
+                result, tail = "stale (text not found once)", ""
+            else:
+                result, tail = run_tests(root, m.tests, args.timeout_s)
+            elapsed = time.monotonic() - start
+        rows.append((m, result, elapsed))
+        print(f"{result:>10}  {elapsed:6.1f} s  {m.name}", file=sys.stderr, flush=True)
+        if args.verbose or result == "survived":
+            print(tail, file=sys.stderr)
+
+    print("| mutation | file | tests run | result | seconds |")
+    print("|---|---|---|---|---|")
+    for m, result, elapsed in rows:
+        tests = "<br>".join(f"`{t}`" for t in m.tests)
+        print(f"| {m.name} | `{m.path}` | {tests} | {result} | {elapsed:.0f} |")
+    return 0 if all(r.startswith("caught") for _, r, _ in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
