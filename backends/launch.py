@@ -276,11 +276,29 @@ class LaunchedJob:
         self._stop.set()
         self._watchdog.kill()  # its parent's heartbeat stops now; it must not take that for a hang
         self._watchdog.wait()
-        if self.rank == 0 and self.failed is None and self.store_lost is None:
+        if self.rank != 0:
+            try:
+                self.store.add("left", 1)  # rank 0 keeps the store up until every rank has said so
+            except Exception:  # noqa: BLE001 - the store is gone already: nothing to tell
+                pass
+            return
+        if self.failed is None and self.store_lost is None:
             try:
                 self.send("exit")
+                self._wait_for_ranks_to_leave()
             except Exception:  # noqa: BLE001 - the store is gone: the other ranks see that and exit
                 pass
+
+    def _wait_for_ranks_to_leave(self, timeout_s: float = _STORE_TIMEOUT_S) -> None:
+        """Rank 0 hosts the store: leaving before a slow rank has even connected (a dry run ends in
+        seconds) would leave that rank retrying the connection for minutes. Wait until every rank has read
+        ``exit``, or has stopped beating (it is gone another way)."""
+        deadline = time.monotonic() + timeout_s
+        while int(self.store.add("left", 0)) < self.world_size - 1 and time.monotonic() < deadline:
+            # a rank that has beaten and then stopped is gone; one that never beat may still be starting
+            if any(int(self.store.add(f"hb/{r}", 0)) > 0 and self._stale(r, self.store) for r in range(1, self.world_size)):
+                return
+            time.sleep(0.1)
 
 
 _JOB: Optional[LaunchedJob] = None

@@ -164,3 +164,32 @@ def test_a_killed_or_hung_rank_ends_the_point_on_every_node(workdir, backend, si
     assert doc["error"] in node_logs(workdir)
     for p in procs:
         assert wait_session_empty(p.pid) == []
+
+
+def test_rank_0_keeps_the_store_until_a_late_rank_has_left(workdir):
+    """srun-style ranks: rank 0 finishes a dry run before rank 1 has even started; rank 1 must still
+    find the store, read ``exit`` and leave, and rank 0 must wait for it (it used to leave rank 1
+    retrying a dead store for minutes)."""
+    port = _free_port()
+    slurm = dict(SLURM_JOB_ID="4242", SLURM_NTASKS="2", SLURM_STEP_NUM_TASKS="2", SLURM_NNODES="1",
+                 SLURM_STEP_NUM_NODES="1", SLURM_STEP_NODELIST="127.0.0.1", MASTER_PORT=str(port))
+    args = [sys.executable, "-m", "harness", "backend=fsdp2", "dry_run=true", "logger=none",
+            f"hydra.run.dir={workdir / 'run'}"]
+
+    def start(rank: int) -> subprocess.Popen:
+        env = harness_env(**slurm, SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank))
+        return subprocess.Popen(args, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+
+    rank0 = start(0)
+    deadline = time.monotonic() + 120
+    while not (workdir / "run" / "results.json").exists():  # rank 0's dry run is done
+        assert rank0.poll() is None and time.monotonic() < deadline, rank0.stdout.read() if rank0.poll() else "no result"
+        time.sleep(0.1)
+    rank1 = start(1)
+    out1, _ = rank1.communicate(timeout=120)
+    out0, _ = rank0.communicate(timeout=60)
+    assert (rank0.returncode, rank1.returncode) == (0, 0), out0 + out1
+    assert load_json(workdir / "run" / "results.json")["status"] == "planned"
+    for p in (rank0, rank1):
+        assert wait_session_empty(p.pid) == []
