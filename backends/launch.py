@@ -34,6 +34,7 @@ STALE_AFTER_S = 15.0
 _BEAT_STORE_TIMEOUT_S = 10.0
 # The watchdog's patience once the job has ended: rank 0 first writes the point's result.
 _GRACE_S = {0: 30.0, "other": 5.0}
+_LATE_RANK_GRACE_S = 60.0  # rank 0 at its end: how long it keeps the store for a rank that never connected
 _STORE_TIMEOUT_S = 300.0  # how long a rank waits for the store itself at start-up (nodes start at different times)
 
 
@@ -289,14 +290,17 @@ class LaunchedJob:
             except Exception:  # noqa: BLE001 - the store is gone: the other ranks see that and exit
                 pass
 
-    def _wait_for_ranks_to_leave(self, timeout_s: float = _STORE_TIMEOUT_S) -> None:
+    def _wait_for_ranks_to_leave(self) -> None:
         """Rank 0 hosts the store: leaving before a slow rank has even connected (a dry run ends in
         seconds) would leave that rank retrying the connection for minutes. Wait until every rank has read
-        ``exit``, or has stopped beating (it is gone another way)."""
-        deadline = time.monotonic() + timeout_s
-        while int(self.store.add("left", 0)) < self.world_size - 1 and time.monotonic() < deadline:
-            # a rank that has beaten and then stopped is gone; one that never beat may still be starting
-            if any(int(self.store.add(f"hb/{r}", 0)) > 0 and self._stale(r, self.store) for r in range(1, self.world_size)):
+        ``exit``; give up on one that beat and then stopped (gone another way), and after
+        ``_LATE_RANK_GRACE_S`` on one that never connected at all."""
+        start = time.monotonic()
+        while int(self.store.add("left", 0)) < self.world_size - 1:
+            beats = [int(self.store.add(f"hb/{r}", 0)) for r in range(1, self.world_size)]
+            if any(b > 0 and self._stale(r, self.store) for r, b in enumerate(beats, start=1)):
+                return
+            if time.monotonic() - start > (_STORE_TIMEOUT_S if all(beats) else _LATE_RANK_GRACE_S):
                 return
             time.sleep(0.1)
 

@@ -98,8 +98,15 @@ def test_world_size_comes_from_the_launcher():
 
 def test_conflicting_world_size_is_one_line_and_exit_2(workdir):
     """RANK/WORLD_SIZE set by a launcher, world_size= disagreeing: one line naming world_size, status 2, no traceback."""
-    env = harness_env(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    port = str(_free_port())
+    # rank 1 of the job, started as the launcher would: it serves rank 0 and leaves when told to
+    rank1 = subprocess.Popen([sys.executable, "-m", "harness", "backend=fsdp2", "world_size=3", *POINT], cwd=workdir,
+                             env=harness_env(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", MASTER_ADDR="127.0.0.1",
+                                             MASTER_PORT=port),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    env = harness_env(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     proc = run_harness("backend=fsdp2", "world_size=3", *POINT, "hydra.run.dir=run", cwd=workdir, env=env, timeout=120)
+    rank1.communicate(timeout=60)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = [line for line in (proc.stdout + proc.stderr).splitlines() if "world_size: 3 conflicts" in line]
     assert lines and "Traceback" not in proc.stdout + proc.stderr
