@@ -110,17 +110,21 @@ def release_cached_memory(device: torch.device) -> None:
     _malloc_trim()
 
 
-def reset_peak_memory(device: torch.device) -> None:
+def reset_peak_memory(device: torch.device, release: bool = True) -> None:
     """Start a new peak, after releasing what earlier passes left cached.
 
     Without the release a peak reset starts from what the allocator (CUDA's
     caching allocator, or glibc's heap on CPU) still holds, so a small budget
     measured after a large one in the same process reports the large one's memory.
+    ``release=False`` (a timed repeat after the same pass's first run) keeps the
+    cache, as a training loop does; the peak then starts from what this pass
+    type itself left cached.
     On GPU the CUDA allocator's statistics are reset. On CPU, writing 5 to
     /proc/self/clear_refs resets VmHWM to the current resident size, so the peak
     of each pass is exact rather than sampled (Linux).
     """
-    release_cached_memory(device)
+    if release:
+        release_cached_memory(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         return

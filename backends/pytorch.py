@@ -59,7 +59,7 @@ class PyTorchBackend(Backend):
         examples = command["examples"]
         pass_type = command["pass_type"]
         plan = plan_command(command, world_size=1, lockstep=False)
-        reset_peak_memory(self.device)
+        reset_peak_memory(self.device, release=command.get("release_memory", True))
         if pass_type == "forward_backward":
             self.model.zero_grad(set_to_none=True)
         progress = ProgressLogger(

@@ -255,7 +255,8 @@ def _run_command(
     lockstep = hooks.spec.name in LOCKSTEP_BACKENDS
     mine, local = _rank_share(command, rank, world_size, lockstep)
     schedule = hooks.align(local)
-    reset_peak_memory(device)  # releases what earlier passes left cached: host work, before the timed region
+    # releases what earlier passes left cached (the first run of a pass type): host work, before the timed region
+    reset_peak_memory(device, release=command.get("release_memory", True))
     # The whole batch's loss weight, summed over ranks once per pass: every rank divides by it.
     # The collective also lines the ranks up, so the timed region starts together on all of them.
     total_weight = _all_reduce_float(total_loss_weight(examples, mine), dist.ReduceOp.SUM, device)
