@@ -47,11 +47,23 @@ def make_command(
     }
 
 
+def command_lengths(command: dict[str, Any]) -> list[int]:
+    """Every example's length: sent as ``lengths`` with a rank's share (backends/workers.py), else read off the examples."""
+    if command.get("lengths") is not None:
+        return list(command["lengths"])
+    return [len(e) for e in command["examples"]]
+
+
+def usable_cpu_cores() -> int:
+    """The CPU cores this process may run on (its affinity where the OS has one)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, cores or 1)
+
+
 def plan_command(command: dict[str, Any], world_size: int, lockstep: bool) -> Plan:
     """The global plan of a command: every rank (and the controller) computes the same one from the same inputs."""
-    lengths = command.get("lengths")  # sent with a rank's share of the examples (backends/workers.py)
     return plan_batch(
-        list(lengths) if lengths is not None else [len(e) for e in command["examples"]],
+        command_lengths(command),
         world_size,
         command["max_tokens_per_microbatch"],
         command["micro_batch_size"],
@@ -102,8 +114,7 @@ def device_description(device: torch.device, count: int) -> dict:
 
         name = _cpu_model_name() or platform.processor() or "cpu"
         total = psutil.virtual_memory().total
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        return {"type": "cpu", "name": name, "count": count, "cores": cores, "memory_bytes": int(total)}
+        return {"type": "cpu", "name": name, "count": count, "cores": usable_cpu_cores(), "memory_bytes": int(total)}
     return {"type": device.type, "name": name, "count": count, "memory_bytes": int(total)}
 
 

@@ -8,18 +8,17 @@ import queue
 import signal
 import threading
 import time
-from datetime import timedelta
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
-from backends.base import Backend, PassResult, resolve_device
+from backends.base import Backend, PassResult, resolve_device, usable_cpu_cores
 from backends.errors import BackendError, first_line
 from backends.launch import HEARTBEAT_EVERY_S, STALE_AFTER_S, LaunchedJob, check_world_size, launched_job
 from backends.memory import limit_memory, restore_memory_limit
-from backends.loading import LoadMeter, merge_load_records
-from backends.workers import _import, _run_command, failure_report, pass_result
+from backends.loading import merge_load_records
+from backends.workers import _run_command, failure_report, pass_result, start_rank
 
 log = logging.getLogger(__name__)
 
@@ -39,22 +38,11 @@ class _Rank:
         else:
             self.device = base
         self.memory_limit = limit_memory(spec.memory_limit_gb, self.device)
-        self.hooks = _import(hooks_path)(spec, job.rank, job.world_size, self.device)
-        self.hooks.setup()
-        if not dist.is_initialized():  # once per process; later points of a sweep reuse it
-            dist.init_process_group(
-                backend="nccl" if self.device.type == "cuda" else "gloo",
-                store=job.process_group_store(),
-                rank=job.rank,
-                world_size=job.world_size,
-                timeout=timedelta(seconds=spec.dist_timeout_s),
-                device_id=self.device if self.device.type == "cuda" else None,
-            )
-        with LoadMeter(self.device) as meter:
-            self.model, built, method = self.hooks.load_model(model_spec)
+        self.hooks, self.model, built, method, load = start_rank(
+            spec, model_spec, hooks_path, job.rank, job.world_size, self.device, job.process_group_store())
         # Every rank's load record reaches rank 0 (one collective, as in the spawned path's start-up replies).
         records: list = [None] * job.world_size
-        dist.all_gather_object(records, meter.as_dict())
+        dist.all_gather_object(records, load)
         self.built = built if job.rank == 0 else None
         self.load = merge_load_records(method, records)
         self.wlog = logging.getLogger(f"backends.{spec.name}")
@@ -105,7 +93,7 @@ def follow(job: LaunchedJob) -> int:
 def _threads_per_rank() -> int:
     import os
 
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = usable_cpu_cores()
     local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0] or 1)
     return max(1, cores // max(1, local))
 

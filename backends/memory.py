@@ -148,9 +148,7 @@ def _vm_hwm_bytes() -> Optional[int]:
 
 def peak_memory_bytes(device: torch.device) -> Optional[int]:
     """This process's memory peak since ``reset_peak_memory``: CUDA memory reserved, or resident set (VmHWM) on CPU."""
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_reserved(device))
-    return _vm_hwm_bytes()
+    return peak_memory(device)["peak_bytes"]
 
 
 def peak_memory(device: torch.device) -> dict[str, Optional[int]]:

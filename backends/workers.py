@@ -28,7 +28,15 @@ import torch
 import torch.distributed as dist
 
 from backends import LOCKSTEP_BACKENDS, resolve_world_size
-from backends.base import Backend, BackendSpec, PassResult, plan_command, resolve_device
+from backends.base import (
+    Backend,
+    BackendSpec,
+    PassResult,
+    command_lengths,
+    plan_command,
+    resolve_device,
+    usable_cpu_cores,
+)
 from backends.errors import BackendError, UserError, first_line
 from backends.memory import is_out_of_memory, limit_memory, oom_message, peak_memory, reset_peak_memory
 from backends.microbatch import CostModel, Schedule, microbatch_tokens, plan_stats
@@ -140,28 +148,15 @@ def worker_main(
     try:
         base = resolve_device(spec.device)
         if base.type == "cpu":
-            torch.set_num_threads(max(1, (len(os.sched_getaffinity(0)) or 1) // world_size))
+            torch.set_num_threads(max(1, usable_cpu_cores() // world_size))
         device = _device_for_rank(base, rank)
         limit_memory(spec.memory_limit_gb, device)
-        hooks: RankHooks = _import(hooks_path)(spec, rank, world_size, device)
-        hooks.setup()
         store = dist.TCPStore("127.0.0.1", store_port, world_size + 1, is_master=False,
                               timeout=timedelta(seconds=spec.dist_timeout_s))
-        dist.init_process_group(
-            backend="nccl" if device.type == "cuda" else "gloo",
-            store=store,
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=spec.dist_timeout_s),
-            device_id=device if device.type == "cuda" else None,
-        )
-        with LoadMeter(device) as meter:
-            model, built, method = hooks.load_model(model_spec)
-        replies.put(("ready", rank, {"built": built, "method": method, "load": meter.as_dict()}))
+        hooks, model, built, method, load = start_rank(spec, model_spec, hooks_path, rank, world_size, device, store)
+        replies.put(("ready", rank, {"built": built, "method": method, "load": load}))
     except BaseException as exc:  # noqa: BLE001 - reported to the controller, which names the rank
-        kind = "oom" if is_out_of_memory(exc) else "error"
-        message = oom_message("start-up", f" on rank {rank}", 0, spec.memory_limit_gb, exc) if kind == "oom" else None
-        replies.put((kind, rank, (message or f"{type(exc).__name__}: {exc}", traceback.format_exc())))
+        replies.put(failure_report(exc, rank, spec, None))
         return
 
     while True:
@@ -185,6 +180,29 @@ def worker_main(
         pass
 
 
+def start_rank(spec: BackendSpec, model_spec: ModelSpec, hooks_path: str, rank: int, world_size: int,
+               device: torch.device, store) -> tuple[RankHooks, torch.nn.Module, Optional[dict], str, dict]:
+    """One rank's start: its hooks, the process group (once per process), then the model as its backend loads it.
+
+    Returns the hooks, the wrapped model, what was built (rank 0; None elsewhere),
+    how it was loaded and this rank's load record (``LoadMeter.as_dict``).
+    """
+    hooks: RankHooks = _import(hooks_path)(spec, rank, world_size, device)
+    hooks.setup()
+    if not dist.is_initialized():  # a launched job's later points reuse its group
+        dist.init_process_group(
+            backend="nccl" if device.type == "cuda" else "gloo",
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=spec.dist_timeout_s),
+            device_id=device if device.type == "cuda" else None,
+        )
+    with LoadMeter(device) as meter:
+        model, built, method = hooks.load_model(model_spec)
+    return hooks, model, built, method, meter.as_dict()
+
+
 def failure_report(exc: BaseException, rank: int, spec: Optional[BackendSpec], command: Optional[dict],
                    world_size: Optional[int] = None) -> tuple:
     """A rank's failure as its reply: ("oom" or "error", rank, (one-line message, traceback)).
@@ -199,8 +217,6 @@ def failure_report(exc: BaseException, rank: int, spec: Optional[BackendSpec], c
     if command is None:
         return "oom", rank, (oom_message("start-up", f" on rank {rank}", 0, limit_gb, exc), details)
     if world_size is None:
-        import torch.distributed as dist
-
         world_size = dist.get_world_size()
     _, local = _rank_share(command, rank, world_size, spec.name in LOCKSTEP_BACKENDS)
     lengths = command_lengths(command)
@@ -221,13 +237,6 @@ def _rank_share(
         local = [b for b in local if b is not None]
     mine = [i for b in local if b is not None for i in b]
     return mine, local
-
-
-def command_lengths(command: dict[str, Any]) -> list[int]:
-    """Every example's length: sent as ``lengths`` with a rank's share, else read off the full example list."""
-    if command.get("lengths") is not None:
-        return list(command["lengths"])
-    return [len(e) for e in command["examples"]]
 
 
 def rank_commands(command: dict[str, Any], world_size: int, lockstep: bool) -> list[dict[str, Any]]:
@@ -389,7 +398,7 @@ class DistributedBackend(Backend):
                 f"{torch.cuda.device_count()} visible (valid: 1..{torch.cuda.device_count()} or null)"
             )
         if self.device.type == "cpu":
-            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+            cores = usable_cpu_cores()
             if self.world_size > cores:
                 log.warning(
                     "world_size=%d ranks on %d CPU cores: the ranks share the cores (one thread each), so start-up "

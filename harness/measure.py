@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import psutil
 
-from backends.base import Backend, PassResult, make_command
+from backends.base import Backend, PassResult, make_command, usable_cpu_cores
 from backends.examples import Example
 from backends.step import PASS_TYPES
 
@@ -80,7 +80,7 @@ class CpuSampler(_PeriodicSampler):
     def __init__(self, pids: Sequence[int], interval_s: float = 0.1):
         super().__init__(interval_s)
         self.pids = list(pids)
-        self.n_cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        self.n_cpus = usable_cpu_cores()
         self.total_memory = psutil.virtual_memory().total
         self._cpu: dict[int, float] = {}
         self.peak_rss = 0
