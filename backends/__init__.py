@@ -34,8 +34,22 @@ def resolve_world_size(backend: str, world_size: Optional[int], device_type: str
     return 2
 
 
+def check_kernels(spec) -> None:
+    """On CUDA, a warning per kernel package that does not import; with ``require_kernels`` an error, before loading."""
+    import logging
+
+    from backends.base import resolve_device
+    from backends.kernels import MissingKernels, check_cuda_kernels
+
+    try:
+        check_cuda_kernels(resolve_device(spec.device).type, spec.require_kernels, logging.getLogger("backends"))
+    except MissingKernels as exc:
+        raise UserError(str(exc)) from None  # "backend.require_kernels=true: <package> does not import: ..."
+
+
 def make_backend(spec, model):
     """Start the backend named by ``spec.name`` (imports only that backend's dependencies)."""
+    check_kernels(spec)
     if spec.name in DISTRIBUTED_BACKENDS:
         from backends.launch import launched_job
 

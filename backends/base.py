@@ -90,6 +90,8 @@ class PassResult:
     # The timed region (first step to the last one's end, device synchronized; the slowest rank's);
     # None where the backend does not time it, and the caller's wall time stands.
     step_s: Optional[float] = None
+    # What ran: {op: {implementation: calls}} summed over ranks (backends/kernels.py); None where unknown.
+    kernels: Optional[dict] = None
 
 
 def resolve_device(name: str) -> torch.device:

@@ -109,6 +109,11 @@ class FSDP2Hooks(RankHooks):
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
         return list(local) + [None] * (int(count.item()) - len(local))
 
+    def reduce_dtype(self, model: torch.nn.Module) -> Optional[torch.dtype]:
+        # The policy's reduce dtype; the default policy (a float32 model) reduces in the gradients' own dtype.
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        return mixed_precision_policy(model).reduce_dtype or (trainable[0].dtype if trainable else None)
+
     def grad_norm(self, model: torch.nn.Module) -> float:
         t = torch.tensor([grad_norm_local_sq(model)], dtype=torch.float64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.SUM)

@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from backends import kernels
+
 
 def _chunk_softmax_parts(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor):
     """One chunk's target log-probs [n] and its softmax [n, vocab] (float32, one buffer, computed in place).
@@ -157,8 +159,10 @@ class TokenLogprobHead(nn.Linear):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._request is None:
+            kernels.note("logprob_head", "full-logits")
             return super().forward(hidden)
         targets, chunk_tokens = self._request
+        kernels.note("logprob_head", f"chunked-{chunk_tokens}")
         return chunked_target_logprobs(hidden, self.weight, self.bias, targets, chunk_tokens)
 
     @contextlib.contextmanager

@@ -60,7 +60,7 @@ class MegatronDDPHooks(RankHooks):
             calculate_per_token_loss=True,
         )
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+            grad_reduce_in_fp32=True,  # recorded by reduce_dtype overlap_grad_reduce=False, use_distributed_optimizer=False
         )
         return DistributedDataParallel(config, ddp_config, model)
 
@@ -71,6 +71,9 @@ class MegatronDDPHooks(RankHooks):
     def finish_pass(self, model, pass_type: str) -> None:
         if pass_type == "forward_backward":
             model.finish_grad_sync()
+
+    def reduce_dtype(self, model) -> torch.dtype:
+        return torch.float32  # grad_reduce_in_fp32: main_grad buffers and their all-reduce in float32
 
     def grad_norm(self, model) -> float:
         # After finish_grad_sync every rank holds the same all-reduced main_grad.

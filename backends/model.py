@@ -10,9 +10,11 @@ from typing import Optional
 
 import torch
 
+from backends import kernels
 from backends.errors import UserError
 from backends.model_configs import TINY_CONFIG
 from backends.logprobs import install_logprob_head
+from backends.packing import prepare_model_for_packing
 from backends.specs import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -94,8 +96,11 @@ def build_model(
         raise UserError(f"model.lora_rank: must be >= 0 (0 = full fine-tuning), got {spec.lora_rank}")
     path = check_model_path(spec)
     kwargs = {}
-    if spec.attn_implementation:
-        kwargs["attn_implementation"] = spec.attn_implementation
+    # Chosen once for both layouts (flash-attn on CUDA in half precision when it imports, else SDPA),
+    # so neither layout gets a faster attention than the other.
+    attention = kernels.attention_implementation(spec.attn_implementation, device.type, dtype in HALF_DTYPES)
+    if attention != "sdpa" or spec.attn_implementation:
+        kwargs["attn_implementation"] = attention
     target = torch.device("cpu") if place == "cpu" else device
     if path is None:
         config = dict(TINY_CONFIG)
@@ -141,10 +146,90 @@ def build_model(
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(spec.init_seed + 1)
             model = get_peft_model(model, lora)
+        set_adapter_compute_dtype(model, dtype)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
+    # Packed rows kept apart, padded and packed on the same kernels, every kernel call recorded (backends/packing.py).
+    prepare_model_for_packing(model)
     return model
+
+
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _adapter_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """A LoRA factor computed in its module's compute dtype; its float32 weight gets a float32 gradient."""
+    dtype = self._balance_batch_compute_dtype
+    bias = None if self.bias is None else self.bias.to(dtype)
+    return torch.nn.functional.linear(x.to(dtype), self.weight.to(dtype), bias)
+
+
+def set_adapter_compute_dtype(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Compute the LoRA adapters in ``dtype`` (the base model's) while they stay float32: the one precision policy.
+
+    What a LoRA fine-tune on GPUs does, and what FSDP2's mixed-precision policy
+    does by itself (it casts every parameter, adapters included, to bf16 for
+    compute and reduces gradients in float32): frozen base weights in bf16,
+    adapters stored in float32 (peft's default for a half-precision base),
+    computed in bf16, their gradients accumulated and reduced in float32.
+    Megatron DDP and PyTorch would otherwise compute the adapters in float32
+    (peft casts the input up), so FSDP2 and Megatron rows would not be like
+    for like. A no-op for a float32 model. Returns the number of LoRA factors set.
+    """
+    if dtype not in HALF_DTYPES:
+        return 0
+    import types
+
+    count = 0
+    for module in model.modules():
+        for name in ("lora_A", "lora_B"):
+            factors = getattr(module, name, None)
+            if not isinstance(factors, torch.nn.ModuleDict):
+                continue
+            for linear in factors.values():
+                if isinstance(linear, torch.nn.Linear):
+                    linear._balance_batch_compute_dtype = dtype
+                    linear.forward = types.MethodType(_adapter_forward, linear)
+                    count += 1
+    return count
+
+
+def adapter_compute_dtype(model: torch.nn.Module) -> Optional[torch.dtype]:
+    """The dtype the LoRA adapters compute in (``set_adapter_compute_dtype``), else their own; None without adapters."""
+    for module in model.modules():
+        factors = getattr(module, "lora_A", None)
+        if isinstance(factors, torch.nn.ModuleDict):
+            for linear in factors.values():
+                return getattr(linear, "_balance_batch_compute_dtype", linear.weight.dtype)
+    return None
+
+
+def _dtype_name(dtype: Optional[torch.dtype]) -> Optional[str]:
+    return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
+def describe_precision(model: torch.nn.Module, reduce: Optional[torch.dtype]) -> dict:
+    """The precision policy that runs, for results.json: parameters, adapters, compute, gradient reduction.
+
+    ``params``: the frozen base weights (or every weight under full
+    fine-tuning); ``adapters``: the trainable LoRA weights as stored (None
+    without LoRA); ``compute``: the dtype the matrix products run in;
+    ``reduce``: the dtype gradients are summed across ranks in (None: one
+    rank, nothing reduced); ``grads``: the dtype trainable gradients accumulate in.
+    """
+    params = list(model.parameters())
+    frozen = [p for p in params if not p.requires_grad] or params
+    trainable = [p for p in params if p.requires_grad]
+    base = frozen[0].dtype if frozen else None
+    adapters = adapter_compute_dtype(model)
+    return {
+        "params": _dtype_name(base),
+        "adapters": _dtype_name(trainable[0].dtype) if adapters is not None and trainable else None,
+        "compute": _dtype_name(base),
+        "reduce": _dtype_name(reduce),
+        "grads": _dtype_name(trainable[0].dtype) if trainable else None,
+    }
 
 
 def load_method(spec: ModelSpec) -> str:

@@ -27,8 +27,8 @@ with or without gradient checkpointing), then run a ``PackedBatch``'s
 from __future__ import annotations
 
 import functools
-import importlib.util
 import sys
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -36,6 +36,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from backends import kernels
 from backends.examples import Example
 
 PACKED_PREFIX = "packed_"  # registered attention name = prefix + the model's own implementation
@@ -45,16 +46,43 @@ _PACKED_MARK = "_balance_batch_packed"  # set on our replacement functions (idem
 # ---------------------------------------------------------------------------- collate
 
 
-class _NoMasks(dict):
+def no_masks(layer_types: Sequence[str]) -> dict:
     """A precomputed mask per layer type, all None: no mask is built, ``cu_seq_lens`` keeps sequences apart.
 
     Qwen3.5 models take a dict of layer-type masks as ``attention_mask`` and
     then skip mask creation. Without it, position ids that restart would make
     transformers build a dense block-diagonal mask of (row length)² entries.
+    A plain dict with every layer type the model has, not a dict subclass:
+    FSDP2's mixed-precision input cast rebuilds every dict it walks as a plain
+    ``dict``, which would drop a subclass's ``__missing__``.
     """
+    return {layer_type: None for layer_type in layer_types}
 
-    def __missing__(self, key):
-        return None
+
+# Layer types a model's layers index their masks by, when its config names none.
+DEFAULT_LAYER_TYPES = ("full_attention", "linear_attention", "sliding_attention", "chunked_attention")
+
+
+def model_layer_types(model: torch.nn.Module) -> tuple[str, ...]:
+    """Every layer type in the model's configs (``config.layer_types``), found once per model."""
+    cached = _LAYER_TYPES.get(model)
+    if cached is not None:
+        return cached
+    from transformers import PretrainedConfig
+
+    found: list[str] = []
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if isinstance(config, PretrainedConfig):
+            for layer_type in getattr(config, "layer_types", None) or ():
+                if layer_type not in found:
+                    found.append(layer_type)
+    types = tuple(found) or DEFAULT_LAYER_TYPES
+    _LAYER_TYPES[model] = types
+    return types
+
+
+_LAYER_TYPES: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[str, ...]]" = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -69,15 +97,18 @@ class PackedBatch:
     lengths: list[int]  # per sequence, in the order they were packed
     max_length: int
 
-    def model_kwargs(self) -> dict:
-        """Keyword arguments that make a prepared Hugging Face model run this row packed."""
+    def model_kwargs(self, layer_types: Sequence[str] = DEFAULT_LAYER_TYPES) -> dict:
+        """Keyword arguments that make a prepared Hugging Face model run this row packed.
+
+        ``layer_types``: the model's (``model_layer_types``), the keys of its per-layer masks.
+        """
         return dict(
             position_ids=self.position_ids,
             cu_seq_lens_q=self.cu_seqlens,
             cu_seq_lens_k=self.cu_seqlens,
             max_length_q=self.max_length,
             max_length_k=self.max_length,
-            attention_mask=_NoMasks(),
+            attention_mask=no_masks(layer_types),
         )
 
     def split(self, per_token: torch.Tensor) -> list[torch.Tensor]:
@@ -97,12 +128,14 @@ def collate_packed(examples: Sequence[Example], batch: Optional[Sequence[int]], 
     starts = np.repeat(cu[:-1], lengths)
     positions = np.arange(int(cu[-1]), dtype=np.int64) - starts
     as_row = lambda a: torch.from_numpy(np.ascontiguousarray(a)).unsqueeze(0).to(device, non_blocking=True)  # noqa: E731
+    cu_seqlens = torch.from_numpy(cu).to(device, non_blocking=True)
+    remember_bounds(cu_seqlens, cu.tolist())
     return PackedBatch(
         ids=as_row(np.concatenate([ex.input_ids for ex in chosen])),
         targets=as_row(np.concatenate([ex.target_tokens for ex in chosen])),
         weights=as_row(np.concatenate([ex.weights for ex in chosen]).astype(np.float32, copy=False)),
         position_ids=as_row(positions),
-        cu_seqlens=torch.from_numpy(cu).to(device, non_blocking=True),
+        cu_seqlens=cu_seqlens,
         lengths=lengths,
         max_length=max(lengths),
     )
@@ -111,62 +144,58 @@ def collate_packed(examples: Sequence[Example], batch: Optional[Sequence[int]], 
 # ---------------------------------------------------------------------------- segments
 
 
+# The host copy of the current micro-batch's boundaries: every layer of one forward gets the same
+# cu_seqlens tensor, so its bounds are read from the host list collate made, never from the device.
+_host_bounds: tuple = (lambda: None, [])
+
+
+def remember_bounds(cu_seqlens: torch.Tensor, bounds: list[int]) -> None:
+    """Record the host copy of a micro-batch's cumulative lengths (one micro-batch at a time)."""
+    global _host_bounds
+    _host_bounds = (weakref.ref(cu_seqlens), [int(b) for b in bounds])
+
+
 def _bounds(cu_seqlens: torch.Tensor) -> list[int]:
-    """Cumulative lengths as Python ints (one host sync on CUDA; the CPU path needs them for indexing)."""
+    """Cumulative lengths as Python ints: the collated host copy, else read from the tensor (one host sync on CUDA)."""
+    ref, bounds = _host_bounds
+    if ref() is cu_seqlens:
+        return bounds
     return [int(x) for x in cu_seqlens.tolist()]
 
 
-def _has_package(name: str) -> bool:
-    return importlib.util.find_spec(name) is not None
-
-
-@functools.lru_cache(maxsize=None)
 def _cuda_kernel_available(name: str) -> bool:
     """Whether a CUDA kernel package (flash_attn, fla, causal_conv1d) imports; decided once per process."""
-    if not _has_package(name):
-        return False
-    try:
-        importlib.import_module(name)
-    except Exception:  # a broken build is the same as none: the torch path is exact, only slower
-        return False
-    return True
+    return kernels.package_imports(name)
+
+
+def _torch_function(function: Callable) -> Callable:
+    """The pure-torch function under transformers' kernel dispatch wrapper (which binds fla or causal-conv1d when
+    they import, with no device check): what CPU tensors must run."""
+    return getattr(function, "__wrapped__", function)
 
 
 # ---------------------------------------------------------------------------- attention
 
 
-def _segment_attention(original: Callable, module, query, key, value, attention_mask, **kwargs):
+def _segment_attention(original: Callable, implementation: str, module, query, key, value, attention_mask, **kwargs):
     """Attention of a packed row: each sequence attends only within itself.
 
     ``query`` is [1, heads, total, head_dim] (keys/values may have fewer
     heads); the result is [1, total, heads, head_dim] like every transformers
     attention function. Without ``cu_seq_lens_q`` this is ``original`` as is.
+    A packed row runs SDPA once per sequence: the same SDPA a padded batch
+    runs (flash-attn serves both layouts through the model's own
+    ``flash_attention_2`` implementation instead, see ``kernels.attention_implementation``).
     """
     cu = kwargs.get("cu_seq_lens_q")
     if cu is None:
+        kernels.note("attention", implementation)
         return original(module, query, key, value, attention_mask, **kwargs)
     if query.shape[0] != 1:
         raise ValueError(f"a packed row has batch size 1, got query of shape {tuple(query.shape)}")
-    scaling = kwargs.get("scaling")
-    if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and _cuda_kernel_available("flash_attn"):
-        from flash_attn import flash_attn_varlen_func
-
-        cu32 = cu.to(torch.int32)
-        out = flash_attn_varlen_func(
-            query[0].transpose(0, 1),  # [total, heads, head_dim]
-            key[0].transpose(0, 1),
-            value[0].transpose(0, 1),
-            cu32,
-            cu32,
-            int(kwargs["max_length_q"]),
-            int(kwargs["max_length_k"]),
-            dropout_p=kwargs.get("dropout", 0.0),
-            softmax_scale=scaling,
-            causal=True,
-        )
-        return out.unsqueeze(0), None
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    kernels.note("attention", kernels.SDPA_PER_SEQUENCE)
     # SDPA once per sequence: the cost is the sum of per-sequence costs, and a
     # sequence alone is exactly what the padded and mbs=1 paths compute.
     plain = {k: v for k, v in kwargs.items() if k not in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")}
@@ -196,7 +225,7 @@ def _register_packed_attention(implementation: str, modeling_module: str) -> str
         original = sys.modules[modeling_module].eager_attention_forward
     else:
         original = ALL_ATTENTION_FUNCTIONS[implementation]
-    AttentionInterface.register(name, functools.partial(_segment_attention, original))
+    AttentionInterface.register(name, functools.partial(_segment_attention, original, implementation))
     # The padded path builds the same masks as before (nothing changes without cu_seq_lens).
     AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[implementation])
     return name
@@ -232,12 +261,17 @@ def segment_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias, activatio
 
 
 def _packed_conv1d(original: Callable) -> Callable:
+    torch_conv1d = _torch_function(original)
+
     @functools.wraps(original)
     def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
         cu = kwargs.get("cu_seq_lens_q")
+        fused = hidden_states.is_cuda and _cuda_kernel_available("causal_conv1d")
+        kernels.note("short_conv", kernels.CAUSAL_CONV1D if fused else kernels.TORCH_CONV1D)
         if cu is None:
-            return original(hidden_states, weight, bias, activation=activation, **kwargs)
-        if hidden_states.is_cuda and _cuda_kernel_available("causal_conv1d"):
+            # CPU tensors take the torch function even where causal-conv1d imports (a CPU rank on a GPU host)
+            return (original if fused else torch_conv1d)(hidden_states, weight, bias, activation=activation, **kwargs)
+        if fused:
             # causal-conv1d keeps sequences apart by seq_idx (the layer hands it a channel-last view)
             bounds = cu.long()
             seg = torch.repeat_interleave(
@@ -266,8 +300,11 @@ def segment_chunk_gated_delta_rule(
     cu_seqlens: torch.Tensor,
     chunk_size: int = 64,
     use_qk_l2norm_in_kernel: bool = False,
+    bounds: Optional[Sequence[int]] = None,
 ) -> torch.Tensor:
     """The chunked gated delta rule over a packed row, state starting from zero at each sequence.
+
+    ``bounds``: the cumulative lengths as host ints, instead of ``cu_seqlens``.
 
     Shapes as transformers' ``torch_chunk_gated_delta_rule`` with batch 1:
     query/key [1, total, k_heads, k_dim], value [1, total, v_heads, v_dim],
@@ -296,7 +333,7 @@ def segment_chunk_gated_delta_rule(
     # Layout. Sequence s has n_s chunks; sorted by n_s (longest first) it has rank r_s.
     # Chunk j of the sequence of rank r sits in slot offset[j] + r.
     device = q.device
-    bounds = _bounds(cu_seqlens)
+    bounds = list(bounds) if bounds is not None else _bounds(cu_seqlens)
     lengths = np.diff(np.asarray(bounds, dtype=np.int64))
     n_chunks = -(-lengths // chunk_size)
     order = np.argsort(-n_chunks, kind="stable")
@@ -357,6 +394,8 @@ def segment_chunk_gated_delta_rule(
 
 
 def _packed_delta_rule(original: Callable) -> Callable:
+    torch_delta_rule = _torch_function(original)
+
     @functools.wraps(original)
     def torch_chunk_gated_delta_rule(
         query,
@@ -378,13 +417,32 @@ def _packed_delta_rule(original: Callable) -> Callable:
             output_final_state=output_final_state,
             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         )
-        if cu_seqlens is None:
-            return original(query, key, value, chunk_size=chunk_size, **common, **kwargs)
         if query.is_cuda and _cuda_kernel_available("fla"):
             # the stock wrapper dispatches to flash-linear-attention, whose kernel takes cu_seqlens
-            return original(query, key, value, **common, cu_seqlens=cu_seqlens.long())
+            # (and, given the host copy, computes its chunk indices without a device-to-host sync)
+            kernels.note("delta_rule", kernels.FLA_CHUNK)
+            if cu_seqlens is None:
+                return original(query, key, value, chunk_size=chunk_size, **common, **kwargs)
+            host = torch.tensor(_bounds(cu_seqlens), dtype=torch.long)
+            return original(query, key, value, **common, cu_seqlens=cu_seqlens.long(), cu_seqlens_cpu=host)
         if initial_state is not None or output_final_state:
-            raise ValueError("a packed row runs without a cache: no initial or final recurrent state")
+            if cu_seqlens is not None:
+                raise ValueError("a packed row runs without a cache: no initial or final recurrent state")
+            # a recurrent state (generation): transformers' torch function, never a Triton kernel for CPU tensors
+            kernels.note("delta_rule", kernels.TRANSFORMERS_TORCH_CHUNK)
+            return torch_delta_rule(query, key, value, chunk_size=chunk_size, **common, **kwargs)
+        kernels.note("delta_rule", kernels.SEGMENT_SCAN)
+        if cu_seqlens is None:
+            # A padded batch runs the same scan as a packed row, each row one segment: the
+            # layouts then differ by what they compute (padding), not by the fallback they get.
+            batch, length = query.shape[:2]
+            row = lambda t: t.reshape(1, batch * length, *t.shape[2:])  # noqa: E731
+            bounds = list(range(0, batch * length + 1, length))
+            out = segment_chunk_gated_delta_rule(
+                row(query), row(key), row(value), row(g), row(beta), None, chunk_size=chunk_size,
+                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, bounds=bounds,
+            )
+            return out.reshape(batch, length, *out.shape[2:]), None
         out = segment_chunk_gated_delta_rule(
             query, key, value, g, beta, cu_seqlens, chunk_size=chunk_size, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel
         )
@@ -406,8 +464,10 @@ def _patch_linear_attention_module(module_name: str) -> None:
     The layer's forward looks both up as module globals at call time, so
     replacing them there reaches every instance however it is wrapped (peft,
     FSDP2, megatron-core DDP, checkpointing), and leaves transformers' own
-    forward in charge of everything else. Without ``cu_seq_lens`` they are
-    the stock functions.
+    forward in charge of everything else. Without ``cu_seq_lens`` the
+    convolution is the stock one, and the delta rule runs the same scan as a
+    packed row (each padded row one segment); on CUDA with the kernel packages
+    both are the kernels. Each call is recorded (backends/kernels.py).
     """
     modeling = sys.modules[module_name]
     for name, make in _MODULE_FUNCTIONS.items():
@@ -451,4 +511,59 @@ def prepare_model_for_packing(model: torch.nn.Module) -> torch.nn.Module:
             config._attn_implementation = _register_packed_attention(impl, modeling)
     for module_name in {type(m).__module__ for m in modules if type(m).__name__.endswith("GatedDeltaNet")}:
         _patch_linear_attention_module(module_name)
+    _record_other_kernels(modules)
     return model
+
+
+# ---------------------------------------------------------------------------- recording what runs
+
+_HOOKED = "_balance_batch_kernel_hook"
+
+
+def _record_flash_attention(module, args, kwargs) -> None:
+    varlen = kwargs.get("cu_seq_lens_q") is not None
+    kernels.note("attention", kernels.FLASH_ATTN + ("-varlen" if varlen else ""))
+
+
+def _record_experts(module, args) -> None:
+    implementation = getattr(module.config, "_experts_implementation", None) or "eager"
+    if implementation != "grouped_mm":  # grouped_mm is recorded per call by _grouped_mm (it may fall back)
+        kernels.note("moe_experts", implementation + ("-loop" if implementation == "eager" else ""))
+
+
+def _patch_grouped_mm() -> None:
+    """Record each grouped GEMM of the MoE experts as torch's grouped_mm or transformers' per-expert fallback."""
+    try:
+        from transformers.integrations import moe
+    except ImportError:
+        return
+    current = getattr(moe, "_grouped_mm", None)
+    check = getattr(moe, "_can_use_grouped_mm", None)
+    if current is None or check is None or hasattr(current, _PACKED_MARK):
+        return
+
+    @functools.wraps(current)
+    def _grouped_mm(input, weight, offs, *args, **kwargs):
+        kernels.note("moe_experts", kernels.GROUPED_MM if check(input, weight, offs) else kernels.GROUPED_MM_LOOP)
+        return current(input, weight, offs, *args, **kwargs)
+
+    setattr(_grouped_mm, _PACKED_MARK, current)
+    moe._grouped_mm = _grouped_mm
+
+
+def _record_other_kernels(modules: Sequence[torch.nn.Module]) -> None:
+    """Hooks that record the MoE experts' implementation and flash attention (which the model dispatches itself)."""
+    _patch_grouped_mm()
+    for module in modules:
+        if getattr(module, _HOOKED, False):
+            continue
+        config = getattr(module, "config", None)
+        name = type(module).__name__
+        if name.endswith("Experts") and hasattr(config, "_experts_implementation"):
+            module.register_forward_pre_hook(_record_experts)
+        elif (name.endswith("Attention") and hasattr(module, "q_proj")
+              and str(getattr(config, "_attn_implementation", "")).startswith("flash_attention")):
+            module.register_forward_pre_hook(_record_flash_attention, with_kwargs=True)
+        else:
+            continue
+        setattr(module, _HOOKED, True)

@@ -22,7 +22,8 @@ from backends.memory import (
     restore_memory_limit,
 )
 from backends.loading import LoadMeter, merge_load_records
-from backends.model import ModelSpec, build_model, describe_model, load_method
+from backends import kernels
+from backends.model import ModelSpec, build_model, describe_model, describe_precision, load_method
 from backends.step import (
     PassTimeout,
     ProgressLogger,
@@ -50,6 +51,7 @@ class PyTorchBackend(Backend):
             with LoadMeter(self.device) as meter:
                 self.model = build_model(model, self.device, spec.gradient_checkpointing)
             self.model_info = describe_model(self.model, model)
+            self.model_info["precision"] = describe_precision(self.model, None)  # one process: nothing reduced
             self.load_info = merge_load_records(load_method(model), [meter.as_dict()])
         except BaseException:
             restore_memory_limit(self._previous_limit)
@@ -99,6 +101,7 @@ class PyTorchBackend(Backend):
         synchronize(self.device)
         step_s = time.perf_counter() - t0  # the timed region; copying the outputs to the host comes after
         mem = peak_memory(self.device)
+        ran = kernels.snapshot()
         by_index = outputs_to_host(pending, examples)
         del pending
         return PassResult(
@@ -110,6 +113,7 @@ class PyTorchBackend(Backend):
             mem_peak_allocated_bytes_per_rank=None if mem["allocated_bytes"] is None else [mem["allocated_bytes"]],
             mem_peak_reserved_bytes_per_rank=None if mem["reserved_bytes"] is None else [mem["reserved_bytes"]],
             step_s=step_s,
+            kernels=ran,
         )
 
     def close(self) -> None:

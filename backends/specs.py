@@ -22,6 +22,9 @@ class BackendSpec:
     memory_limit_gb: Optional[float] = None  # per worker: an OS limit on CPU, the memory fraction on GPU
     # Target log-probs this many tokens at a time (no [tokens × vocab] logits); None = unchunked.
     logprob_chunk_tokens: Optional[int] = 1024
+    # On CUDA a kernel package (flash-attn, flash-linear-attention, causal-conv1d) that does not import
+    # is a warning naming what it costs; true makes it an error before anything is loaded.
+    require_kernels: bool = False
     hooks: Optional[str] = None  # "module:RankHooks subclass" replacing the backend's own (experiments, fault tests)
 
 
@@ -35,5 +38,6 @@ class ModelSpec:
     lora_alpha: Optional[int] = None  # None = same as the rank
     dtype: str = "auto"  # auto = bfloat16 on GPU, float32 on CPU
     init_seed: int = 0
-    attn_implementation: Optional[str] = None  # None = transformers' default (sdpa)
+    # None = flash_attention_2 on CUDA in half precision when flash-attn imports, else sdpa (both layouts alike)
+    attn_implementation: Optional[str] = None
     vocab_size: Optional[int] = None  # tiny model only; None = TINY_CONFIG's

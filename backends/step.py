@@ -11,7 +11,8 @@ import torch
 from backends.examples import Example, ExampleOutput
 from backends.logprobs import find_logprob_head
 from backends.microbatch import Schedule
-from backends.packing import collate_packed, prepare_model_for_packing
+from backends import kernels
+from backends.packing import collate_packed, model_layer_types, prepare_model_for_packing
 
 PASS_TYPES = ("forward", "forward_backward")
 LAYOUTS = ("padded", "packed")  # padded: one row per sequence; packed: one row, sequences end to end
@@ -138,13 +139,15 @@ def run_steps(
     ``logprob_chunk_tokens`` goes to ``token_logprobs`` (None = unchunked).
     Log-probs are not copied to the host per step (that would wait for the
     device every step); ``outputs_to_host`` copies them once the pass is over.
+    ``backends.kernels.snapshot()`` after it says which implementations ran.
     """
     if pass_type not in PASS_TYPES:
         raise ValueError(f"pass type must be one of {PASS_TYPES}, got {pass_type!r}")
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    if layout == "packed":
-        prepare_model_for_packing(model)  # idempotent: a packed row must never leak across sequences
+    # idempotent (build_model does it): a packed row must never leak across sequences, and every kernel call is recorded
+    prepare_model_for_packing(model)
+    kernels.reset()  # kernels.snapshot() after the pass says what ran in it
     backward = pass_type == "forward_backward"
     scale = 1.0 / total_weight if total_weight > 0 else 0.0
     pending: list[PendingStep] = []
@@ -201,7 +204,8 @@ def _packed_step(
     """One packed micro-batch (``None`` = the one-token dummy); appends to ``pending``, returns its real tokens."""
     packed = collate_packed(examples, batch, device)
     with torch.set_grad_enabled(backward):
-        logprobs = token_logprobs(model, packed.ids, packed.targets, chunk_tokens, **packed.model_kwargs())
+        logprobs = token_logprobs(model, packed.ids, packed.targets, chunk_tokens,
+                                  **packed.model_kwargs(model_layer_types(model)))
         token_loss = -(logprobs * packed.weights)
         if backward:
             (token_loss.sum() * scale).backward()

@@ -41,7 +41,8 @@ from backends.errors import BackendError, UserError, first_line
 from backends.memory import is_out_of_memory, limit_memory, oom_message, peak_memory, reset_peak_memory
 from backends.microbatch import CostModel, Schedule, microbatch_tokens, plan_stats
 from backends.loading import LoadMeter, merge_load_records
-from backends.model import ModelSpec, build_model, describe_model, load_method
+from backends import kernels
+from backends.model import ModelSpec, build_model, describe_model, describe_precision, load_method
 from backends.step import ProgressLogger, outputs_to_host, run_steps, synchronize, total_loss_weight
 
 log = logging.getLogger(__name__)
@@ -87,6 +88,10 @@ class RankHooks:
 
     def grad_norm(self, model: torch.nn.Module) -> float:  # pragma: no cover - interface
         raise NotImplementedError
+
+    def reduce_dtype(self, model: torch.nn.Module) -> Optional[torch.dtype]:
+        """The dtype gradients are summed across ranks in (results.json ``precision.reduce``); None: not reduced."""
+        return None
 
 
 def _all_reduce_float(value: float, op, device: torch.device) -> float:
@@ -200,6 +205,8 @@ def start_rank(spec: BackendSpec, model_spec: ModelSpec, hooks_path: str, rank: 
         )
     with LoadMeter(device) as meter:
         model, built, method = hooks.load_model(model_spec)
+    if built is not None:  # the precision policy as it runs, once wrapped (FSDP2's mixed precision included)
+        built["precision"] = describe_precision(model, hooks.reduce_dtype(model))
     return hooks, model, built, method, meter.as_dict()
 
 
@@ -292,18 +299,19 @@ def _run_command(
     synchronize(device)
     step_s = time.perf_counter() - t0  # the timed region: what a training step does, on this rank
     mem = peak_memory(device)  # the steps' peak, before the host copies below
+    ran = kernels.snapshot()
     # Host work after the timed region: log-probs to the host, gathered to rank 0.
     outputs = outputs_to_host(pending, examples)
     del pending
     gathered: list = [None] * world_size
-    dist.all_gather_object(gathered, (outputs, schedule, mem, step_s))
+    dist.all_gather_object(gathered, (outputs, schedule, mem, step_s, ran))
     if rank != 0:
         return None
     merged: dict = {}
-    for rank_outputs, _, _, _ in gathered:
+    for rank_outputs, *_ in gathered:
         merged.update(rank_outputs)
-    schedules = [s for _, s, _, _ in gathered]
-    per_rank = [m["peak_bytes"] for _, _, m, _ in gathered]
+    schedules = [g[1] for g in gathered]
+    per_rank = [g[2]["peak_bytes"] for g in gathered]
     peaks = [m for m in per_rank if m is not None]
     return {
         "outputs": [merged[i] for i in range(len(lengths))],
@@ -320,10 +328,11 @@ def _run_command(
         "grad_norm": grad_norm,
         "mem_peak_bytes": max(peaks) if peaks else None,
         "mem_peak_bytes_per_rank": per_rank,
-        "mem_peak_allocated_bytes_per_rank": _known([m["allocated_bytes"] for _, _, m, _ in gathered]),
-        "mem_peak_reserved_bytes_per_rank": _known([m["reserved_bytes"] for _, _, m, _ in gathered]),
+        "mem_peak_allocated_bytes_per_rank": _known([g[2]["allocated_bytes"] for g in gathered]),
+        "mem_peak_reserved_bytes_per_rank": _known([g[2]["reserved_bytes"] for g in gathered]),
         # The slowest rank's timed region is the pass's: lock-step ranks wait for it, independent ones finish with it.
-        "step_s": max(s for _, _, _, s in gathered),
+        "step_s": max(g[3] for g in gathered),
+        "kernels": kernels.merge(g[4] for g in gathered),
     }
 
 
@@ -338,6 +347,7 @@ def pass_result(reply: dict[str, Any]) -> PassResult:
         mem_peak_allocated_bytes_per_rank=reply["mem_peak_allocated_bytes_per_rank"],
         mem_peak_reserved_bytes_per_rank=reply["mem_peak_reserved_bytes_per_rank"],
         step_s=reply["step_s"],
+        kernels=reply.get("kernels"),
     )
 
 

@@ -108,6 +108,7 @@ def base_document(cfg: DictConfig) -> dict[str, Any]:
         "bench": {"warmup": get("bench.warmup"), "repeat": get("bench.repeat")},
         "workload": {"name": get("workload.name")},
         "plan": None,
+        "precision": None,  # the precision policy that ran: params, adapters, compute, reduce (backends/model.py)
         "passes": {},
         "peak": None,  # the device peak MFU is measured against (harness/flops.py)
         "overrides": _overrides(),
@@ -236,6 +237,8 @@ class Point:
                 "seed": spec.workload.seed,
             },
             plan=plan.stats.as_dict(),
+            # what the backend built runs in (params, adapters, compute, reduce); a dry run builds nothing
+            precision=(built or {}).get("precision"),
             load=load,  # how the backend loaded the weights: time and host/device peaks per rank
             hot=spec.hot and not spec.target.url,
             target={"url": spec.target.url} if spec.target.url else None,
@@ -334,6 +337,9 @@ class Point:
                 on_repeat=self.tracker.log_repeat,
             )
             self.doc["plan"] = result.plan  # what the backend ran (same as planned; FSDP2 agrees on it by collective)
+            from backends.kernels import summary as kernel_summary
+
+            log.info("%s%s kernels: %s", self.label, pass_type, kernel_summary(result.kernels))
             self.doc["passes"][pass_type] = {
                 **record.as_dict(),
                 **flops_record(pass_type, lengths, self.cost_model, result.plan, b.gradient_checkpointing,

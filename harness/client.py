@@ -129,7 +129,7 @@ class RemoteBackend(Backend):
                           mem_peak_bytes_per_rank=reply.get("mem_peak_bytes_per_rank"),
                           mem_peak_allocated_bytes_per_rank=reply.get("mem_peak_allocated_bytes_per_rank"),
                           mem_peak_reserved_bytes_per_rank=reply.get("mem_peak_reserved_bytes_per_rank"),
-                          step_s=reply.get("step_s"))
+                          step_s=reply.get("step_s"), kernels=reply.get("kernels"))
 
 
 def _show(value: Optional[int]) -> str:

@@ -251,6 +251,8 @@ class PassRecord:
     # region (elapsed_s): sending the examples, planning, copying outputs to the host, gathering them.
     pass_wall_s: Optional[list[float]] = None
     host_s: Optional[list[float]] = None
+    # What ran in the last timed repeat: {op: {implementation: calls}} over all ranks (backends/kernels.py).
+    kernels: Optional[dict] = None
 
     def as_dict(self) -> dict:
         return {
@@ -266,6 +268,7 @@ class PassRecord:
             "host_s": self.host_s,
             "real_tokens": self.real_tokens,
             "grad_norm": self.grad_norm,
+            "kernels": self.kernels,
         }
 
 
@@ -353,6 +356,7 @@ def measure_pass(
         device_mem_used_bytes=device_used,
         pass_wall_s=walls,
         host_s=hosts,
+        kernels=result.kernels,
     )
     return record, result
 

@@ -305,6 +305,7 @@ def build_app(
             "mem_peak_allocated_bytes_per_rank": result.mem_peak_allocated_bytes_per_rank,
             "mem_peak_reserved_bytes_per_rank": result.mem_peak_reserved_bytes_per_rank,
             "step_s": result.step_s,
+            "kernels": result.kernels,
         }
 
     @app.post("/forward")

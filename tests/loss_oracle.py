@@ -11,7 +11,9 @@ so its gradient is what every backend must report, however it groups the batch.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import sys
 
 import numpy as np
 import torch
@@ -52,9 +54,41 @@ def plain_model(init_seed: int = 0, lora_rank: int = 32) -> torch.nn.Module:
     return model.train()
 
 
+# The marker backends/packing.py sets on the functions it swaps into transformers' modules; the
+# function it replaced is the marker's value.
+_SWAPPED_MARK = "_balance_batch_packed"
+
+
+@contextlib.contextmanager
+def stock_transformers():
+    """transformers' own module functions, while inside: the harness swaps some in place (backends/packing.py).
+
+    A process that built a harness model has its conv, delta-rule and grouped-GEMM functions
+    replaced module-wide, so without this the oracle would run the harness's scan too.
+    """
+    swapped = []
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("transformers.") or module is None:
+            continue
+        for attr, value in list(vars(module).items()):
+            original = getattr(value, _SWAPPED_MARK, None) if callable(value) else None
+            if original is not None:
+                swapped.append((module, attr, value))
+                setattr(module, attr, original)
+    try:
+        yield
+    finally:
+        for module, attr, value in swapped:
+            setattr(module, attr, value)
+
+
 def oracle(examples: list[Example], model: torch.nn.Module | None = None) -> dict:
     """Per-example target log-probs and weighted loss sums, the batch loss, its gradient (by name) and gradient norm."""
-    model = model or plain_model()
+    with stock_transformers():
+        return _oracle(examples, model or plain_model())
+
+
+def _oracle(examples: list[Example], model: torch.nn.Module) -> dict:
     model.zero_grad(set_to_none=True)
     total_weight = sum(float(np.asarray(e.weights, dtype=np.float64).sum()) for e in examples)
     logprobs, losses, batch_loss = [], [], 0.0

@@ -1,0 +1,151 @@
+"""Which implementation ran for each kernel-backed operation, counted as the model runs, and which kernels a device lacks.
+
+Five operations of the benchmark model have a fast CUDA kernel and a torch
+fallback: full attention, the gated delta rule, the short causal convolution,
+the MoE experts and the log-prob head. The functions that dispatch them
+(backends/packing.py, backends/logprobs.py) call ``note(op, implementation)``
+each time they run, so a pass records what actually ran, not what imported.
+``reset`` before a pass and ``snapshot`` after it give ``{op: {implementation:
+calls}}`` for results.json (``passes.<type>.kernels``); a call is one forward
+call of one layer (recomputation under gradient checkpointing counts again).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import logging
+import threading
+from collections import Counter
+from typing import Callable, Iterable, Mapping, Optional
+
+OPS = ("attention", "delta_rule", "short_conv", "moe_experts", "logprob_head")
+
+# Implementation names, as results.json spells them.
+FLASH_ATTN = "flash-attn"  # Hugging Face's flash_attention_2 (padded rows; packed rows through its varlen path)
+SDPA = "sdpa"  # torch scaled_dot_product_attention over a padded batch with its mask
+SDPA_PER_SEQUENCE = "sdpa-per-sequence"  # a packed row: SDPA once per sequence, no (row length)² mask
+EAGER = "eager"
+FLA_CHUNK = "fla-chunk"  # flash-linear-attention's chunked gated delta rule (Triton)
+SEGMENT_SCAN = "segment-scan"  # this project's batched torch scan (backends/packing.py), padded and packed alike
+TRANSFORMERS_TORCH_CHUNK = "transformers-torch-chunk"  # transformers' own torch fallback (only with a recurrent state)
+CAUSAL_CONV1D = "causal-conv1d"
+TORCH_CONV1D = "torch-conv1d"
+GROUPED_MM = "grouped_mm"  # torch's grouped GEMM over all experts at once
+GROUPED_MM_LOOP = "grouped_mm-fallback-loop"  # transformers' fallback when torch's grouped_mm cannot run: one mm per expert
+
+_lock = threading.Lock()
+_calls: Counter = Counter()
+
+
+def note(op: str, implementation: str) -> None:
+    """Count one call of ``op`` run by ``implementation`` in this process."""
+    with _lock:
+        _calls[(op, implementation)] += 1
+
+
+def reset() -> None:
+    with _lock:
+        _calls.clear()
+
+
+def snapshot() -> dict[str, dict[str, int]]:
+    """What ran since the last ``reset``: ``{op: {implementation: calls}}``, ops in ``OPS`` order."""
+    with _lock:
+        items = dict(_calls)
+    out: dict[str, dict[str, int]] = {}
+    for op in (*OPS, *sorted({o for o, _ in items} - set(OPS))):
+        impls = {impl: n for (o, impl), n in sorted(items.items()) if o == op}
+        if impls:
+            out[op] = impls
+    return out
+
+
+def merge(records: Iterable[Optional[Mapping[str, Mapping[str, int]]]]) -> dict[str, dict[str, int]]:
+    """Several ranks' snapshots as one: calls summed per op and implementation."""
+    total: Counter = Counter()
+    for record in records:
+        for op, impls in (record or {}).items():
+            for impl, n in impls.items():
+                total[(op, impl)] += int(n)
+    out: dict[str, dict[str, int]] = {}
+    for op in (*OPS, *sorted({o for o, _ in total} - set(OPS))):
+        impls = {impl: n for (o, impl), n in sorted(total.items()) if o == op}
+        if impls:
+            out[op] = impls
+    return out
+
+
+def summary(record: Optional[Mapping[str, Mapping[str, int]]]) -> str:
+    """One line for the log: ``attention=sdpa-per-sequence, delta_rule=segment-scan, ...``."""
+    if not record:
+        return "none recorded"
+    return ", ".join(f"{op}={'+'.join(impls)}" for op, impls in record.items())
+
+
+# ---------------------------------------------------------------------------- what the device offers
+
+
+@functools.lru_cache(maxsize=None)
+def package_imports(name: str) -> bool:
+    """Whether a kernel package (flash_attn, fla, causal_conv1d) imports here; decided once per process."""
+    if importlib.util.find_spec(name) is None:
+        return False
+    try:
+        importlib.import_module(name)
+    except Exception:  # a broken build is the same as none: the torch path is exact, only slower
+        return False
+    return True
+
+
+# (import name, pip distribution, op it serves, what its absence costs on a GPU)
+CUDA_KERNELS = (
+    ("flash_attn", "flash-attn", "attention",
+     "full attention runs SDPA (padded rows with a mask, packed rows one sequence at a time) instead of flash-attn"),
+    ("fla", "flash-linear-attention", "delta_rule",
+     "the gated delta rule runs this project's torch scan, several times slower than fla's Triton kernel"),
+    ("causal_conv1d", "causal-conv1d", "short_conv",
+     "the short convolution runs torch's depthwise conv1d instead of the fused kernel"),
+)
+
+
+def missing_cuda_kernels(available: Callable[[str], bool] = package_imports) -> list[tuple[str, str, str]]:
+    """(distribution, op, cost) of each CUDA kernel package that does not import (``available`` decides)."""
+    return [(dist, op, cost) for name, dist, op, cost in CUDA_KERNELS if not available(name)]
+
+
+class MissingKernels(RuntimeError):
+    """backend.require_kernels=true and a CUDA kernel package does not import."""
+
+
+def check_cuda_kernels(device_type: str, require: bool, log: Optional[logging.Logger] = None,
+                       available: Callable[[str], bool] = package_imports) -> list[str]:
+    """Before loading: on CUDA, one warning line per missing kernel package (an error with ``require``).
+
+    Returns the warning lines. On CPU nothing is missing: the torch paths are
+    the ones a CPU runs, and CPU tensors never reach a Triton or CUDA kernel.
+    """
+    if device_type != "cuda":
+        return []
+    lines = [f"{dist} does not import: {cost} (pip install {dist})" for dist, _, cost in missing_cuda_kernels(available)]
+    if lines and require:
+        raise MissingKernels("backend.require_kernels=true: " + "; ".join(lines))
+    for line in lines:
+        (log or logging.getLogger(__name__)).warning("%s", line)
+    return lines
+
+
+def attention_implementation(requested: Optional[str], device_type: str, half_precision: bool,
+                             available: Callable[[str], bool] = package_imports) -> str:
+    """The attention implementation both layouts use: ``requested``, else flash-attn where it can run, else SDPA.
+
+    flash-attn serves padded rows and packed rows alike (Hugging Face passes a
+    packed row's ``cu_seq_lens`` to its varlen kernel), so neither layout gets
+    a faster attention than the other.
+    """
+    if requested:
+        return requested
+    if device_type == "cuda" and half_precision and available("flash_attn"):
+        return "flash_attention_2"
+    return "sdpa"

@@ -1,0 +1,156 @@
+"""Kernels on record: what ran is counted as it runs, both layouts get the same fallbacks, CPU tensors never reach a GPU kernel."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from backends import kernels, packing
+from backends.model import build_model
+from backends.packing import collate_packed, model_layer_types
+from backends.specs import ModelSpec
+from backends.step import outputs_to_host, run_steps
+from harness.workload import make_examples
+
+CPU = torch.device("cpu")
+EXAMPLES = make_examples([130, 70, 200, 9], 2048, seed=3)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_model(ModelSpec(), CPU, False)
+
+
+def _run(model, layout: str, chunk=1024, pass_type="forward_backward"):
+    pending = run_steps(model, EXAMPLES, [[0, 1], [2, 3]], pass_type, 100.0, CPU, layout=layout,
+                        logprob_chunk_tokens=chunk)
+    return kernels.snapshot(), outputs_to_host(pending, EXAMPLES)
+
+
+def test_each_layout_records_what_ran_and_both_run_the_same_scan_and_convolution(model):
+    padded, _ = _run(model, "padded")
+    packed, _ = _run(model, "packed")
+    n_linear = sum(t == "linear_attention" for t in model.config.layer_types)
+    n_full = len(model.config.layer_types) - n_linear
+    steps = 2
+    # Padded rows run SDPA over the batch with its mask; a packed row SDPA once per sequence.
+    assert padded["attention"] == {kernels.SDPA: n_full * steps}
+    assert packed["attention"] == {kernels.SDPA_PER_SEQUENCE: n_full * steps}
+    for record in (padded, packed):
+        # The same fallbacks for both layouts: the project's scan and torch's convolution, once per layer and step.
+        assert record["delta_rule"] == {kernels.SEGMENT_SCAN: n_linear * steps}
+        assert record["short_conv"] == {kernels.TORCH_CONV1D: n_linear * steps}
+        assert record["logprob_head"] == {"chunked-1024": steps}
+        # torch's grouped GEMM (gate-up and down) in every MoE layer, on this torch
+        assert sum(record["moe_experts"].values()) == 2 * len(model.config.layer_types) * steps
+    full, _ = _run(model, "padded", chunk=None)
+    assert full["logprob_head"] == {"full-logits": steps}
+
+
+def test_padded_rows_through_the_scan_give_the_stock_answer(model):
+    """The padded delta rule runs the project's scan, each row one segment: the numbers of transformers' own
+    functions, one sequence at a time (the oracle restores them while it runs)."""
+    from tests.loss_oracle import oracle
+
+    _, ours = _run(model, "padded")
+    expected = oracle(EXAMPLES)
+    for i in range(len(EXAMPLES)):
+        np.testing.assert_allclose(ours[i].loss, expected["losses"][i], rtol=1e-5)
+        np.testing.assert_allclose(ours[i].logprobs, expected["logprobs"][i], rtol=1e-4, atol=1e-5)
+
+
+def test_merge_sums_calls_over_ranks():
+    a = {"attention": {"sdpa": 2}, "delta_rule": {"segment-scan": 6}}
+    b = {"attention": {"sdpa": 1, "sdpa-per-sequence": 3}}
+    assert kernels.merge([a, b, None]) == {
+        "attention": {"sdpa": 3, "sdpa-per-sequence": 3}, "delta_rule": {"segment-scan": 6}}
+    assert kernels.summary(kernels.merge([a, b])) == "attention=sdpa+sdpa-per-sequence, delta_rule=segment-scan"
+
+
+class _TritonOnly:
+    """Stands in for transformers' module function bound to a GPU kernel when fla / causal-conv1d import on a
+    GPU host: calling it at all is the failure (no such kernel exists on this machine); ``__wrapped__`` is the
+    torch function, as transformers' dispatch wrapper has it."""
+
+    def __init__(self, torch_function):
+        self.__wrapped__ = torch_function
+        self.calls = 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        raise AssertionError("CPU tensors reached a GPU kernel")
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_cpu_tensors_never_reach_a_gpu_kernel_even_where_the_kernel_packages_import(model, monkeypatch, layout):
+    import transformers.models.qwen3_5_moe.modeling_qwen3_5_moe as modeling
+
+    from tests.loss_oracle import stock_transformers
+
+    with stock_transformers():
+        stock_conv, stock_rule = modeling.causal_conv1d_fn, modeling.torch_chunk_gated_delta_rule
+    reference, expected = _run(model, layout)
+    bound = {"causal_conv1d_fn": _TritonOnly(stock_conv.__wrapped__),
+             "torch_chunk_gated_delta_rule": _TritonOnly(stock_rule.__wrapped__)}
+    # a GPU host: the packages import, and transformers bound its module functions to their kernels
+    monkeypatch.setattr(packing, "_cuda_kernel_available", lambda name: True)
+    for name, fake in bound.items():
+        monkeypatch.setattr(modeling, name, packing._MODULE_FUNCTIONS[name](fake))
+    record, got = _run(model, layout)
+    assert all(f.calls == 0 for f in bound.values())
+    assert record["delta_rule"] == reference["delta_rule"] and record["short_conv"] == reference["short_conv"]
+    for i in range(len(EXAMPLES)):
+        np.testing.assert_allclose(got[i].loss, expected[i].loss, rtol=1e-6)
+
+
+def test_a_packed_row_reads_its_bounds_from_the_host_not_the_device(model):
+    """Each layer used to call cu_seqlens.tolist() (a device-to-host sync per layer on CUDA); now collate's copy serves."""
+    from torch.overrides import TorchFunctionMode
+
+    batch = collate_packed(EXAMPLES, [0, 1, 2], CPU)
+    reads = []
+
+    class CountReads(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func in (torch.Tensor.tolist, torch.Tensor.item) and args and args[0] is batch.cu_seqlens:
+                reads.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with torch.no_grad(), CountReads():
+        model(input_ids=batch.ids, use_cache=False, **batch.model_kwargs(model_layer_types(model)))
+    assert reads == []
+    assert packing._bounds(batch.cu_seqlens) == [0, 130, 200, 400]
+
+
+def test_a_plain_dict_of_masks_survives_a_rebuild_as_fsdp2s_input_cast_does(model):
+    """FSDP2's mixed-precision cast rebuilds every dict as a plain dict: the masks must be one already."""
+    batch = collate_packed(EXAMPLES, [0, 1], CPU)
+    kwargs = batch.model_kwargs(model_layer_types(model))
+    masks = kwargs["attention_mask"]
+    assert type(masks) is dict and set(masks) == set(model.config.layer_types) and all(v is None for v in masks.values())
+    rebuilt = {k: v for k, v in masks.items()}  # what torch's _apply_to_tensors does to a dict
+    with torch.no_grad():
+        out = model(input_ids=batch.ids, use_cache=False, **{**kwargs, "attention_mask": rebuilt}).logits
+    assert out.shape[:2] == (1, 200)
+
+
+def test_missing_cuda_kernels_warn_or_stop_before_loading():
+    none = lambda name: False  # noqa: E731
+    lines = kernels.check_cuda_kernels("cuda", require=False, available=none)
+    assert [line.split()[0] for line in lines] == ["flash-attn", "flash-linear-attention", "causal-conv1d"]
+    assert all("does not import" in line and "pip install" in line for line in lines)
+    with pytest.raises(kernels.MissingKernels, match="backend.require_kernels=true: flash-attn does not import"):
+        kernels.check_cuda_kernels("cuda", require=True, available=none)
+    assert kernels.check_cuda_kernels("cuda", require=True, available=lambda name: True) == []
+    # the CPU runs the torch paths: nothing is missing there
+    assert kernels.check_cuda_kernels("cpu", require=True, available=none) == []
+
+
+def test_attention_is_chosen_once_for_both_layouts():
+    has_all = lambda name: True  # noqa: E731
+    assert kernels.attention_implementation(None, "cuda", True, available=has_all) == "flash_attention_2"
+    assert kernels.attention_implementation(None, "cuda", False, available=has_all) == "sdpa"  # flash-attn is half only
+    assert kernels.attention_implementation(None, "cuda", True, available=lambda name: False) == "sdpa"
+    assert kernels.attention_implementation(None, "cpu", True, available=has_all) == "sdpa"
+    assert kernels.attention_implementation("eager", "cuda", True, available=has_all) == "eager"
