@@ -27,7 +27,8 @@ work of the micro-batches the plan runs: padded rows at their longest
 length (padding included), packed rows as their sequences, and with gradient
 checkpointing one more forward for the recomputation (plus, under LoRA, the
 input gradient into layer 0 that peft's ``enable_input_require_grads``
-turns on). MFU = model FLOP/s per device ÷ the device's dense peak.
+turns on), and under full fine-tuning the chunked log-prob head's logits,
+recomputed in backward (backends/logprobs.py). MFU = model FLOP/s per device ÷ the device's dense peak.
 """
 
 from __future__ import annotations
