@@ -131,6 +131,7 @@ class Point:
         self.vocab_size = 0
         self.tracker = None
         self.cost_model = None  # the planner's cost model (backends.planning.CostModel), from the model's config
+        self.schedules = None  # the plan's micro-batches per rank
 
     def save(self) -> None:
         self.doc["wall_s"] = time.perf_counter() - self.t0
@@ -211,6 +212,7 @@ class Point:
             planner=b.planner,
             cost_model=self.cost_model,
         )
+        self.schedules = plan.schedules  # the micro-batches each rank runs: hardware FLOPs are counted from them
         write_plan_json(self.out_dir / PLAN_FILE, plan.to_json(backend=name))
         from backends.launch import launch_record
 
@@ -297,7 +299,7 @@ class Point:
         return backend
 
     def _measure(self, spec: HarnessConfig, lengths: list[int], backend) -> None:
-        from harness.flops import device_peak, flops_record
+        from harness.flops import device_peak, flops_record, training_flops_for
         from harness.measure import PASS_TYPES, default_command_for, measure_pass
 
         b = spec.backend
@@ -324,6 +326,8 @@ class Point:
         )
         # The device's peak for MFU: a data-sheet figure on GPUs, measured once per process on CPUs.
         self.doc["peak"] = device_peak(self.doc["device"] or {}, backend.world_size)
+        # FLOPs of a training pass: the config's matmuls, LoRA adapters and what backward computes for them.
+        training = training_flops_for(spec.model, chunked_logprobs=b.logprob_chunk_tokens is not None)
         for pass_type in PASS_TYPES:
             record, result = measure_pass(
                 backend,
@@ -342,8 +346,9 @@ class Point:
             log.info("%s%s kernels: %s", self.label, pass_type, kernel_summary(result.kernels))
             self.doc["passes"][pass_type] = {
                 **record.as_dict(),
-                **flops_record(pass_type, lengths, self.cost_model, result.plan, b.gradient_checkpointing,
-                               record.elapsed_s, backend.world_size, self.doc["peak"]),
+                **flops_record(pass_type, lengths, training, result.plan, b.gradient_checkpointing,
+                               record.elapsed_s, backend.world_size, self.doc["peak"], cost_model=self.cost_model,
+                               schedules=self.schedules),
             }
             self.save()
             if spec.bench.save_outputs:

@@ -1,21 +1,46 @@
-"""Model FLOPs, achieved FLOP/s and MFU of a pass, from the planner's cost model and a device peak.
+"""Model FLOPs, achieved FLOP/s and MFU of a pass: a training-FLOPs model from the model's config, and a device peak.
 
-Model FLOPs count the useful work only: the forward cost a·L + b·L² of every
-real sequence (backends/planning/cost.py), three times that for forward +
-backward (the usual convention: backward costs twice the forward). Hardware
-FLOPs are what the device actually computed: the plan's modeled cost
-(padding included, for the padded layout) and, with gradient checkpointing,
-one more forward for the recomputation. MFU = model FLOP/s per device ÷ the
-device's dense peak.
+What is counted (``TrainingFlops``, from the config and ``model.lora_rank``;
+multiply-adds count 2; elementwise work, norms, softmax and the embedding
+gather are left out):
+
+- Forward, per sequence of length L: every weight matmul a token goes
+  through (``backends.planning.cost.weight_matmuls``: projections, router,
+  top-k routed experts, shared expert, LM head) and the short depthwise
+  convolution; with LoRA also each adapter, 2·r·(d_in + d_out) per token of
+  every ``nn.Linear`` peft's "all-linear" adapts (not the router, the fused
+  3-D experts or the LM head); causal attention, 2·heads·head_dim·(L² + L)
+  per full-attention layer; and the gated delta rule as the chunked
+  algorithm computes it (``backends.packing.segment_chunk_gated_delta_rule``,
+  chunks of 64 per sequence, the last one zero-padded): per chunk and value
+  head the products K_β·Kᵀ, Q·Kᵀ, the intra-chunk read (C×C)·V, the two
+  unit-triangular solves and the three state products, 6·C·d_k·d_v.
+- Backward: input gradients everywhere (1× forward for a weight matmul, 2×
+  for the activation-activation products: attention and the delta rule),
+  except into the frozen embedding's output under LoRA (layer 0's token-mixer
+  projections get none); weight gradients only for trainable weights: every
+  weight under full fine-tuning (so fwd+bwd is exactly 3× forward), only the
+  adapters under LoRA (1× their forward).
+
+Model FLOPs are that work for the real sequences. Hardware FLOPs are the
+work of the micro-batches the plan runs: padded rows at their longest
+length (padding included), packed rows as their sequences, and with gradient
+checkpointing one more forward for the recomputation (plus, under LoRA, the
+input gradient into layer 0 that peft's ``enable_input_require_grads``
+turns on), and under full fine-tuning the chunked log-prob head's logits,
+recomputed in backward (backends/logprobs.py). MFU = model FLOP/s per device ÷ the device's dense peak.
 """
 
 from __future__ import annotations
 
 import functools
 import time
-from typing import Optional, Sequence
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Sequence, Union
 
 from backends.microbatch import CostModel
+from backends.planning.cost import _text_config, layer_types, weight_matmuls
 
 # Dense bf16 tensor-core peaks (no sparsity), FLOP/s per device, from the vendors' data sheets.
 GPU_PEAK_BF16 = (
@@ -25,7 +50,8 @@ GPU_PEAK_BF16 = (
     ("H100", 989e12),
     ("A100", 312e12),
 )
-BACKWARD_FACTOR = 3.0  # forward + backward = 3 forwards (model FLOPs)
+FULL_FINE_TUNING_FACTOR = 3.0  # forward + backward = 3 forwards when every weight is trained
+DELTA_RULE_CHUNK = 64  # chunk size of the chunked gated delta rule (transformers' and backends/packing.py's default)
 
 
 def gpu_peak_flops(name: str) -> Optional[float]:
@@ -67,41 +93,240 @@ def device_peak(device: dict, world_size: int) -> dict:
     }
 
 
+
+
+@dataclass(frozen=True)
+class TrainingFlops:
+    """Forward and backward FLOPs of one sequence, split by how backward treats each part (see the module docstring).
+
+    Per-token terms (FLOPs per token): ``weights`` every weight matmul and the
+    convolution; ``weights_no_input_grad`` the part of it whose input gets no
+    gradient (LoRA: layer 0's mixer projections read the frozen embedding);
+    ``trained_weights`` the part that gets a weight gradient; ``adapters`` the
+    LoRA matmuls, ``adapters_no_input_grad`` their A matrices in layer 0.
+    ``attention_pairs`` multiplies L² + L; ``delta_rule_chunk`` is the delta
+    rule's cost of one chunk of ``chunk`` tokens, all linear-attention layers.
+    ``head_recompute`` (hardware only, per token of a backward): the chunked
+    log-prob head recomputes its logits in backward when its weight is trained.
+    """
+
+    weights: float
+    weights_no_input_grad: float
+    trained_weights: float
+    adapters: float
+    adapters_no_input_grad: float
+    attention_pairs: float
+    delta_rule_chunk: float
+    head_recompute: float = 0.0
+    chunk: int = DELTA_RULE_CHUNK
+    lora_rank: int = 0
+    source: str = ""
+
+    def _parts(self, length: int) -> tuple[float, float]:
+        """(per-token-linear part, activation-product part) of the forward of one sequence."""
+        chunks = math.ceil(length / self.chunk) if self.delta_rule_chunk else 0
+        products = self.attention_pairs * (length * length + length) + self.delta_rule_chunk * chunks
+        return (self.weights + self.adapters) * length, products
+
+    def forward(self, length: int) -> float:
+        linear, products = self._parts(length)
+        return linear + products
+
+    def backward(self, length: int) -> float:
+        """Input gradients (1× weights, 2× products) plus weight gradients of what is trained."""
+        _, products = self._parts(length)
+        inputs = self.weights - self.weights_no_input_grad + self.adapters - self.adapters_no_input_grad
+        return (inputs + self.trained_weights + self.adapters) * length + 2.0 * products
+
+    def sequence(self, pass_type: str, length: int) -> float:
+        if pass_type == "forward":
+            return self.forward(length)
+        return self.forward(length) + self.backward(length)
+
+    def microbatch(self, pass_type: str, batch: Optional[Sequence[int]], lengths: Sequence[int], layout: str) -> float:
+        """A micro-batch as run: ``count`` rows of its longest sequence padded, its sequences packed; 0 for a dummy."""
+        if not batch:
+            return 0.0
+        if layout == "packed":
+            return sum(self.sequence(pass_type, lengths[i]) for i in batch)
+        return len(batch) * self.sequence(pass_type, max(lengths[i] for i in batch))
+
+    def backward_recompute(self, tokens: float, gradient_checkpointing: bool) -> float:
+        """Hardware work of a backward beyond the model's: the head's recomputed logits, and with
+        checkpointing under LoRA layer 0's input gradients (peft makes the embedding output require grad)."""
+        extra = self.head_recompute * tokens
+        if gradient_checkpointing:
+            extra += (self.weights_no_input_grad + self.adapters_no_input_grad) * tokens
+        return extra
+
+    def as_dict(self) -> dict:
+        return {
+            "counted": "fwd: weight matmuls + conv + LoRA adapters + causal attention + chunked delta rule; "
+            "bwd: input grads (1x weights, 2x attention/delta rule) + weight grads of trainable parameters only",
+            "lora_rank": self.lora_rank,
+            "per_token": {
+                "weights": self.weights,
+                "trained_weights": self.trained_weights,
+                "adapters": self.adapters,
+                "no_input_grad": self.weights_no_input_grad + self.adapters_no_input_grad,
+            },
+            "attention_pairs": self.attention_pairs,
+            "delta_rule_chunk": self.delta_rule_chunk,
+            "chunk": self.chunk,
+            "source": self.source,
+        }
+
+    @classmethod
+    def from_cost_model(cls, cost_model: CostModel) -> "TrainingFlops":
+        """No config at hand: the planner's a·L + b·L², all of it trained weights (3× forward, full fine-tuning)."""
+        return cls(cost_model.a - cost_model.b, 0.0, cost_model.a - cost_model.b, 0.0, 0.0, cost_model.b, 0.0,
+                   source=f"cost model ({cost_model.source}), full fine-tuning assumed")
+
+
+def delta_rule_chunk_flops(k_dim: int, v_dim: int, chunk: int = DELTA_RULE_CHUNK) -> float:
+    """Forward FLOPs of one chunk of the chunked gated delta rule, one value head (segment_chunk_gated_delta_rule).
+
+    Within the chunk: K_β·Kᵀ and Q·Kᵀ (2·C²·d_k each), the intra-chunk read
+    (C×C)·ΔV (2·C²·d_v), two unit-lower-triangular solves of C×C against
+    V_β and the decayed K_β (C·(C−1) per right-hand side column); across
+    chunks: reading the state twice and writing it once (2·C·d_k·d_v each).
+    """
+    c = chunk
+    return 4.0 * c * c * k_dim + 2.0 * c * c * v_dim + c * (c - 1) * (k_dim + v_dim) + 6.0 * c * k_dim * v_dim
+
+
+def training_flops_from_config(
+    config: Mapping[str, Any], lora_rank: int, source: str = "", chunked_logprobs: bool = True
+) -> TrainingFlops:
+    """The training-FLOPs model of a Hugging Face config dict with LoRA of rank ``lora_rank`` (0 = full fine-tuning).
+
+    ``chunked_logprobs``: the harness's chunked log-prob head runs (``backend.logprob_chunk_tokens`` set).
+    """
+    c = _text_config(config)
+    h = int(c["hidden_size"])
+    heads = int(c["num_attention_heads"])
+    head_dim = int(c.get("head_dim") or h // heads)
+    kinds = layer_types(c)
+    n_full = sum(1 for k in kinds if k == "full_attention")
+    n_linear = len(kinds) - n_full
+    matmuls = weight_matmuls(c)
+    weights = sum(2.0 * m.params_per_token for m in matmuls)
+    delta_chunk = 0.0
+    if n_linear:
+        dk, dv = int(c["linear_key_head_dim"]), int(c["linear_value_head_dim"])
+        v_heads = int(c["linear_num_value_heads"])
+        conv_dim = 2 * dk * int(c["linear_num_key_heads"]) + dv * v_heads
+        weights += n_linear * 2.0 * conv_dim * int(c.get("linear_conv_kernel_dim", 4))
+        delta_chunk = n_linear * v_heads * delta_rule_chunk_flops(dk, dv)
+    r = int(lora_rank)
+    lora = r > 0
+    adapted = [m for m in matmuls if m.lora] if lora else []
+    first = [m for m in matmuls if m.reads_embeddings] if lora else []
+    return TrainingFlops(
+        weights=weights,
+        weights_no_input_grad=sum(2.0 * m.params_per_token for m in first),
+        trained_weights=0.0 if lora else weights,
+        adapters=sum(2.0 * r * (m.d_in + m.d_out) * m.per_token for m in adapted),
+        adapters_no_input_grad=sum(2.0 * r * m.d_in * m.per_token for m in first if m.lora),
+        attention_pairs=2.0 * heads * head_dim * n_full,
+        delta_rule_chunk=delta_chunk,
+        head_recompute=0.0 if lora or not chunked_logprobs else sum(
+            2.0 * m.params_per_token for m in matmuls if m.kind == "lm_head"),
+        lora_rank=r,
+        source=source,
+    )
+
+
+def training_flops_for(spec, chunked_logprobs: bool = True) -> TrainingFlops:
+    """The training-FLOPs model of a ``ModelSpec`` (its config via backends.model_configs, its LoRA rank)."""
+    from backends.model_configs import cost_model_for, model_config
+
+    config, source = model_config(spec)
+    try:
+        return training_flops_from_config(config, spec.lora_rank, source, chunked_logprobs)
+    except (KeyError, TypeError, ValueError):
+        return TrainingFlops.from_cost_model(cost_model_for(spec))
+
+
+FlopsModel = Union[TrainingFlops, CostModel]
+
+
+def _as_training(model: FlopsModel) -> TrainingFlops:
+    return model if isinstance(model, TrainingFlops) else TrainingFlops.from_cost_model(model)
+
+
 def pass_flops(
     pass_type: str,
     lengths: Sequence[int],
-    cost_model: CostModel,
+    flops_model: FlopsModel,
     plan_cost_per_rank: Sequence[float],
     gradient_checkpointing: bool,
+    cost_model: Optional[CostModel] = None,
+    schedules: Optional[Sequence[Sequence[Optional[Sequence[int]]]]] = None,
+    layout: str = "padded",
 ) -> tuple[float, float]:
-    """(model FLOPs, hardware FLOPs) of one pass."""
-    forward_model = sum(cost_model.sequence(n) for n in lengths)
-    forward_hardware = float(sum(plan_cost_per_rank)) or forward_model
-    if pass_type == "forward":
-        return forward_model, forward_hardware
-    recompute = forward_hardware if gradient_checkpointing else 0.0
-    return BACKWARD_FACTOR * forward_model, BACKWARD_FACTOR * forward_hardware + recompute
+    """(model FLOPs, hardware FLOPs) of one pass.
+
+    Hardware FLOPs come from the micro-batches when ``schedules`` (the plan's,
+    one per rank) are given; otherwise the plan's modeled cost scaled by the
+    training model: plan cost × (training FLOPs ÷ planner cost) of the real
+    sequences, which is exact for packed rows and close for padded ones.
+    """
+    training = _as_training(flops_model)
+    model = sum(training.sequence(pass_type, n) for n in lengths)
+    forward_model = sum(training.forward(n) for n in lengths)
+    backward = pass_type != "forward"
+    if schedules is not None:
+        batches = [b for schedule in schedules for b in schedule if b]
+        hardware = sum(training.microbatch(pass_type, b, lengths, layout) for b in batches)
+        forward_hardware = sum(training.microbatch("forward", b, lengths, layout) for b in batches)
+        tokens = sum(len(b) * max(lengths[i] for i in b) if layout != "packed" else sum(lengths[i] for i in b)
+                     for b in batches)
+    else:
+        cost_model = cost_model or (flops_model if isinstance(flops_model, CostModel) else None)
+        planned = float(sum(plan_cost_per_rank))
+        planned_real = sum(cost_model.sequence(n) for n in lengths) if cost_model else 0.0
+        scale = planned / planned_real if planned and planned_real else 1.0
+        hardware, forward_hardware = model * scale, forward_model * scale
+        tokens = sum(lengths) * scale
+    if backward:
+        hardware += (forward_hardware if gradient_checkpointing else 0.0) + training.backward_recompute(
+            tokens, gradient_checkpointing)
+    return model, hardware
 
 
 def flops_record(
     pass_type: str,
     lengths: Sequence[int],
-    cost_model: CostModel,
+    flops_model: FlopsModel,
     plan: dict,
     gradient_checkpointing: bool,
     elapsed_s: Sequence[float],
     world_size: int,
     peak: dict,
+    cost_model: Optional[CostModel] = None,
+    schedules: Optional[Sequence[Sequence[Optional[Sequence[int]]]]] = None,
 ) -> dict:
-    """The FLOPs fields of a pass in results.json (``passes.<type>``)."""
-    model, hardware = pass_flops(pass_type, lengths, cost_model, plan.get("cost_per_rank") or [], gradient_checkpointing)
+    """The FLOPs fields of a pass in results.json (``passes.<type>``); ``flops`` says what was counted."""
+    if cost_model is None and plan.get("cost_model"):
+        cost_model = CostModel.from_dict(plan["cost_model"])
+    layout = plan.get("layout", "padded")
+    model, hardware = pass_flops(pass_type, lengths, flops_model, plan.get("cost_per_rank") or [], gradient_checkpointing,
+                                 cost_model=cost_model, schedules=schedules, layout=layout)
     mean_s = sum(elapsed_s) / len(elapsed_s)
     per_device = model / mean_s / max(1, world_size)
     peak_flops = peak.get("flops_per_device")
+    training = _as_training(flops_model)
     return {
         "model_flops": model,
         "hardware_flops": hardware,
         "model_flops_per_s_per_device": per_device,
         "hardware_flops_per_s_per_device": hardware / mean_s / max(1, world_size),
         "mfu_pct": 100.0 * per_device / peak_flops if peak_flops else None,
+        "flops": {
+            "model": training.as_dict()["counted"] + f" (lora_rank={training.lora_rank})",
+            "hardware": ("micro-batches as run" if schedules is not None else "plan cost scaled")
+            + (", padding included" if layout == "padded" else "")
+            + (", + one forward recomputed (gradient checkpointing)" if gradient_checkpointing and pass_type != "forward" else ""),
+        },
     }

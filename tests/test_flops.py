@@ -54,3 +54,35 @@ def test_a_cpu_peak_is_measured_and_split_over_ranks():
     one, two = device_peak({"type": "cpu"}, 1), device_peak({"type": "cpu"}, 2)
     assert one["flops_per_device"] > 1e8 and "measured" in one["source"]
     assert math.isclose(two["flops_per_device"], one["flops_per_device"] / 2)
+
+
+def test_lora_backward_is_not_two_forwards_more():
+    """With LoRA the frozen base gets input gradients only: fwd+bwd is about 2x forward plus attention and adapters."""
+    from backends.model_configs import SHIPPED_CONFIGS
+    from harness.flops import training_flops_from_config
+
+    lengths = [4096, 1000]
+    for name in SHIPPED_CONFIGS:
+        full = training_flops_from_config(SHIPPED_CONFIGS[name], 0)
+        lora = training_flops_from_config(SHIPPED_CONFIGS[name], 32)
+        f_full, fb_full = (pass_flops(p, lengths, full, [], False)[0] for p in ("forward", "forward_backward"))
+        f_lora, fb_lora = (pass_flops(p, lengths, lora, [], False)[0] for p in ("forward", "forward_backward"))
+        assert fb_full == pytest.approx(3 * f_full, rel=1e-12)
+        assert 2.0 < fb_lora / f_lora < 2.7, name
+        assert f_lora > f_full  # the adapters' own matmuls
+
+
+def test_hardware_flops_from_the_micro_batches_as_run():
+    from backends.model_configs import SHIPPED_CONFIGS
+    from harness.flops import training_flops_from_config
+
+    flops = training_flops_from_config(SHIPPED_CONFIGS["tiny"], 0)
+    schedules = [[[0, 1], None], [[2]]]  # a dummy step computes nothing
+    fwd = flops.forward
+    _, padded = pass_flops("forward", LENGTHS, flops, [], False, schedules=schedules, layout="padded")
+    assert padded == pytest.approx(2 * fwd(10) + fwd(7))
+    _, packed = pass_flops("forward", LENGTHS, flops, [], False, schedules=schedules, layout="packed")
+    assert packed == pytest.approx(sum(fwd(n) for n in LENGTHS))
+    model, fb = pass_flops("forward_backward", LENGTHS, flops, [], True, schedules=schedules, layout="packed")
+    # full fine-tuning with the chunked head: backward recomputes the head's logits; checkpointing one forward
+    assert fb == pytest.approx(model + packed + flops.head_recompute * sum(LENGTHS))

@@ -151,3 +151,90 @@ def cost_model_from_config(config: Mapping[str, Any], source: str) -> CostModel:
         per_layer = 6.0 * v_heads * dk * dv + 2.0 * conv_dim * int(c.get("linear_conv_kernel_dim", 4))
         a += n_linear * per_layer
     return CostModel(a=a, b=pair_flops, source=source)
+
+
+@dataclass(frozen=True)
+class WeightMatmul:
+    """One weight a token is multiplied by: ``d_in -> d_out``, ``per_token`` times per token (top-k for routed experts).
+
+    ``kind`` says what the weight is, which decides whether peft's
+    ``target_modules="all-linear"`` gives it a LoRA adapter: ``"linear"`` (an
+    ``nn.Linear``: adapted), ``"router"`` (a bare Parameter), ``"experts"``
+    (fused 3-D expert Parameters), ``"lm_head"`` (the output layer, which peft
+    leaves out). ``reads_embeddings``: its input is the embedding output itself
+    (layer 0's token mixer), so with a frozen embedding no gradient flows into it.
+    """
+
+    name: str
+    d_in: int
+    d_out: int
+    per_token: int = 1
+    kind: str = "linear"
+    reads_embeddings: bool = False
+
+    @property
+    def lora(self) -> bool:
+        return self.kind == "linear"
+
+    @property
+    def params_per_token(self) -> int:
+        return self.d_in * self.d_out * self.per_token
+
+
+def weight_matmuls(config: Mapping[str, Any]) -> list[WeightMatmul]:
+    """Every weight matmul of a forward, layer by layer (the same weights as ``active_matmul_params``)."""
+    c = _text_config(config)
+    h = int(c["hidden_size"])
+    heads = int(c["num_attention_heads"])
+    kv_heads = int(c.get("num_key_value_heads") or heads)
+    head_dim = int(c.get("head_dim") or h // heads)
+    q_out = heads * head_dim * (2 if _gated_attention(c) else 1)
+    mlp_only = set(c.get("mlp_only_layers") or [])
+    experts = int(c.get("num_experts") or 0)
+    out: list[WeightMatmul] = []
+    for i, kind in enumerate(layer_types(c)):
+        first = i == 0
+        p = f"layers.{i}."
+        if kind == "full_attention":
+            out += [
+                WeightMatmul(p + "self_attn.q_proj", h, q_out, reads_embeddings=first),
+                WeightMatmul(p + "self_attn.k_proj", h, kv_heads * head_dim, reads_embeddings=first),
+                WeightMatmul(p + "self_attn.v_proj", h, kv_heads * head_dim, reads_embeddings=first),
+                WeightMatmul(p + "self_attn.o_proj", heads * head_dim, h),
+            ]
+        else:
+            key_dim = int(c["linear_key_head_dim"]) * int(c["linear_num_key_heads"])
+            v_heads = int(c["linear_num_value_heads"])
+            value_dim = int(c["linear_value_head_dim"]) * v_heads
+            out += [
+                WeightMatmul(p + "linear_attn.in_proj_qkv", h, 2 * key_dim + value_dim, reads_embeddings=first),
+                WeightMatmul(p + "linear_attn.in_proj_z", h, value_dim, reads_embeddings=first),
+                WeightMatmul(p + "linear_attn.in_proj_b", h, v_heads, reads_embeddings=first),
+                WeightMatmul(p + "linear_attn.in_proj_a", h, v_heads, reads_embeddings=first),
+                WeightMatmul(p + "linear_attn.out_proj", value_dim, h),
+            ]
+        if experts and i not in mlp_only:
+            moe = int(c["moe_intermediate_size"])
+            top_k = int(c["num_experts_per_tok"])
+            out += [
+                WeightMatmul(p + "mlp.gate", h, experts, kind="router"),
+                WeightMatmul(p + "mlp.experts.gate_up_proj", h, 2 * moe, per_token=top_k, kind="experts"),
+                WeightMatmul(p + "mlp.experts.down_proj", moe, h, per_token=top_k, kind="experts"),
+            ]
+            shared = int(c.get("shared_expert_intermediate_size") or 0)
+            if shared:
+                out += [
+                    WeightMatmul(p + "mlp.shared_expert.gate_proj", h, shared),
+                    WeightMatmul(p + "mlp.shared_expert.up_proj", h, shared),
+                    WeightMatmul(p + "mlp.shared_expert.down_proj", shared, h),
+                    WeightMatmul(p + "mlp.shared_expert_gate", h, 1),
+                ]
+        else:
+            inter = int(c["intermediate_size"])
+            out += [
+                WeightMatmul(p + "mlp.gate_proj", h, inter),
+                WeightMatmul(p + "mlp.up_proj", h, inter),
+                WeightMatmul(p + "mlp.down_proj", inter, h),
+            ]
+    out.append(WeightMatmul("lm_head", h, int(c["vocab_size"]), kind="lm_head"))
+    return out
