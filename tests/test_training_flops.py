@@ -12,14 +12,12 @@ overcounts a depthwise convolution's weight gradient (groups ignored in
 
 from __future__ import annotations
 
-import importlib
 import math
 
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode, conv_flop_count, sdpa_backward_flop_count, sdpa_flop_count
 
-from backends import packing
 from backends.model import ModelSpec, build_model
 from backends.model_configs import SHIPPED_CONFIGS, model_config
 from backends.planning.cost import active_matmul_params, weight_matmuls
@@ -29,7 +27,6 @@ from harness.workload import make_examples
 
 CPU = torch.device("cpu")
 aten = torch.ops.aten
-MODELING = "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe"
 # Around and across the delta rule's chunk (64); two share a padded micro-batch.
 LENGTHS = [70, 3, 130, 17, 64]
 SCHEDULE = [[0, 1], [2], [3, 4]]
@@ -78,28 +75,6 @@ COUNTER_EXTENSIONS = {
 }
 
 
-def _rows_as_segments(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
-                      use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):
-    """The project's segment scan for padded rows too, each row one segment (what both layouts run on CPU)."""
-    b, n = query.shape[:2]
-    if cu_seqlens is None:
-        cu_seqlens = torch.arange(0, b * n + 1, n, dtype=torch.int32)
-    flat = lambda t: t.reshape(1, b * n, *t.shape[2:])  # noqa: E731
-    out = packing.segment_chunk_gated_delta_rule(
-        flat(query), flat(key), flat(value), flat(g), flat(beta), cu_seqlens,
-        chunk_size=chunk_size, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-    )
-    return out.reshape(b, n, *out.shape[2:]), None
-
-
-@pytest.fixture
-def segment_scan(monkeypatch):
-    modeling = importlib.import_module(MODELING)
-    current = modeling.torch_chunk_gated_delta_rule
-    setattr(_rows_as_segments, packing._PACKED_MARK, getattr(current, packing._PACKED_MARK, current))
-    monkeypatch.setattr(modeling, "torch_chunk_gated_delta_rule", _rows_as_segments)
-
-
 def counted(model, examples, pass_type: str, layout: str, extensions=COUNTER_EXTENSIONS) -> int:
     counter = FlopCounterMode(display=False, custom_mapping=extensions)
     with counter:
@@ -113,7 +88,8 @@ def counted(model, examples, pass_type: str, layout: str, extensions=COUNTER_EXT
     [(32, "padded", "float32"), (32, "packed", "float32"), (0, "padded", "float32"), (0, "packed", "float32"),
      (32, "packed", "bfloat16")],
 )
-def test_formula_matches_the_counter_on_the_tiny_model(segment_scan, lora_rank, layout, dtype):
+def test_formula_matches_the_counter_on_the_tiny_model(lora_rank, layout, dtype):
+    # padded rows run the project's segment scan too (each row one segment), as packed rows do
     spec = ModelSpec(lora_rank=lora_rank, dtype=dtype)
     model = build_model(spec, CPU, gradient_checkpointing=False)
     examples = make_examples(LENGTHS, 2048, 0)
@@ -124,7 +100,7 @@ def test_formula_matches_the_counter_on_the_tiny_model(segment_scan, lora_rank, 
         assert got == pytest.approx(hardware, rel=REL), (pass_type, got / hardware)
 
 
-def test_three_forwards_would_overcount_a_lora_backward(segment_scan):
+def test_three_forwards_would_overcount_a_lora_backward():
     spec = ModelSpec(lora_rank=32)
     model = build_model(spec, CPU, gradient_checkpointing=False)
     examples = make_examples(LENGTHS, 2048, 0)
