@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Optional
 
 import pandas as pd
 
@@ -74,9 +74,33 @@ def _setting(doc: dict) -> str:
     else:
         parts.append(f"workload `{wl.get('name')}`")
     parts.append(f"gradient checkpointing {'on' if doc.get('gc') else 'off'}")
+    precision = _precision(doc.get("precision"))
+    if precision:
+        parts.append(precision)
     if bench.get("repeat") is not None:
         parts.append(f"{bench.get('warmup')} warm-up + {bench.get('repeat')} timed repeats")
     return ", ".join(parts)
+
+
+_SHORT_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def _precision(p: Optional[dict]) -> str:
+    """``precision`` of results.json in a few words: "bf16 params, fp32 adapters, bf16 compute, fp32 reduce"."""
+    if not p:
+        return ""
+    short = lambda d: _SHORT_DTYPE.get(d, d)  # noqa: E731
+    parts = [f"{short(p[k])} {k}" for k in ("params", "adapters", "compute") if p.get(k)]
+    parts.append(f"{short(p['reduce'])} reduce" if p.get("reduce") else "no reduce (one process)")
+    return ", ".join(parts)
+
+
+def _kernels(passes: dict) -> Optional[str]:
+    """The kernels forward + backward ran (``passes.forward_backward.kernels``), as one line."""
+    record = (passes.get("forward_backward") or {}).get("kernels")
+    if not record:
+        return None
+    return ", ".join(f"{op}={'+'.join(impls)}" for op, impls in record.items())
 
 
 def row_of(path: Path, doc: dict) -> dict:
@@ -102,6 +126,8 @@ def row_of(path: Path, doc: dict) -> dict:
         "n_microbatches": plan.get("n_microbatches"),
         "n_dummy": plan.get("n_dummy"),
         "max_microbatch_padded_tokens": plan.get("max_microbatch_padded_tokens"),
+        "precision": _precision(doc.get("precision")) or None,
+        "kernels": _kernels(passes),
         "started_at": doc.get("started_at"),
         "overrides": " ".join(_overrides(path, doc)),
     }
