@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from backends.loading import load_sharded
+from backends.loading import LOAD_PROGRESS_EVERY_S, load_sharded, read_source
 from backends.microbatch import Schedule
 from backends.specs import ModelSpec
 from backends.step import grad_norm_local_sq
@@ -74,9 +74,18 @@ def check_equal_step_counts(steps: int, world_size: int, device: torch.device) -
 
 
 class FSDP2Hooks(RankHooks):
+    load_progress_every_s = LOAD_PROGRESS_EVERY_S  # rank 0's broadcast progress lines while loading
+
     def load_model(self, model_spec: ModelSpec) -> tuple[torch.nn.Module, Optional[dict], str]:
         # Built on meta and sharded before any weight is read: no rank ever holds the unsharded model.
-        return load_sharded(model_spec, self.device, self.spec.gradient_checkpointing, self.wrap, self.rank)
+        # The others wait for rank 0's read on the job's store, not in a collective (backends/loading.py ReadGate).
+        return load_sharded(model_spec, self.device, self.spec.gradient_checkpointing, self.wrap, self.rank,
+                            store=self.store, read=self.read_weights, progress_every_s=self.load_progress_every_s,
+                            timeout_s=self.spec.dist_timeout_s)
+
+    def read_weights(self, model_spec: ModelSpec, device: torch.device) -> torch.nn.Module:
+        """Rank 0's host copy of the weights, which the broadcasts send."""
+        return read_source(model_spec, device)
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         from torch.distributed.fsdp import FSDPModule, fully_shard

@@ -18,6 +18,7 @@ from backends.memory import (
     limit_memory,
     oom_message,
     peak_memory,
+    release_cached_memory,
     reset_peak_memory,
     restore_memory_limit,
 )
@@ -117,7 +118,9 @@ class PyTorchBackend(Backend):
         )
 
     def close(self) -> None:
+        # Release the model, then hand its memory back (gc, the CUDA cache, glibc's heap), so a later
+        # point in this process (a sweep, a server) starts from an empty device, not this one's cache.
         self.model = None
-        gc.collect()
+        release_cached_memory(self.device)
         restore_memory_limit(self._previous_limit)
         self._previous_limit = None

@@ -55,6 +55,7 @@ class RankHooks:
 
     def __init__(self, spec: BackendSpec, rank: int, world_size: int, device: torch.device):
         self.spec, self.rank, self.world_size, self.device = spec, rank, world_size, device
+        self.store = None  # the job's TCPStore (start_rank sets it): waits that must not ride on a collective's time-out
 
     def setup(self) -> None:
         """After the process group exists, before the model is built."""
@@ -193,6 +194,7 @@ def start_rank(spec: BackendSpec, model_spec: ModelSpec, hooks_path: str, rank: 
     how it was loaded and this rank's load record (``LoadMeter.as_dict``).
     """
     hooks: RankHooks = _import(hooks_path)(spec, rank, world_size, device)
+    hooks.store = store
     hooks.setup()
     if not dist.is_initialized():  # a launched job's later points reuse its group
         dist.init_process_group(

@@ -43,11 +43,15 @@ from backends.microbatch import CostModel
 from backends.planning.cost import _text_config, layer_types, weight_matmuls
 
 # Dense bf16 tensor-core peaks (no sparsity), FLOP/s per device, from the vendors' data sheets.
+# The first key found in torch.cuda.get_device_name wins, so a variant comes before its family's
+# bare name: "NVIDIA H200 NVL" must not match "H200" (the SXM part, e.g. "NVIDIA H200").
 GPU_PEAK_BF16 = (
     ("B200", 2.25e15),
-    ("H200", 989e12),
+    ("H200 NVL", 835e12),
+    ("H200", 989e12),  # SXM
+    ("H100 NVL", 835e12),
     ("H100 PCIe", 756e12),
-    ("H100", 989e12),
+    ("H100", 989e12),  # SXM ("NVIDIA H100 80GB HBM3")
     ("A100", 312e12),
 )
 FULL_FINE_TUNING_FACTOR = 3.0  # forward + backward = 3 forwards when every weight is trained

@@ -60,6 +60,13 @@ MUTATIONS = (
         ("tests/test_distributed.py::test_fsdp2_a_short_rank_runs_a_dummy_step_and_the_gradient_is_the_oracles",),
     ),
     Mutation(
+        "FSDP2's other ranks wait for rank 0's read in their first broadcast, not on the store",
+        "backends/loading.py",
+        "    else:\n        gate.wait()\n",
+        "",
+        ("tests/test_loading.py::test_fsdp2_ranks_wait_for_a_rank0_read_longer_than_the_collective_timeout",),
+    ),
+    Mutation(
         "FSDP2 ranks do not compare their step counts",
         "backends/fsdp2.py",
         "        check_equal_step_counts(len(schedule), self.world_size, self.device)\n",

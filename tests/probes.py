@@ -80,3 +80,24 @@ class FSDP2ChecksShardedLoad(FSDP2Hooks):
         if not any(n.endswith("inv_freq") for n in reference_buffers):
             raise RuntimeError("no rotary inv_freq buffer found: the non-persistent buffer check checked nothing")
         return model, built, method
+
+
+class FSDP2SlowRank0Read(FSDP2ChecksShardedLoad):
+    """Rank 0's read of the weights takes longer than the process group's time-out (a real sleep, as a slow filesystem).
+
+    The sharded load must still complete with the reference's values (checked
+    as in ``FSDP2ChecksShardedLoad``), and rank 0 logs its broadcast progress on
+    every tensor so that the lines show up in a short test.
+    """
+
+    load_progress_every_s = 0.0
+
+    def read_weights(self, model_spec, device):
+        import time
+
+        time.sleep(self.read_delay_s(self.spec.dist_timeout_s))
+        return super().read_weights(model_spec, device)
+
+    @staticmethod
+    def read_delay_s(dist_timeout_s: float) -> float:
+        return 1.5 * dist_timeout_s + 1.0

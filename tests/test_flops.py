@@ -41,8 +41,9 @@ def test_mfu_is_model_flops_per_second_per_device_over_the_peak():
 
 @pytest.mark.parametrize(
     "name, peak",
-    [("NVIDIA B200", 2.25e15), ("NVIDIA H200", 989e12), ("NVIDIA H100 80GB HBM3", 989e12),
-     ("NVIDIA H100 PCIe", 756e12), ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA GeForce RTX 4090", None)],
+    [("NVIDIA B200", 2.25e15), ("NVIDIA H200", 989e12), ("NVIDIA H200 NVL", 835e12),
+     ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 NVL", 835e12), ("NVIDIA H100 PCIe", 756e12),
+     ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA GeForce RTX 4090", None)],
 )
 def test_gpu_peaks_come_from_the_table(name, peak):
     assert gpu_peak_flops(name) == peak

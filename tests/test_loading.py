@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import math
+import re
 from dataclasses import replace
 
 import numpy as np
@@ -60,3 +62,61 @@ def test_fsdp2_sharded_load_is_bit_identical_to_the_unsharded_build_in_bf16(sour
     model = ModelSpec() if source == "tiny" else request.getfixturevalue("checkpoint")
     _, load, _ = _run(BackendSpec(name="fsdp2", world_size=2, device="cpu", hooks=PROBE), replace(model, dtype="bfloat16"))
     assert load["method"] == f"meta+rank0-{'from_config' if source == 'tiny' else 'from_pretrained'}-broadcast"
+
+
+@pytest.mark.slow
+def test_fsdp2_ranks_wait_for_a_rank0_read_longer_than_the_collective_timeout(caplog):
+    """Rank 0 reads for longer than backend.dist_timeout_s: the others wait on the store, then load the same values.
+
+    Before the store gate, rank 1 waited inside its first broadcast and gloo
+    aborted start-up after dist_timeout_s. Rank 0 also logs its read time and
+    its broadcast progress (tensors, GB, GB/s), which reach the controller's log.
+    """
+    from tests.probes import FSDP2SlowRank0Read
+
+    timeout_s = 5.0
+    caplog.set_level(logging.INFO)
+    spec = BackendSpec(name="fsdp2", world_size=2, device="cpu", dist_timeout_s=timeout_s,
+                       hooks="tests.probes:FSDP2SlowRank0Read")
+    got, load, _ = _run(spec, ModelSpec())
+    assert len(got.outputs) == len(EXAMPLES) and all(math.isfinite(o.loss) for o in got.outputs)
+    assert load["elapsed_s"] > FSDP2SlowRank0Read.read_delay_s(timeout_s) > timeout_s
+    messages = [r.getMessage() for r in caplog.records if r.name == "backends.loading"]
+    assert any(re.fullmatch(r"rank 0: read the tiny model in \d+\.\d s", m) for m in messages), messages[:5]
+    progress = [m for m in messages if re.fullmatch(r"rank 0: broadcast \d+/\d+ tensors, [\d.]+/[\d.]+ GB in "
+                                                    r"[\d.]+ s \([\d.]+ GB/s\)", m)]
+    assert len(progress) >= 2, messages[:5]
+    sent, total = map(int, re.search(r"(\d+)/(\d+) tensors", progress[-1]).groups())
+    assert sent == total > 1  # the summary line at the end: every tensor sent
+
+
+def _store(timeout_s: float):
+    import torch.distributed as dist
+    from datetime import timedelta
+
+    return dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+
+
+def test_the_read_gate_waits_past_the_store_timeout_until_rank0_opens_it():
+    """A real TCPStore whose own time-out is 0.2 s: rank 1 waits 1 s for rank 0's key, on its own client."""
+    import threading
+
+    from backends.loading import ReadGate
+
+    import torch.distributed as dist
+
+    store = _store(0.2)
+    client = dist.TCPStore("127.0.0.1", store.port, 1, is_master=False, timeout=store.timeout)
+    rank0, rank1 = ReadGate(store, 0, serial=7), ReadGate(client, 1, serial=7)
+    threading.Timer(1.0, rank0.open).start()
+    assert rank1.wait(poll_s=0.05) >= 0.9
+    assert ReadGate(client, 1, serial=8).key != rank1.key  # a later load (a launched job's next point) has its own key
+
+
+def test_a_failed_rank0_read_stops_the_waiting_ranks_with_its_error():
+    from backends.loading import Rank0ReadFailed, ReadGate
+
+    store = _store(5.0)
+    ReadGate(store, 0, serial=0).fail("FileNotFoundError: /models/x/model.safetensors")
+    with pytest.raises(Rank0ReadFailed, match=r"rank 0 could not read the weights \(FileNotFoundError: /models/x"):
+        ReadGate(store, 1, serial=0).wait(poll_s=0.01)

@@ -104,3 +104,31 @@ def test_a_refused_allocation_is_classified_as_out_of_memory():
     with pytest.raises(RuntimeError) as other:
         torch.ones(2, 3) @ torch.ones(2, 3)
     assert not is_out_of_memory(other.value)
+
+
+def _closed_pytorch_backend(device: str):
+    import weakref
+
+    from backends.base import BackendSpec, make_command
+    from backends.model import ModelSpec
+    from backends.pytorch import PyTorchBackend
+    from harness.workload import make_examples
+
+    backend = PyTorchBackend(BackendSpec(name="pytorch", device=device), ModelSpec())
+    backend.run_pass(make_command("forward_backward", make_examples([40, 90, 200], 1024, seed=0), 512, 1))
+    model = weakref.ref(backend.model)
+    backend.close()
+    return model
+
+
+def test_closing_the_pytorch_backend_releases_its_model():
+    """After close nothing holds the model (its gradients and the pass's graph included): a later point starts clean."""
+    assert _closed_pytorch_backend("cpu")() is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_closing_the_pytorch_backend_empties_the_cuda_cache():
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved()
+    assert _closed_pytorch_backend("cuda")() is None
+    assert torch.cuda.memory_reserved() <= before  # the model's blocks went back to the driver
