@@ -94,6 +94,13 @@ class PassResult:
     kernels: Optional[dict] = None
 
 
+def split_precision(built: Optional[dict]) -> tuple[Optional[dict], Optional[dict]]:
+    """Rank 0's start-up record as (what was built, the precision policy): the ranks send both in one dict."""
+    if built is None:
+        return None, None
+    return {k: v for k, v in built.items() if k != "precision"}, built.get("precision")
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -146,6 +153,8 @@ class Backend:
     model_info: Optional[dict] = None  # what was built (backends.model.describe_model), once started
     # How the weights were loaded and what it cost (backends.loading.merge_load_records), once started.
     load_info: Optional[dict] = None
+    # The precision policy as it runs (backends.model.describe_precision): params, adapters, compute, reduce, grads.
+    precision: Optional[dict] = None
 
     def __init__(self, spec: BackendSpec, model: ModelSpec):
         self.spec = spec

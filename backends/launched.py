@@ -13,7 +13,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from backends.base import Backend, PassResult, resolve_device, usable_cpu_cores
+from backends.base import Backend, PassResult, resolve_device, split_precision, usable_cpu_cores
 from backends.errors import BackendError, first_line
 from backends.launch import HEARTBEAT_EVERY_S, STALE_AFTER_S, LaunchedJob, check_world_size, launched_job
 from backends.memory import limit_memory, restore_memory_limit
@@ -129,7 +129,8 @@ class LaunchedBackend(Backend):
         job.send("start", {"spec": spec, "model": model, "hooks": hooks_path})
         self.thread = threading.Thread(target=self._serve, name="rank0", daemon=True)
         self.thread.start()
-        self.model_info, self.load_info = self._wait("start-up", None)
+        built, self.load_info = self._wait("start-up", None)
+        self.model_info, self.precision = split_precision(built)
         log.info("%s: rank 0 ready (the other ranks are checked at each pass)", spec.name)
 
     def _serve(self) -> None:

@@ -52,7 +52,7 @@ class PyTorchBackend(Backend):
             with LoadMeter(self.device) as meter:
                 self.model = build_model(model, self.device, spec.gradient_checkpointing)
             self.model_info = describe_model(self.model, model)
-            self.model_info["precision"] = describe_precision(self.model, None)  # one process: nothing reduced
+            self.precision = describe_precision(self.model, None)  # one process: nothing reduced
             self.load_info = merge_load_records(load_method(model), [meter.as_dict()])
         except BaseException:
             restore_memory_limit(self._previous_limit)

@@ -35,6 +35,7 @@ from backends.base import (
     command_lengths,
     plan_command,
     resolve_device,
+    split_precision,
     usable_cpu_cores,
 )
 from backends.errors import BackendError, UserError, first_line
@@ -451,7 +452,7 @@ class DistributedBackend(Backend):
             self.procs.append(p)
         try:
             ready = self._collect("ready", timeout_s=None, what="start-up", progress_every_s=30.0)
-            self.model_info = ready[0]["built"]
+            self.model_info, self.precision = split_precision(ready[0]["built"])
             self.load_info = merge_load_records(ready[0]["method"], [ready[r]["load"] for r in range(self.world_size)])
         except BaseException:
             self.close()

@@ -192,11 +192,12 @@ class Point:
             device = resolve_device(b.device)
             name, world_size = b.name, resolve_world_size(b.name, b.world_size, device.type)
             device_info = device_description(device, world_size)
-            built = load = None  # a dry run builds no model
+            built = load = precision = None  # a dry run builds no model
         else:
             backend = self._start_backend(spec)
             name, world_size, device_info = backend.name, backend.world_size, backend.describe_device()
             built = backend.model_info
+            precision = backend.precision
             load = backend.load_info
             if spec.target.url:
                 mtpm, mbs = backend.batching  # what the server runs: its plan is authoritative
@@ -240,7 +241,7 @@ class Point:
             },
             plan=plan.stats.as_dict(),
             # what the backend built runs in (params, adapters, compute, reduce); a dry run builds nothing
-            precision=(built or {}).get("precision"),
+            precision=precision,
             load=load,  # how the backend loaded the weights: time and host/device peaks per rank
             hot=spec.hot and not spec.target.url,
             target={"url": spec.target.url} if spec.target.url else None,

@@ -41,6 +41,7 @@ class RemoteBackend(Backend):
         self.device = torch.device(self.info["device"]["type"])
         self.vocab_size = int(self.info["vocab_size"])
         self.model_info = self.info.get("model")
+        self.precision = self.info.get("precision")  # the server's policy, as it reported it
         self.load_info = self.info.get("load")  # how the server loaded its (current) workers
         # (max_tokens_per_microbatch, micro_batch_size) every pass of this run must report in its plan
         self.batching: Optional[tuple[Optional[int], int]] = None

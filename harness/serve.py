@@ -248,7 +248,7 @@ def build_app(
                                  "recovery": "the workers are started again at the next pass"}, status_code=503)
         backend = served.backend
         return {"status": "ok", **info, **control.read().as_dict(), "model": backend.model_info,
-                "load": backend.load_info, "pids": [os.getpid(), *backend.pids()], "restarts": served.restarts,
+                "precision": backend.precision, "load": backend.load_info, "pids": [os.getpid(), *backend.pids()], "restarts": served.restarts,
                 "pending": state["pending"]}  # passes running or queued
 
     @app.get("/admin/config")

@@ -9,6 +9,7 @@ import pytest
 from backends.microbatch import plan_batch
 from backends.model_configs import cost_model_for
 from backends.specs import ModelSpec
+from harness.flops import training_flops_for
 from harness.workload import mixed_lengths
 from tests.conftest import load_json, run_harness, sweep_results
 
@@ -25,6 +26,9 @@ def test_single_run_writes_results_json(workdir):
     assert res["device"]["type"] == "cpu" and res["device"]["count"] == 1
     assert res["model"]["name"] == "tiny" and res["model"]["lora_rank"] == 32
     built = res["model"]["built"]  # what the backend reports it built, not the config's name
+    # the precision that ran: one process (nothing reduced), float32 on CPU by default
+    assert res["precision"] == {"params": "float32", "adapters": "float32", "compute": "float32", "reduce": None,
+                                "grads": "float32"}
     assert built["architecture"] == "Qwen3_5MoeForCausalLM" and built["source"].startswith("random init")
     assert built["vocab_size"] == 2048 and built["dtype"] == "float32"
     assert 0 < built["n_trainable_params"] < built["n_params"]  # LoRA: only the adapters train
@@ -52,11 +56,15 @@ def test_single_run_writes_results_json(workdir):
         assert len(p["pass_wall_s"]) == len(p["host_s"]) == 2
         for elapsed, wall, host in zip(p["elapsed_s"], p["pass_wall_s"], p["host_s"]):
             assert elapsed < wall and math.isclose(elapsed + host, wall, rel_tol=1e-9)
-        # MFU: the cost model's FLOPs of the real sequences (x3 with backward) over the measured time and CPU peak
-        cost = cost_model_for(ModelSpec())
-        forward_flops = sum(cost.sequence(n) for n in lengths)
-        factor = 1 if pass_type == "forward" else 3
-        assert math.isclose(p["model_flops"], factor * forward_flops)
+        # MFU: the training FLOPs of the real sequences (LoRA: well under 3x forward) over the measured time and CPU peak
+        training = training_flops_for(ModelSpec())
+        assert math.isclose(p["model_flops"], sum(training.sequence(pass_type, n) for n in lengths))
+        if pass_type == "forward_backward":
+            ratio = p["model_flops"] / res["passes"]["forward"]["model_flops"]
+            assert 2.0 < ratio < 2.9, ratio
+        # what ran: the padded batch's SDPA, the project's scan and conv, torch's grouped GEMM, the chunked head
+        assert set(p["kernels"]) == {"attention", "delta_rule", "short_conv", "moe_experts", "logprob_head"}
+        assert set(p["kernels"]["attention"]) == {"sdpa"} and set(p["kernels"]["delta_rule"]) == {"segment-scan"}
         assert p["hardware_flops"] > p["model_flops"]  # the padded layout computes its pads too
         mean_s = sum(p["elapsed_s"]) / 2
         assert math.isclose(p["mfu_pct"], 100 * p["model_flops"] / mean_s / res["peak"]["flops_per_device"])
@@ -264,7 +272,7 @@ def test_a_named_checkpoint_model_without_a_path_is_refused(workdir):
                        f"hydra.run.dir={workdir / 'plan'}", cwd=workdir)
     assert plan.returncode == 0, plan.stdout + plan.stderr
     res = load_json(workdir / "plan" / "results.json")
-    assert res["status"] == "planned" and res["model"]["built"] is None
+    assert res["status"] == "planned" and res["model"]["built"] is None and res["precision"] is None
 
 
 def test_a_duplicated_sweep_value_is_measured_once(workdir):

@@ -25,7 +25,7 @@ BF16_RTOL = 3e-2  # bf16 carries 8 bits of mantissa: a per-example loss within 3
 def _run_backend(name: str, dtype: str) -> dict:
     spec = BackendSpec(name=name, world_size=None if name == "pytorch" else 2, device="cpu")
     with make_backend(spec, ModelSpec(dtype=dtype)) as backend:
-        out = {"precision": backend.model_info["precision"]}
+        out = {"precision": backend.precision}
         for label, (planner, layout) in LAYOUTS.items():
             for pass_type in ("forward", "forward_backward"):
                 out[label, pass_type] = backend.run_pass(

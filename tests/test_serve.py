@@ -272,6 +272,9 @@ def test_client_without_the_token_never_records_a_budget_the_server_did_not_run(
     assert res["status"] == "ok" and res["mtpm"] == 2048 and res["plan"]["max_tokens_per_microbatch"] == 2048
     assert res["model"]["built"]["architecture"] == "Qwen3_5MoeForCausalLM"  # reported by the server
     assert res["load"]["method"] and res["load"]["elapsed_s"] > 0  # the server's load, as it reported it
+    assert res["precision"]["compute"] == "float32" and res["precision"]["adapters"] == "float32"  # the server's
+    assert all(p["kernels"]["delta_rule"] == {"segment-scan": p["kernels"]["short_conv"]["torch-conv1d"]}
+               for p in res["passes"].values())  # what the server's ranks ran, carried in each reply
 
 
 def test_a_budget_changed_during_a_client_run_fails_the_point(server, monkeypatch):
