@@ -130,6 +130,43 @@ MUTATIONS = (
         ("tests/test_batching_invariance.py::test_outputs_come_back_in_request_order",),
     ),
     Mutation(
+        "packed masks as a dict subclass whose missing keys are None (FSDP2's bf16 input cast drops it)",
+        "backends/packing.py",
+        "    return {layer_type: None for layer_type in layer_types}",
+        '    return type("Masks", (dict,), {"__missing__": lambda self, key: None})()',
+        ("tests/test_precision.py::test_bf16_packed_gives_the_padded_answer",),
+    ),
+    Mutation(
+        "LoRA adapters computed in float32 off FSDP2 (peft's own cast): FSDP2 and Megatron not like for like",
+        "backends/model.py",
+        "    if dtype not in HALF_DTYPES:\n        return 0\n    import types",
+        "    if True:\n        return 0\n    import types",
+        ("tests/test_precision.py::test_lora_adapters_compute_in_bf16_and_keep_float32_weights_and_gradients",
+         "tests/test_precision.py::test_fsdp2_and_megatron_compute_lora_alike_in_bf16"),
+    ),
+    Mutation(
+        "padded rows keep transformers' delta rule while packed rows run the project's scan",
+        "backends/packing.py",
+        "        if cu_seqlens is None:\n            # A padded batch runs the same scan",
+        "        if cu_seqlens is None:\n            return torch_delta_rule(query, key, value, chunk_size=chunk_size, **common, **kwargs)\n"
+        "            # A padded batch runs the same scan",
+        ("tests/test_kernels.py::test_each_layout_records_what_ran_and_both_run_the_same_scan_and_convolution",),
+    ),
+    Mutation(
+        "CPU tensors handed to the kernel transformers bound on a GPU host (padded convolution)",
+        "backends/packing.py",
+        "return (original if fused else torch_conv1d)(hidden_states",
+        "return original(hidden_states",
+        ("tests/test_kernels.py::test_cpu_tensors_never_reach_a_gpu_kernel_even_where_the_kernel_packages_import",),
+    ),
+    Mutation(
+        "a LoRA backward counted as 3 forwards (weight gradients for the frozen base)",
+        "harness/flops.py",
+        "trained_weights=0.0 if lora else weights,",
+        "trained_weights=weights,",
+        ("tests/test_training_flops.py",),
+    ),
+    Mutation(
         "a committed result edited by hand (pad efficiency)",
         "reports/results/cpu-2rank-tiny/3/results.json",
         '"pad_efficiency": 0.5958749107698851,',
