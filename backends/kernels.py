@@ -50,16 +50,20 @@ def reset() -> None:
         _calls.clear()
 
 
-def snapshot() -> dict[str, dict[str, int]]:
-    """What ran since the last ``reset``: ``{op: {implementation: calls}}``, ops in ``OPS`` order."""
-    with _lock:
-        items = dict(_calls)
+def _by_op(calls: Mapping) -> dict[str, dict[str, int]]:
+    """``{(op, implementation): calls}`` as ``{op: {implementation: calls}}``, ops in ``OPS`` order, then any others."""
     out: dict[str, dict[str, int]] = {}
-    for op in (*OPS, *sorted({o for o, _ in items} - set(OPS))):
-        impls = {impl: n for (o, impl), n in sorted(items.items()) if o == op}
+    for op in (*OPS, *sorted({o for o, _ in calls} - set(OPS))):
+        impls = {impl: int(n) for (o, impl), n in sorted(calls.items()) if o == op}
         if impls:
             out[op] = impls
     return out
+
+
+def snapshot() -> dict[str, dict[str, int]]:
+    """What ran since the last ``reset``: ``{op: {implementation: calls}}``."""
+    with _lock:
+        return _by_op(dict(_calls))
 
 
 def merge(records: Iterable[Optional[Mapping[str, Mapping[str, int]]]]) -> dict[str, dict[str, int]]:
@@ -69,12 +73,7 @@ def merge(records: Iterable[Optional[Mapping[str, Mapping[str, int]]]]) -> dict[
         for op, impls in (record or {}).items():
             for impl, n in impls.items():
                 total[(op, impl)] += int(n)
-    out: dict[str, dict[str, int]] = {}
-    for op in (*OPS, *sorted({o for o, _ in total} - set(OPS))):
-        impls = {impl: n for (o, impl), n in sorted(total.items()) if o == op}
-        if impls:
-            out[op] = impls
-    return out
+    return _by_op(total)
 
 
 def summary(record: Optional[Mapping[str, Mapping[str, int]]]) -> str:

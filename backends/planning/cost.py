@@ -99,37 +99,12 @@ def _gated_attention(c: Mapping[str, Any]) -> bool:
 
 
 def active_matmul_params(config: Mapping[str, Any]) -> int:
-    """Weights one token is multiplied by in a forward pass (multiply-adds per token, attention scores excluded)."""
-    c = _text_config(config)
-    h = int(c["hidden_size"])
-    heads = int(c["num_attention_heads"])
-    kv_heads = int(c.get("num_key_value_heads") or heads)
-    head_dim = int(c.get("head_dim") or h // heads)
-    q_out = heads * head_dim * (2 if _gated_attention(c) else 1)
-    full_attention = h * q_out + 2 * h * kv_heads * head_dim + heads * head_dim * h
-    linear_attention = 0
-    if "linear_num_value_heads" in c:
-        key_dim = int(c["linear_key_head_dim"]) * int(c["linear_num_key_heads"])
-        v_heads = int(c["linear_num_value_heads"])
-        value_dim = int(c["linear_value_head_dim"]) * v_heads
-        # in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj
-        linear_attention = h * (2 * key_dim + value_dim) + h * value_dim + 2 * h * v_heads + value_dim * h
-    mlp_only = set(c.get("mlp_only_layers") or [])
-    experts = int(c.get("num_experts") or 0)
-    total = 0
-    for i, kind in enumerate(layer_types(c)):
-        total += full_attention if kind == "full_attention" else linear_attention
-        if experts and i not in mlp_only:
-            top_k = int(c["num_experts_per_tok"])
-            total += h * experts  # router
-            total += top_k * 3 * h * int(c["moe_intermediate_size"])  # gate, up, down of each chosen expert
-            shared = int(c.get("shared_expert_intermediate_size") or 0)
-            if shared:
-                total += 3 * h * shared + h  # the shared expert and its sigmoid gate
-        else:
-            total += 3 * h * int(c["intermediate_size"])
-    total += h * int(c["vocab_size"])  # LM head (tied or not, it is a matmul); the embedding lookup is not
-    return total
+    """Weights one token is multiplied by in a forward pass (multiply-adds per token, attention scores excluded).
+
+    The sum over ``weight_matmuls``: one list of the model's matmuls serves the
+    planner's cost and the training-FLOPs model.
+    """
+    return sum(m.params_per_token for m in weight_matmuls(config))
 
 
 def cost_model_from_config(config: Mapping[str, Any], source: str) -> CostModel:
@@ -182,7 +157,7 @@ class WeightMatmul:
 
 
 def weight_matmuls(config: Mapping[str, Any]) -> list[WeightMatmul]:
-    """Every weight matmul of a forward, layer by layer (the same weights as ``active_matmul_params``)."""
+    """Every weight matmul of a forward, layer by layer: a token passes each of them ``per_token`` times."""
     c = _text_config(config)
     h = int(c["hidden_size"])
     heads = int(c["num_attention_heads"])
