@@ -30,6 +30,7 @@ def summary_metrics(doc: dict) -> dict:
     _flatten("passes", doc.get("passes") or {}, out)
     _flatten("plan", doc.get("plan") or {}, out)
     _flatten("workload", doc.get("workload") or {}, out)
+    _flatten("precision", doc.get("precision") or {}, out)  # params, adapters, compute, reduce, grads
     out["wall_s"] = doc.get("wall_s")
     return out
 

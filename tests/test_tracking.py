@@ -38,6 +38,9 @@ def test_two_points_leave_two_offline_runs_in_their_folders(offline_sweep):
         assert s["passes/forward/tok_per_s"] == pytest.approx(res["passes"]["forward"]["tok_per_s"])
         assert s["passes/forward_backward/tok_per_s"] == pytest.approx(res["passes"]["forward_backward"]["tok_per_s"])
         assert s["plan/pad_efficiency"] == pytest.approx(res["plan"]["pad_efficiency"])
+        # the precision that ran and the kernels each pass ran, under results.json's names
+        assert s["precision/compute"] == res["precision"]["compute"] == "float32"
+        assert s["passes/forward/kernels/delta_rule/segment-scan"] == res["passes"]["forward"]["kernels"]["delta_rule"]["segment-scan"] > 0
         repeats = [h for h in run["history"] if "repeats/forward_backward/elapsed_s" in h]
         assert [h["repeats/forward_backward/elapsed_s"] for h in repeats] == pytest.approx(
             res["passes"]["forward_backward"]["elapsed_s"]
