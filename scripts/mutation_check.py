@@ -107,8 +107,9 @@ MUTATIONS = (
     Mutation(
         "packed cu_seqlens make the whole row one sequence",
         "backends/packing.py",
-        "cu_seqlens=torch.from_numpy(cu).to(device, non_blocking=True),",
-        "cu_seqlens=torch.from_numpy(cu[[0, -1]].copy()).to(device, non_blocking=True),",
+        "    cu_seqlens = torch.from_numpy(cu).to(device, non_blocking=True)\n    remember_bounds(cu_seqlens, cu.tolist())",
+        "    cu_seqlens = torch.from_numpy(cu[[0, -1]].copy()).to(device, non_blocking=True)\n"
+        "    remember_bounds(cu_seqlens, cu[[0, -1]].tolist())",
         (
             "tests/test_packing.py::test_collate_lays_sequences_end_to_end",
             "tests/test_loss_oracle.py::test_each_grouping_reports_the_oracles_losses_and_gradient",
