@@ -12,10 +12,11 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from backends import LOCKSTEP_BACKENDS, resolve_world_size
 from backends.errors import BackendError, UserError
+from backends.launch import resolve_world_size
 from backends.microbatch import plan_batch
 from backends.model_configs import cost_model_for
+from backends.registry import LOCKSTEP_BACKENDS
 from harness.cli import config_error_line
 from harness.config import HarnessConfig, validate
 from harness.results import OUTPUTS_FILE, PLAN_FILE, RESULTS_FILE, write_json_atomic, write_plan_json
@@ -293,7 +294,7 @@ class Point:
             backend = HOT.get(b, spec.model)
             self.hot = True
             return backend
-        from backends import make_backend
+        from backends.start import make_backend
 
         log.info("%sstarting %s", self.label, b.name)
         self.backend = backend = make_backend(b, spec.model)

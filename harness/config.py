@@ -10,10 +10,9 @@ from omegaconf import MISSING
 
 from backends.errors import UserError
 from backends.planning import LAYOUTS, PLANNERS
+from backends.registry import backend_entry
 from backends.specs import BackendSpec, ModelSpec
 from harness.workload import WorkloadSpec
-
-BACKENDS = ("pytorch", "fsdp2", "megatron_ddp")
 
 
 @dataclass
@@ -86,8 +85,7 @@ def _positive_int(key: str, value: Any, allow_none: bool = False) -> None:
 
 def validate(cfg: HarnessConfig) -> None:
     """Checks of values (types are checked by Hydra against the schema)."""
-    if cfg.backend.name not in BACKENDS:
-        raise UserError(f"backend.name: '{cfg.backend.name}' is not a backend (valid: {', '.join(BACKENDS)})")
+    backend_entry(cfg.backend.name)  # "backend.name: '...' is not a backend (valid: ...)"
     _positive_int("mtpm", cfg.backend.max_tokens_per_microbatch, allow_none=True)
     _positive_int("mbs", cfg.backend.micro_batch_size)
     _positive_int("world_size", cfg.backend.world_size, allow_none=True)
