@@ -7,6 +7,7 @@ from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
+from omegaconf.errors import OmegaConfBaseException
 
 from backends.errors import UserError
 from backends.planning import LAYOUTS, PLANNERS
@@ -81,6 +82,13 @@ def _positive_int(key: str, value: Any, allow_none: bool = False) -> None:
     valid = "a positive integer" + (" or null" if allow_none else "")
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise UserError(f"{key}: must be {valid}, got {value!r}")
+
+
+def config_error_line(exc: OmegaConfBaseException) -> str:
+    """One line for an OmegaConf error: the key, then the first line of the message."""
+    key = getattr(exc, "full_key", None)
+    msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return f"{key}: {msg}" if key else msg
 
 
 def validate(cfg: HarnessConfig) -> None:
