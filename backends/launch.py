@@ -113,14 +113,6 @@ def detect_launch(environ=None) -> Optional[LaunchEnv]:
     return None
 
 
-class JobFailed(Exception):
-    """A rank of the launched job failed or stopped answering; the message names it."""
-
-    def __init__(self, message: str, details: Optional[str] = None, status: str = "error"):
-        super().__init__(message)
-        self.details, self.status = details, status
-
-
 class LaunchedJob:
     """This process's place in the launched job: the store, the heartbeats, and the command channel."""
 
