@@ -131,4 +131,3 @@ class FSDP2Hooks(RankHooks):
 
 class FSDP2Backend(DistributedBackend):
     name = "fsdp2"
-    hooks_path = "backends.fsdp2:FSDP2Hooks"

@@ -26,6 +26,9 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Optional
 
+from backends.errors import UserError
+from backends.registry import DISTRIBUTED_BACKENDS, valid_names
+
 log = logging.getLogger(__name__)
 
 # A rank whose heartbeat has not moved for this long is declared dead (well under the issue's 60 s).
@@ -110,14 +113,6 @@ def detect_launch(environ=None) -> Optional[LaunchEnv]:
     return None
 
 
-class JobFailed(Exception):
-    """A rank of the launched job failed or stopped answering; the message names it."""
-
-    def __init__(self, message: str, details: Optional[str] = None, status: str = "error"):
-        super().__init__(message)
-        self.details, self.status = details, status
-
-
 class LaunchedJob:
     """This process's place in the launched job: the store, the heartbeats, and the command channel."""
 
@@ -168,8 +163,6 @@ class LaunchedJob:
                                  is_master=is_master, timeout=timedelta(seconds=_STORE_TIMEOUT_S),
                                  wait_for_workers=False, multi_tenant=True)
         except Exception as exc:  # noqa: BLE001 - a user-facing start-up failure
-            from backends.errors import UserError
-
             raise UserError(f"MASTER_ADDR/MASTER_PORT: rank {self.rank} cannot reach the job's store at "
                             f"{self.env.master_addr}:{self.env.master_port} ({type(exc).__name__}: "
                             f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
@@ -343,18 +336,36 @@ def launch_record(world_size: int) -> dict:
 
 def check_world_size(backend: str, world_size: Optional[int], env: LaunchEnv) -> int:
     """The launcher's world size; a ``world_size=`` that says otherwise, or a one-process backend, is a user error."""
-    from backends import DISTRIBUTED_BACKENDS
-    from backends.errors import UserError
-
     if backend not in DISTRIBUTED_BACKENDS:
         if env.world_size != 1:
             raise UserError(f"backend.name: {backend} runs one process, but {env.launcher} started {env.world_size} "
-                            f"ranks (valid under a launcher: fsdp2, megatron_ddp)")
+                            f"ranks (valid under a launcher: {valid_names(distributed_only=True)})")
         return 1
     if world_size is not None and world_size != env.world_size:
         raise UserError(f"world_size: {world_size} conflicts with the {env.world_size} ranks {env.launcher} started "
                         f"(WORLD_SIZE={env.world_size}); leave world_size unset under a launcher")
     return env.world_size
+
+
+def resolve_world_size(backend: str, world_size: Optional[int], device_type: str) -> int:
+    """Ranks a backend runs: pytorch 1; otherwise ``world_size``, else one per visible GPU, else 2 CPU ranks.
+
+    Under torchrun or Slurm the launcher's world size, and a ``world_size`` that disagrees is a user error.
+    """
+    launched = launch_env()
+    if launched is not None:
+        return check_world_size(backend, world_size, launched)
+    if backend not in DISTRIBUTED_BACKENDS:
+        if world_size not in (None, 1):
+            raise UserError(f"world_size: backend={backend} runs one process, got {world_size} (valid: 1 or null)")
+        return 1
+    if world_size is not None:
+        return world_size
+    if device_type == "cuda":
+        import torch
+
+        return max(1, torch.cuda.device_count())
+    return 2
 
 
 def end_after_failure(exit_code: int) -> None:

@@ -86,4 +86,3 @@ class MegatronDDPHooks(RankHooks):
 
 class MegatronDDPBackend(DistributedBackend):
     name = "megatron_ddp"
-    hooks_path = "backends.megatron_ddp:MegatronDDPHooks"

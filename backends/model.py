@@ -253,7 +253,3 @@ def describe_model(model: torch.nn.Module, spec: ModelSpec) -> dict:
         "dtype": str(params[0].dtype).removeprefix("torch."),
         "source": "random init (tiny, built in code)" if spec.path is None else f"checkpoint {spec.path}",
     }
-
-
-def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
-    return [p for p in model.parameters() if p.requires_grad]

@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 
-from backends import resolve_world_size
 from backends.base import Backend, BackendSpec, PassResult, plan_command, resolve_device
 from backends.errors import BackendError
+from backends.launch import resolve_world_size
 from backends.memory import (
     is_out_of_memory,
     limit_memory,

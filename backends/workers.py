@@ -27,7 +27,6 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from backends import LOCKSTEP_BACKENDS, resolve_world_size
 from backends.base import (
     Backend,
     BackendSpec,
@@ -41,8 +40,10 @@ from backends.base import (
 from backends.errors import BackendError, UserError, first_line
 from backends.memory import is_out_of_memory, limit_memory, oom_message, peak_memory, reset_peak_memory
 from backends.microbatch import CostModel, Schedule, microbatch_tokens, plan_stats
+from backends.launch import resolve_world_size
 from backends.loading import LoadMeter, merge_load_records
 from backends import kernels
+from backends.registry import BY_NAME, LOCKSTEP_BACKENDS
 from backends.model import ModelSpec, build_model, describe_model, describe_precision, load_method
 from backends.step import ProgressLogger, outputs_to_host, run_steps, synchronize, total_loss_weight
 
@@ -419,7 +420,9 @@ class DistributedBackend(Backend):
                     self.world_size, cores, cores,
                 )
         log.info("%s: starting %d ranks on %s (loading the model)", spec.name, self.world_size, self.device.type)
-        self.hooks_path = hooks_path or spec.hooks or self.hooks_path
+        # a registered backend's ranks run the hooks its registry row names
+        default = BY_NAME[self.name].rank_hooks if self.name in BY_NAME else self.hooks_path
+        self.hooks_path = hooks_path or spec.hooks or default
         self.closed = False
         self.failure_reason: Optional[str] = None  # why the workers were stopped, after a failure
         ctx = mp.get_context("spawn")

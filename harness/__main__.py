@@ -7,8 +7,9 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from harness.app import STATE, run_point
+from harness.app import run_point
 from harness.cli import run_hydra_cli
+from harness.state import STATE
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")

@@ -12,35 +12,18 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from backends import LOCKSTEP_BACKENDS, resolve_world_size
 from backends.errors import BackendError, UserError
+from backends.launch import resolve_world_size
 from backends.microbatch import plan_batch
 from backends.model_configs import cost_model_for
-from harness.cli import config_error_line
-from harness.config import HarnessConfig, validate
+from backends.registry import LOCKSTEP_BACKENDS
+from harness.config import HarnessConfig, config_error_line, validate
+from harness.state import EXIT_FAILED, EXIT_OK, EXIT_USER_ERROR, STATE
 from harness.results import OUTPUTS_FILE, PLAN_FILE, RESULTS_FILE, write_json_atomic, write_plan_json
 from harness.tracking import Tracker, run_name, sweep_group
 from harness.workload import make_examples, workload_lengths
 
 log = logging.getLogger("harness")
-
-# Exit status the CLI returns once every point ran: the worst seen.
-EXIT_OK, EXIT_FAILED, EXIT_USER_ERROR = 0, 1, 2
-
-
-class RunState:
-    """What the points of one invocation ended with (a multirun runs many in this process)."""
-
-    def __init__(self) -> None:
-        self.exit_code = EXIT_OK
-        self.last_dir: Path | None = None  # the latest point's folder, for messages after an interrupt
-
-    def record(self, code: int) -> None:
-        self.exit_code = max(self.exit_code, code)
-
-
-STATE = RunState()
-
 
 def resolve_config(cfg: DictConfig) -> HarnessConfig:
     try:
@@ -293,7 +276,7 @@ class Point:
             backend = HOT.get(b, spec.model)
             self.hot = True
             return backend
-        from backends import make_backend
+        from backends.start import make_backend
 
         log.info("%sstarting %s", self.label, b.name)
         self.backend = backend = make_backend(b, spec.model)
@@ -449,4 +432,4 @@ def _run_point(cfg: DictConfig) -> int:
     return code
 
 
-__all__ = ["run_point", "STATE", "resolve_config"]
+__all__ = ["run_point", "resolve_config"]

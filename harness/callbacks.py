@@ -19,7 +19,7 @@ def record_sweep_status(sweep_dir: Path) -> None:
     """Make the sweep's exit status reflect every point, also those a launcher ran in other processes."""
     import json
 
-    from harness.app import EXIT_FAILED, STATE
+    from harness.state import EXIT_FAILED, STATE
 
     for path in sweep_dir.glob("*/results.json"):
         try:

@@ -11,7 +11,7 @@ from hydra.errors import HydraException, MissingConfigException
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from backends.errors import UserError
-from harness.config import register_configs
+from harness.config import config_error_line, register_configs
 
 
 class StartRefused(BaseException):
@@ -20,13 +20,6 @@ class StartRefused(BaseException):
     Hydra turns an ``Exception`` raised in a callback into a warning and goes
     on, so this one derives from ``BaseException`` to stop the run.
     """
-
-
-def config_error_line(exc: OmegaConfBaseException) -> str:
-    """One line for an OmegaConf error: the key, then the first line of the message."""
-    key = getattr(exc, "full_key", None)
-    msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    return f"{key}: {msg}" if key else msg
 
 
 def composition_error_line(exc: BaseException) -> str:
@@ -100,7 +93,7 @@ def _interrupt(signum, frame):
 
 
 def interrupted_hint() -> str:
-    from harness.app import STATE
+    from harness.state import STATE
 
     last = STATE.last_dir
     if last is None:

@@ -7,13 +7,13 @@ from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
+from omegaconf.errors import OmegaConfBaseException
 
 from backends.errors import UserError
 from backends.planning import LAYOUTS, PLANNERS
+from backends.registry import backend_entry
 from backends.specs import BackendSpec, ModelSpec
 from harness.workload import WorkloadSpec
-
-BACKENDS = ("pytorch", "fsdp2", "megatron_ddp")
 
 
 @dataclass
@@ -84,10 +84,16 @@ def _positive_int(key: str, value: Any, allow_none: bool = False) -> None:
         raise UserError(f"{key}: must be {valid}, got {value!r}")
 
 
+def config_error_line(exc: OmegaConfBaseException) -> str:
+    """One line for an OmegaConf error: the key, then the first line of the message."""
+    key = getattr(exc, "full_key", None)
+    msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return f"{key}: {msg}" if key else msg
+
+
 def validate(cfg: HarnessConfig) -> None:
     """Checks of values (types are checked by Hydra against the schema)."""
-    if cfg.backend.name not in BACKENDS:
-        raise UserError(f"backend.name: '{cfg.backend.name}' is not a backend (valid: {', '.join(BACKENDS)})")
+    backend_entry(cfg.backend.name)  # "backend.name: '...' is not a backend (valid: ...)"
     _positive_int("mtpm", cfg.backend.max_tokens_per_microbatch, allow_none=True)
     _positive_int("mbs", cfg.backend.micro_batch_size)
     _positive_int("world_size", cfg.backend.world_size, allow_none=True)

@@ -27,7 +27,7 @@ class HotBackends:
         key = repr((replace(spec, max_tokens_per_microbatch=None, micro_batch_size=1, layout="padded", planner="greedy"), model))
         if key != self.key:
             self.close()
-            from backends import make_backend
+            from backends.start import make_backend
 
             settings = BatchingSettings(spec.max_tokens_per_microbatch, spec.micro_batch_size)
             self.control = ControlFile(initial=settings)

@@ -377,7 +377,7 @@ def serve(cfg: DictConfig) -> int:
 
     import uvicorn
 
-    from backends import make_backend
+    from backends.start import make_backend
     from backends.model import model_vocab_size
     from backends.model_configs import cost_model_for
 

@@ -9,10 +9,13 @@ from typing import Iterable, Optional
 
 import pandas as pd
 
+from backends.registry import BACKENDS
+
 log = logging.getLogger(__name__)
 
-BACKEND_ORDER = {"fsdp2": 0, "megatron_ddp": 1, "pytorch": 2}
-BACKEND_LABEL = {"fsdp2": "FSDP2", "megatron_ddp": "Megatron DDP", "pytorch": "PyTorch"}
+# The README table shows the distributed backends first, then the rest, each in the registry's order.
+BACKEND_ORDER = {b.name: i for i, b in enumerate(sorted(BACKENDS, key=lambda b: not b.distributed))}
+BACKEND_LABEL = {b.name: b.label for b in BACKENDS}
 PASSES = ("forward", "forward_backward")
 PLANNER_ORDER = {"greedy": 0, "balanced": 1}
 LAYOUT_ORDER = {"padded": 0, "packed": 1}

@@ -37,6 +37,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run as python scripts/gpu_check.py: the backends come from the registry
+    sys.path.insert(0, str(REPO))
+from backends.registry import BACKENDS  # noqa: E402
 GPU_CPU_RTOL = 1e-3  # float32 on a GPU against float32 on CPU: different kernels, same math
 BF16_RTOL = 3e-2  # bf16 rounds differently per layout and per kernel
 KERNEL_MODULES = ("fla", "flash_attn", "causal_conv1d")  # the fast paths' packages, by import name
@@ -283,7 +286,7 @@ def main() -> int:
         summary["wall_s"][name] = wall
         return rc, sweep
 
-    backends = "backend=pytorch,fsdp2,megatron_ddp"
+    backends = "backend=" + ",".join(b.name for b in BACKENDS)
     # 1. The three backends agree in float32 (tight), on the device (one rank per GPU; 2 CPU ranks with --device cpu).
     rc, sweep = run("agree_float32", backends, f"backend.device={args.device}", "mtpm=700", "model.dtype=float32",
                     limit_s=200)
@@ -300,7 +303,7 @@ def main() -> int:
         save()
     if on_gpu and n_gpus < 2:
         # 3. The multi-rank path one GPU allows: 2 CPU ranks (gloo) on this host, compared with the GPU's single rank.
-        rc, sweep = run("cpu_ranks", "backend=fsdp2,megatron_ddp", "backend.device=cpu", "world_size=2", "mtpm=700",
+        rc, sweep = run("cpu_ranks", "backend=" + ",".join(b.name for b in BACKENDS if b.distributed), "backend.device=cpu", "world_size=2", "mtpm=700",
                         "model.dtype=float32", limit_s=200)
         cpu_runs, gpu_runs = runs_in(sweep), runs_in(runs_dir / "agree_float32")
         entry: dict = {"exit_code": rc, "rtol": GPU_CPU_RTOL, "backends": {}}

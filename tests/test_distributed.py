@@ -9,7 +9,7 @@ import numpy as np
 import psutil
 import pytest
 
-from backends import make_backend
+from backends.start import make_backend
 from backends.base import BackendSpec, make_command
 from backends.errors import BackendError
 from backends.fsdp2 import FSDP2Backend

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from backends import make_backend
+from backends.start import make_backend
 from backends.base import BackendSpec, make_command
 from backends.megatron_ddp import needs_cpu_device_shim
 from backends.model import ModelSpec, build_model

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from backends import make_backend
+from backends.start import make_backend
 from backends.base import BackendSpec, make_command
 from backends.model import build_model, describe_precision
 from backends.specs import ModelSpec

@@ -397,7 +397,7 @@ def test_healthz_tells_the_truth_after_a_worker_dies_and_the_next_pass_restarts(
 def test_a_restart_that_fails_keeps_the_server_down_with_the_first_cause():
     import psutil
 
-    from backends import make_backend
+    from backends.start import make_backend
     from backends.base import BackendSpec, make_command
     from backends.errors import BackendError
     from backends.model import ModelSpec

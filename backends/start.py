@@ -1,0 +1,44 @@
+"""Starting a backend: the controller the registry names for it, or rank 0 of a launched job.
+
+Imports no torch until a backend starts (harness/app.py imports it at the top).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from backends.errors import UserError
+from backends.registry import backend_entry
+
+
+def check_kernels(spec) -> None:
+    """On CUDA, a warning per kernel package that does not import; with ``require_kernels`` an error, before loading."""
+    import logging
+
+    from backends.base import resolve_device
+    from backends.kernels import MissingKernels, check_cuda_kernels
+
+    try:
+        check_cuda_kernels(resolve_device(spec.device).type, spec.require_kernels, logging.getLogger("backends"))
+    except MissingKernels as exc:
+        raise UserError(str(exc)) from None  # "backend.require_kernels=true: <package> does not import: ..."
+
+
+def import_path(path: str):
+    """The object a ``"module:Name"`` path names."""
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def make_backend(spec, model):
+    """Start the backend named by ``spec.name`` (imports only that backend's dependencies)."""
+    check_kernels(spec)
+    entry = backend_entry(spec.name)
+    if entry.distributed:
+        from backends.launch import launched_job
+
+        if launched_job() is not None:  # rank 0 of a torchrun / Slurm job: the ranks already exist
+            from backends.launched import LaunchedBackend
+
+            return LaunchedBackend(spec, model, spec.hooks or entry.rank_hooks)
+    return import_path(entry.controller)(spec, model)

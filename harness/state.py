@@ -1,0 +1,26 @@
+"""What the points of one invocation ended with: the exit status the CLI returns, and the latest point's folder.
+
+Its own module so that harness/app.py (which records it), harness/cli.py and harness/callbacks.py
+(which read it) import it without importing each other.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# Exit status the CLI returns once every point ran: the worst seen.
+EXIT_OK, EXIT_FAILED, EXIT_USER_ERROR = 0, 1, 2
+
+
+class RunState:
+    """What the points of one invocation ended with (a multirun runs many in this process)."""
+
+    def __init__(self) -> None:
+        self.exit_code = EXIT_OK
+        self.last_dir: Path | None = None  # the latest point's folder, for messages after an interrupt
+
+    def record(self, code: int) -> None:
+        self.exit_code = max(self.exit_code, code)
+
+
+STATE = RunState()

@@ -1,0 +1,167 @@
+"""The shape of the code, checked from its source with ``ast`` (no imports, no torch).
+
+* No import circles among harness/, backends/, reports/ and hydra_plugins/, and no module
+  importing its own package's ``__init__``: a reader can start at any module and follow its
+  imports down without coming back. Module-level and function-level imports both count.
+* The backend names are written once, in ``backends/registry.py``; every other place reads
+  the table. The few uses left are listed in ``ALLOWED_NAME_USES`` with the reason.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections import Counter
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("harness", "backends", "reports", "hydra_plugins")
+NAMES = ("pytorch", "fsdp2", "megatron_ddp")
+REGISTRY = "backends/registry.py"
+_ANY = "|".join(NAMES)
+
+# file -> how often each backend name may appear there as a string of its own, and why.
+ALLOWED_NAME_USES = {
+    # Each controller class says which backend it is: Backend.name, written to results.json.
+    # The registry points at these classes; the class cannot ask the registry who it is.
+    "backends/pytorch.py": Counter(pytorch=1),
+    "backends/fsdp2.py": Counter(fsdp2=1),
+    "backends/megatron_ddp.py": Counter(megatron_ddp=1),
+    # BackendSpec's default backend (conf/backend/ sets the same default for the CLI).
+    "backends/specs.py": Counter(pytorch=1),
+    # The GPU check asserts what one particular backend does (FSDP2 shards, Megatron syncs
+    # gradients, pytorch is the single-process reference), so it names that backend.
+    "scripts/gpu_check.py": Counter(pytorch=2, fsdp2=2, megatron_ddp=1),
+}
+
+
+def _module_files() -> dict[str, Path]:
+    """Dotted module name -> file, for every module of the packages (a package's is its __init__)."""
+    modules = {}
+    for package in PACKAGES:
+        for path in sorted((REPO / package).rglob("*.py")):
+            parts = list(path.relative_to(REPO).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            modules[".".join(parts)] = path
+    return modules
+
+
+def _is_package(module: str, modules: dict[str, Path]) -> bool:
+    return modules[module].name == "__init__.py"
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the modules of ours it imports (anywhere in the file)."""
+    modules = _module_files()
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for module, path in modules.items():
+        package = module if _is_package(module, modules) else module.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from the package, up level - 1
+                    anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    base = ".".join(anchor + ([base] if base else []))
+                for alias in node.names:
+                    sub = f"{base}.{alias.name}"
+                    targets.append(sub if sub in modules else base)
+            graph[module].update(t for t in targets if t in modules and t != module)
+    return graph
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                components.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(components)
+
+
+def test_there_are_no_import_circles():
+    graph = import_graph()
+    cycles = find_cycles(graph)
+    described = [" <-> ".join(c) + "  edges: " + ", ".join(f"{a}->{b}" for a in c for b in sorted(graph[a]) if b in c)
+                 for c in cycles]
+    assert not cycles, "import circles:\n" + "\n".join(described)
+
+
+def test_no_module_imports_its_own_package_init():
+    graph = import_graph()
+    inward = sorted(f"{m} -> {t}" for m, targets in graph.items() for t in targets if m.startswith(t + "."))
+    assert not inward, "modules importing their own package's __init__:\n" + "\n".join(inward)
+
+
+def test_the_graph_sees_function_level_and_submodule_imports():
+    graph = import_graph()
+    assert graph["harness.hot"] & {"backends", "backends.start"}  # make_backend, imported inside a method
+    assert "backends.kernels" in graph["backends.step"]  # "from backends import kernels" is the submodule
+    assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def _name_uses(path: Path) -> Counter:
+    """Backend names in the file's strings: a string that is a name, or a list of two or more names."""
+    uses: Counter = Counter()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not (isinstance(node, ast.Constant) and isinstance(node.value, str)):
+            continue
+        if node.value in NAMES:
+            uses[node.value] += 1
+            continue
+        if re.search(rf"\b({_ANY})\s*,\s*({_ANY})\b", node.value):
+            uses.update(re.findall(rf"\b({_ANY})\b", node.value))
+    return uses
+
+
+def test_the_backend_names_are_written_only_in_the_registry():
+    files = [p for package in (*PACKAGES, "scripts") for p in sorted((REPO / package).rglob("*.py"))]
+    seen = {}
+    for path in files:
+        rel = path.relative_to(REPO).as_posix()
+        if rel == REGISTRY:
+            continue
+        uses = _name_uses(path)
+        if uses:
+            seen[rel] = uses
+    unexpected = {rel: dict(uses) for rel, uses in seen.items() if uses != ALLOWED_NAME_USES.get(rel, Counter())}
+    gone = sorted(set(ALLOWED_NAME_USES) - set(seen))
+    assert not unexpected, f"backend names outside {REGISTRY} (read the registry instead): {unexpected}"
+    assert not gone, f"allowed uses no longer there (drop them from ALLOWED_NAME_USES): {gone}"
+
+
+def test_the_registry_imports_without_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, backends.registry, harness.config, reports.collect; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)
