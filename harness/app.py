@@ -309,7 +309,8 @@ class Point:
             timeout_s=spec.bench.pass_timeout_s,
         )
         # The device's peak for MFU: a data-sheet figure on GPUs, measured once per process on CPUs.
-        self.doc["peak"] = device_peak(self.doc["device"] or {}, backend.world_size)
+        self.doc["peak"] = device_peak(self.doc["device"] or {}, backend.world_size,
+                                       (self.doc.get("precision") or {}).get("compute") or "float32")
         # FLOPs of a training pass: the config's matmuls, LoRA adapters and what backward computes for them.
         training = training_flops_for(spec.model, chunked_logprobs=b.logprob_chunk_tokens is not None)
         for pass_type in PASS_TYPES:

@@ -68,12 +68,12 @@ def gpu_peak_flops(name: str) -> Optional[float]:
 
 
 @functools.lru_cache(maxsize=None)
-def measured_cpu_matmul_flops(n: int = 1024, repeats: int = 5) -> float:
-    """This machine's float32 matrix-multiply rate with all its threads (best of ``repeats``), measured once per process."""
+def measured_cpu_matmul_flops(n: int = 1024, repeats: int = 5, dtype: str = "float32") -> float:
+    """This machine's matrix-multiply rate in ``dtype`` with all its threads (best of ``repeats``), measured once per process."""
     import torch
 
-    a = torch.randn(n, n)
-    b = torch.randn(n, n)
+    a = torch.randn(n, n, dtype=getattr(torch, dtype))
+    b = torch.randn(n, n, dtype=getattr(torch, dtype))
     torch.mm(a, b)  # warm-up: thread pool and caches
     best = float("inf")
     for _ in range(repeats):
@@ -83,17 +83,22 @@ def measured_cpu_matmul_flops(n: int = 1024, repeats: int = 5) -> float:
     return 2.0 * n**3 / best
 
 
-def device_peak(device: dict, world_size: int) -> dict:
-    """{"flops_per_device": peak or None, "source": where it came from} for the devices a run uses."""
+def device_peak(device: dict, world_size: int, compute_dtype: str = "float32") -> dict:
+    """{"flops_per_device": peak or None, "source": where it came from} for the devices a run uses.
+
+    On CPU the peak is measured in the run's compute dtype (``precision.compute``): a bf16 run's
+    matrix products are bf16 ones, whose rate on a CPU differs from float32's by a large factor.
+    """
     if device.get("type") == "cuda":
         peak = gpu_peak_flops(str(device.get("name", "")))
         source = "dense bf16 data-sheet peak" if peak else f"unknown device {device.get('name')!r}: no peak, no MFU"
         return {"flops_per_device": peak, "source": source}
-    machine = measured_cpu_matmul_flops()
+    dtype = compute_dtype if compute_dtype in ("float32", "bfloat16", "float16") else "float32"
+    machine = measured_cpu_matmul_flops(dtype=dtype)
     # CPU ranks split the machine's cores between them (backends/workers.py), so each gets its share.
     return {
         "flops_per_device": machine / max(1, world_size),
-        "source": f"measured: float32 1024³ matmul on all cores = {machine / 1e9:.1f} GFLOP/s, split over {world_size} rank(s)",
+        "source": f"measured: {dtype} 1024³ matmul on all cores = {machine / 1e9:.1f} GFLOP/s, split over {world_size} rank(s)",
     }
 
 
