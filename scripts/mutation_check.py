@@ -127,7 +127,7 @@ MUTATIONS = (
         "outputs=[by_index[i] for i in range(len(examples))],",
         "outputs=[by_index[max(j for j in range(len(examples)) if len(examples[j]) == len(examples[i]))]"
         " for i in range(len(examples))],",
-        ("tests/unit/test_batching_invariance.py::test_outputs_come_back_in_request_order",),
+        ("tests/integration/test_batching_invariance.py::test_outputs_come_back_in_request_order",),
     ),
     Mutation(
         "packed masks as a dict subclass whose missing keys are None (FSDP2's bf16 input cast drops it)",

@@ -122,3 +122,40 @@ def test_a_missing_folder_is_one_line(tmp_path):
     proc = run_cli("reports", str(tmp_path / "nope"), cwd=tmp_path)
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "no such folder" in proc.stderr
+
+
+def _committed_points() -> list[Path]:
+    points = sorted((REPO / "reports" / "results").glob("*/*/results.json"))
+    assert points, "no committed results"
+    return [p.parent for p in points]
+
+
+def _workload_lengths(res: dict) -> list[int]:
+    """The lengths the point's workload config generates (conf/workload/<name>.yaml plus the point's overrides)."""
+    import yaml
+
+    from harness.workload import mixed_lengths
+
+    conf = yaml.safe_load((REPO / "conf" / "workload" / f"{res['workload']['name']}.yaml").read_text())
+    for override in res["overrides"]:
+        key, _, value = override.partition("=")
+        if key.startswith("workload."):
+            conf[key.removeprefix("workload.")] = yaml.safe_load(value)
+    assert conf["kind"] == "mixed"
+    return mixed_lengths(conf["n_examples"], conf["min_len"], conf["max_len"], conf["seed"])
+
+
+@pytest.mark.slow
+def test_committed_gradient_is_the_tiny_models_own():
+    """The committed gradient norm is what a plain forward of the tiny model gives on the point's examples (tests/loss_oracle.py)."""
+    from harness.workload import make_examples
+    from tests.loss_oracle import oracle
+
+    res = _load(_committed_points()[0] / "results.json")
+    assert res["model"]["name"] == "tiny" and res["model"]["lora_rank"] == 32 and not any("seed" in o for o in res["overrides"])
+    examples = make_examples(_workload_lengths(res), res["model"]["built"]["vocab_size"], seed=0)  # conf/config.yaml's seed
+    assert res["passes"]["forward_backward"]["grad_norm"] == pytest.approx(oracle(examples)["grad_norm"], rel=1e-4)
+
+
+def _load(path: str) -> dict:
+    return json.loads(Path(path).read_text())
