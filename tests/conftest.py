@@ -1,7 +1,8 @@
 """Shared helpers: run the real CLI in a subprocess, read what it wrote.
 
 Two tiers: tests/unit (in-process, `make test-fast`) and tests/integration (real processes:
-the CLI, servers, torchrun, spawned ranks). Each test is marked with its tier's name."""
+the CLI, servers, torchrun, spawned ranks; and the in-process tests that run dozens of full model passes,
+test_batching_invariance and the committed-gradient oracle). Each test is marked with its tier's name."""
 
 from __future__ import annotations
 
