@@ -16,7 +16,7 @@ import pytest
 
 from tests.conftest import harness_env, load_json, run_harness, wait_session_empty
 
-# A few small examples; sizes as in tests/test_distributed.py.
+# A few small examples; sizes as in tests/integration/test_distributed.py.
 POINT = ("workload=smoke", "workload.n_examples=6", "mtpm=700", "bench.warmup=0", "bench.repeat=1",
          "bench.save_outputs=true", "logger=none")
 
