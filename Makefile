@@ -1,11 +1,12 @@
 # make run: set up and run the main sweep on the embedded CPU default.
-# make test: set up and run the test suite (what CI runs).
+# make test: set up and run the whole test suite, tests/unit and tests/integration (what CI runs).
+# make test-fast: set up and run tests/unit only: in-process, no CLI runs, servers or ranks.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 SWEEP ?= mtpm=16384,32768,65536,131072
 
-.PHONY: setup run test clean
+.PHONY: setup run test test-fast clean
 
 setup: $(VENV)/.installed
 
@@ -24,6 +25,9 @@ run: setup
 
 test: setup
 	$(BIN)/python -m pytest -q
+
+test-fast: setup
+	$(BIN)/python -m pytest -q tests/unit
 
 clean:
 	rm -rf $(VENV) outputs multirun .pytest_cache

@@ -43,35 +43,35 @@ MUTATIONS = (
         "backends/step.py",
         "(loss_per_row.sum() * scale).backward()",
         "(loss_per_row.sum() / weights.numel()).backward()",
-        ("tests/test_loss_oracle.py",),
+        ("tests/unit/test_loss_oracle.py",),
     ),
     Mutation(
         "greedy closes a micro-batch at the budget (> becomes >=)",
         "backends/planning/greedy.py",
         "if current and (len(current) + 1) * max(current_max, n) > max_tokens:",
         "if current and (len(current) + 1) * max(current_max, n) >= max_tokens:",
-        ("tests/test_microbatch.py::test_greedy_closes_a_batch_only_when_the_next_sequence_does_not_fit",),
+        ("tests/unit/test_microbatch.py::test_greedy_closes_a_batch_only_when_the_next_sequence_does_not_fit",),
     ),
     Mutation(
         "FSDP2 drops its dummy steps",
         "backends/fsdp2.py",
         "return list(local) + [None] * (int(count.item()) - len(local))",
         "return [b for b in local if b is not None]",
-        ("tests/test_distributed.py::test_fsdp2_a_short_rank_runs_a_dummy_step_and_the_gradient_is_the_oracles",),
+        ("tests/integration/test_distributed.py::test_fsdp2_a_short_rank_runs_a_dummy_step_and_the_gradient_is_the_oracles",),
     ),
     Mutation(
         "FSDP2's other ranks wait for rank 0's read in their first broadcast, not on the store",
         "backends/loading.py",
         "    else:\n        gate.wait()\n",
         "",
-        ("tests/test_loading.py::test_fsdp2_ranks_wait_for_a_rank0_read_longer_than_the_collective_timeout",),
+        ("tests/integration/test_loading.py::test_fsdp2_ranks_wait_for_a_rank0_read_longer_than_the_collective_timeout",),
     ),
     Mutation(
         "FSDP2 ranks do not compare their step counts",
         "backends/fsdp2.py",
         "        check_equal_step_counts(len(schedule), self.world_size, self.device)\n",
         "",
-        ("tests/test_distributed.py::test_a_step_count_mismatch_is_a_clear_error_in_seconds",),
+        ("tests/integration/test_distributed.py::test_a_step_count_mismatch_is_a_clear_error_in_seconds",),
     ),
     Mutation(
         "ranks dealt contiguous blocks instead of cards",
@@ -79,8 +79,8 @@ MUTATIONS = (
         "return [order[r::world_size] for r in range(world_size)]",
         "return [order[r * len(order) // world_size : (r + 1) * len(order) // world_size] for r in range(world_size)]",
         (
-            "tests/test_microbatch.py::test_dealing_covers_every_example_once_and_balances_counts",
-            "tests/test_reports.py::test_committed_results_are_a_real_sweep_of_this_machine",
+            "tests/unit/test_microbatch.py::test_dealing_covers_every_example_once_and_balances_counts",
+            "tests/unit/test_reports.py::test_committed_results_are_a_real_sweep_of_this_machine",
         ),
     ),
     Mutation(
@@ -88,21 +88,21 @@ MUTATIONS = (
         "harness/app.py",
         'if previous.get("status") == "ok":',
         'if previous.get("status") == "never":',
-        ("tests/test_harness_cli.py::test_resume_keeps_finished_results_and_finds_points_by_their_overrides",),
+        ("tests/integration/test_harness_cli.py::test_resume_keeps_finished_results_and_finds_points_by_their_overrides",),
     ),
     Mutation(
         "an allocator's refusal is not classified as out of memory",
         "backends/memory.py",
         "return isinstance(exc, RuntimeError) and any(m in str(exc).lower() for m in _OOM_MARKERS)",
         "return False",
-        ("tests/test_memory.py",),
+        ("tests/unit/test_memory.py", "tests/integration/test_memory.py"),
     ),
     Mutation(
         "packed position ids do not restart at each sequence",
         "backends/packing.py",
         "positions = np.arange(int(cu[-1]), dtype=np.int64) - starts",
         "positions = np.arange(int(cu[-1]), dtype=np.int64)",
-        ("tests/test_packing.py::test_collate_lays_sequences_end_to_end",),
+        ("tests/unit/test_packing.py::test_collate_lays_sequences_end_to_end",),
     ),
     Mutation(
         "packed cu_seqlens make the whole row one sequence",
@@ -111,8 +111,8 @@ MUTATIONS = (
         "    cu_seqlens = torch.from_numpy(cu[[0, -1]].copy()).to(device, non_blocking=True)\n"
         "    remember_bounds(cu_seqlens, cu[[0, -1]].tolist())",
         (
-            "tests/test_packing.py::test_collate_lays_sequences_end_to_end",
-            "tests/test_loss_oracle.py::test_each_grouping_reports_the_oracles_losses_and_gradient",
+            "tests/unit/test_packing.py::test_collate_lays_sequences_end_to_end",
+            "tests/unit/test_loss_oracle.py::test_each_grouping_reports_the_oracles_losses_and_gradient",
         ),
     ),
     Mutation(
@@ -120,7 +120,7 @@ MUTATIONS = (
         "harness/app.py",
         "            if self.tracker is not None:\n                self.tracker.finish(self.doc)",
         '            if self.tracker is not None and self.doc.get("status") == "ok":\n                self.tracker.finish(self.doc)',
-        ("tests/test_tracking.py::test_a_failed_point_still_finishes_its_run_and_the_next_starts",),
+        ("tests/integration/test_tracking.py::test_a_failed_point_still_finishes_its_run_and_the_next_starts",),
     ),
     Mutation(
         "pytorch mixes up the outputs of equal-length examples (shapes stay right)",
@@ -128,22 +128,22 @@ MUTATIONS = (
         "outputs=[by_index[i] for i in range(len(examples))],",
         "outputs=[by_index[max(j for j in range(len(examples)) if len(examples[j]) == len(examples[i]))]"
         " for i in range(len(examples))],",
-        ("tests/test_batching_invariance.py::test_outputs_come_back_in_request_order",),
+        ("tests/integration/test_batching_invariance.py::test_outputs_come_back_in_request_order",),
     ),
     Mutation(
         "packed masks as a dict subclass whose missing keys are None (FSDP2's bf16 input cast drops it)",
         "backends/packing.py",
         "    return {layer_type: None for layer_type in layer_types}",
         '    return type("Masks", (dict,), {"__missing__": lambda self, key: None})()',
-        ("tests/test_precision.py::test_bf16_packed_gives_the_padded_answer",),
+        ("tests/integration/test_precision.py::test_bf16_packed_gives_the_padded_answer",),
     ),
     Mutation(
         "LoRA adapters computed in float32 off FSDP2 (peft's own cast): FSDP2 and Megatron not like for like",
         "backends/model.py",
         "    if dtype not in HALF_DTYPES:\n        return 0\n    import types",
         "    if True:\n        return 0\n    import types",
-        ("tests/test_precision.py::test_lora_adapters_compute_in_bf16_and_keep_float32_weights_and_gradients",
-         "tests/test_precision.py::test_fsdp2_and_megatron_compute_lora_alike_in_bf16"),
+        ("tests/unit/test_precision.py::test_lora_adapters_compute_in_bf16_and_keep_float32_weights_and_gradients",
+         "tests/integration/test_precision.py::test_fsdp2_and_megatron_compute_lora_alike_in_bf16"),
     ),
     Mutation(
         "padded rows keep transformers' delta rule while packed rows run the project's scan",
@@ -151,28 +151,28 @@ MUTATIONS = (
         "        if cu_seqlens is None:\n            # A padded batch runs the same scan",
         "        if cu_seqlens is None:\n            return torch_delta_rule(query, key, value, chunk_size=chunk_size, **common, **kwargs)\n"
         "            # A padded batch runs the same scan",
-        ("tests/test_kernels.py::test_each_layout_records_what_ran_and_both_run_the_same_scan_and_convolution",),
+        ("tests/unit/test_kernels.py::test_each_layout_records_what_ran_and_both_run_the_same_scan_and_convolution",),
     ),
     Mutation(
         "CPU tensors handed to the kernel transformers bound on a GPU host (padded convolution)",
         "backends/packing.py",
         "return (original if fused else torch_conv1d)(hidden_states",
         "return original(hidden_states",
-        ("tests/test_kernels.py::test_cpu_tensors_never_reach_a_gpu_kernel_even_where_the_kernel_packages_import",),
+        ("tests/unit/test_kernels.py::test_cpu_tensors_never_reach_a_gpu_kernel_even_where_the_kernel_packages_import",),
     ),
     Mutation(
         "a LoRA backward counted as 3 forwards (weight gradients for the frozen base)",
         "harness/flops.py",
         "trained_weights=0.0 if lora else weights,",
         "trained_weights=weights,",
-        ("tests/test_training_flops.py",),
+        ("tests/unit/test_training_flops.py",),
     ),
     Mutation(
         "a committed result edited by hand (pad efficiency)",
         "reports/results/cpu-2rank-tiny/3/results.json",
         '"pad_efficiency": 0.5958749107698851,',
         '"pad_efficiency": 0.6058749107698851,',
-        ("tests/test_reports.py::test_committed_results_are_a_real_sweep_of_this_machine",),
+        ("tests/unit/test_reports.py::test_committed_results_are_a_real_sweep_of_this_machine",),
     ),
 )
 

@@ -1,4 +1,8 @@
-"""Shared helpers: run the real CLI in a subprocess, read what it wrote."""
+"""Shared helpers: run the real CLI in a subprocess, read what it wrote.
+
+Two tiers: tests/unit (in-process, `make test-fast`) and tests/integration (real processes:
+the CLI, servers, torchrun, spawned ranks; and the in-process tests that run dozens of full model passes,
+test_batching_invariance and the committed-gradient oracle). Each test is marked with its tier's name."""
 
 from __future__ import annotations
 
@@ -12,6 +16,15 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+TIERS = ("unit", "integration")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark each test with its folder's tier (``-m unit`` / ``-m integration`` select one)."""
+    for item in items:
+        rel = Path(item.path).resolve().relative_to(REPO / "tests")
+        if rel.parts[0] in TIERS:
+            item.add_marker(getattr(pytest.mark, rel.parts[0]))
 
 
 def harness_env(**extra: str) -> dict[str, str]:

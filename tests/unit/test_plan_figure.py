@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 
 import pytest
 
 from harness.workload import mixed_lengths
 from reports.plan_blocks import MAX_COLUMNS, plan_blocks, plan_layout, kind_totals
 from reports.plan_figure import draw_plan, draw_side_by_side, figure_notes, published_plans, readme_plan_lines
-from tests.conftest import REPO, run_cli
 from tests.plan_docs import COST_MODEL, greedy_doc, plan_doc
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -173,48 +171,6 @@ def test_an_invalid_plan_is_named():
     ]:
         with pytest.raises(ValueError, match=words.replace("[", r"\[")):
             plan_blocks({**doc, **change})
-
-
-def test_cli_draws_a_point_folder_and_names_a_bad_path(tmp_path):
-    doc, _ = greedy_doc(LENGTHS, 4, 65536)
-    point = tmp_path / "point"
-    point.mkdir()
-    (point / "plan.json").write_text(json.dumps(doc))
-    ok = run_cli("reports", "plan", str(point), "-o", str(tmp_path / "out.png"), cwd=tmp_path)
-    assert ok.returncode == 0, ok.stderr
-    assert (tmp_path / "out.png").read_bytes()[:8] == PNG
-    default = run_cli("reports", "plan", str(point / "plan.json"), cwd=tmp_path)
-    assert default.returncode == 0 and (point / "plan.png").read_bytes()[:8] == PNG
-
-    (tmp_path / "torn.json").write_text('{"lengths": [1, 2')
-    (tmp_path / "empty").mkdir()
-    for bad, words in [
-        (tmp_path / "nope", "no such file or folder"),
-        (tmp_path / "empty", "no plan.json in this folder"),
-        (tmp_path / "torn.json", "not a plan.json document"),
-    ]:
-        proc = run_cli("reports", "plan", str(bad), cwd=tmp_path)
-        assert proc.returncode == 2, proc.stdout + proc.stderr
-        assert proc.stderr.strip().count("\n") == 0 and str(bad) in proc.stderr and words in proc.stderr, proc.stderr
-
-
-def test_report_links_a_plan_figure_per_row(tmp_path):
-    """python -m reports DIR: plots/plan-<point>.png for each point with a plan.json, linked from its row."""
-    committed = sorted((REPO / "reports" / "results").glob("*/*/results.json"))[:2]
-    sweep = tmp_path / "sweep"
-    for name, res in zip(("0", "1"), committed):
-        (sweep / name).mkdir(parents=True)
-        shutil.copy(res, sweep / name / "results.json")
-    doc, _ = greedy_doc(LENGTHS[:24], 2, 16384)
-    (sweep / "1" / "plan.json").write_text(json.dumps(doc))  # point 0 predates plan.json: no figure, no link
-    proc = run_cli("reports", str(sweep), cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    assert (sweep / "plots" / "plan-1.png").read_bytes()[:8] == PNG
-    assert not (sweep / "plots" / "plan-0.png").exists()
-    rows = [line for line in (sweep / "report.md").read_text().splitlines() if line.startswith("| FSDP2")]
-    assert len(rows) == 2
-    assert sum("[plan](plots/plan-1.png)" in r for r in rows) == 1
-    assert "plan_png" not in (sweep / "results.csv").read_text()
 
 
 def test_readme_shows_published_plans_side_by_side(tmp_path):

@@ -7,7 +7,6 @@ import torch
 
 from backends.errors import UserError
 from backends.model import ModelSpec, build_model, model_vocab_size
-from tests.conftest import load_json, run_harness
 
 CPU = torch.device("cpu")
 
@@ -73,24 +72,3 @@ def test_local_checkpoint_loads_and_matches(tmp_path):
 def test_missing_checkpoint_names_the_path(tmp_path):
     with pytest.raises(UserError, match=r"model.path: '.*nowhere'"):
         build_model(ModelSpec(path=str(tmp_path / "nowhere")), CPU, False)
-
-
-def test_harness_runs_a_local_checkpoint(tmp_path):
-    build_model(ModelSpec(lora_rank=0), CPU, False).save_pretrained(tmp_path / "ckpt")
-    run_dir = tmp_path / "run"
-    proc = run_harness(
-        "model=qwen3_5_35b_a3b",
-        f"model.path={tmp_path / 'ckpt'}",
-        "workload=smoke",
-        "backend=pytorch",
-        "bench.warmup=0",
-        "bench.repeat=1",
-        f"hydra.run.dir={run_dir}",
-        cwd=tmp_path,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    res = load_json(run_dir / "results.json")
-    assert res["status"] == "ok" and res["model"]["path"] == str(tmp_path / "ckpt")
-    load = res["load"]  # how the weights were loaded and what it cost
-    assert load["method"] == "from_pretrained" and load["elapsed_s"] > 0
-    assert len(load["host_peak_bytes"]) == 1 and load["host_peak_bytes"][0] > 0 and load["device_peak_bytes"] is None

@@ -1,4 +1,4 @@
-"""Sharded loading: FSDP2 builds on meta, shards, and fills each rank's shards; CPU ranks stay on the CPU on any host."""
+"""Sharded loading on 2 real FSDP2 ranks: built on meta, sharded, each rank's shards filled from rank 0's read."""
 
 from __future__ import annotations
 
@@ -13,18 +13,11 @@ import torch
 
 from backends.start import make_backend
 from backends.base import BackendSpec, make_command
-from backends.megatron_ddp import needs_cpu_device_shim
 from backends.model import ModelSpec, build_model
 from harness.workload import make_examples, mixed_lengths
 
 EXAMPLES = make_examples(mixed_lengths(16, 64, 512, 42), 2048, seed=0)[:6]
 PROBE = "tests.probes:FSDP2ChecksShardedLoad"
-
-
-def test_cpu_ranks_take_the_megatron_shim_whether_or_not_the_host_has_cuda():
-    assert needs_cpu_device_shim("cpu", cuda_available=True)
-    assert needs_cpu_device_shim("cpu", cuda_available=False)
-    assert not needs_cpu_device_shim("cuda", cuda_available=True)
 
 
 def _run(backend_spec: BackendSpec, model_spec: ModelSpec):
@@ -88,35 +81,3 @@ def test_fsdp2_ranks_wait_for_a_rank0_read_longer_than_the_collective_timeout(ca
     assert len(progress) >= 2, messages[:5]
     sent, total = map(int, re.search(r"(\d+)/(\d+) tensors", progress[-1]).groups())
     assert sent == total > 1  # the summary line at the end: every tensor sent
-
-
-def _store(timeout_s: float):
-    import torch.distributed as dist
-    from datetime import timedelta
-
-    return dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
-
-
-def test_the_read_gate_waits_past_the_store_timeout_until_rank0_opens_it():
-    """A real TCPStore whose own time-out is 0.2 s: rank 1 waits 1 s for rank 0's key, on its own client."""
-    import threading
-
-    from backends.loading import ReadGate
-
-    import torch.distributed as dist
-
-    store = _store(0.2)
-    client = dist.TCPStore("127.0.0.1", store.port, 1, is_master=False, timeout=store.timeout)
-    rank0, rank1 = ReadGate(store, 0, serial=7), ReadGate(client, 1, serial=7)
-    threading.Timer(1.0, rank0.open).start()
-    assert rank1.wait(poll_s=0.05) >= 0.9
-    assert ReadGate(client, 1, serial=8).key != rank1.key  # a later load (a launched job's next point) has its own key
-
-
-def test_a_failed_rank0_read_stops_the_waiting_ranks_with_its_error():
-    from backends.loading import Rank0ReadFailed, ReadGate
-
-    store = _store(5.0)
-    ReadGate(store, 0, serial=0).fail("FileNotFoundError: /models/x/model.safetensors")
-    with pytest.raises(Rank0ReadFailed, match=r"rank 0 could not read the weights \(FileNotFoundError: /models/x"):
-        ReadGate(store, 1, serial=0).wait(poll_s=0.01)

@@ -6,11 +6,9 @@ import math
 
 import numpy as np
 import pytest
-import torch
 
 from backends.start import make_backend
 from backends.base import BackendSpec, make_command
-from backends.model import build_model, describe_precision
 from backends.specs import ModelSpec
 from harness.workload import make_examples, mixed_lengths
 
@@ -108,27 +106,3 @@ def test_each_pass_records_the_kernels_that_ran(runs, backend):
         for record in (padded, packed):
             assert set(record["delta_rule"]) == {"segment-scan"} and set(record["short_conv"]) == {"torch-conv1d"}
             assert set(record["logprob_head"]) == {"chunked-1024"} and sum(record["moe_experts"].values()) > 0
-
-
-def test_lora_adapters_compute_in_bf16_and_keep_float32_weights_and_gradients():
-    """The policy itself, inside one bf16 model: every LoRA factor multiplies bf16 by bf16, and its float32
-    weight receives a float32 gradient (what FSDP2's mixed precision does to every parameter)."""
-    model = build_model(ModelSpec(dtype="bfloat16"), torch.device("cpu"), False)
-    seen = []
-
-    def record(module, args, output):
-        seen.append((args[0].dtype, output.dtype, module.weight.dtype))
-
-    factors = [m for n, m in model.named_modules() if n.endswith(("lora_A.default", "lora_B.default"))]
-    assert len(factors) == 70
-    handles = [m.register_forward_hook(record) for m in factors]
-    ids = torch.randint(0, 2048, (2, 24))
-    model(input_ids=ids, use_cache=False).logits.float().sum().backward()
-    for h in handles:
-        h.remove()
-    assert len(seen) == len(factors)
-    assert {out for _, out, _ in seen} == {torch.bfloat16}  # computed in bf16 ...
-    assert {w for _, _, w in seen} == {torch.float32}  # ... from float32 weights
-    grads = {m.weight.grad.dtype for m in factors if m.weight.grad is not None}
-    assert grads == {torch.float32}
-    assert describe_precision(model, None)["compute"] == "bfloat16"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from backends.control import BatchingSettings, ControlFile
 from tests.conftest import load_json, run_harness, sweep_results
 
 pytestmark = pytest.mark.slow
@@ -40,24 +39,3 @@ def test_hot_and_cold_sweeps_agree_and_hot_loads_once(tmp_path):
             assert ho[pass_type]["loss"] == pytest.approx(co[pass_type]["loss"], rel=1e-5)
         assert ho["forward_backward"]["grad_norm"] == pytest.approx(co["forward_backward"]["grad_norm"], rel=1e-5)
     assert len({(r["plan"]["padded_tokens"], tuple(r["plan"]["n_microbatches"])) for r in hot_res}) == 3
-
-
-def test_control_file_round_trip_and_corruption(tmp_path, caplog):
-    ctl = ControlFile(tmp_path / "c.ctl", BatchingSettings(None, 1))
-    assert (ctl.path.stat().st_mode & 0o777) == 0o600
-    assert ctl.read() == BatchingSettings(None, 1)
-    ctl.set_max_tokens_per_microbatch(4096)
-    ctl.set_micro_batch_size(3)
-    assert ctl.read() == BatchingSettings(4096, 3)
-    other = ControlFile(ctl.path)  # another reader of the same file sees the same values
-    assert other.read() == BatchingSettings(4096, 3)
-    ctl.path.write_text('{"max_tokens_per_microbatch": -5, "micro_batch_size": 1}')
-    with caplog.at_level("WARNING"):
-        assert other.read() == BatchingSettings(4096, 3)
-        assert other.read() == BatchingSettings(4096, 3)
-    assert sum("corrupt" in r.message for r in caplog.records) == 1
-    ctl.path.unlink()
-    assert other.read() == BatchingSettings(4096, 3)  # a missing file keeps the last good value too
-    with pytest.raises(ValueError):
-        ctl.set_max_tokens_per_microbatch(0)
-    assert not list(tmp_path.glob(".c.ctl.*"))  # no temporary files left behind

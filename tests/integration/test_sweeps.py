@@ -35,16 +35,6 @@ def harness_args(spec: dict, point: dict) -> list[str]:
     return args[3:]
 
 
-def test_there_are_sweeps_for_both_backends_and_the_baselines():
-    specs = {f.stem: yaml.safe_load(f.read_text()) for f in SWEEP_FILES}
-    assert {"fsdp2_mtpm", "megatron_ddp_mtpm", "seed_b200"} <= set(specs)
-    for name in ("fsdp2_mtpm", "megatron_ddp_mtpm"):
-        assert specs[name]["method"] == "grid"
-        assert sorted(p["mtpm"] for p in grid_points(specs[name])) == [16384, 32768, 65536, 131072]
-    seed = grid_points(specs["seed_b200"])
-    assert len(seed) == 12 and {p["batching"] for p in seed} >= {"fixed_mbs1", "fixed_mbs2", "mtpm131072"}
-
-
 @pytest.mark.parametrize("sweep_file", SWEEP_FILES, ids=lambda p: p.stem)
 def test_every_grid_point_is_accepted_by_hydra(sweep_file, tmp_path):
     spec = yaml.safe_load(sweep_file.read_text())

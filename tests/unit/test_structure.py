@@ -14,7 +14,7 @@ import re
 from collections import Counter
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("harness", "backends", "reports", "hydra_plugins")
 NAMES = ("pytorch", "fsdp2", "megatron_ddp")
 REGISTRY = "backends/registry.py"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-_SPEC = importlib.util.spec_from_file_location("gpu_check", Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py")
+_SPEC = importlib.util.spec_from_file_location("gpu_check", Path(__file__).resolve().parents[2] / "scripts" / "gpu_check.py")
 gpu_check = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(gpu_check)
 

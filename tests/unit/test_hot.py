@@ -1,0 +1,28 @@
+"""The control file a hot sweep and the server read, in-process (hot sweeps themselves: tests/integration/test_hot.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from backends.control import BatchingSettings, ControlFile
+
+
+def test_control_file_round_trip_and_corruption(tmp_path, caplog):
+    ctl = ControlFile(tmp_path / "c.ctl", BatchingSettings(None, 1))
+    assert (ctl.path.stat().st_mode & 0o777) == 0o600
+    assert ctl.read() == BatchingSettings(None, 1)
+    ctl.set_max_tokens_per_microbatch(4096)
+    ctl.set_micro_batch_size(3)
+    assert ctl.read() == BatchingSettings(4096, 3)
+    other = ControlFile(ctl.path)  # another reader of the same file sees the same values
+    assert other.read() == BatchingSettings(4096, 3)
+    ctl.path.write_text('{"max_tokens_per_microbatch": -5, "micro_batch_size": 1}')
+    with caplog.at_level("WARNING"):
+        assert other.read() == BatchingSettings(4096, 3)
+        assert other.read() == BatchingSettings(4096, 3)
+    assert sum("corrupt" in r.message for r in caplog.records) == 1
+    ctl.path.unlink()
+    assert other.read() == BatchingSettings(4096, 3)  # a missing file keeps the last good value too
+    with pytest.raises(ValueError):
+        ctl.set_max_tokens_per_microbatch(0)
+    assert not list(tmp_path.glob(".c.ctl.*"))  # no temporary files left behind

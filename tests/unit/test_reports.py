@@ -1,0 +1,99 @@
+"""The committed results recomputed in-process: plans, statistics and FLOPs (python -m reports and the gradient oracle: tests/integration/test_reports.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from reports.collect import collect
+from tests.conftest import REPO
+
+
+def _committed_points() -> list[Path]:
+    points = sorted((REPO / "reports" / "results").glob("*/*/results.json"))
+    assert points, "no committed results"
+    return [p.parent for p in points]
+
+
+def _workload_lengths(res: dict) -> list[int]:
+    """The lengths the point's workload config generates (conf/workload/<name>.yaml plus the point's overrides)."""
+    import yaml
+
+    from harness.workload import mixed_lengths
+
+    conf = yaml.safe_load((REPO / "conf" / "workload" / f"{res['workload']['name']}.yaml").read_text())
+    for override in res["overrides"]:
+        key, _, value = override.partition("=")
+        if key.startswith("workload."):
+            conf[key.removeprefix("workload.")] = yaml.safe_load(value)
+    assert conf["kind"] == "mixed"
+    return mixed_lengths(conf["n_examples"], conf["min_len"], conf["max_len"], conf["seed"])
+
+
+def test_committed_results_are_a_real_sweep_of_this_machine():
+    """Everything that can be recomputed is: an edited number, a hand-made plan or a pasted row does not pass.
+
+    Per point: the overrides Hydra recorded; the lengths from the workload config;
+    the plan (plan.json and every plan statistic) from those lengths; tokens/s from
+    the timings; FLOPs and MFU from the plan, the timings and the recorded peak.
+    Across points: one gradient norm (batching must not change the answer).
+    """
+    import yaml
+
+    from backends.registry import LOCKSTEP_BACKENDS
+    from backends.microbatch import CostModel, plan_batch
+    from backends.specs import ModelSpec
+    from harness.flops import flops_record, training_flops_for
+
+    df = collect([REPO / "reports" / "results"])
+    assert not df.empty
+    assert set(df["backend"]) >= {"fsdp2", "megatron_ddp"}
+    assert {16384, 32768, 65536, 131072} <= set(df["mtpm"].dropna().astype(int))
+    assert (df["status"] == "ok").all()
+    grad_norms = []
+    for point in _committed_points():
+        res = _load(point / "results.json")
+        assert yaml.safe_load((point / ".hydra" / "overrides.yaml").read_text()) == res["overrides"], point
+        lengths = _workload_lengths(res)
+        wl = res["workload"]
+        assert (wl["n_examples"], wl["total_tokens"], wl["min_len"], wl["max_len"]) == (
+            len(lengths), sum(lengths), min(lengths), max(lengths)), point
+        stored_plan = json.loads((point / "plan.json").read_text())
+        assert stored_plan["lengths"] == lengths, point
+        plan = plan_batch(lengths, res["world_size"], res["mtpm"], res["mbs"], align=res["backend"] in LOCKSTEP_BACKENDS,
+                          layout=res["layout"], planner=res["planner"],
+                          cost_model=CostModel.from_dict(res["plan"]["cost_model"]))
+        assert [[None if b is None else list(b) for b in s] for s in plan.schedules] == stored_plan["schedules"], point
+        recomputed = plan.stats.as_dict()
+        for key, value in recomputed.items():
+            assert res["plan"][key] == (pytest.approx(value) if isinstance(value, float) else value), (point, key)
+        assert res["plan"]["pad_efficiency"] == pytest.approx(res["plan"]["real_tokens"] / res["plan"]["padded_tokens"])
+        assert res["device"]["type"] == "cpu" and res["device"]["count"] == res["world_size"]
+        assert res["peak"]["source"].startswith("measured:")  # a CPU peak measured on the machine that ran it
+        m = res["model"]
+        for pass_type, p in res["passes"].items():
+            assert len(p["elapsed_s"]) == res["bench"]["repeat"] and min(p["elapsed_s"]) > 0, (point, pass_type)
+            assert p["real_tokens"] == sum(lengths)
+            assert p["tok_per_s"] == pytest.approx(sum(lengths) / (sum(p["elapsed_s"]) / len(p["elapsed_s"])))
+            assert len(p["mem_peak_bytes"]) == res["world_size"] and min(p["mem_peak_bytes"]) > 0
+            assert 0 < p["util_pct"] <= 100 * res["device"]["cores"]
+            # FLOPs from the training-FLOPs model (LoRA rank and config of the point's model), hardware from the plan
+            training = training_flops_for(ModelSpec(name=m["name"], path=m["path"], lora_rank=m["lora_rank"],
+                                                    vocab_size=m["built"]["vocab_size"]))  # backend.logprob_chunk_tokens is not recorded: the default (chunked) head; LoRA points recompute nothing there
+            flops = flops_record(pass_type, lengths, training, res["plan"], res["gc"], p["elapsed_s"], res["world_size"],
+                                 res["peak"], cost_model=CostModel.from_dict(res["plan"]["cost_model"]),
+                                 schedules=plan.schedules)
+            for key, value in flops.items():
+                if key == "flops":  # the description of what was counted
+                    assert p.get(key) == value, (point, pass_type, key)
+                else:
+                    assert p[key] == pytest.approx(value), (point, pass_type, key)
+        assert res["passes"]["forward"]["grad_norm"] is None
+        grad_norms.append(res["passes"]["forward_backward"]["grad_norm"])
+    assert min(grad_norms) > 0 and max(grad_norms) == pytest.approx(min(grad_norms), rel=1e-6)
+
+
+def _load(path: str) -> dict:
+    return json.loads(Path(path).read_text())
