@@ -317,6 +317,7 @@ def segment_chunk_gated_delta_rule(
     so at step j the sequences still running are a prefix of the batch and the
     scan takes (longest sequence's chunks) steps, not (row's chunks).
     """
+    kernels.note("delta_rule", kernels.SEGMENT_SCAN)  # recorded by what runs, not by who dispatched it
     out_dtype = query.dtype
     total, k_heads = key.shape[1], key.shape[2]
     v_heads = value.shape[2]
@@ -431,7 +432,7 @@ def _packed_delta_rule(original: Callable) -> Callable:
             # a recurrent state (generation): transformers' torch function, never a Triton kernel for CPU tensors
             kernels.note("delta_rule", kernels.TRANSFORMERS_TORCH_CHUNK)
             return torch_delta_rule(query, key, value, chunk_size=chunk_size, **common, **kwargs)
-        kernels.note("delta_rule", kernels.SEGMENT_SCAN)
+        # the scan records itself: a path that does not reach it records nothing
         if cu_seqlens is None:
             # A padded batch runs the same scan as a packed row, each row one segment: the
             # layouts then differ by what they compute (padding), not by the fallback they get.
