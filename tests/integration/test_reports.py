@@ -11,6 +11,7 @@ import pytest
 
 from reports.collect import collect
 from reports.render import BEGIN, END, table_frame
+from tests.unit.test_reports import _committed_points, _workload_lengths
 from tests.conftest import REPO, run_cli, run_harness, sweep_results
 
 README_TEXT = f"# A project\n\nIntro stays.\n\n{BEGIN}\nold table\n{END}\n\nOutro stays.\n"
@@ -122,27 +123,6 @@ def test_a_missing_folder_is_one_line(tmp_path):
     proc = run_cli("reports", str(tmp_path / "nope"), cwd=tmp_path)
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "no such folder" in proc.stderr
-
-
-def _committed_points() -> list[Path]:
-    points = sorted((REPO / "reports" / "results").glob("*/*/results.json"))
-    assert points, "no committed results"
-    return [p.parent for p in points]
-
-
-def _workload_lengths(res: dict) -> list[int]:
-    """The lengths the point's workload config generates (conf/workload/<name>.yaml plus the point's overrides)."""
-    import yaml
-
-    from harness.workload import mixed_lengths
-
-    conf = yaml.safe_load((REPO / "conf" / "workload" / f"{res['workload']['name']}.yaml").read_text())
-    for override in res["overrides"]:
-        key, _, value = override.partition("=")
-        if key.startswith("workload."):
-            conf[key.removeprefix("workload.")] = yaml.safe_load(value)
-    assert conf["kind"] == "mixed"
-    return mixed_lengths(conf["n_examples"], conf["min_len"], conf["max_len"], conf["seed"])
 
 
 @pytest.mark.slow

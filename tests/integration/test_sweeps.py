@@ -2,24 +2,13 @@
 
 from __future__ import annotations
 
-import itertools
 import shlex
 
 import pytest
 import yaml
 
-from tests.conftest import REPO, run_harness, sweep_results
-
-SWEEP_FILES = sorted((REPO / "sweeps").glob("*.yaml"))
-
-
-def grid_points(spec: dict) -> list[dict]:
-    names, choices = [], []
-    for name, p in spec["parameters"].items():
-        names.append(name)
-        choices.append(p["values"] if "values" in p else [p["value"]])
-    return [dict(zip(names, combo)) for combo in itertools.product(*choices)]
-
+from tests.conftest import run_harness, sweep_results
+from tests.unit.test_sweeps import SWEEP_FILES, grid_points
 
 def harness_args(spec: dict, point: dict) -> list[str]:
     """The command W&B's agent would run, with ${args_no_hyphens} expanded as it does (name=value)."""
