@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence, Union
 
 from backends.microbatch import CostModel
-from backends.planning.cost import _text_config, layer_types, weight_matmuls
+from backends.planning.cost import token_mixers, weight_matmuls
 
 # Dense bf16 tensor-core peaks (no sparsity), FLOP/s per device, from the vendors' data sheets.
 # The first key found in torch.cuda.get_device_name wins, so a variant comes before its family's
@@ -211,22 +211,13 @@ def training_flops_from_config(
 
     ``chunked_logprobs``: the harness's chunked log-prob head runs (``backend.logprob_chunk_tokens`` set).
     """
-    c = _text_config(config)
-    h = int(c["hidden_size"])
-    heads = int(c["num_attention_heads"])
-    head_dim = int(c.get("head_dim") or h // heads)
-    kinds = layer_types(c)
-    n_full = sum(1 for k in kinds if k == "full_attention")
-    n_linear = len(kinds) - n_full
-    matmuls = weight_matmuls(c)
+    mixers = token_mixers(config)
+    matmuls = weight_matmuls(config)
     weights = sum(2.0 * m.params_per_token for m in matmuls)
     delta_chunk = 0.0
-    if n_linear:
-        dk, dv = int(c["linear_key_head_dim"]), int(c["linear_value_head_dim"])
-        v_heads = int(c["linear_num_value_heads"])
-        conv_dim = 2 * dk * int(c["linear_num_key_heads"]) + dv * v_heads
-        weights += n_linear * 2.0 * conv_dim * int(c.get("linear_conv_kernel_dim", 4))
-        delta_chunk = n_linear * v_heads * delta_rule_chunk_flops(dk, dv)
+    if mixers.n_linear:
+        weights += mixers.n_linear * mixers.conv_flops
+        delta_chunk = mixers.n_linear * mixers.v_heads * delta_rule_chunk_flops(mixers.k_dim, mixers.v_dim)
     r = int(lora_rank)
     lora = r > 0
     adapted = [m for m in matmuls if m.lora] if lora else []
@@ -237,7 +228,7 @@ def training_flops_from_config(
         trained_weights=0.0 if lora else weights,
         adapters=sum(2.0 * r * (m.d_in + m.d_out) * m.per_token for m in adapted),
         adapters_no_input_grad=sum(2.0 * r * m.d_in * m.per_token for m in first if m.lora),
-        attention_pairs=2.0 * heads * head_dim * n_full,
+        attention_pairs=mixers.pair_flops,
         delta_rule_chunk=delta_chunk,
         head_recompute=0.0 if lora or not chunked_logprobs else sum(
             2.0 * m.params_per_token for m in matmuls if m.kind == "lm_head"),

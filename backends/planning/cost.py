@@ -107,8 +107,20 @@ def active_matmul_params(config: Mapping[str, Any]) -> int:
     return sum(m.params_per_token for m in weight_matmuls(config))
 
 
-def cost_model_from_config(config: Mapping[str, Any], source: str) -> CostModel:
-    """a and b (forward FLOPs) from a Hugging Face config dict; see the module docstring for what counts."""
+@dataclass(frozen=True)
+class TokenMixers:
+    """The token mixers of a config, as the FLOPs formulas need them (the planner's cost and the training FLOPs)."""
+
+    n_full: int  # full-attention layers
+    n_linear: int  # gated delta-net (linear-attention) layers
+    pair_flops: float  # causal QK^T and AV: FLOPs per (L² + L), all full-attention layers
+    conv_flops: float  # the short depthwise convolution: FLOPs per token, one linear-attention layer
+    k_dim: int = 0  # the delta rule's key and value head sizes and its value heads
+    v_dim: int = 0
+    v_heads: int = 0
+
+
+def token_mixers(config: Mapping[str, Any]) -> TokenMixers:
     c = _text_config(config)
     h = int(c["hidden_size"])
     heads = int(c["num_attention_heads"])
@@ -116,16 +128,24 @@ def cost_model_from_config(config: Mapping[str, Any], source: str) -> CostModel:
     kinds = layer_types(c)
     n_full = sum(1 for k in kinds if k == "full_attention")
     n_linear = len(kinds) - n_full
-    a = 2.0 * active_matmul_params(c)
-    pair_flops = 2.0 * heads * head_dim * n_full  # causal QK^T and AV over L(L+1)/2 pairs
-    a += pair_flops
-    if n_linear:
-        dk, dv = int(c["linear_key_head_dim"]), int(c["linear_value_head_dim"])
-        v_heads = int(c["linear_num_value_heads"])
-        conv_dim = 2 * dk * int(c["linear_num_key_heads"]) + dv * v_heads
-        per_layer = 6.0 * v_heads * dk * dv + 2.0 * conv_dim * int(c.get("linear_conv_kernel_dim", 4))
-        a += n_linear * per_layer
-    return CostModel(a=a, b=pair_flops, source=source)
+    pair_flops = 2.0 * heads * head_dim * n_full
+    if not n_linear:
+        return TokenMixers(n_full, 0, pair_flops, 0.0)
+    dk, dv = int(c["linear_key_head_dim"]), int(c["linear_value_head_dim"])
+    v_heads = int(c["linear_num_value_heads"])
+    conv_dim = 2 * dk * int(c["linear_num_key_heads"]) + dv * v_heads
+    conv_flops = 2.0 * conv_dim * int(c.get("linear_conv_kernel_dim", 4))
+    return TokenMixers(n_full, n_linear, pair_flops, conv_flops, dk, dv, v_heads)
+
+
+def cost_model_from_config(config: Mapping[str, Any], source: str) -> CostModel:
+    """a and b (forward FLOPs) from a Hugging Face config dict; see the module docstring for what counts."""
+    m = token_mixers(config)
+    a = 2.0 * active_matmul_params(config)
+    a += m.pair_flops  # the L part of the causal pairs
+    if m.n_linear:
+        a += m.n_linear * (6.0 * m.v_heads * m.k_dim * m.v_dim + m.conv_flops)
+    return CostModel(a=a, b=m.pair_flops, source=source)
 
 
 @dataclass(frozen=True)
