@@ -8,11 +8,12 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from backends.loading import LOAD_PROGRESS_EVERY_S, load_sharded, read_source
-from backends.microbatch import Schedule
+from backends.model.loading import LOAD_PROGRESS_EVERY_S, load_sharded, read_source
+from backends.model.step import grad_norm_local_sq
+from backends.planning import Schedule
+from backends.runtime.ranks import RankHooks
+from backends.runtime.spawned import DistributedBackend
 from backends.specs import ModelSpec
-from backends.step import grad_norm_local_sq
-from backends.workers import DistributedBackend, RankHooks
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -78,7 +79,7 @@ class FSDP2Hooks(RankHooks):
 
     def load_model(self, model_spec: ModelSpec) -> tuple[torch.nn.Module, Optional[dict], str]:
         # Built on meta and sharded before any weight is read: no rank ever holds the unsharded model.
-        # The others wait for rank 0's read on the job's store, not in a collective (backends/loading.py ReadGate).
+        # The others wait for rank 0's read on the job's store, not in a collective (backends/model/loading.py ReadGate).
         return load_sharded(model_spec, self.device, self.spec.gradient_checkpointing, self.wrap, self.rank,
                             store=self.store, read=self.read_weights, progress_every_s=self.load_progress_every_s,
                             timeout_s=self.spec.dist_timeout_s)

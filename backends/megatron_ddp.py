@@ -8,7 +8,8 @@ import warnings
 
 import torch
 
-from backends.workers import DistributedBackend, RankHooks
+from backends.runtime.ranks import RankHooks
+from backends.runtime.spawned import DistributedBackend
 
 
 def point_cuda_device_at_cpu() -> None:

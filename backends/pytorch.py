@@ -6,26 +6,16 @@ import gc
 import logging
 import math
 import time
-from typing import Any
 
 import torch
 
-from backends.base import Backend, BackendSpec, PassResult, plan_command, resolve_device
+from backends.backend import Backend
 from backends.errors import BackendError
-from backends.launch import resolve_world_size
-from backends.memory import (
-    is_out_of_memory,
-    limit_memory,
-    oom_message,
-    peak_memory,
-    release_cached_memory,
-    reset_peak_memory,
-    restore_memory_limit,
-)
-from backends.loading import LoadMeter, merge_load_records
-from backends import kernels
-from backends.model import ModelSpec, build_model, describe_model, describe_precision, load_method
-from backends.step import (
+from backends.messages import PassCommand, PassResult
+from backends.model import kernels
+from backends.model.build import build_model, describe_model, describe_precision, load_method
+from backends.model.loading import LoadMeter, merge_load_records
+from backends.model.step import (
     PassTimeout,
     ProgressLogger,
     grad_norm_local_sq,
@@ -34,6 +24,18 @@ from backends.step import (
     synchronize,
     total_loss_weight,
 )
+from backends.runtime.devices import resolve_device
+from backends.runtime.job import resolve_world_size
+from backends.runtime.memory import (
+    is_out_of_memory,
+    limit_memory,
+    oom_message,
+    peak_memory,
+    release_cached_memory,
+    reset_peak_memory,
+    restore_memory_limit,
+)
+from backends.specs import BackendSpec, ModelSpec
 
 log = logging.getLogger(__name__)
 
@@ -58,17 +60,17 @@ class PyTorchBackend(Backend):
             restore_memory_limit(self._previous_limit)
             raise
 
-    def _run_pass(self, command: dict[str, Any]) -> PassResult:
-        examples = command["examples"]
-        pass_type = command["pass_type"]
-        plan = plan_command(command, world_size=1, lockstep=False)
-        reset_peak_memory(self.device, release=command.get("release_memory", True))
+    def _run_pass(self, command: PassCommand) -> PassResult:
+        examples = command.examples
+        pass_type = command.pass_type
+        plan = command.plan(world_size=1, lockstep=False)
+        reset_peak_memory(self.device, release=command.release_memory)
         if pass_type == "forward_backward":
             self.model.zero_grad(set_to_none=True)
         progress = ProgressLogger(
-            log.info, f"pytorch {pass_type}", plan.stats.real_tokens, command.get("progress_every_s", 10.0)
+            log.info, f"pytorch {pass_type}", plan.stats.real_tokens, command.progress_every_s
         )
-        timeout_s = command.get("timeout_s")
+        timeout_s = command.timeout_s
         total_weight = total_loss_weight(examples)
         oom = None
         t0 = time.perf_counter()
@@ -82,8 +84,8 @@ class PyTorchBackend(Backend):
                 self.device,
                 progress=progress,
                 deadline=None if timeout_s is None else time.monotonic() + timeout_s,
-                layout=command.get("layout", "padded"),
-                logprob_chunk_tokens=command.get("logprob_chunk_tokens", self.spec.logprob_chunk_tokens),
+                layout=command.layout,
+                logprob_chunk_tokens=command.chunk_tokens(self.spec.logprob_chunk_tokens),
             )
         except PassTimeout as exc:
             raise BackendError(f"{exc} (bench.pass_timeout_s={timeout_s:g})", status="timeout") from None

@@ -6,6 +6,7 @@ Adding a backend is one row here, its module, and its conf/backend/<name>.yaml.
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Optional
 
@@ -48,3 +49,19 @@ def backend_entry(name: str) -> BackendEntry:
         return BY_NAME[name]
     except KeyError:
         raise UserError(f"backend.name: '{name}' is not a backend (valid: {valid_names()})") from None
+
+
+def is_distributed(name: str) -> bool:
+    """Whether backend ``name`` runs world_size ranks (False for a name that is not a backend)."""
+    return name in DISTRIBUTED_BACKENDS
+
+
+def is_lockstep(name: str) -> bool:
+    """Whether backend ``name``'s ranks must call the model the same number of times per pass."""
+    return name in LOCKSTEP_BACKENDS
+
+
+def import_path(path: str):
+    """The object a ``"module:Name"`` path names (the registry's controllers and rank hooks, ``backend.hooks``)."""
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)

@@ -5,18 +5,16 @@ Imports no torch until a backend starts (harness/app.py imports it at the top).
 
 from __future__ import annotations
 
-import importlib
-
 from backends.errors import UserError
-from backends.registry import backend_entry
+from backends.registry import backend_entry, import_path
 
 
 def check_kernels(spec) -> None:
     """On CUDA, a warning per kernel package that does not import; with ``require_kernels`` an error, before loading."""
     import logging
 
-    from backends.base import resolve_device
-    from backends.kernels import MissingKernels, check_cuda_kernels
+    from backends.model.kernels import MissingKernels, check_cuda_kernels
+    from backends.runtime.devices import resolve_device
 
     try:
         check_cuda_kernels(resolve_device(spec.device).type, spec.require_kernels, logging.getLogger("backends"))
@@ -24,21 +22,15 @@ def check_kernels(spec) -> None:
         raise UserError(str(exc)) from None  # "backend.require_kernels=true: <package> does not import: ..."
 
 
-def import_path(path: str):
-    """The object a ``"module:Name"`` path names."""
-    module, _, name = path.partition(":")
-    return getattr(importlib.import_module(module), name)
-
-
 def make_backend(spec, model):
     """Start the backend named by ``spec.name`` (imports only that backend's dependencies)."""
     check_kernels(spec)
     entry = backend_entry(spec.name)
     if entry.distributed:
-        from backends.launch import launched_job
+        from backends.runtime.job import launched_job
 
         if launched_job() is not None:  # rank 0 of a torchrun / Slurm job: the ranks already exist
-            from backends.launched import LaunchedBackend
+            from backends.runtime.launched import LaunchedBackend
 
             return LaunchedBackend(spec, model, spec.hooks or entry.rank_hooks)
     return import_path(entry.controller)(spec, model)

@@ -18,7 +18,7 @@ def _hydra_main(cfg: DictConfig) -> int:
 
 
 def main() -> int:
-    from backends.launch import detect_launch
+    from backends.runtime.job import detect_launch
 
     if detect_launch() is None:
         return run_hydra_cli(_hydra_main, lambda: STATE.exit_code)
@@ -28,7 +28,7 @@ def main() -> int:
 def _main_launched() -> int:
     """One rank of a torchrun / Slurm job: rank 0 runs the benchmark, every other rank serves it (no Hydra, no files)."""
     from backends.errors import UserError
-    from backends.launch import keep_job_until_exit, launched_job
+    from backends.runtime.job import keep_job_until_exit, launched_job
 
     try:
         job = launched_job()
@@ -36,7 +36,7 @@ def _main_launched() -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if job.rank != 0:
-        from backends.launched import follow
+        from backends.runtime.launched import follow
 
         return follow(job)
     keep_job_until_exit()

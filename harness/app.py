@@ -13,13 +13,13 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from backends.errors import BackendError, UserError
-from backends.launch import resolve_world_size
-from backends.microbatch import plan_batch
-from backends.model_configs import cost_model_for
+from backends.model.configs import cost_model_for
+from backends.planning import plan_batch
 from backends.registry import LOCKSTEP_BACKENDS
+from backends.runtime.job import resolve_world_size
 from harness.config import HarnessConfig, config_error_line, validate
-from harness.state import EXIT_FAILED, EXIT_OK, EXIT_USER_ERROR, STATE
 from harness.results import OUTPUTS_FILE, PLAN_FILE, RESULTS_FILE, write_json_atomic, write_plan_json
+from harness.state import EXIT_FAILED, EXIT_OK, EXIT_USER_ERROR, STATE
 from harness.tracking import Tracker, run_name, sweep_group
 from harness.workload import make_examples, workload_lengths
 
@@ -91,7 +91,7 @@ def base_document(cfg: DictConfig) -> dict[str, Any]:
         "bench": {"warmup": get("bench.warmup"), "repeat": get("bench.repeat")},
         "workload": {"name": get("workload.name")},
         "plan": None,
-        "precision": None,  # the precision policy that ran: params, adapters, compute, reduce (backends/model.py)
+        "precision": None,  # the precision policy that ran: params, adapters, compute, reduce (backends/model/build.py)
         "passes": {},
         "peak": None,  # the device peak MFU is measured against (harness/flops.py)
         "overrides": _overrides(),
@@ -170,7 +170,7 @@ class Point:
         lengths = workload_lengths(spec.workload)
         if spec.dry_run:
             # torch is imported here, not at start-up, so a config error is reported at once.
-            from backends.base import device_description, resolve_device
+            from backends.runtime.devices import device_description, resolve_device
 
             device = resolve_device(b.device)
             name, world_size = b.name, resolve_world_size(b.name, b.world_size, device.type)
@@ -198,7 +198,7 @@ class Point:
         )
         self.schedules = plan.schedules  # the micro-batches each rank runs: hardware FLOPs are counted from them
         write_plan_json(self.out_dir / PLAN_FILE, plan.to_json(backend=name))
-        from backends.launch import launch_record
+        from backends.runtime.job import launch_record
 
         self.doc.update(
             backend=name,
@@ -267,7 +267,7 @@ class Point:
             backend.configure(b.max_tokens_per_microbatch, b.micro_batch_size)
             self.vocab_size = backend.vocab_size
             return backend
-        from backends.model import model_vocab_size
+        from backends.model.build import model_vocab_size
 
         self.vocab_size = model_vocab_size(spec.model)
         if spec.hot:
@@ -326,7 +326,7 @@ class Point:
                 on_repeat=self.tracker.log_repeat,
             )
             self.doc["plan"] = result.plan  # what the backend ran (same as planned; FSDP2 agrees on it by collective)
-            from backends.kernels import summary as kernel_summary
+            from backends.model.kernels import summary as kernel_summary
 
             log.info("%s%s kernels: %s", self.label, pass_type, kernel_summary(result.kernels))
             self.doc["passes"][pass_type] = {
@@ -357,8 +357,8 @@ class Point:
 
 def _launcher_sets_world_size(backend_spec) -> None:
     """Under torchrun/Slurm a preset's world_size (experiment=seed_b200: 4) gives way to the launcher's;
-    only one typed on the command line is checked against it (backends.launch.check_world_size)."""
-    from backends.launch import launch_env
+    only one typed on the command line is checked against it (backends.runtime.job.check_world_size)."""
+    from backends.runtime.job import launch_env
     from harness.points import override_key
 
     if launch_env() is None:
@@ -394,17 +394,17 @@ def skip_reason(cfg: DictConfig, out_dir: Path) -> str | None:
 
 def run_point(cfg: DictConfig) -> int:
     """Hydra task function body: never raises for a failed point, records its exit code."""
-    from backends.launch import detect_launch
+    from backends.runtime.job import detect_launch
 
     launched = detect_launch()
     if launched is None:
         return _run_point(cfg)
-    from backends.launch import end_after_failure, job_spans_run, launched_job
+    from backends.runtime.job import end_after_failure, job_spans_run, launched_job
 
     job = launched_job()
     if job.rank != 0:
         # Under submitit every task runs this Hydra job; only global rank 0 measures and writes.
-        from backends.launched import follow
+        from backends.runtime.launched import follow
 
         return follow(job)
     try:

@@ -13,9 +13,9 @@ from typing import Any, Optional
 
 import torch
 
-from backends.base import Backend, PassResult
+from backends.backend import Backend
 from backends.errors import BackendError, UserError
-from backends.examples import ExampleOutput
+from backends.messages import PassResult
 
 log = logging.getLogger(__name__)
 
@@ -105,32 +105,20 @@ class RemoteBackend(Backend):
         body = {
             "examples": [
                 {"input_ids": e.input_ids.tolist(), "target_tokens": e.target_tokens.tolist(), "weights": e.weights.tolist()}
-                for e in command["examples"]
+                for e in command.examples
             ]
         }
-        reply = self._request("POST", f"/{command['pass_type']}", body)
-        import numpy as np
-
+        reply = self._request("POST", f"/{command.pass_type}", body)
         plan = reply["plan"]
         used = (plan.get("max_tokens_per_microbatch"), plan.get("micro_batch_size"))
         if self.batching is not None and used != self.batching:
             # The server's plan is authoritative: someone changed its batching during this run.
             raise BackendError(
-                f"the server ran this {command['pass_type']} pass with max_tokens_per_microbatch={_show(used[0])}, "
+                f"the server ran this {command.pass_type} pass with max_tokens_per_microbatch={_show(used[0])}, "
                 f"micro_batch_size={used[1]}, but this run records {_show(self.batching[0])}, {self.batching[1]}: "
                 "its batching was changed during the run (another client's admin call?); the point is not recorded as ok"
             )
-        outputs = [
-            ExampleOutput(logprobs=np.asarray(o["logprobs"], dtype=np.float32),
-                          loss=float("nan") if o["loss"] is None else float(o["loss"]))
-            for o in reply["outputs"]
-        ]
-        return PassResult(outputs=outputs, plan=reply["plan"], grad_norm=reply.get("grad_norm"),
-                          mem_peak_bytes=reply.get("mem_peak_bytes"),
-                          mem_peak_bytes_per_rank=reply.get("mem_peak_bytes_per_rank"),
-                          mem_peak_allocated_bytes_per_rank=reply.get("mem_peak_allocated_bytes_per_rank"),
-                          mem_peak_reserved_bytes_per_rank=reply.get("mem_peak_reserved_bytes_per_rank"),
-                          step_s=reply.get("step_s"), kernels=reply.get("kernels"))
+        return PassResult.from_dict(reply)
 
 
 def _show(value: Optional[int]) -> str:

@@ -11,7 +11,7 @@ gather are left out):
   every ``nn.Linear`` peft's "all-linear" adapts (not the router, the fused
   3-D experts or the LM head); causal attention, 2·heads·head_dim·(L² + L)
   per full-attention layer; and the gated delta rule as the chunked
-  algorithm computes it (``backends.packing.segment_chunk_gated_delta_rule``,
+  algorithm computes it (``backends.model.packing.segment_chunk_gated_delta_rule``,
   chunks of 64 per sequence, the last one zero-padded): per chunk and value
   head the products K_β·Kᵀ, Q·Kᵀ, the intra-chunk read (C×C)·V, the two
   unit-triangular solves and the three state products, 6·C·d_k·d_v.
@@ -28,18 +28,18 @@ length (padding included), packed rows as their sequences, and with gradient
 checkpointing one more forward for the recomputation (plus, under LoRA, the
 input gradient into layer 0 that peft's ``enable_input_require_grads``
 turns on), and under full fine-tuning the chunked log-prob head's logits,
-recomputed in backward (backends/logprobs.py). MFU = model FLOP/s per device ÷ the device's dense peak.
+recomputed in backward (backends/model/logprobs.py). MFU = model FLOP/s per device ÷ the device's dense peak.
 """
 
 from __future__ import annotations
 
 import functools
-import time
 import math
+import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence, Union
 
-from backends.microbatch import CostModel
+from backends.planning import CostModel
 from backends.planning.cost import token_mixers, weight_matmuls
 
 # Dense bf16 tensor-core peaks (no sparsity), FLOP/s per device, from the vendors' data sheets.
@@ -55,7 +55,7 @@ GPU_PEAK_BF16 = (
     ("A100", 312e12),
 )
 FULL_FINE_TUNING_FACTOR = 3.0  # forward + backward = 3 forwards when every weight is trained
-DELTA_RULE_CHUNK = 64  # chunk size of the chunked gated delta rule (transformers' and backends/packing.py's default)
+DELTA_RULE_CHUNK = 64  # chunk size of the chunked gated delta rule (transformers' and backends/model/packing.py's default)
 
 
 def gpu_peak_flops(name: str) -> Optional[float]:
@@ -95,7 +95,7 @@ def device_peak(device: dict, world_size: int, compute_dtype: str = "float32") -
         return {"flops_per_device": peak, "source": source}
     dtype = compute_dtype if compute_dtype in ("float32", "bfloat16", "float16") else "float32"
     machine = measured_cpu_matmul_flops(dtype=dtype)
-    # CPU ranks split the machine's cores between them (backends/workers.py), so each gets its share.
+    # CPU ranks split the machine's cores between them (backends/runtime/ranks.py), so each gets its share.
     return {
         "flops_per_device": machine / max(1, world_size),
         "source": f"measured: {dtype} 1024³ matmul on all cores = {machine / 1e9:.1f} GFLOP/s, split over {world_size} rank(s)",
@@ -238,8 +238,8 @@ def training_flops_from_config(
 
 
 def training_flops_for(spec, chunked_logprobs: bool = True) -> TrainingFlops:
-    """The training-FLOPs model of a ``ModelSpec`` (its config via backends.model_configs, its LoRA rank)."""
-    from backends.model_configs import cost_model_for, model_config
+    """The training-FLOPs model of a ``ModelSpec`` (its config via backends.model.configs, its LoRA rank)."""
+    from backends.model.configs import cost_model_for, model_config
 
     config, source = model_config(spec)
     try:

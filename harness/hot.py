@@ -7,7 +7,7 @@ import logging
 from dataclasses import replace
 from typing import Optional
 
-from backends.control import BatchingSettings, ControlFile
+from backends.runtime.control import BatchingSettings, ControlFile
 from backends.specs import BackendSpec, ModelSpec
 
 log = logging.getLogger(__name__)

@@ -11,9 +11,9 @@ from typing import Any, Callable, Optional, Sequence
 
 import psutil
 
-from backends.base import Backend, PassResult, make_command, usable_cpu_cores
-from backends.examples import Example
-from backends.step import PASS_TYPES
+from backends.backend import Backend
+from backends.messages import PASS_TYPES, Example, PassCommand, PassResult, make_command
+from backends.runtime.devices import usable_cpu_cores
 
 log = logging.getLogger(__name__)
 
@@ -251,7 +251,7 @@ class PassRecord:
     # region (elapsed_s): sending the examples, planning, copying outputs to the host, gathering them.
     pass_wall_s: Optional[list[float]] = None
     host_s: Optional[list[float]] = None
-    # What ran in the last timed repeat: {op: {implementation: calls}} over all ranks (backends/kernels.py).
+    # What ran in the last timed repeat: {op: {implementation: calls}} over all ranks (backends/model/kernels.py).
     kernels: Optional[dict] = None
 
     def as_dict(self) -> dict:
@@ -278,7 +278,7 @@ def measure_pass(
     pass_type: str,
     warmup: int,
     repeat: int,
-    command_for: Callable[[str], dict],
+    command_for: Callable[[str], PassCommand],
     sample_interval_s: float = 0.1,
     label: str = "",
     on_repeat: Optional[Callable[[str, int, float, float, Optional[float]], None]] = None,
@@ -288,13 +288,13 @@ def measure_pass(
     real_tokens = sum(len(e) for e in examples)
     runs = 0
 
-    def command() -> dict:
+    def command() -> PassCommand:
         # Cached memory is released once, before this pass type's first run (so the peak is this pass's, not
         # what an earlier point or pass left); later runs keep it, as the steps of a training loop do: releasing
         # before every timed repeat would time the allocator's (and the kernel's) cold start each time.
         nonlocal runs
         runs += 1
-        return {**command_for(pass_type), "release_memory": runs == 1}
+        return command_for(pass_type).replace(release_memory=runs == 1)
 
     for i in range(warmup):
         t0 = time.perf_counter()
@@ -372,10 +372,10 @@ def _max_per_rank(
 
 
 def default_command_for(
-    examples: Sequence[Example], mtpm: Optional[int], mbs: int, **extra
-) -> Callable[[str], dict]:
-    """Commands with a fixed budget; ``extra`` keys (progress interval, time-out) ride along."""
-    return lambda pass_type: {**make_command(pass_type, examples, mtpm, mbs), **extra}
+    examples: Sequence[Example], mtpm: Optional[int], mbs: int, **options
+) -> Callable[[str], PassCommand]:
+    """Commands with a fixed budget; ``options`` are make_command's (layout, planner, progress interval, time-out)."""
+    return lambda pass_type: make_command(pass_type, examples, mtpm, mbs, **options)
 
 
 __all__ = ["PASS_TYPES", "PassRecord", "measure_pass", "default_command_for", "CpuSampler", "GpuSampler",

@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from backends.atomic import write_text_atomic
+from backends.runtime.atomic import write_text_atomic
 
 RESULTS_FILE = "results.json"
 OUTPUTS_FILE = "example_outputs.json"

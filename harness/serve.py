@@ -47,20 +47,6 @@ class RequestError(Exception):
 MAX_WEIGHT = 1e30
 
 
-def _finite_or_none(value: Optional[float]) -> Optional[float]:
-    return value if value is None or math.isfinite(value) else None
-
-
-def _json_floats(values) -> list:
-    """A float array as a JSON list; NaN/inf (a model that overflowed) as null, which JSON can carry."""
-    import numpy as np
-
-    arr = np.asarray(values)
-    if np.isfinite(arr).all():
-        return arr.tolist()
-    return [v if math.isfinite(v) else None for v in arr.tolist()]
-
-
 def parse_setting(body: Any, name: str, ceiling: int, allow_null: bool = True) -> Optional[int]:
     """The ``value`` of an admin set request: a positive integer up to ``ceiling``, or null."""
     if not isinstance(body, dict) or "value" not in body:
@@ -76,10 +62,10 @@ def parse_setting(body: Any, name: str, ceiling: int, allow_null: bool = True) -
 
 
 def parse_examples(body: Any, vocab_size: int, max_tokens: int):
-    """Examples from a pass request, checked field by field; returns backends.examples.Example objects."""
+    """Examples from a pass request, checked field by field; returns backends.messages.Example objects."""
     import numpy as np
 
-    from backends.examples import Example
+    from backends.messages import Example
 
     if not isinstance(body, dict) or not isinstance(body.get("examples"), list) or not body["examples"]:
         raise RequestError(422, 'examples: expected {"examples": [{"input_ids": [...], "target_tokens": [...], "weights": [...]}, ...]} with at least one example')
@@ -179,7 +165,7 @@ def build_app(
 ):
     """The FastAPI app around a started backend and its control file.
 
-    ``plan_options`` (layout, planner, cost_model; see backends.base.make_command)
+    ``plan_options`` (layout, planner, cost_model; see backends.messages.make_command)
     are fixed for the server's life; only the budget and mbs change live.
     """
     from fastapi import FastAPI
@@ -187,7 +173,7 @@ def build_app(
     from fastapi.responses import JSONResponse
     from starlette.requests import ClientDisconnect
 
-    from backends.base import make_command
+    from backends.messages import make_command
 
     plan_options = dict(plan_options or {})
 
@@ -296,17 +282,7 @@ def build_app(
             return error(500, str(exc))
         finally:
             state["pending"] -= 1
-        return {
-            "outputs": [{"logprobs": _json_floats(o.logprobs), "loss": _finite_or_none(o.loss)} for o in result.outputs],
-            "plan": result.plan,
-            "grad_norm": _finite_or_none(result.grad_norm),
-            "mem_peak_bytes": result.mem_peak_bytes,
-            "mem_peak_bytes_per_rank": result.mem_peak_bytes_per_rank,
-            "mem_peak_allocated_bytes_per_rank": result.mem_peak_allocated_bytes_per_rank,
-            "mem_peak_reserved_bytes_per_rank": result.mem_peak_reserved_bytes_per_rank,
-            "step_s": result.step_s,
-            "kernels": result.kernels,
-        }
+        return result.as_dict()
 
     @app.post("/forward")
     async def forward(request: Request):
@@ -344,7 +320,7 @@ def _raise_stop(signum, frame):
 
 
 def serve(cfg: DictConfig) -> int:
-    from backends.control import BatchingSettings, ControlFile
+    from backends.runtime.control import BatchingSettings, ControlFile
     from harness.app import resolve_config
 
     sock = None
@@ -377,9 +353,9 @@ def serve(cfg: DictConfig) -> int:
 
     import uvicorn
 
+    from backends.model.build import model_vocab_size
+    from backends.model.configs import cost_model_for
     from backends.start import make_backend
-    from backends.model import model_vocab_size
-    from backends.model_configs import cost_model_for
 
     def start_backend():
         backend = make_backend(b, spec.model)

@@ -8,8 +8,8 @@ from typing import Optional
 
 import numpy as np
 
-from backends.examples import Example
 from backends.errors import UserError
+from backends.messages import Example
 
 
 def mixed_lengths(n_examples: int, min_len: int, max_len: int, seed: int) -> list[int]:

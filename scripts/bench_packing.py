@@ -17,10 +17,11 @@ import time
 
 import torch
 
-from backends.microbatch import make_token_balanced_microbatches, plan_batch, sort_by_length
-from backends.model import ModelSpec, build_model
-from backends.packing import prepare_model_for_packing
-from backends.step import run_schedule, total_loss_weight
+from backends.model.build import build_model
+from backends.model.packing import prepare_model_for_packing
+from backends.model.step import run_schedule, total_loss_weight
+from backends.planning import make_token_balanced_microbatches, plan_batch, sort_by_length
+from backends.specs import ModelSpec
 from harness.workload import make_examples, mixed_lengths
 
 

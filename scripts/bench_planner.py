@@ -19,8 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-from backends.microbatch import critical_path_lower_bound, plan_batch
-from backends.model_configs import cost_model_for
+from backends.model.configs import cost_model_for
+from backends.planning import critical_path_lower_bound, plan_batch
 from backends.specs import ModelSpec
 from harness.workload import mixed_lengths
 

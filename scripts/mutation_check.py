@@ -40,7 +40,7 @@ class Mutation:
 MUTATIONS = (
     Mutation(
         "loss divided by each micro-batch's token count, not the batch's weight",
-        "backends/step.py",
+        "backends/model/step.py",
         "(loss_per_row.sum() * scale).backward()",
         "(loss_per_row.sum() / weights.numel()).backward()",
         ("tests/unit/test_loss_oracle.py",),
@@ -61,7 +61,7 @@ MUTATIONS = (
     ),
     Mutation(
         "FSDP2's other ranks wait for rank 0's read in their first broadcast, not on the store",
-        "backends/loading.py",
+        "backends/model/loading.py",
         "    else:\n        gate.wait()\n",
         "",
         ("tests/integration/test_loading.py::test_fsdp2_ranks_wait_for_a_rank0_read_longer_than_the_collective_timeout",),
@@ -92,21 +92,21 @@ MUTATIONS = (
     ),
     Mutation(
         "an allocator's refusal is not classified as out of memory",
-        "backends/memory.py",
+        "backends/runtime/memory.py",
         "return isinstance(exc, RuntimeError) and any(m in str(exc).lower() for m in _OOM_MARKERS)",
         "return False",
         ("tests/unit/test_memory.py", "tests/integration/test_memory.py"),
     ),
     Mutation(
         "packed position ids do not restart at each sequence",
-        "backends/packing.py",
+        "backends/model/packing.py",
         "positions = np.arange(int(cu[-1]), dtype=np.int64) - starts",
         "positions = np.arange(int(cu[-1]), dtype=np.int64)",
         ("tests/unit/test_packing.py::test_collate_lays_sequences_end_to_end",),
     ),
     Mutation(
         "packed cu_seqlens make the whole row one sequence",
-        "backends/packing.py",
+        "backends/model/packing.py",
         "    cu_seqlens = torch.from_numpy(cu).to(device, non_blocking=True)\n    remember_bounds(cu_seqlens, cu.tolist())",
         "    cu_seqlens = torch.from_numpy(cu[[0, -1]].copy()).to(device, non_blocking=True)\n"
         "    remember_bounds(cu_seqlens, cu[[0, -1]].tolist())",
@@ -132,14 +132,14 @@ MUTATIONS = (
     ),
     Mutation(
         "packed masks as a dict subclass whose missing keys are None (FSDP2's bf16 input cast drops it)",
-        "backends/packing.py",
+        "backends/model/packing.py",
         "    return {layer_type: None for layer_type in layer_types}",
         '    return type("Masks", (dict,), {"__missing__": lambda self, key: None})()',
         ("tests/integration/test_precision.py::test_bf16_packed_gives_the_padded_answer",),
     ),
     Mutation(
         "LoRA adapters computed in float32 off FSDP2 (peft's own cast): FSDP2 and Megatron not like for like",
-        "backends/model.py",
+        "backends/model/build.py",
         "    if dtype not in HALF_DTYPES:\n        return 0\n    import types",
         "    if True:\n        return 0\n    import types",
         ("tests/unit/test_precision.py::test_lora_adapters_compute_in_bf16_and_keep_float32_weights_and_gradients",
@@ -147,7 +147,7 @@ MUTATIONS = (
     ),
     Mutation(
         "padded rows keep transformers' delta rule while packed rows run the project's scan",
-        "backends/packing.py",
+        "backends/model/packing.py",
         "        if cu_seqlens is None:\n            # A padded batch runs the same scan",
         "        if cu_seqlens is None:\n            return torch_delta_rule(query, key, value, chunk_size=chunk_size, **common, **kwargs)\n"
         "            # A padded batch runs the same scan",
@@ -155,7 +155,7 @@ MUTATIONS = (
     ),
     Mutation(
         "CPU tensors handed to the kernel transformers bound on a GPU host (padded convolution)",
-        "backends/packing.py",
+        "backends/model/packing.py",
         "return (original if fused else torch_conv1d)(hidden_states",
         "return original(hidden_states",
         ("tests/unit/test_kernels.py::test_cpu_tensors_never_reach_a_gpu_kernel_even_where_the_kernel_packages_import",),

@@ -18,8 +18,8 @@ import sys
 import numpy as np
 import torch
 
-from backends.examples import Example
-from backends.model_configs import TINY_CONFIG
+from backends.messages import Example
+from backends.model.configs import TINY_CONFIG
 
 
 def tiny_examples(lengths=(9, 5, 14, 7, 3, 11), vocab_size: int = TINY_CONFIG["vocab_size"], seed: int = 7) -> list[Example]:
@@ -54,14 +54,14 @@ def plain_model(init_seed: int = 0, lora_rank: int = 32) -> torch.nn.Module:
     return model.train()
 
 
-# The marker backends/packing.py sets on the functions it swaps into transformers' modules; the
+# The marker backends/model/packing.py sets on the functions it swaps into transformers' modules; the
 # function it replaced is the marker's value.
 _SWAPPED_MARK = "_balance_batch_packed"
 
 
 @contextlib.contextmanager
 def stock_transformers():
-    """transformers' own module functions, while inside: the harness swaps some in place (backends/packing.py).
+    """transformers' own module functions, while inside: the harness swaps some in place (backends/model/packing.py).
 
     A process that built a harness model has its conv, delta-rule and grouped-GEMM functions
     replaced module-wide, so without this the oracle would run the harness's scan too.

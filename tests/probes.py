@@ -54,7 +54,7 @@ class FSDP2ChecksShardedLoad(FSDP2Hooks):
     def load_model(self, model_spec):
         from torch.distributed.tensor import DTensor
 
-        from backends.model import build_model
+        from backends.model.build import build_model
 
         model, built, method = super().load_model(model_spec)
         reference = build_model(model_spec, self.device, False)

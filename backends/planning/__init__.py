@@ -1,5 +1,6 @@
 """Micro-batch planning over sequence lengths, pure Python (no torch): greedy and balanced planners, cost model, statistics."""
 
+from backends.planning.balanced import balanced_schedules, fewest_padded_microbatches
 from backends.planning.cost import (
     LAYOUTS,
     CostModel,
@@ -12,7 +13,6 @@ from backends.planning.cost import (
 from backends.planning.greedy import (
     MicroBatch,
     Schedule,
-    _greedy_token_budget,
     align_schedules,
     deal_to_ranks,
     greedy_packed_microbatches,
@@ -21,7 +21,6 @@ from backends.planning.greedy import (
     microbatches_for_rank,
     sort_by_length,
 )
-from backends.planning.balanced import balanced_schedules, fewest_padded_microbatches
 from backends.planning.plan import PLAN_JSON_VERSION, PLANNERS, Plan, plan_batch
 from backends.planning.stats import (
     PlanStats,

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from backends.base import BackendSpec, make_command
-from backends.model import ModelSpec
-from backends.microbatch import plan_batch
+from backends.messages import make_command
+from backends.model.step import grad_norm_local_sq, run_schedule, total_loss_weight
+from backends.planning import plan_batch
 from backends.pytorch import PyTorchBackend
-from backends.step import grad_norm_local_sq, run_schedule, total_loss_weight
+from backends.specs import BackendSpec, ModelSpec
 from harness.workload import make_examples, mixed_lengths
 from tests.loss_oracle import oracle, tiny_examples
 
@@ -34,7 +34,7 @@ def examples():
 def _run(backend, examples, pass_type, mtpm, mbs, **extra):
     """``extra``: make_command's options (layout, planner) or command keys (logprob_chunk_tokens)."""
     options = {k: extra.pop(k) for k in ("layout", "planner") if k in extra}
-    return backend.run_pass({**make_command(pass_type, examples, mtpm, mbs, **options), **extra})
+    return backend.run_pass(make_command(pass_type, examples, mtpm, mbs, **options, **extra))
 
 
 @pytest.fixture(scope="module")

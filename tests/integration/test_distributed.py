@@ -9,12 +9,12 @@ import numpy as np
 import psutil
 import pytest
 
-from backends.start import make_backend
-from backends.base import BackendSpec, make_command
 from backends.errors import BackendError
 from backends.fsdp2 import FSDP2Backend
 from backends.megatron_ddp import MegatronDDPBackend
-from backends.model import ModelSpec
+from backends.messages import make_command
+from backends.specs import BackendSpec, ModelSpec
+from backends.start import make_backend
 from harness.workload import make_examples, mixed_lengths
 from tests.conftest import load_json, start_harness, sweep_results, wait_session_empty
 from tests.loss_oracle import oracle, tiny_examples
@@ -76,7 +76,7 @@ CHUNKS = (None, 37)
 
 def run_chunk_cases(backend) -> dict:
     command = make_command("forward_backward", EXAMPLES, 700, 1)
-    return {("mtpm=700", "forward_backward", c): backend.run_pass({**command, "logprob_chunk_tokens": c}) for c in CHUNKS}
+    return {("mtpm=700", "forward_backward", c): backend.run_pass(command.replace(logprob_chunk_tokens=c)) for c in CHUNKS}
 
 
 @pytest.fixture(scope="module", params=["fsdp2", "megatron_ddp"])
@@ -122,7 +122,7 @@ def test_fsdp2_runs_bf16_with_fp32_gradient_reduction(reference):
     with make_backend(spec, ModelSpec(dtype="bfloat16")) as backend:
         command = make_command("forward_backward", EXAMPLES, 700, 1)
         chunked = backend.run_pass(command)
-        full = backend.run_pass({**command, "logprob_chunk_tokens": None})
+        full = backend.run_pass(command.replace(logprob_chunk_tokens=None))
     ref = reference["mtpm=700", "forward_backward"]
     for got in (chunked, full):
         np.testing.assert_allclose([o.loss for o in got.outputs], [o.loss for o in ref.outputs], rtol=2e-2)

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from backends.microbatch import plan_batch
-from backends.model_configs import cost_model_for
+from backends.model.configs import cost_model_for
+from backends.planning import plan_batch
 from backends.specs import ModelSpec
 from harness.flops import training_flops_for
 from harness.workload import mixed_lengths

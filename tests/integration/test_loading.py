@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 import torch
 
+from backends.messages import make_command
+from backends.model.build import build_model
+from backends.specs import BackendSpec, ModelSpec
 from backends.start import make_backend
-from backends.base import BackendSpec, make_command
-from backends.model import ModelSpec, build_model
 from harness.workload import make_examples, mixed_lengths
 
 EXAMPLES = make_examples(mixed_lengths(16, 64, 512, 42), 2048, seed=0)[:6]
@@ -74,7 +75,7 @@ def test_fsdp2_ranks_wait_for_a_rank0_read_longer_than_the_collective_timeout(ca
     got, load, _ = _run(spec, ModelSpec())
     assert len(got.outputs) == len(EXAMPLES) and all(math.isfinite(o.loss) for o in got.outputs)
     assert load["elapsed_s"] > FSDP2SlowRank0Read.read_delay_s(timeout_s) > timeout_s
-    messages = [r.getMessage() for r in caplog.records if r.name == "backends.loading"]
+    messages = [r.getMessage() for r in caplog.records if r.name == "backends.model.loading"]
     assert any(re.fullmatch(r"rank 0: read the tiny model in \d+\.\d s", m) for m in messages), messages[:5]
     progress = [m for m in messages if re.fullmatch(r"rank 0: broadcast \d+/\d+ tensors, [\d.]+/[\d.]+ GB in "
                                                     r"[\d.]+ s \([\d.]+ GB/s\)", m)]

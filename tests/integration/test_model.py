@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from backends.model import ModelSpec, build_model
+from backends.model.build import build_model
+from backends.specs import ModelSpec
 from tests.conftest import load_json, run_harness
 
 CPU = torch.device("cpu")

@@ -7,9 +7,9 @@ import math
 import numpy as np
 import pytest
 
+from backends.messages import make_command
+from backends.specs import BackendSpec, ModelSpec
 from backends.start import make_backend
-from backends.base import BackendSpec, make_command
-from backends.specs import ModelSpec
 from harness.workload import make_examples, mixed_lengths
 
 EXAMPLES = make_examples(mixed_lengths(16, 64, 512, 42), 2048, seed=0)

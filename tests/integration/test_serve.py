@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from backends.microbatch import plan_batch
+from backends.planning import plan_batch
 from tests.conftest import harness_env, load_json, run_harness, session_processes
 
 pytestmark = pytest.mark.slow
@@ -278,8 +278,8 @@ def test_client_without_the_token_never_records_a_budget_the_server_did_not_run(
 
 
 def test_a_budget_changed_during_a_client_run_fails_the_point(server, monkeypatch):
-    from backends.base import make_command
     from backends.errors import BackendError
+    from backends.messages import make_command
     from harness.client import RemoteBackend
     from harness.workload import make_examples
 
@@ -397,10 +397,10 @@ def test_healthz_tells_the_truth_after_a_worker_dies_and_the_next_pass_restarts(
 def test_a_restart_that_fails_keeps_the_server_down_with_the_first_cause():
     import psutil
 
-    from backends.start import make_backend
-    from backends.base import BackendSpec, make_command
     from backends.errors import BackendError
-    from backends.model import ModelSpec
+    from backends.messages import make_command
+    from backends.specs import BackendSpec, ModelSpec
+    from backends.start import make_backend
     from harness.serve import ServedBackend
     from harness.workload import make_examples
 

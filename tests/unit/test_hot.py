@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from backends.control import BatchingSettings, ControlFile
+from backends.runtime.control import BatchingSettings, ControlFile
 
 
 def test_control_file_round_trip_and_corruption(tmp_path, caplog):

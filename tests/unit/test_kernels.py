@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from backends import kernels, packing
-from backends.model import build_model
-from backends.packing import collate_packed, model_layer_types
+from backends.model import kernels, packing
+from backends.model.build import build_model
+from backends.model.packing import collate_packed, model_layer_types
+from backends.model.step import outputs_to_host, run_steps
 from backends.specs import ModelSpec
-from backends.step import outputs_to_host, run_steps
 from harness.workload import make_examples
 
 CPU = torch.device("cpu")

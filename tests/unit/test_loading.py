@@ -14,8 +14,9 @@ def test_cpu_ranks_take_the_megatron_shim_whether_or_not_the_host_has_cuda():
 
 
 def _store(timeout_s: float):
-    import torch.distributed as dist
     from datetime import timedelta
+
+    import torch.distributed as dist
 
     return dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
 
@@ -24,9 +25,9 @@ def test_the_read_gate_waits_past_the_store_timeout_until_rank0_opens_it():
     """A real TCPStore whose own time-out is 0.2 s: rank 1 waits 1 s for rank 0's key, on its own client."""
     import threading
 
-    from backends.loading import ReadGate
-
     import torch.distributed as dist
+
+    from backends.model.loading import ReadGate
 
     store = _store(0.2)
     client = dist.TCPStore("127.0.0.1", store.port, 1, is_master=False, timeout=store.timeout)
@@ -37,7 +38,7 @@ def test_the_read_gate_waits_past_the_store_timeout_until_rank0_opens_it():
 
 
 def test_a_failed_rank0_read_stops_the_waiting_ranks_with_its_error():
-    from backends.loading import Rank0ReadFailed, ReadGate
+    from backends.model.loading import Rank0ReadFailed, ReadGate
 
     store = _store(5.0)
     ReadGate(store, 0, serial=0).fail("FileNotFoundError: /models/x/model.safetensors")

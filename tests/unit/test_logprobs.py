@@ -7,9 +7,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from backends.logprobs import TokenLogprobHead, chunked_target_logprobs, find_logprob_head
-from backends.model import ModelSpec, build_model
-from backends.step import token_logprobs
+from backends.model.build import build_model
+from backends.model.logprobs import TokenLogprobHead, chunked_target_logprobs, find_logprob_head
+from backends.model.step import token_logprobs
+from backends.specs import ModelSpec
 
 CPU = torch.device("cpu")
 VOCAB = 2048

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from backends.base import BackendSpec, make_command
-from backends.model import ModelSpec
+from backends.messages import make_command
 from backends.pytorch import PyTorchBackend
+from backends.specs import BackendSpec, ModelSpec
 from tests.loss_oracle import oracle, plain_model, tiny_examples
 
 EXAMPLES = tiny_examples()
@@ -74,7 +74,7 @@ def test_each_grouping_reports_the_oracles_losses_and_gradient(backend, expected
 
 
 def _microbatches(plan: dict, mtpm, mbs, options) -> list[list[int]]:
-    from backends.microbatch import plan_batch
+    from backends.planning import plan_batch
 
     lengths = [len(e) for e in EXAMPLES]
     return [b for s in plan_batch(lengths, 1, mtpm, mbs, **options).schedules for b in s if b is not None]

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from backends.memory import peak_memory_bytes, reset_peak_memory
+from backends.runtime.memory import peak_memory_bytes, reset_peak_memory
 
 CPU = torch.device("cpu")
 
@@ -26,7 +26,7 @@ def test_peak_sees_a_freed_allocation_and_resets():
 
 
 def test_cuda_memory_limit_is_undone_to_the_fraction_before():
-    from backends.memory import plan_memory_limit
+    from backends.runtime.memory import plan_memory_limit
 
     gib = 1024**3
     limit = plan_memory_limit(10, "cuda", 100 * gib, 1.0, device_index=2)
@@ -42,7 +42,7 @@ def test_cuda_memory_limit_is_undone_to_the_fraction_before():
 def test_cpu_memory_limit_is_applied_and_restored():
     import resource
 
-    from backends.memory import limit_memory, restore_memory_limit
+    from backends.runtime.memory import limit_memory, restore_memory_limit
 
     before = resource.getrlimit(resource.RLIMIT_DATA)
     limit = limit_memory(64, CPU)
@@ -70,7 +70,7 @@ def test_cuda_devices_are_matched_to_nvml_devices_by_uuid_not_index():
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_DATA is how the CPU limit works")
 def test_a_refused_allocation_is_classified_as_out_of_memory():
     """The allocator's real refusal under the CPU memory limit is an OOM; another RuntimeError is not."""
-    from backends.memory import is_out_of_memory, limit_memory, restore_memory_limit
+    from backends.runtime.memory import is_out_of_memory, limit_memory, restore_memory_limit
 
     previous = limit_memory(peak_memory_bytes(CPU) / 1024**3 + 1.0, CPU)  # 1 GiB above what this process holds
     try:
@@ -88,9 +88,9 @@ def test_a_refused_allocation_is_classified_as_out_of_memory():
 def _closed_pytorch_backend(device: str):
     import weakref
 
-    from backends.base import BackendSpec, make_command
-    from backends.model import ModelSpec
+    from backends.messages import make_command
     from backends.pytorch import PyTorchBackend
+    from backends.specs import BackendSpec, ModelSpec
     from harness.workload import make_examples
 
     backend = PyTorchBackend(BackendSpec(name="pytorch", device=device), ModelSpec())

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from backends.errors import UserError
-from backends.model import ModelSpec, build_model, model_vocab_size
+from backends.model.build import build_model, model_vocab_size
+from backends.specs import ModelSpec
 
 CPU = torch.device("cpu")
 

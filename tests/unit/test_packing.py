@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from backends.model import ModelSpec, build_model
-from backends.packing import (
+from backends.model.build import build_model
+from backends.model.packing import (
     _PACKED_MARK,
     collate_packed,
     is_prepared_for_packing,
@@ -18,7 +18,8 @@ from backends.packing import (
     segment_causal_conv1d,
     segment_chunk_gated_delta_rule,
 )
-from backends.step import grad_norm_local_sq, run_schedule, total_loss_weight
+from backends.model.step import grad_norm_local_sq, run_schedule, total_loss_weight
+from backends.specs import ModelSpec
 from harness.workload import make_examples
 
 CPU = torch.device("cpu")

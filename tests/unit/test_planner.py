@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from backends.microbatch import (
+from backends.model.configs import QWEN3_5_35B_A3B_TEXT_CONFIG, SHIPPED_CONFIGS, cost_model_for
+from backends.planning import (
     CostModel,
     critical_path_lower_bound,
     deal_to_ranks,
@@ -19,7 +20,6 @@ from backends.microbatch import (
     plan_batch,
     sort_by_length,
 )
-from backends.model_configs import QWEN3_5_35B_A3B_TEXT_CONFIG, SHIPPED_CONFIGS, cost_model_for
 from backends.planning.cost import active_matmul_params, cost_model_from_config, layer_types
 from backends.specs import ModelSpec
 from harness.workload import mixed_lengths
@@ -286,7 +286,7 @@ def test_tiny_cost_model_counts_the_real_models_weights():
     torch = pytest.importorskip("torch")
     from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
-    from backends.model_configs import TINY_CONFIG
+    from backends.model.configs import TINY_CONFIG
 
     config = SHIPPED_CONFIGS["tiny"]
     with torch.device("meta"):

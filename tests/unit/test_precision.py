@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from backends.model import build_model, describe_precision
+from backends.model.build import build_model, describe_precision
 from backends.specs import ModelSpec
 
 

@@ -42,8 +42,8 @@ def test_committed_results_are_a_real_sweep_of_this_machine():
     """
     import yaml
 
+    from backends.planning import CostModel, plan_batch
     from backends.registry import LOCKSTEP_BACKENDS
-    from backends.microbatch import CostModel, plan_batch
     from backends.specs import ModelSpec
     from harness.flops import flops_record, training_flops_for
 

@@ -18,10 +18,11 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode, conv_flop_count, sdpa_backward_flop_count, sdpa_flop_count
 
-from backends.model import ModelSpec, build_model
-from backends.model_configs import SHIPPED_CONFIGS, model_config
+from backends.model.build import build_model
+from backends.model.configs import SHIPPED_CONFIGS, model_config
+from backends.model.step import run_schedule, total_loss_weight
 from backends.planning.cost import weight_matmuls
-from backends.step import run_schedule, total_loss_weight
+from backends.specs import ModelSpec
 from harness.flops import FULL_FINE_TUNING_FACTOR, pass_flops, training_flops_from_config
 from harness.workload import make_examples
 

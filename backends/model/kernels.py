@@ -3,7 +3,7 @@
 Five operations of the benchmark model have a fast CUDA kernel and a torch
 fallback: full attention, the gated delta rule, the short causal convolution,
 the MoE experts and the log-prob head. The functions that dispatch them
-(backends/packing.py, backends/logprobs.py) call ``note(op, implementation)``
+(backends/model/packing.py, backends/model/logprobs.py) call ``note(op, implementation)``
 each time they run, so a pass records what actually ran, not what imported.
 ``reset`` before a pass and ``snapshot`` after it give ``{op: {implementation:
 calls}}`` for results.json (``passes.<type>.kernels``); a call is one forward
@@ -28,7 +28,7 @@ SDPA = "sdpa"  # torch scaled_dot_product_attention over a padded batch with its
 SDPA_PER_SEQUENCE = "sdpa-per-sequence"  # a packed row: SDPA once per sequence, no (row length)² mask
 EAGER = "eager"
 FLA_CHUNK = "fla-chunk"  # flash-linear-attention's chunked gated delta rule (Triton)
-SEGMENT_SCAN = "segment-scan"  # this project's batched torch scan (backends/packing.py), padded and packed alike
+SEGMENT_SCAN = "segment-scan"  # this project's batched torch scan (backends/model/packing.py), padded and packed alike
 TRANSFORMERS_TORCH_CHUNK = "transformers-torch-chunk"  # transformers' own torch fallback (only with a recurrent state)
 CAUSAL_CONV1D = "causal-conv1d"
 TORCH_CONV1D = "torch-conv1d"

@@ -36,8 +36,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from backends import kernels
-from backends.examples import Example
+from backends.messages import Example
+from backends.model import kernels
 
 PACKED_PREFIX = "packed_"  # registered attention name = prefix + the model's own implementation
 _PACKED_MARK = "_balance_batch_packed"  # set on our replacement functions (idempotence)
@@ -468,7 +468,7 @@ def _patch_linear_attention_module(module_name: str) -> None:
     forward in charge of everything else. Without ``cu_seq_lens`` the
     convolution is the stock one, and the delta rule runs the same scan as a
     packed row (each padded row one segment); on CUDA with the kernel packages
-    both are the kernels. Each call is recorded (backends/kernels.py).
+    both are the kernels. Each call is recorded (backends/model/kernels.py).
     """
     modeling = sys.modules[module_name]
     for name, make in _MODULE_FUNCTIONS.items():

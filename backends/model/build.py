@@ -10,11 +10,11 @@ from typing import Optional
 
 import torch
 
-from backends import kernels
 from backends.errors import UserError
-from backends.model_configs import TINY_CONFIG
-from backends.logprobs import install_logprob_head
-from backends.packing import prepare_model_for_packing
+from backends.model import kernels
+from backends.model.configs import TINY_CONFIG
+from backends.model.logprobs import install_logprob_head
+from backends.model.packing import prepare_model_for_packing
 from backends.specs import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -142,7 +142,7 @@ def build_model(
             target_modules="all-linear",
             bias="none",
         )
-        # On meta the adapters are shapes only: their values come with the base weights (see backends/loading.py).
+        # On meta the adapters are shapes only: their values come with the base weights (see backends/model/loading.py).
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(spec.init_seed + 1)
             model = get_peft_model(model, lora)
@@ -150,7 +150,7 @@ def build_model(
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
-    # Packed rows kept apart, padded and packed on the same kernels, every kernel call recorded (backends/packing.py).
+    # Packed rows kept apart, padded and packed on the same kernels, every kernel call recorded (backends/model/packing.py).
     prepare_model_for_packing(model)
     return model
 

@@ -1,4 +1,4 @@
-"""Running as one rank of a job started by torchrun or Slurm: the ranks in-process, commanded by global rank 0.
+"""A job started by torchrun or Slurm: where this process sits in it, the job's store, heartbeats and command channel.
 
 Under an external launcher every process is one rank. Global rank 0 runs the
 harness (Hydra, planning, results.json, W&B, the report) and does its own share
@@ -27,13 +27,11 @@ from datetime import timedelta
 from typing import Any, Optional
 
 from backends.errors import UserError
-from backends.registry import DISTRIBUTED_BACKENDS, valid_names
+from backends.registry import is_distributed, valid_names
+from backends.runtime.liveness import HEARTBEAT_EVERY_S, STALE_AFTER_S, Heartbeats, die_with_parent
 
 log = logging.getLogger(__name__)
 
-# A rank whose heartbeat has not moved for this long is declared dead (well under the issue's 60 s).
-HEARTBEAT_EVERY_S = 1.0
-STALE_AFTER_S = 15.0
 _BEAT_STORE_TIMEOUT_S = 10.0
 # The watchdog's patience once the job has ended: rank 0 first writes the point's result.
 _GRACE_S = {0: 30.0, "other": 5.0}
@@ -130,7 +128,8 @@ class LaunchedJob:
         beat_client = self._connect(is_master=False)
         beat_client.set_timeout(timedelta(seconds=_BEAT_STORE_TIMEOUT_S))  # a stopped store host must not block the beat
         self._beat_store = dist.PrefixStore("balance-batch/ctl/", beat_client)
-        self._seen: dict[int, tuple[int, float]] = {}  # rank -> (last counter, when it last moved)
+        self._beat_watch = Heartbeats(self._beat_store)  # the beat thread's reads (its own client)
+        self._peers = Heartbeats(self.store)  # rank 0's peer checks
         self._stop = threading.Event()
         self._beats = threading.Thread(target=self._beat, name="launch-heartbeat", daemon=True)
         self._beats.start()
@@ -147,7 +146,7 @@ class LaunchedJob:
 
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         args = [str(os.getpid()), str(self.rank), self.env.master_addr, str(self.env.master_port)]
-        self._watchdog = subprocess.Popen([sys.executable, "-c", "from backends.launch import watch; watch()", *args],
+        self._watchdog = subprocess.Popen([sys.executable, "-c", "from backends.runtime.job import watch; watch()", *args],
                                           env=env, stdin=subprocess.DEVNULL, close_fds=True)
 
     # -- the store ------------------------------------------------------------------------------
@@ -183,7 +182,7 @@ class LaunchedJob:
                 if self._beat_store.check(["abort"]):
                     reason = self._beat_store.get("abort").decode(errors="replace")
                     self.exit_now(f"rank {self.rank}: the job was ended by rank 0 ({reason})")
-                if self._stale(0, self._beat_store):
+                if self._beat_watch.stale(0):
                     self.exit_now(f"rank {self.rank}: rank 0 stopped answering (no heartbeat for {STALE_AFTER_S:g} s); exiting")
             except Exception as exc:  # noqa: BLE001 - the store is gone: the launcher ended the job
                 if self._stop.is_set():
@@ -195,15 +194,6 @@ class LaunchedJob:
                 self.exit_now(f"rank {self.rank}: lost the job's store at {self.env.master_addr}:{self.env.master_port} "
                                f"({type(exc).__name__}); the job has ended; exiting")
 
-    def _stale(self, rank: int, store) -> bool:
-        count = int(store.add(f"hb/{rank}", 0))
-        now = time.monotonic()
-        last = self._seen.get(rank)
-        if last is None or last[0] != count:
-            self._seen[rank] = (count, now)
-            return False
-        return now - last[1] > STALE_AFTER_S
-
     def exit_now(self, line: str) -> None:
         print(line, file=sys.stderr, flush=True)
         logging.shutdown()
@@ -212,7 +202,7 @@ class LaunchedJob:
     def dead_peer(self) -> Optional[str]:
         """Rank 0: a rank whose heartbeat stopped, as a phrase; None while all beat."""
         for rank in range(1, self.world_size):
-            if self._stale(rank, self.store):
+            if self._peers.stale(rank):
                 return f"rank {rank} stopped answering (killed or hung: no heartbeat for {STALE_AFTER_S:g} s)"
         return None
 
@@ -290,8 +280,8 @@ class LaunchedJob:
         ``_LATE_RANK_GRACE_S`` on one that never connected at all."""
         start = time.monotonic()
         while int(self.store.add("left", 0)) < self.world_size - 1:
-            beats = [int(self.store.add(f"hb/{r}", 0)) for r in range(1, self.world_size)]
-            if any(b > 0 and self._stale(r, self.store) for r, b in enumerate(beats, start=1)):
+            beats = [self._peers.count(r) for r in range(1, self.world_size)]
+            if any(b > 0 and self._peers.stale(r) for r, b in enumerate(beats, start=1)):
                 return
             if time.monotonic() - start > (_STORE_TIMEOUT_S if all(beats) else _LATE_RANK_GRACE_S):
                 return
@@ -336,7 +326,7 @@ def launch_record(world_size: int) -> dict:
 
 def check_world_size(backend: str, world_size: Optional[int], env: LaunchEnv) -> int:
     """The launcher's world size; a ``world_size=`` that says otherwise, or a one-process backend, is a user error."""
-    if backend not in DISTRIBUTED_BACKENDS:
+    if not is_distributed(backend):
         if env.world_size != 1:
             raise UserError(f"backend.name: {backend} runs one process, but {env.launcher} started {env.world_size} "
                             f"ranks (valid under a launcher: {valid_names(distributed_only=True)})")
@@ -355,7 +345,7 @@ def resolve_world_size(backend: str, world_size: Optional[int], device_type: str
     launched = launch_env()
     if launched is not None:
         return check_world_size(backend, world_size, launched)
-    if backend not in DISTRIBUTED_BACKENDS:
+    if not is_distributed(backend):
         if world_size not in (None, 1):
             raise UserError(f"world_size: backend={backend} runs one process, got {world_size} (valid: 1 or null)")
         return 1
@@ -396,12 +386,7 @@ def watch() -> None:
     import signal
 
     parent, rank, addr, port = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+    die_with_parent()
     if os.getppid() != parent:
         return
     import torch.distributed as dist
@@ -410,14 +395,7 @@ def watch() -> None:
     client = dist.TCPStore(addr, port, None, is_master=False, timeout=timedelta(seconds=_STORE_TIMEOUT_S))
     client.set_timeout(timedelta(seconds=_BEAT_STORE_TIMEOUT_S))
     store = dist.PrefixStore("balance-batch/ctl/", client)
-    seen: dict[int, tuple[int, float]] = {}
-
-    def stale(r: int) -> bool:
-        count, now = int(store.add(f"hb/{r}", 0)), time.monotonic()
-        if seen.get(r, (None,))[0] != count:
-            seen[r] = (count, now)
-            return False
-        return now - seen[r][1] > STALE_AFTER_S
+    beats = Heartbeats(store)
 
     ended_at, reason = None, ""
     grace = _GRACE_S[0] if rank == 0 else _GRACE_S["other"]
@@ -429,11 +407,11 @@ def watch() -> None:
             return
         if ended_at is None:
             try:
-                if stale(rank):
+                if beats.stale(rank):
                     ended_at, reason, grace = time.monotonic(), f"rank {rank} is hung or stopped (no heartbeat)", 0.0
                 elif store.check(["abort"]):
                     ended_at, reason = time.monotonic(), "the job was ended by rank 0"
-                elif rank != 0 and stale(0):
+                elif rank != 0 and beats.stale(0):
                     ended_at, reason = time.monotonic(), "rank 0 stopped answering"
             except Exception:  # noqa: BLE001 - the store is gone: the job has ended
                 ended_at, reason = time.monotonic(), "the job's store is gone"

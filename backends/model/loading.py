@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from backends.memory import peak_memory_bytes, reset_peak_memory
-from backends.model import build_model, describe_model, load_method
+from backends.model.build import build_model, describe_model, load_method
+from backends.runtime.memory import peak_memory_bytes, reset_peak_memory
 from backends.specs import ModelSpec
 
 log = logging.getLogger(__name__)

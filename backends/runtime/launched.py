@@ -1,4 +1,4 @@
-"""The ranks of a launched job (see backends/launch.py): rank 0's backend, and the loop every other rank runs."""
+"""The ranks of a job torchrun or Slurm started (backends/runtime/job.py): rank 0's backend, and the loop every other rank runs."""
 
 from __future__ import annotations
 
@@ -13,12 +13,16 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from backends.base import Backend, PassResult, resolve_device, split_precision, usable_cpu_cores
+from backends.backend import Backend, split_precision
 from backends.errors import BackendError, first_line
-from backends.launch import HEARTBEAT_EVERY_S, STALE_AFTER_S, LaunchedJob, check_world_size, launched_job
-from backends.memory import limit_memory, restore_memory_limit
-from backends.loading import merge_load_records
-from backends.workers import _run_command, failure_report, pass_result, start_rank
+from backends.messages import PassCommand, PassResult
+from backends.model.loading import merge_load_records
+from backends.runtime.devices import resolve_device, usable_cpu_cores
+from backends.runtime.failures import Failure, blame, failure_report
+from backends.runtime.job import LaunchedJob, check_world_size, launched_job
+from backends.runtime.liveness import HEARTBEAT_EVERY_S, STALE_AFTER_S
+from backends.runtime.memory import limit_memory, restore_memory_limit
+from backends.runtime.ranks import run_command, start_rank
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +51,8 @@ class _Rank:
         self.load = merge_load_records(method, records)
         self.wlog = logging.getLogger(f"backends.{spec.name}")
 
-    def run(self, command: dict) -> Optional[dict]:
-        return _run_command(command, self.model, self.hooks, self.job.rank, self.job.world_size, self.device, self.wlog)
+    def run(self, command: PassCommand) -> Optional[PassResult]:
+        return run_command(command, self.model, self.hooks, self.job.rank, self.job.world_size, self.device, self.wlog)
 
     def close(self) -> None:
         self.model = None
@@ -76,7 +80,7 @@ def follow(job: LaunchedJob) -> int:
             elif kind == "examples":
                 examples = payload
             elif kind == "pass":
-                command = {**payload, "examples": examples}
+                command = payload.replace(examples=examples)
                 rank.run(command)
             elif kind == "close":
                 if rank is not None:
@@ -162,7 +166,7 @@ class LaunchedBackend(Backend):
                 self.job.abort("interrupted")
                 raise
             if cause is not None:
-                message = f"{cause[0]} during {what}"
+                message = f"{cause.message} during {what}"
             else:
                 message = (f"{self.job.env.launcher} stopped the job during {what} after rank 0's collective failed "
                            f"(another rank died; the launcher's log names it): {first_line(seen, 200)}")
@@ -192,42 +196,34 @@ class LaunchedBackend(Backend):
                 return payload
             self._own_failure(kind, payload, what)
 
-    def _peer_cause(self) -> Optional[tuple[str, Optional[str], str]]:
-        """(message, details, status) of another rank's failure or death, None when none is known."""
+    def _peer_cause(self) -> Optional[Failure]:
+        """Another rank's posted failure or death, None when none is known."""
         if self.job.store_lost is not None:
-            return self.job.store_lost, None, "error"
+            return Failure(self.job.store_lost)
         try:
             posted = self.job.peer_failure()
             dead = self.job.dead_peer() if posted is None else None
         except Exception as exc:  # noqa: BLE001 - the store itself is gone
             self.job.store_lost = f"lost the job's store ({type(exc).__name__}): the launcher ended the job"
-            return self.job.store_lost, None, "error"
+            return Failure(self.job.store_lost)
         if posted is not None:
             kind, message, details = posted
-            return message, details, "oom" if kind == "oom" else "error"
-        return (dead, None, "error") if dead is not None else None
+            return Failure(message, details, "oom" if kind == "oom" else "error")
+        return Failure(dead) if dead is not None else None
 
     def _check_peers(self, what: str) -> None:
         cause = self._peer_cause()
         if cause is not None:
-            message, details, status = cause
-            self._abort(message if status == "oom" else f"{message} during {what}", details=details, status=status)
+            self._abort(cause.message if cause.status == "oom" else f"{cause.message} during {what}",
+                        details=cause.details, status=cause.status)
 
     def _own_failure(self, kind: str, payload, what: str) -> None:
         message, details = payload
         self.seen_failure = message
-        if kind == "oom":
-            self._abort(message, details=details, status="oom")
         # Rank 0 failing in a collective is mostly a peer's death: give its heartbeat time to tell.
-        deadline = time.monotonic() + STALE_AFTER_S + 2 * HEARTBEAT_EVERY_S
-        while time.monotonic() < deadline:
-            cause = self._peer_cause()
-            if cause is not None:
-                peer, peer_details, status = cause
-                self._abort(f"{peer} during {what} (rank 0 then failed: {first_line(message, 160)})",
-                            details=peer_details or details, status=status)
-            time.sleep(HEARTBEAT_EVERY_S)
-        self._abort(f"rank 0 failed during {what}: {first_line(message, 400)}", details=details)
+        failure = blame(kind, 0, message, details, what, self._peer_cause,
+                        wait_s=STALE_AFTER_S + 2 * HEARTBEAT_EVERY_S, poll_s=HEARTBEAT_EVERY_S)
+        self._abort(failure.message, details=failure.details, status=failure.status)
 
     def _abort(self, message: str, details: Optional[str] = None, status: str = "error") -> None:
         self.failure_reason = message
@@ -235,18 +231,18 @@ class LaunchedBackend(Backend):
         self.job.abort(message)
         raise BackendError(message, details=details, status=status)
 
-    def _run_pass(self, command: dict[str, Any]) -> PassResult:
+    def _run_pass(self, command: PassCommand) -> PassResult:
         if self.closed:
             raise BackendError(f"{self.name}: the launched job's ranks are stopped")
         # The examples travel once per point (the passes of a point share them), the rest with every pass.
-        if command["examples"] is not self.sent_examples:
-            self.job.send("examples", command["examples"])
-            self.sent_examples = command["examples"]
-        seq = self.job.send("pass", {**command, "examples": None})
+        if command.examples is not self.sent_examples:
+            self.job.send("examples", command.examples)
+            self.sent_examples = command.examples
+        seq = self.job.send("pass", command.replace(examples=None))
         self.commands.put(command)
-        reply = self._wait(command["pass_type"], command.get("timeout_s"))
+        result = self._wait(command.pass_type, command.timeout_s)
         self.job.forget(seq)  # every rank took part in the pass, so each has read all before it
-        return pass_result(reply)
+        return result
 
     def failure(self) -> Optional[str]:
         if self.failure_reason is not None:
@@ -254,7 +250,7 @@ class LaunchedBackend(Backend):
         if self.closed:
             return f"{self.name}: the launched job's ranks are stopped"
         cause = self._peer_cause()
-        return cause[0] if cause is not None else None
+        return cause.message if cause is not None else None
 
     def close(self) -> None:
         if self.closed:

@@ -87,9 +87,9 @@ def model_config(spec: ModelSpec) -> tuple[dict[str, Any], str]:
         config = dict(SHIPPED_CONFIGS["tiny"])
         if spec.vocab_size:
             config["vocab_size"] = int(spec.vocab_size)
-        return config, "backends/model_configs.py:TINY_CONFIG"
+        return config, "backends/model/configs.py:TINY_CONFIG"
     if spec.name in SHIPPED_CONFIGS:
-        return dict(SHIPPED_CONFIGS[spec.name]), f"backends/model_configs.py:{spec.name} (checkpoint not on disk)"
+        return dict(SHIPPED_CONFIGS[spec.name]), f"backends/model/configs.py:{spec.name} (checkpoint not on disk)"
     return {}, ""
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from backends.atomic import write_text_atomic
+from backends.runtime.atomic import write_text_atomic
 
 log = logging.getLogger(__name__)
 

@@ -8,13 +8,12 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
-from backends.examples import Example, ExampleOutput
-from backends.logprobs import find_logprob_head
-from backends.microbatch import Schedule
-from backends import kernels
-from backends.packing import collate_packed, model_layer_types, prepare_model_for_packing
+from backends.messages import PASS_TYPES, Example, ExampleOutput
+from backends.model import kernels
+from backends.model.logprobs import find_logprob_head
+from backends.model.packing import collate_packed, model_layer_types, prepare_model_for_packing
+from backends.planning import Schedule
 
-PASS_TYPES = ("forward", "forward_backward")
 LAYOUTS = ("padded", "packed")  # padded: one row per sequence; packed: one row, sequences end to end
 
 class PassTimeout(RuntimeError):
@@ -62,7 +61,7 @@ def token_logprobs(
     """Log-probability of each target token, in float32, shape [batch, length].
 
     With ``chunk_tokens`` the model's own output layer (a ``TokenLogprobHead``,
-    see backends/logprobs.py) computes them that many tokens at a time, so no
+    see backends/model/logprobs.py) computes them that many tokens at a time, so no
     [tokens × vocab] tensor exists in forward or backward; ``None`` keeps the
     unchunked path (full logits, then log-softmax), the reference the tests
     compare against. ``model_kwargs`` (position_ids, cu_seq_lens_q, ...) go to
@@ -77,7 +76,7 @@ def token_logprobs(
     head = find_logprob_head(model)
     if head is None:
         raise ValueError(
-            "chunked log-probs need the model's output layer replaced by backends.logprobs.install_logprob_head "
+            "chunked log-probs need the model's output layer replaced by backends.model.logprobs.install_logprob_head "
             "before wrapping (build_model does it); pass chunk_tokens=None for the unchunked path"
         )
     with head.target_logprobs(targets, chunk_tokens):
@@ -135,11 +134,11 @@ def run_steps(
     dummy. ``before_step(i, is_last)`` lets a backend set per-step sync behaviour.
     Past ``deadline`` (a ``time.monotonic()`` value) the next step raises PassTimeout.
     ``layout="packed"`` runs each micro-batch as one row of its sequences end
-    to end (see backends.packing); outputs are the same as padded.
+    to end (see backends.model.packing); outputs are the same as padded.
     ``logprob_chunk_tokens`` goes to ``token_logprobs`` (None = unchunked).
     Log-probs are not copied to the host per step (that would wait for the
     device every step); ``outputs_to_host`` copies them once the pass is over.
-    ``backends.kernels.snapshot()`` after it says which implementations ran.
+    ``backends.model.kernels.snapshot()`` after it says which implementations ran.
     """
     if pass_type not in PASS_TYPES:
         raise ValueError(f"pass type must be one of {PASS_TYPES}, got {pass_type!r}")

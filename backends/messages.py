@@ -1,0 +1,159 @@
+"""The messages between the harness and a backend: examples in, a pass command, a pass result out (no torch).
+
+``make_command`` is the one place a ``PassCommand`` is built; everything that
+changes one for a rank, a live budget or a timed repeat copies it whole with
+``PassCommand.replace``. A ``PassResult`` travels whole too: ranks gather
+one, the server sends ``as_dict()`` and the client reads it back with
+``PassResult.from_dict``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence, Union
+
+import numpy as np
+
+from backends.planning import LAYOUTS, PLANNERS, CostModel, Plan, plan_batch
+from backends.planning.plan import check_choice
+
+PASS_TYPES = ("forward", "forward_backward")
+# PassCommand.logprob_chunk_tokens: use the backend's ``logprob_chunk_tokens`` (None there means full logits).
+BACKEND_CHUNK = "backend"
+
+
+@dataclass
+class Example:
+    """One training sequence. All three arrays have the same length."""
+
+    input_ids: np.ndarray  # int64 token ids
+    target_tokens: np.ndarray  # int64 next-token targets
+    weights: np.ndarray  # float32 per-token loss weights
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+@dataclass
+class ExampleOutput:
+    """What a pass returns per example: per-token log-probabilities of the targets and the weighted loss sum."""
+
+    logprobs: np.ndarray  # float32, one per token
+    loss: float  # -sum(weights * logprobs)
+
+
+@dataclass(frozen=True)
+class PassCommand:
+    """One pass, as a backend (and each of its ranks) executes it."""
+
+    pass_type: str  # forward or forward_backward
+    # All the examples (a list), or a rank's share keyed by index (with ``lengths``); None in a launched
+    # job's pass message, whose examples travel once per point.
+    examples: Union[list, dict, None]
+    max_tokens_per_microbatch: Optional[int]
+    micro_batch_size: int
+    layout: str = "padded"
+    planner: str = "greedy"
+    cost_model: Optional[dict] = None  # CostModel.as_dict(); every rank plans the same global plan from it
+    lengths: Optional[list] = None  # every example's length, where ``examples`` is only a rank's share
+    # Target log-probs this many tokens at a time; None: full logits; BACKEND_CHUNK: the backend's setting.
+    logprob_chunk_tokens: Union[int, None, str] = BACKEND_CHUNK
+    timeout_s: Optional[float] = None  # the pass is stopped past this (bench.pass_timeout_s)
+    progress_every_s: float = 10.0  # rank 0 logs its progress this often
+    release_memory: bool = True  # hand cached memory back before the pass (a pass type's first run)
+
+    def replace(self, **changes) -> "PassCommand":
+        return dataclasses.replace(self, **changes)
+
+    def all_lengths(self) -> list[int]:
+        """Every example's length: ``lengths`` with a rank's share, else read off the examples."""
+        if self.lengths is not None:
+            return list(self.lengths)
+        return [len(e) for e in self.examples]
+
+    def chunk_tokens(self, backend_default: Optional[int]) -> Optional[int]:
+        return backend_default if self.logprob_chunk_tokens == BACKEND_CHUNK else self.logprob_chunk_tokens
+
+    def plan(self, world_size: int, lockstep: bool) -> Plan:
+        """The global plan: every rank (and the controller) computes the same one from the same inputs."""
+        return plan_batch(
+            self.all_lengths(),
+            world_size,
+            self.max_tokens_per_microbatch,
+            self.micro_batch_size,
+            align=lockstep,
+            layout=self.layout,
+            planner=self.planner,
+            cost_model=CostModel.from_dict(self.cost_model),
+        )
+
+
+def _finite_or_none(value: Optional[float]) -> Optional[float]:
+    return None if value is None or not math.isfinite(value) else float(value)
+
+
+def _json_floats(values) -> list:
+    """A float array as a JSON list; NaN/inf (a model that overflowed) as null, which JSON can carry."""
+    arr = np.asarray(values)
+    if np.isfinite(arr).all():
+        return arr.tolist()
+    return [v if math.isfinite(v) else None for v in arr.tolist()]
+
+
+def make_command(
+    pass_type: str,
+    examples: Sequence[Example],
+    max_tokens_per_microbatch: Optional[int],
+    micro_batch_size: int,
+    layout: str = "padded",
+    planner: str = "greedy",
+    cost_model: Optional[dict] = None,
+    **options,
+) -> PassCommand:
+    """The command for one pass; ``options`` are PassCommand's other fields (logprob_chunk_tokens, timeout_s, ...)."""
+    if pass_type not in PASS_TYPES:
+        raise ValueError(f"pass type must be one of {PASS_TYPES}, got {pass_type!r}")
+    check_choice("layout", layout, LAYOUTS)
+    check_choice("planner", planner, PLANNERS)
+    return PassCommand(pass_type, list(examples), max_tokens_per_microbatch, micro_batch_size,
+                       layout=layout, planner=planner, cost_model=cost_model, **options)
+
+
+@dataclass
+class PassResult:
+    """One pass: outputs in request order, the plan that ran, and what it cost."""
+
+    outputs: list[ExampleOutput]
+    plan: dict
+    grad_norm: Optional[float] = None
+    mem_peak_bytes: Optional[int] = None  # the largest of mem_peak_bytes_per_rank
+    # Each rank's memory peak during the pass: CUDA memory reserved on GPU, resident set (VmHWM) on CPU.
+    mem_peak_bytes_per_rank: Optional[list[Optional[int]]] = None
+    # Each rank's CUDA allocator peaks (tensors; tensors plus the allocator's cache); None on CPU.
+    mem_peak_allocated_bytes_per_rank: Optional[list[Optional[int]]] = None
+    mem_peak_reserved_bytes_per_rank: Optional[list[Optional[int]]] = None
+    # The timed region (first step to the last one's end, device synchronized; the slowest rank's);
+    # None where the backend does not time it, and the caller's wall time stands.
+    step_s: Optional[float] = None
+    # What ran: {op: {implementation: calls}} summed over ranks (backends/model/kernels.py); None where unknown.
+    kernels: Optional[dict] = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready: outputs as lists (non-finite losses as None), every other field as it is."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "outputs"}
+        out["grad_norm"] = _finite_or_none(self.grad_norm)
+        out["outputs"] = [{"logprobs": _json_floats(o.logprobs), "loss": _finite_or_none(o.loss)} for o in self.outputs]
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "PassResult":
+        """The inverse of ``as_dict`` (None reads back as NaN); fields the sender did not know stay at defaults."""
+        outputs = [
+            ExampleOutput(logprobs=np.asarray([np.nan if x is None else x for x in o["logprobs"]], dtype=np.float32),
+                          loss=float("nan") if o["loss"] is None else float(o["loss"]))
+            for o in data["outputs"]
+        ]
+        known = {f.name for f in dataclasses.fields(cls)} - {"outputs"}
+        return cls(outputs=outputs, **{k: v for k, v in data.items() if k in known})

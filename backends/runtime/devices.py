@@ -1,0 +1,53 @@
+"""Devices and cores: which device a backend name means, what results.json says of it, the cores this process may use."""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from backends.errors import UserError
+
+
+def usable_cpu_cores() -> int:
+    """The CPU cores this process may run on (its affinity where the OS has one)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, cores or 1)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UserError("backend.device: 'cuda' requested but no CUDA device is visible (valid here: auto, cpu)")
+    if name not in ("cpu", "cuda"):
+        raise UserError(f"backend.device: '{name}' is not a device (valid: auto, cpu, cuda)")
+    return torch.device(name)
+
+
+def device_description(device: torch.device, count: int) -> dict:
+    """Type, name and count of the devices a run uses, for results.json."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(0)
+        total = torch.cuda.get_device_properties(0).total_memory
+    else:
+        import platform
+
+        import psutil
+
+        name = _cpu_model_name() or platform.processor() or "cpu"
+        total = psutil.virtual_memory().total
+        return {"type": "cpu", "name": name, "count": count, "cores": usable_cpu_cores(), "memory_bytes": int(total)}
+    return {"type": device.type, "name": name, "count": count, "memory_bytes": int(total)}
+
+
+def _cpu_model_name() -> Optional[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None

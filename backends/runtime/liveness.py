@@ -1,0 +1,48 @@
+"""Liveness, written once: a process that dies with its parent, and heartbeat counters that tell a stopped rank.
+
+Each process of a launched job adds 1 to its ``hb/<rank>`` counter in the job's
+store every ``HEARTBEAT_EVERY_S``; a reader declares a rank whose counter has
+not moved for ``STALE_AFTER_S`` hung or stopped (killed, SIGSTOPped, stuck with
+the interpreter locked). Rank 0's peer checks, the other ranks' watch of rank 0
+and every rank's watchdog process read the counters through ``Heartbeats``.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+# A rank whose heartbeat has not moved for this long is declared dead (well under a minute).
+HEARTBEAT_EVERY_S = 1.0
+STALE_AFTER_S = 15.0
+
+
+def die_with_parent() -> None:
+    """Linux: the kernel sends this process SIGKILL when its parent dies, so no rank or watchdog is left behind."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+class Heartbeats:
+    """Reads ranks' heartbeat counters from one store and remembers when each last moved."""
+
+    def __init__(self, store):
+        self.store = store
+        self._seen: dict[int, tuple[int, float]] = {}  # rank -> (last counter, when it last moved)
+
+    def count(self, rank: int) -> int:
+        return int(self.store.add(f"hb/{rank}", 0))
+
+    def stale(self, rank: int) -> bool:
+        """True once ``rank``'s counter has stood still for ``STALE_AFTER_S`` (the first read only starts the clock)."""
+        count, now = self.count(rank), time.monotonic()
+        last = self._seen.get(rank)
+        if last is None or last[0] != count:
+            self._seen[rank] = (count, now)
+            return False
+        return now - last[1] > STALE_AFTER_S

@@ -1,0 +1,319 @@
+"""Ranks the harness spawns itself: the controller in the harness process and the loop each spawned rank runs.
+
+The controller starts ``world_size`` processes, one rank each, and sends every
+pass to all of them as one PassCommand holding every length but only the
+rank's own share of the examples (backends/runtime/ranks.py runs it); rank 0
+replies with the gathered PassResult. Under torchrun or Slurm the ranks exist
+already: backends/runtime/launched.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import logging.handlers
+import multiprocessing as mp
+import os
+import queue
+import signal
+import threading
+import time
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from backends.backend import Backend, split_precision
+from backends.errors import BackendError, UserError
+from backends.messages import PassCommand, PassResult
+from backends.model.loading import merge_load_records
+from backends.registry import BY_NAME, is_lockstep
+from backends.runtime.devices import resolve_device, usable_cpu_cores
+from backends.runtime.failures import Failure, blame, failure_report
+from backends.runtime.job import resolve_world_size
+from backends.runtime.liveness import die_with_parent
+from backends.runtime.memory import limit_memory
+from backends.runtime.ranks import rank_commands, run_command, start_rank
+from backends.specs import BackendSpec, ModelSpec
+
+log = logging.getLogger(__name__)
+
+_STARTUP_POLL_S = 0.2
+
+
+def _device_for_rank(base: torch.device, rank: int) -> torch.device:
+    if base.type == "cuda":
+        index = rank % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return base
+
+
+def _setup_worker_logging(log_queue) -> None:
+    root = logging.getLogger()
+    root.handlers[:] = [logging.handlers.QueueHandler(log_queue)]
+    root.setLevel(logging.INFO)
+
+
+def worker_main(
+    rank: int,
+    world_size: int,
+    store_port: int,
+    hooks_path: str,
+    spec: BackendSpec,
+    model_spec: ModelSpec,
+    commands,
+    replies,
+    log_queue,
+    parent_pid: int,
+) -> None:
+    """Entry point of one rank: join the group, build the model, then serve commands until told to stop."""
+    die_with_parent()
+    if os.getppid() != parent_pid:
+        os._exit(1)
+    # Ctrl-C reaches the whole process group: the controller handles it and stops the ranks in order.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _setup_worker_logging(log_queue)
+    wlog = logging.getLogger(f"backends.{spec.name}")
+    try:
+        base = resolve_device(spec.device)
+        if base.type == "cpu":
+            torch.set_num_threads(max(1, usable_cpu_cores() // world_size))
+        device = _device_for_rank(base, rank)
+        limit_memory(spec.memory_limit_gb, device)
+        store = dist.TCPStore("127.0.0.1", store_port, world_size + 1, is_master=False,
+                              timeout=timedelta(seconds=spec.dist_timeout_s))
+        hooks, model, built, method, load = start_rank(spec, model_spec, hooks_path, rank, world_size, device, store)
+        replies.put(("ready", rank, {"built": built, "method": method, "load": load}))
+    except BaseException as exc:  # noqa: BLE001 - reported to the controller, which names the rank
+        replies.put(failure_report(exc, rank, spec, None))
+        return
+
+    while True:
+        command = commands.get()
+        if command is None:
+            break
+        failure = None
+        try:
+            reply = run_command(command, model, hooks, rank, world_size, device, wlog)
+            replies.put(("done", rank, reply))
+            continue
+        except BaseException as exc:  # noqa: BLE001
+            failure = failure_report(exc, rank, spec, command, world_size)
+        # Reported once the failed step's frames are released; the other ranks may now be
+        # blocked in a collective, and the controller stops them all.
+        replies.put(failure)
+        break
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - best effort on the way out
+        pass
+
+
+class _LogForwarder:
+    """Replays workers' log records in this process, so they reach the console and the run's log file."""
+
+    def __init__(self, log_queue):
+        self.queue = log_queue
+        self.thread = threading.Thread(target=self._run, name="worker-logs", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                record = self.queue.get()
+            except (EOFError, OSError):
+                return
+            if record is None:
+                return
+            logging.getLogger(record.name).handle(record)
+
+    def stop(self) -> None:
+        try:
+            self.queue.put(None)
+        except (OSError, ValueError):
+            pass
+        self.thread.join(timeout=2)
+
+
+def _describe_exit(code: Optional[int]) -> str:
+    if code is None:
+        return "is unresponsive"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class DistributedBackend(Backend):
+    """The controller: starts the ranks, sends each pass, collects rank 0's reply, stops everything on failure."""
+
+    hooks_path = "backends.runtime.ranks:RankHooks"
+
+    def __init__(self, spec: BackendSpec, model: ModelSpec, hooks_path: Optional[str] = None):
+        super().__init__(spec, model)
+        self.device = resolve_device(spec.device)
+        self.world_size = resolve_world_size(spec.name, spec.world_size, self.device.type)
+        if self.device.type == "cuda" and self.world_size > torch.cuda.device_count():
+            raise UserError(
+                f"world_size: {self.world_size} ranks need {self.world_size} GPUs, "
+                f"{torch.cuda.device_count()} visible (valid: 1..{torch.cuda.device_count()} or null)"
+            )
+        if self.device.type == "cpu":
+            cores = usable_cpu_cores()
+            if self.world_size > cores:
+                log.warning(
+                    "world_size=%d ranks on %d CPU cores: the ranks share the cores (one thread each), so start-up "
+                    "and every pass are slow; world_size=%d or fewer avoids it",
+                    self.world_size, cores, cores,
+                )
+        log.info("%s: starting %d ranks on %s (loading the model)", spec.name, self.world_size, self.device.type)
+        # a registered backend's ranks run the hooks its registry row names
+        default = BY_NAME[self.name].rank_hooks if self.name in BY_NAME else self.hooks_path
+        self.hooks_path = hooks_path or spec.hooks or default
+        self.closed = False
+        self.failure_reason: Optional[str] = None  # why the workers were stopped, after a failure
+        ctx = mp.get_context("spawn")
+        self.store = dist.TCPStore("127.0.0.1", 0, self.world_size + 1, is_master=True, wait_for_workers=False,
+                                   timeout=timedelta(seconds=spec.dist_timeout_s))
+        self.replies = ctx.Queue()
+        self.log_queue = ctx.Queue()
+        self.logs = _LogForwarder(self.log_queue)
+        self.command_queues = [ctx.Queue() for _ in range(self.world_size)]
+        self.procs = []
+        for rank in range(self.world_size):
+            p = ctx.Process(
+                target=worker_main,
+                name=f"{spec.name}-rank{rank}",
+                args=(
+                    rank,
+                    self.world_size,
+                    self.store.port,
+                    self.hooks_path,
+                    spec,
+                    model,
+                    self.command_queues[rank],
+                    self.replies,
+                    self.log_queue,
+                    os.getpid(),
+                ),
+                daemon=True,
+            )
+            p.start()
+            self.procs.append(p)
+        try:
+            ready = self._collect("ready", timeout_s=None, what="start-up", progress_every_s=30.0)
+            self.model_info, self.precision = split_precision(ready[0]["built"])
+            self.load_info = merge_load_records(ready[0]["method"], [ready[r]["load"] for r in range(self.world_size)])
+        except BaseException:
+            self.close()
+            raise
+        log.info("%s: %d ranks ready on %s", spec.name, self.world_size, self.device.type)
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs if p.pid is not None]
+
+    def failure(self) -> Optional[str]:
+        if self.failure_reason is not None:
+            return self.failure_reason
+        if self.closed:
+            return f"{self.spec.name}: workers are stopped"
+        dead = self._dead_rank(wait_s=0)  # a rank that died between passes is noticed here, not only mid-pass
+        if dead is not None:
+            return f"rank {dead} {_describe_exit(self.procs[dead].exitcode)}"
+        return None
+
+    def _collect(self, kind: str, timeout_s: Optional[float], what: str,
+                 progress_every_s: Optional[float] = None) -> dict[int, Any]:
+        """Wait for one reply per rank; any error or death ends the wait at once, naming the rank."""
+        got: dict[int, Any] = {}
+        start = last_progress = time.monotonic()
+        while len(got) < self.world_size:
+            if progress_every_s is not None and time.monotonic() - last_progress >= progress_every_s:
+                last_progress = time.monotonic()
+                log.info("%s: %d/%d ranks ready after %.0f s", what, len(got), self.world_size, last_progress - start)
+            try:
+                msg_kind, rank, payload = self.replies.get(timeout=_STARTUP_POLL_S)
+            except queue.Empty:
+                for rank, p in enumerate(self.procs):
+                    if rank not in got and not p.is_alive():
+                        self._abort(f"rank {rank} {_describe_exit(p.exitcode)} during {what}")
+                if timeout_s is not None and time.monotonic() - start > timeout_s:
+                    self._abort(f"{what} ran past bench.pass_timeout_s={timeout_s:g} s; every rank was stopped", status="timeout")
+                continue
+            if msg_kind in ("error", "oom"):
+                self._fail(msg_kind, rank, payload, what)
+            if msg_kind == kind:
+                got[rank] = payload
+        return got
+
+    def _fail(self, kind: str, rank: int, payload, what: str) -> None:
+        """Stop every rank and raise the failure ``blame`` names (a rank out of memory, else a dead one, else ``rank``)."""
+        message, details = payload
+
+        def find_peer() -> Optional[Failure]:
+            try:
+                k, r, p = self.replies.get(timeout=0.05)
+                if k == "oom":
+                    return Failure(p[0], p[1], "oom")
+            except queue.Empty:
+                pass
+            dead = self._dead_rank(0, exclude=rank)
+            return Failure(f"rank {dead} {_describe_exit(self.procs[dead].exitcode)}") if dead is not None else None
+
+        failure = blame(kind, rank, message, details, what, find_peer, wait_s=1.0, poll_s=0)
+        self._abort(failure.message, details=failure.details, status=failure.status)
+
+    def _dead_rank(self, wait_s: float, exclude: Optional[int] = None) -> Optional[int]:
+        deadline = time.monotonic() + wait_s
+        while True:
+            for rank, p in enumerate(self.procs):
+                if p.exitcode is not None and rank != exclude:
+                    return rank
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
+
+    def _abort(self, message: str, details: Optional[str] = None, status: str = "error") -> None:
+        self.failure_reason = message
+        self.close(graceful=False)
+        raise BackendError(message, details=details, status=status)
+
+    def _run_pass(self, command: PassCommand) -> PassResult:
+        if self.closed:
+            raise BackendError(f"{self.spec.name}: workers are stopped")
+        for q, rank_command in zip(self.command_queues, rank_commands(command, self.world_size, is_lockstep(self.name))):
+            q.put(rank_command)
+        replies = self._collect("done", timeout_s=command.timeout_s, what=command.pass_type)
+        return replies[0]
+
+    def close(self, graceful: bool = True) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if graceful:
+            for q in self.command_queues:
+                try:
+                    q.put(None)
+                except (OSError, ValueError):
+                    pass
+            deadline = time.monotonic() + 20
+            for p in self.procs:
+                p.join(timeout=max(0.1, deadline - time.monotonic()))
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+        for p in self.procs:
+            p.join(timeout=5)
+        self.logs.stop()
+        for q in [*self.command_queues, self.replies, self.log_queue]:
+            q.close()
+            q.cancel_join_thread()
+
+    def __del__(self):  # a controller dropped without close() still stops its ranks
+        try:
+            self.close(graceful=False)
+        except Exception:  # noqa: BLE001
+            pass
