@@ -39,7 +39,7 @@ def run_name(
     backend: Optional[str], mtpm: Optional[int], mbs: Optional[int], planner: str = "greedy", layout: str = "padded"
 ) -> str:
     name = f"{backend}-mtpm{mtpm}" if mtpm is not None else f"{backend}-mbs{mbs}"
-    # the seed's defaults keep the names runs always had
+    # the original greedy padded defaults keep the names runs always had
     return name + "".join(f"-{v}" for v, default in ((planner, "greedy"), (layout, "padded")) if v != default)
 
 

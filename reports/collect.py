@@ -116,7 +116,7 @@ def row_of(path: Path, doc: dict) -> dict:
         "setting": _setting(doc),
         "mbs": doc.get("mbs"),
         "mtpm": doc.get("mtpm"),
-        # results written before the balanced planner ran the seed's: greedy, padded
+        # results written before the balanced planner ran the original planner's: greedy, padded
         "planner": plan.get("planner") or doc.get("planner") or "greedy",
         "layout": plan.get("layout") or doc.get("layout") or "padded",
         "status": doc.get("status"),

@@ -268,7 +268,7 @@ def write_plan_figures(df, out_dir: Path) -> list[Optional[Path]]:
 
 
 def published_plans(plans_dir: Path) -> list[Path]:
-    """The README's plans, ``plans_dir/<name>/plan.json``: by budget, the seed's greedy first, padded before packed."""
+    """The README's plans, ``plans_dir/<name>/plan.json``: by budget, the original greedy planner first, padded before packed."""
     docs = []
     for path in sorted(Path(plans_dir).glob(f"*/{PLAN_FILE}")):
         try:

@@ -38,7 +38,7 @@ def write_plots(df: pd.DataFrame, out_dir: Path) -> list[Path]:
             color = colors[i % len(colors)]
             label = f"{BACKEND_LABEL.get(backend, backend)}, {devices}"
             mine = budget[(budget["backend"] == backend) & (budget["devices"] == devices)]
-            # one line per planner and layout: the seed's greedy padded solid, the others dashed/dotted
+            # one line per planner and layout: the original greedy padded solid, the others dashed/dotted
             for k, ((planner, layout), pts) in enumerate(mine.groupby(["planner", "layout"], sort=True)):
                 pts = pts.sort_values("mtpm")
                 ax.plot(pts["mtpm"], pts[col], marker=MARKERS[k % len(MARKERS)], color=color,

@@ -4,7 +4,7 @@
     PYTHONPATH=. python scripts/bench_packing.py --profile packed:16384  # plus the top entries of one packed pass
 
 Packed rows are the balanced planner's (real tokens up to the budget);
-padded micro-batches are the seed's sorted greedy (count x longest <= budget).
+padded micro-batches are the original greedy planner's (count x longest <= budget).
 The numbers are wall-clock on whatever else the machine is doing: compare
 them within one run, not across machines.
 """

@@ -6,7 +6,7 @@ Prints, per planner, layout, ranks and budget: lock-step steps against the
 lower bound, pad efficiency, per-rank modeled cost max/mean, the critical path
 (sum over steps of the costliest rank's micro-batch / mean per-rank cost) and,
 packed, the critical path no plan can beat (``critical_path_lower_bound``),
-micro-batches over budget and planning time; then the large case (the seed
+micro-batches over budget and planning time; then the large case (the original workload
 generator with N lengths, 8 ranks). Cost model: Qwen3.5-35B-A3B's shipped config.
 Timings are wall-clock on whatever machine runs it: upper bounds on a busy one.
 """
@@ -84,7 +84,7 @@ def main(argv=None) -> int:
     out.append(table(header, rows))
     if args.large:
         big = mixed_lengths(args.large, 64, 32768, 42)
-        out += ["", f"## {args.large:,} lengths (the seed generator, seed 42), 8 ranks, {sum(big):,} tokens", ""]
+        out += ["", f"## {args.large:,} lengths (the original workload generator, seed 42), 8 ranks, {sum(big):,} tokens", ""]
         big_rows = []
         for planner, layout in CASES:
             for budget in BUDGETS:

@@ -40,7 +40,7 @@ def plan_doc(
 
 def greedy_doc(lengths: list[int], world_size: int, max_tokens: Optional[int], *, lockstep: bool = True,
                micro_batch_size: int = 1, layout: str = "padded", cost_model: Optional[dict] = None):
-    """(plan.json document, today's Plan) for the seed greedy planner.
+    """(plan.json document, today's Plan) for the original greedy planner.
 
     ``layout="packed"`` keeps the greedy micro-batches and marks them packed: a valid
     packed plan (Σ lengths ≤ count × longest ≤ the budget), with no padding.

@@ -6,7 +6,7 @@ How it plans (B = the budget, W = ranks, S = steps):
    more only when the micro-batches do not fit in S x W slots. Padded: S is
    what the fewest padded micro-batches (greedy over the globally sorted
    lengths, which is optimal for ``count * longest <= B``) need over W ranks,
-   never more than the seed's dealt greedy. With few micro-batches per rank
+   never more than the original dealt greedy. With few micro-batches per rank
    padded ones are too coarse to even out the ranks: when the ranks end more
    than 0.5% apart, other micro-batch counts and then more steps (up to the
    greedy's) are tried, and the first step count within 0.5% is kept.
@@ -527,7 +527,7 @@ def _padded_plan(lengths: Sequence[int], costs: Sequence[float], B: int, W: int,
     and more steps make them finer. So when S x W micro-batches over the fewest
     steps S leave the ranks uneven, every other count that fills those steps is
     tried (the most even within the target wins, ties: the shorter critical
-    path), then one step more, and so on up to the seed's greedy step count (no
+    path), then one step more, and so on up to the original greedy planner's step count (no
     plan may take more). If none is within the target, the most even plan wins.
     """
     greedy_steps = max(len(_greedy_token_budget(d, lengths, B)) for d in deal_to_ranks(sort_by_length(lengths), W))

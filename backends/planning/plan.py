@@ -70,7 +70,7 @@ def plan_batch(
 ) -> Plan:
     """Plan one pass over ``lengths`` for ``world_size`` ranks.
 
-    ``planner="greedy"`` is the seed's: sort, deal to ranks like cards, form
+    ``planner="greedy"`` is the original greedy planner: sort, deal to ranks like cards, form
     each rank's micro-batches greedily (``count * longest <= budget`` padded,
     sum of lengths packed), and for lock-step backends (``align=True``) pad
     shorter schedules with ``None``. ``planner="balanced"`` plans globally for

@@ -159,7 +159,7 @@ def test_stats_on_a_hand_computed_plan():
 
 
 def test_seed_greedy_outputs_are_pinned():
-    """The seed's greedy plans, exactly as the seed computed them (the defaults must never drift)."""
+    """The original greedy planner's plans, exactly as it always computed them (the defaults must never drift)."""
     from harness.workload import mixed_lengths
 
     small = mixed_lengths(16, 64, 512, 42)

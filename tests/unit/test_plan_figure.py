@@ -39,7 +39,7 @@ def reference(doc: dict) -> dict:
     return {"rank_cost": rank_cost, "mean": mean, "makespan": makespan, "critical_path": makespan / mean}
 
 
-# (name, doc, the seed planner's Plan or None): padded and packed, with and without dummies, 1 and 8 ranks.
+# (name, doc, the original greedy planner's Plan or None): padded and packed, with and without dummies, 1 and 8 ranks.
 def _cases():
     out = []
     doc, plan = greedy_doc(LENGTHS, 4, 65536)
@@ -83,7 +83,7 @@ def test_totals_behind_the_figure_are_the_plans_numbers(name, doc, plan):
     if doc["layout"] == "packed":
         assert pb.padded_tokens == pb.real_tokens and pb.pad_efficiency == 1.0
         assert all(b.padding_tokens == 0 and b.padding_cost == 0 for row in pb.blocks for b in row)
-    if plan is not None:  # the seed planner's own statistics
+    if plan is not None:  # the original greedy planner's own statistics
         st = plan.stats
         assert pb.real_tokens == st.real_tokens
         assert pb.padded_tokens == st.padded_tokens
@@ -180,7 +180,7 @@ def test_readme_shows_published_plans_side_by_side(tmp_path):
         (plans / f"{planner}-{layout}").mkdir(parents=True)
         (plans / f"{planner}-{layout}" / "plan.json").write_text(json.dumps({**doc, "planner": planner}))
     found = published_plans(plans)
-    assert [p.parent.name for p in found] == ["greedy-padded", "balanced-packed"]  # the seed's plan on the left
+    assert [p.parent.name for p in found] == ["greedy-padded", "balanced-packed"]  # the original greedy planner's plan on the left
     pngs = [tmp_path / "plots" / f"plan-{p.parent.name}.png" for p in found]
     lines = readme_plan_lines(pngs, found, tmp_path)
     images = [line for line in lines if line.startswith("<p>")]

@@ -164,7 +164,7 @@ def test_greedy_packed_sorts_deals_and_fills_to_the_sum(lengths, world, budget):
     plan = plan_batch(lengths, world, budget, 1, layout="packed")
     dealt = deal_to_ranks(sort_by_length(lengths), world)
     for rank, schedule in enumerate(plan.schedules):
-        assert [i for b in schedule for i in b] == dealt[rank]  # the seed's order, cut differently
+        assert [i for b in schedule for i in b] == dealt[rank]  # the original planner's order, cut differently
         for cur, nxt in zip(schedule, schedule[1:]):
             assert sum(lengths[i] for i in cur) + lengths[nxt[0]] > budget  # closed only when the next one does not fit
         for b in schedule:
@@ -212,7 +212,7 @@ def test_balanced_packed_meets_the_issue_targets_on_the_seed_workload(world):
 
 @pytest.mark.parametrize("world", [1, 4, 8])
 def test_balanced_padded_evens_the_ranks_on_the_seed_workload(world):
-    """Issue 10: padded, ranks within 0.5% of each other, in no more steps than the seed's greedy."""
+    """Issue 10: padded, ranks within 0.5% of each other, in no more steps than the original greedy planner."""
     for budget in BUDGETS:
         kw = dict(align=True, layout="padded", cost_model=QWEN)
         greedy = plan_batch(SEED, world, budget, 1, planner="greedy", **kw).stats
