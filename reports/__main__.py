@@ -12,14 +12,8 @@ import sys
 from pathlib import Path
 
 from reports.collect import collect
-from reports.plan_figure import (
-    draw_plan_file,
-    draw_side_by_side,
-    plan_figure_paths,
-    published_plans,
-    readme_plan_lines,
-    write_plan_figures,
-)
+from reports.plan_figure import draw_plan_file, draw_side_by_side, readme_plan_lines, write_plan_figures
+from reports.plan_files import plan_figure_paths, published_plans
 from reports.plots import plot_paths, write_plots
 from reports.render import BEGIN, END, markdown_tables, readme_block, replace_block, write_csv
 

@@ -6,41 +6,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from backends.planning.cost import LAYOUTS, CostModel, microbatch_cost, microbatch_tokens
+from backends.planning.cost import CostModel, microbatch_cost, microbatch_tokens
+from backends.planning.plan import check_plan_json
+
 # Above this many columns a figure's blocks get too thin to read: consecutive
 # steps (or micro-batches) are drawn summed in groups instead.
 MAX_COLUMNS = 32
-
-
-def check_plan_doc(doc) -> None:
-    """Raise ValueError naming the first thing that makes ``doc`` no plan.json document (see the plan.json format of backends/planning/plan.py)."""
-    if not isinstance(doc, dict):
-        raise ValueError("not a JSON object")
-    for key in ("lengths", "schedules"):
-        if not isinstance(doc.get(key), list):
-            raise ValueError(f"'{key}' is missing or not a list")
-    lengths, schedules = doc["lengths"], doc["schedules"]
-    if not all(isinstance(n, int) and n >= 0 for n in lengths):
-        raise ValueError("'lengths' must be non-negative integers")
-    if not schedules or not all(isinstance(s, list) for s in schedules):
-        raise ValueError("'schedules' must be a non-empty list of per-rank lists")
-    if doc.get("world_size") is not None and doc["world_size"] != len(schedules):
-        raise ValueError(f"'world_size' is {doc['world_size']} but there are {len(schedules)} schedules")
-    layout = doc.get("layout", "padded")
-    if layout not in LAYOUTS:
-        raise ValueError(f"'layout' is {layout!r} (valid: {', '.join(LAYOUTS)})")
-    for r, schedule in enumerate(schedules):
-        for s, batch in enumerate(schedule):
-            if batch is None:
-                continue
-            indices_ok = isinstance(batch, list) and all(isinstance(i, int) and 0 <= i < len(lengths) for i in batch)
-            if not batch or not indices_ok:
-                raise ValueError(f"schedules[{r}][{s}] must be null or a non-empty list of indices into 'lengths'")
-    if doc.get("lockstep", True) and len({len(s) for s in schedules}) > 1:
-        raise ValueError("'lockstep' is true but the ranks' schedules differ in length")
-    cm = doc.get("cost_model")
-    if cm is not None and not (isinstance(cm, dict) and all(isinstance(cm.get(k), (int, float)) for k in ("a", "b"))):
-        raise ValueError("'cost_model' must be {\"a\": number, \"b\": number, \"source\": text}")
 
 
 @dataclass(frozen=True)
@@ -132,7 +103,7 @@ class PlanBlocks:
 
 def plan_blocks(doc: dict) -> PlanBlocks:
     """The blocks and totals of a plan.json document (raises ValueError when it is not one)."""
-    check_plan_doc(doc)
+    check_plan_json(doc)
     lengths: list[int] = doc["lengths"]
     layout = doc.get("layout", "padded")
     lockstep = bool(doc.get("lockstep", True))

@@ -1,16 +1,15 @@
-"""The plan figure: one row per rank, real tokens, padding and waiting drawn on a modeled-cost axis, from plan.json."""
+"""Drawing plan figures: one row per rank, real tokens, padding and waiting on a modeled-cost axis; a report's figures and README lines."""
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Optional, Sequence
 
 from backends.errors import UserError
 from reports.plan_blocks import MAX_COLUMNS, Layout, PlanBlocks, plan_blocks, plan_layout
+from reports.plan_files import find_plan, load_plan, plan_figure_paths, workload_name
 
-PLAN_FILE = "plan.json"
 COLORS = {"real": "#3b6fb6", "padding": "#e8893a", "idle": "#d9d9d9", "dummy": "#bdbdbd"}
 LABELS = {
     "real": "real tokens",
@@ -18,38 +17,6 @@ LABELS = {
     "idle": "waiting for the slowest rank",
     "dummy": "dummy step (no data; waits)",
 }
-
-
-def find_plan(path: Path) -> Path:
-    """The plan.json a user means: the file itself, or the one in a point folder (UserError otherwise)."""
-    path = Path(path)
-    if path.is_dir():
-        if not (path / PLAN_FILE).is_file():
-            raise UserError(f"{path}: no {PLAN_FILE} in this folder (give a point folder or a {PLAN_FILE} file)")
-        return path / PLAN_FILE
-    if not path.is_file():
-        raise UserError(f"{path}: no such file or folder (give a point folder or a {PLAN_FILE} file)")
-    return path
-
-
-def load_plan(path: Path) -> dict:
-    """A checked plan.json document (UserError naming the path and the problem otherwise)."""
-    path = find_plan(path)
-    try:
-        doc = json.loads(path.read_text())
-        plan_blocks(doc)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, ValueError) as exc:
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise UserError(f"{path}: not a {PLAN_FILE} document ({reason})") from None
-    return doc
-
-
-def _workload_name(plan_path: Path) -> Optional[str]:
-    """The workload's name from the results.json beside the plan, when there is one (plan.json does not hold it)."""
-    try:
-        return json.loads((plan_path.parent / "results.json").read_text())["workload"]["name"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
 
 
 def describe(pb: PlanBlocks, workload: Optional[str] = None) -> tuple[list[str], list[str]]:
@@ -217,34 +184,15 @@ def draw_plan_file(path: Path, out_png: Optional[Path] = None, **kwargs) -> Path
     plan_path = find_plan(path)
     doc = load_plan(plan_path)
     out = Path(out_png) if out_png is not None else plan_path.with_suffix(".png")
-    return draw_plan(doc, out, workload=_workload_name(plan_path), **kwargs)
+    return draw_plan(doc, out, workload=workload_name(plan_path), **kwargs)
 
 
 def draw_side_by_side(plans: Sequence[Path], pngs: Sequence[Path], width_in: float = 6.5) -> list[Path]:
     """Draw plans meant to be compared (the README's): narrow, on one common time axis."""
     docs = [load_plan(p) for p in plans]
     longest = max((plan_layout(plan_blocks(d)).total for d in docs), default=0.0)
-    return [draw_plan(d, png, workload=_workload_name(find_plan(p)), width_in=width_in, x_total=longest)
+    return [draw_plan(d, png, workload=workload_name(find_plan(p)), width_in=width_in, x_total=longest)
             for d, p, png in zip(docs, plans, pngs)]
-
-
-def point_name(results_path: Path, out_dir: Path) -> str:
-    """A point's name for its figure: its folder relative to the report's folder ('0', 'sweepA-3'), else its own name."""
-    folder = Path(results_path).parent.resolve()
-    try:
-        rel = folder.relative_to(Path(out_dir).resolve())
-    except ValueError:
-        rel = Path(folder.name)
-    return "-".join(rel.parts) or folder.name
-
-
-def plan_figure_paths(df, out_dir: Path) -> list[Optional[Path]]:
-    """Per row of ``df``: where its figure goes (``out_dir/plots/plan-<point>.png``); None where there is no plan.json."""
-    out: list[Optional[Path]] = []
-    for results_path in df["path"]:
-        has_plan = (Path(results_path).parent / PLAN_FILE).is_file()
-        out.append(Path(out_dir) / "plots" / f"plan-{point_name(Path(results_path), out_dir)}.png" if has_plan else None)
-    return out
 
 
 def write_plan_figures(df, out_dir: Path) -> list[Optional[Path]]:
@@ -265,19 +213,6 @@ def write_plan_figures(df, out_dir: Path) -> list[Optional[Path]]:
             logging.getLogger(__name__).warning("plan figure %s not drawn: %s", png, exc)
             out.append(None)
     return out
-
-
-def published_plans(plans_dir: Path) -> list[Path]:
-    """The README's plans, ``plans_dir/<name>/plan.json``: by budget, the original greedy planner first, padded before packed."""
-    docs = []
-    for path in sorted(Path(plans_dir).glob(f"*/{PLAN_FILE}")):
-        try:
-            doc = json.loads(path.read_text())
-        except (OSError, ValueError):
-            doc = {}
-        docs.append(((doc.get("max_tokens_per_microbatch") or 0, doc.get("planner") != "greedy",
-                      doc.get("layout") != "padded", path.parent.name), path))
-    return [p for _, p in sorted(docs)]
 
 
 def readme_plan_lines(figures: Sequence[Path], plans: Sequence[Path], base: Path) -> list[str]:

@@ -12,9 +12,8 @@ from backends.messages import PASS_TYPES, Example, ExampleOutput
 from backends.model import kernels
 from backends.model.logprobs import find_logprob_head
 from backends.model.packing import collate_packed, model_layer_types, prepare_model_for_packing
-from backends.planning import Schedule
+from backends.planning import LAYOUTS, Schedule  # padded: one row per sequence; packed: one row, end to end
 
-LAYOUTS = ("padded", "packed")  # padded: one row per sequence; packed: one row, sequences end to end
 
 class PassTimeout(RuntimeError):
     """A pass ran past bench.pass_timeout_s."""

@@ -1,4 +1,4 @@
-"""One pass's plan: which rank runs which examples in which step, by the chosen planner and layout."""
+"""One pass's plan: which rank runs which examples in which step, by the chosen planner and layout; its plan.json and the check of one."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from backends.planning.stats import PlanStats, plan_stats
 
 PLANNERS = ("greedy", "balanced")
 PLAN_JSON_VERSION = 1
+PLAN_FILE = "plan.json"  # a point's plan, in its output folder (Plan.to_json; read back by reports/)
 
 
 @dataclass
@@ -51,6 +52,37 @@ class Plan:
             "schedules": [[None if b is None else list(b) for b in s] for s in self.schedules],
         }
         return {"version": doc.pop("version"), **extra, **doc}
+
+
+def check_plan_json(doc) -> None:
+    """Raise ValueError naming the first thing that makes ``doc`` no plan.json document (the format of ``Plan.to_json``)."""
+    if not isinstance(doc, dict):
+        raise ValueError("not a JSON object")
+    for key in ("lengths", "schedules"):
+        if not isinstance(doc.get(key), list):
+            raise ValueError(f"'{key}' is missing or not a list")
+    lengths, schedules = doc["lengths"], doc["schedules"]
+    if not all(isinstance(n, int) and n >= 0 for n in lengths):
+        raise ValueError("'lengths' must be non-negative integers")
+    if not schedules or not all(isinstance(s, list) for s in schedules):
+        raise ValueError("'schedules' must be a non-empty list of per-rank lists")
+    if doc.get("world_size") is not None and doc["world_size"] != len(schedules):
+        raise ValueError(f"'world_size' is {doc['world_size']} but there are {len(schedules)} schedules")
+    layout = doc.get("layout", "padded")
+    if layout not in LAYOUTS:
+        raise ValueError(f"'layout' is {layout!r} (valid: {', '.join(LAYOUTS)})")
+    for r, schedule in enumerate(schedules):
+        for s, batch in enumerate(schedule):
+            if batch is None:
+                continue
+            indices_ok = isinstance(batch, list) and all(isinstance(i, int) and 0 <= i < len(lengths) for i in batch)
+            if not batch or not indices_ok:
+                raise ValueError(f"schedules[{r}][{s}] must be null or a non-empty list of indices into 'lengths'")
+    if doc.get("lockstep", True) and len({len(s) for s in schedules}) > 1:
+        raise ValueError("'lockstep' is true but the ranks' schedules differ in length")
+    cm = doc.get("cost_model")
+    if cm is not None and not (isinstance(cm, dict) and all(isinstance(cm.get(k), (int, float)) for k in ("a", "b"))):
+        raise ValueError("'cost_model' must be {\"a\": number, \"b\": number, \"source\": text}")
 
 
 def check_choice(key: str, value: str, valid: Sequence[str]) -> None:

@@ -9,7 +9,8 @@ import pytest
 
 from harness.workload import mixed_lengths
 from reports.plan_blocks import MAX_COLUMNS, plan_blocks, plan_layout, kind_totals
-from reports.plan_figure import draw_plan, draw_side_by_side, figure_notes, published_plans, readme_plan_lines
+from reports.plan_figure import draw_plan, draw_side_by_side, figure_notes, readme_plan_lines
+from reports.plan_files import published_plans
 from tests.plan_docs import COST_MODEL, greedy_doc, plan_doc
 
 PNG = b"\x89PNG\r\n\x1a\n"
