@@ -26,3 +26,20 @@ def test_control_file_round_trip_and_corruption(tmp_path, caplog):
     with pytest.raises(ValueError):
         ctl.set_max_tokens_per_microbatch(0)
     assert not list(tmp_path.glob(".c.ctl.*"))  # no temporary files left behind
+
+
+def test_a_budget_required_file_never_takes_unset_as_good(tmp_path, caplog):
+    """Issue 22 (6): "unset" written into a balanced server's file keeps the last budget, never becomes the good one."""
+    ctl = ControlFile(tmp_path / "c.ctl", BatchingSettings(4096, 1), budget_required=True)
+    ctl.path.write_text('{"max_tokens_per_microbatch": "unset", "micro_batch_size": 1}')
+    with caplog.at_level("WARNING"):
+        assert ctl.read() == BatchingSettings(4096, 1)
+    assert any("not allowed with planner=balanced" in r.message for r in caplog.records)
+    ctl.path.write_text("not json")  # a later corrupt file still keeps the budget, not "unset"
+    assert ctl.read() == BatchingSettings(4096, 1)
+    ctl.path.write_text('{"max_tokens_per_microbatch": 2048, "micro_batch_size": 1}')
+    assert ctl.read() == BatchingSettings(2048, 1)
+    # Without the requirement (a greedy server), "unset" means fixed-size slices, as before.
+    plain = ControlFile(tmp_path / "d.ctl", BatchingSettings(4096, 1))
+    plain.path.write_text('{"max_tokens_per_microbatch": "unset", "micro_batch_size": 2}')
+    assert plain.read() == BatchingSettings(None, 2)
