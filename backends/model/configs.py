@@ -75,21 +75,23 @@ def model_config(spec: ModelSpec) -> tuple[dict[str, Any], str]:
     """The model's config and where it came from: the checkpoint's config.json when it is on disk, else the shipped one.
 
     The tiny model (no path) is TINY_CONFIG with the spec's vocabulary size.
-    A named model whose checkpoint is absent (a dry run on a laptop) falls back
-    to its shipped config; a model with neither gets the token-count cost.
+    A named model whose checkpoint is absent or not given (a dry run on a
+    laptop; a real run refuses a missing checkpoint before this matters) falls
+    back to its shipped config; a model with neither gets the token-count cost.
     """
     if spec.path is not None:
         path = Path(os.path.expanduser(str(spec.path))) / "config.json"
         if path.is_file():
             data = json.loads(path.read_text())
             return dict(data.get("text_config") or data), str(path)
-    if spec.path is None:
+    if spec.path is None and (spec.name == "tiny" or spec.name not in SHIPPED_CONFIGS):
         config = dict(SHIPPED_CONFIGS["tiny"])
         if spec.vocab_size:
             config["vocab_size"] = int(spec.vocab_size)
         return config, "backends/model/configs.py:TINY_CONFIG"
     if spec.name in SHIPPED_CONFIGS:
-        return dict(SHIPPED_CONFIGS[spec.name]), f"backends/model/configs.py:{spec.name} (checkpoint not on disk)"
+        why = "no model.path" if spec.path is None else "checkpoint not on disk"
+        return dict(SHIPPED_CONFIGS[spec.name]), f"backends/model/configs.py:{spec.name} ({why})"
     return {}, ""
 
 
