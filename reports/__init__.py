@@ -1,0 +1,1 @@
+"""python -m reports: results.json files into the README table, CSV, plots and plan figures (reads only results.json and plan.json)."""

@@ -1,0 +1,1 @@
+"""The tests: tests/unit in-process (make test-fast), tests/integration real processes; helpers both tiers share live here."""

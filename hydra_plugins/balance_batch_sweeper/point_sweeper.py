@@ -15,6 +15,23 @@ log = logging.getLogger(__name__)
 DEFAULT_SUBDIR = "${hydra.job.num}"
 
 
+def keep_earlier_sweep_config(sweep_dir: Path) -> Optional[Path]:
+    """Before Hydra writes this run's multirun.yaml: keep the earlier run's as multirun.<n>.yaml (0 the first run's).
+
+    multirun.yaml stays the latest run's, as Hydra writes it; a resume no longer erases what the sweep first was.
+    """
+    current = sweep_dir / "multirun.yaml"
+    if not current.is_file():
+        return None
+    n = 0
+    while (sweep_dir / f"multirun.{n}.yaml").exists():
+        n += 1
+    kept = sweep_dir / f"multirun.{n}.yaml"
+    kept.write_bytes(current.read_bytes())
+    log.info("resume: the earlier run's multirun.yaml is kept as %s", kept.name)
+    return kept
+
+
 class PointSweeper(BasicSweeper):
     """Expands the sweep like BasicSweeper, then de-duplicates it and places each point before anything is written."""
 
@@ -28,6 +45,8 @@ class PointSweeper(BasicSweeper):
         resume = bool(OmegaConf.select(self.config, "resume", default=False))
         subdir = OmegaConf.to_container(self.config.hydra.sweep, resolve=False).get("subdir")
         folders = place_points(jobs, sweep_dir, resume)
+        if resume:
+            keep_earlier_sweep_config(sweep_dir)
         if subdir == DEFAULT_SUBDIR:  # a user's own subdir pattern is left alone
             jobs = [job + [f"hydra.sweep.subdir={folder}"] if folder is not None else job for job, folder in zip(jobs, folders)]
         return [list(chunk) for chunk in BasicSweeper.split_overrides_to_chunks(jobs, max_batch_size)]

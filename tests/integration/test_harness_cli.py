@@ -335,8 +335,12 @@ def test_resume_keeps_finished_results_and_finds_points_by_their_overrides(workd
     done = digests(sweep)
     assert [(r["mtpm"], r["status"]) for r in sweep_results(sweep)] == [(512, "ok"), (100000, "ok")]
 
+    first_config = (sweep / "multirun.yaml").read_text()
     resumed = run_harness("-m", "mtpm=2048,512,100000", "resume=true", *common, cwd=workdir)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    # Issue 22 (15): the first run's multirun.yaml is kept, not overwritten; multirun.yaml is the latest run's
+    assert (sweep / "multirun.0.yaml").read_text() == first_config
+    assert "mtpm=2048,512,100000" in (sweep / "multirun.yaml").read_text()
     assert (resumed.stdout + resumed.stderr).count("already ok") == 2
     after = digests(sweep)
     assert {k: after[k] for k in done} == done  # the finished points were not measured again
@@ -347,6 +351,7 @@ def test_resume_keeps_finished_results_and_finds_points_by_their_overrides(workd
     assert {k: digests(sweep)[k] for k in after} == after  # a dry run never replaces a measurement
     assert [(r["mtpm"], r["status"]) for r in sweep_results(sweep)][-1] == (300, "planned")
     assert len(sweep_results(sweep)) == 4
+    assert sorted(p.name for p in sweep.glob("multirun*.yaml")) == ["multirun.0.yaml", "multirun.1.yaml", "multirun.yaml"]
 
 
 @pytest.mark.slow
