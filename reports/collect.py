@@ -157,16 +157,57 @@ def _max_per_rank(a: list, b: list) -> list:
     return [known(x, shorter[i] if i < len(shorter) else None) for i, x in enumerate(longer)]
 
 
+_JSON_TYPE = {list: "an array", str: "a string", bool: "true or false", int: "a number", float: "a number",
+              type(None): "null"}
+_OBJECTS = ("device", "model", "workload", "bench", "plan", "passes", "precision")  # objects or null
+_NUMBERS = ("mtpm", "mbs", "world_size")
+_PLAN_NUMBERS = ("pad_efficiency", "critical_path", "cost_imbalance", "steps", "lower_bound_steps",
+                 "max_microbatch_padded_tokens")
+_PASS_NUMBERS = ("tok_per_s", "util_pct", "mem_pct", "mfu_pct")
+
+
+def _is_number(x) -> bool:
+    return x is None or (isinstance(x, (int, float)) and not isinstance(x, bool))
+
+
+def shape_problem(doc) -> Optional[str]:
+    """What keeps ``doc`` from being read as a results.json (the keys the report reads), or None."""
+    if not isinstance(doc, dict):
+        return f"holds {_JSON_TYPE.get(type(doc), type(doc).__name__)}, not a JSON object"
+    for key in _OBJECTS:
+        if not isinstance(doc.get(key), (dict, type(None))):
+            return f"'{key}' is {_JSON_TYPE.get(type(doc[key]), '?')}, not an object or null"
+    for key in _NUMBERS:
+        if not _is_number(doc.get(key)):
+            return f"'{key}' is not a number or null"
+    for key in _PLAN_NUMBERS:
+        if not _is_number((doc.get("plan") or {}).get(key)):
+            return f"'plan.{key}' is not a number or null"
+    for name, rec in (doc.get("passes") or {}).items():
+        if not isinstance(rec, (dict, type(None))):
+            return f"'passes.{name}' is not an object or null"
+        for key in _PASS_NUMBERS:
+            if not _is_number((rec or {}).get(key)):
+                return f"'passes.{name}.{key}' is not a number or null"
+    return None
+
+
+def read_results(path: Path) -> dict:
+    """``path``'s results.json document; one that cannot be read as such is a warning naming it and an "unreadable" row."""
+    try:
+        doc = json.loads(Path(path).read_text())
+        problem = shape_problem(doc)
+    except (OSError, ValueError) as exc:  # ValueError: torn JSON, not UTF-8
+        problem = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    if problem is None:
+        return doc
+    log.warning("%s: unreadable (%s); shown as an unreadable row", path, problem)
+    return {"status": "unreadable", "error": problem}
+
+
 def collect(dirs: Iterable[Path]) -> pd.DataFrame:
-    """Every results.json under ``dirs`` as a row; unreadable files are reported, never silently dropped."""
-    rows = []
-    for path in find_results(dirs):
-        try:
-            doc = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            log.warning("%s: unreadable (%s); shown as such", path, exc)
-            doc = {"status": "unreadable", "error": str(exc)}
-        rows.append(row_of(path, doc))
+    """Every results.json under ``dirs`` as a row; unreadable files are a warning and a row, never silently dropped."""
+    rows = [row_of(path, read_results(path)) for path in find_results(dirs)]
     df = pd.DataFrame(rows)
     return sort_rows(df) if not df.empty else df
 
