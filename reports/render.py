@@ -186,11 +186,27 @@ def readme_block(df: pd.DataFrame, plots: Sequence[Path], readme: Optional[Path]
     return "\n".join(lines)
 
 
+def block_span(text: str) -> Optional[tuple[int, int]]:
+    """Where the results block (both markers included) is in ``text``; None without BEGIN followed by END."""
+    start = text.find(BEGIN)
+    end = text.find(END, start + len(BEGIN)) if start >= 0 else -1
+    return (start, end + len(END)) if end >= 0 else None
+
+
+def no_block_message(path: Path, verb: str = "rewrite") -> str:
+    return f"{path}: no results block to {verb}; add the lines '{BEGIN}' and '{END}' (in that order) where the table goes"
+
+
+def current_block(text: str) -> Optional[str]:
+    span = block_span(text)
+    return text[span[0] : span[1]] if span else None
+
+
 def replace_block(text: str, block: str, path: Path) -> str:
-    start, end = text.find(BEGIN), text.find(END)
-    if start < 0 or end < start:
-        raise ValueError(f"{path}: no '{BEGIN}' ... '{END}' block to rewrite (add both markers where the table goes)")
-    return text[:start] + block + text[end + len(END) :]
+    span = block_span(text)
+    if span is None:
+        raise ValueError(no_block_message(path))
+    return text[: span[0]] + block + text[span[1] :]
 
 
 def write_csv(df: pd.DataFrame, path: Path) -> None:

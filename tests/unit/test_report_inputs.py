@@ -69,3 +69,66 @@ def test_the_end_of_sweep_report_is_written_despite_a_bad_results_json(tmp_path,
     assert (sweep / "report.md").read_text().count("| FSDP2") == 2
     assert "unreadable" in (sweep / "results.csv").read_text()
     assert state.STATE.exit_code == state.EXIT_FAILED  # the sweep still says a point went wrong
+
+
+def _one_line_error(capsys, *words: str) -> str:
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("error: "), err
+    for w in words:
+        assert w in err, err
+    return err
+
+
+@pytest.mark.parametrize("check", [True, False], ids=["--check", "rewrite"])
+def test_a_missing_readme_is_one_line_and_nothing_is_written(check, tmp_path, capsys):
+    from reports.__main__ import main
+
+    sweep = _sweep(tmp_path / "sweep", {"0": _ok_doc()})
+    missing = tmp_path / "missing.md"
+    assert main([str(sweep), "--readme", str(missing)] + (["--check"] if check else [])) == 2
+    _one_line_error(capsys, str(missing), "no such file")
+    assert not missing.exists() and not (sweep / "report.md").exists()
+    assert main([str(sweep), "--readme", str(tmp_path)] + (["--check"] if check else [])) == 2  # a folder
+    _one_line_error(capsys, str(tmp_path), "not a file")
+
+
+@pytest.mark.parametrize("check", [True, False], ids=["--check", "rewrite"])
+def test_a_readme_without_the_markers_says_which_to_add(check, tmp_path, capsys):
+    from reports.__main__ import main
+    from reports.render import BEGIN, END
+
+    sweep = _sweep(tmp_path / "sweep", {"0": _ok_doc()})
+    for text in ("# A project\n", f"# A project\n{END}\n{BEGIN}\n", f"# only one\n{BEGIN}\n"):
+        readme = tmp_path / "NOMARK.md"
+        readme.write_text(text)
+        assert main([str(sweep), "--readme", str(readme)] + (["--check"] if check else [])) == 2
+        err = _one_line_error(capsys, str(readme), BEGIN, END)
+        assert "stale" not in err and "run:" not in err  # not a command that would fail in turn
+        assert readme.read_text() == text and not (sweep / "report.md").exists()
+    assert capsys.readouterr().out == ""
+
+
+def test_unwritable_outputs_are_one_line(tmp_path, capsys, monkeypatch):
+    from reports.__main__ import main
+
+    sweep = _sweep(tmp_path / "sweep", {"0": _ok_doc()})
+    assert main([str(sweep), "--csv", "/proc/frame.csv"]) == 2
+    _one_line_error(capsys, "/proc/frame.csv", "cannot write")
+
+    import reports.__main__ as cli
+
+    def refuse(df, out_dir):
+        raise PermissionError(13, "Permission denied", str(out_dir / "plots" / "tok_per_s.png"))
+
+    monkeypatch.setattr(cli, "write_plots", refuse)  # a read-only sweep folder (tests may run as root)
+    assert main([str(sweep)]) == 2
+    _one_line_error(capsys, str(sweep / "plots" / "tok_per_s.png"), "cannot write", "Permission denied")
+
+
+def test_csv_into_a_folder_writes_results_csv_there(tmp_path, capsys):
+    from reports.__main__ import main
+
+    sweep = _sweep(tmp_path / "sweep", {"0": _ok_doc()})
+    (tmp_path / "frames").mkdir()
+    assert main([str(sweep), "--csv", str(tmp_path / "frames")]) == 0
+    assert (tmp_path / "frames" / "results.csv").read_text().startswith("path,")
