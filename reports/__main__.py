@@ -39,7 +39,8 @@ def plan_main(argv) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m reports plan", description=plan_main.__doc__.split(": ", 1)[1])
     ap.add_argument("path", type=Path, help="a point folder holding plan.json, or a plan.json file")
-    ap.add_argument("-o", "--out", type=Path, help="the PNG to write (default: plan.png beside the plan.json)")
+    ap.add_argument("-o", "--out", help="the PNG to write (default: plan.png beside the plan.json); a folder: "
+                    "FOLDER/plan-<point>.png; no extension: OUT.png; only PNG is written")
     args = ap.parse_args(argv)
     try:
         png = draw_plan_file(args.path, args.out)

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from backends.errors import UserError
+from backends.planning.plan import PLAN_FILE
 from reports.plan_blocks import MAX_COLUMNS, Layout, PlanBlocks, plan_blocks, plan_layout
 from reports.plan_files import find_plan, load_plan, plan_figure_paths, workload_name
 
@@ -179,12 +180,43 @@ def draw_plan(doc: dict, out_png: Path, workload: Optional[str] = None, max_colu
     return out_png
 
 
-def draw_plan_file(path: Path, out_png: Optional[Path] = None, **kwargs) -> Path:
-    """Draw the plan at ``path`` (a point folder or a plan.json) into ``out_png`` (default: plan.png beside it)."""
+def figure_name(plan_path: Path) -> str:
+    """A plan's figure name in a folder: ``plan-<point>.png`` for a point's plan.json (as the report's plots/), else ``<name>.png``."""
+    plan_path = Path(plan_path)
+    if plan_path.name == PLAN_FILE:
+        return f"plan-{plan_path.resolve().parent.name}.png"
+    return plan_path.with_suffix(".png").name
+
+
+def plan_png_path(out, plan_path: Path) -> Path:
+    """Where ``python -m reports plan PATH -o OUT`` writes (UserError for a format other than PNG).
+
+    No OUT: plan.png beside the plan.json. OUT a folder (an existing one, or a name ending in /):
+    ``OUT/plan-<point>.png``. OUT without an extension: ``OUT.png``. Only PNG is written.
+    """
+    plan_path = Path(plan_path)
+    if out is None:
+        return plan_path.with_suffix(".png")
+    raw, out = str(out), Path(out)
+    if out.is_dir() or raw.endswith(("/", os.sep)):
+        return out / figure_name(plan_path)
+    if not out.suffix:
+        return out.with_name(out.name + ".png")
+    if out.suffix.lower() != ".png":
+        raise UserError(f"{raw}: only .png is written (give OUT.png, a name without extension to get OUT.png, "
+                        "or a folder)")
+    return out
+
+
+def draw_plan_file(path: Path, out_png=None, **kwargs) -> Path:
+    """Draw the plan at ``path`` (a point folder or a plan.json) into ``out_png`` (see ``plan_png_path``); returns the PNG written."""
     plan_path = find_plan(path)
     doc = load_plan(plan_path)
-    out = Path(out_png) if out_png is not None else plan_path.with_suffix(".png")
-    return draw_plan(doc, out, workload=workload_name(plan_path), **kwargs)
+    out = plan_png_path(out_png, plan_path)
+    try:
+        return draw_plan(doc, out, workload=workload_name(plan_path), **kwargs)
+    except OSError as exc:
+        raise UserError(f"{out}: cannot write ({exc.strerror or exc}; give -o a path in a writable folder)") from None
 
 
 def draw_side_by_side(plans: Sequence[Path], pngs: Sequence[Path], width_in: float = 6.5) -> list[Path]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import math
 
 import pytest
@@ -190,3 +191,51 @@ def test_readme_shows_published_plans_side_by_side(tmp_path):
     assert readme_plan_lines([], [], tmp_path) == []
     assert [png.read_bytes()[:8] for png in draw_side_by_side(found, pngs)] == [PNG, PNG]
     assert math.isfinite(plan_blocks(json.loads(found[0].read_text())).critical_path)
+
+
+def _plan_point(tmp_path, name: str = "point"):
+    doc, _ = greedy_doc(LENGTHS[:24], 2, 16384)
+    point = tmp_path / name
+    point.mkdir()
+    (point / "plan.json").write_text(json.dumps(doc))
+    return point
+
+
+def _plan_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    from reports.__main__ import main
+
+    rc = main(["plan", *argv])
+    out, err = capsys.readouterr()
+    return rc, out.strip(), err.strip()
+
+
+def test_plan_out_folder_or_bare_name_writes_the_png_it_prints(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    point = _plan_point(tmp_path, "3")
+    (tmp_path / "figs").mkdir()
+    for out, written in [
+        ("figs", tmp_path / "figs" / "plan-3.png"),  # an existing folder: the point's name, as the report's plots/
+        ("new/", tmp_path / "new" / "plan-3.png"),  # a trailing slash: a folder, made
+        ("noext", tmp_path / "noext.png"),  # no extension: .png appended
+        ("Shot.PNG", tmp_path / "Shot.PNG"),
+    ]:
+        rc, printed, err = _plan_cli(capsys, str(point), "-o", out)
+        assert rc == 0, err
+        assert Path(printed).resolve() == written.resolve() and written.read_bytes()[:8] == PNG, (out, printed)
+    assert not (tmp_path / "figs.png").exists() and not (tmp_path / "figs" / "plan.png").exists()
+    rc, printed, _ = _plan_cli(capsys, str(point / "plan.json"), "-o", "figs")
+    assert rc == 0 and Path(printed).resolve() == (tmp_path / "figs" / "plan-3.png").resolve()
+
+
+def test_plan_out_of_another_format_or_unwritable_is_one_line(tmp_path, capsys):
+    point = _plan_point(tmp_path)
+    for out, words in [
+        (tmp_path / "out.txt", "only .png"),
+        (tmp_path / "out.pdf", "only .png"),
+        (Path("/proc/x.png"), "cannot write"),
+        (Path("/proc/nope/x.png"), "cannot write"),
+    ]:
+        rc, printed, err = _plan_cli(capsys, str(point), "-o", str(out))
+        assert rc == 2 and printed == "", (out, printed)
+        assert err.count("\n") == 0 and err.startswith("error: ") and str(out) in err and words in err, err
+        assert not out.exists()
