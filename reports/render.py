@@ -209,8 +209,20 @@ def replace_block(text: str, block: str, path: Path) -> str:
     return text[: span[0]] + block + text[span[1] :]
 
 
-def write_csv(df: pd.DataFrame, path: Path) -> None:
+def portable_path(path, base: Path) -> str:
+    """``path`` relative to ``base`` (POSIX) when it lies under it, else absolute: what a CSV in ``base`` names a run by."""
+    full = Path(path).resolve()
+    try:
+        return full.relative_to(Path(base).resolve()).as_posix()
+    except ValueError:
+        return str(full)
+
+
+def write_csv(df: pd.DataFrame, path: Path, base: Optional[Path] = None) -> None:
+    """The frame as CSV; ``path`` relative to ``base`` (default: the CSV's folder), so another clone writes the same file."""
     out = df.drop(columns=["plan_png"], errors="ignore")  # a figure's path on this machine, not a measurement
+    base = Path(path).parent if base is None else base
+    out["path"] = out["path"].map(lambda p: p if _missing(p) else portable_path(p, base))
     for col in ("n_microbatches", "n_dummy", "forward_mem_peak_bytes", "forward_backward_mem_peak_bytes",
                 "peak_mem_bytes_per_rank"):
         out[col] = out[col].map(lambda v: " ".join(map(str, v)) if isinstance(v, (list, tuple)) else v)

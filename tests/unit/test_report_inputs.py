@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 from pathlib import Path
@@ -132,3 +133,30 @@ def test_csv_into_a_folder_writes_results_csv_there(tmp_path, capsys):
     (tmp_path / "frames").mkdir()
     assert main([str(sweep), "--csv", str(tmp_path / "frames")]) == 0
     assert (tmp_path / "frames" / "results.csv").read_text().startswith("path,")
+
+
+def test_csv_paths_are_relative_to_its_folder_so_any_clone_writes_the_committed_file(tmp_path):
+    from reports.render import write_csv
+
+    df = collect([COMMITTED])
+    committed = (REPO / "reports" / "results.csv").read_text()
+    assert str(REPO) not in committed and "/work/" not in committed  # no machine's absolute paths
+    out = tmp_path / "results.csv"
+    write_csv(df, out, base=REPO / "reports")  # as python -m reports writes reports/results.csv, in this clone
+    assert out.read_text() == committed
+    import pandas as pd
+
+    assert pd.read_csv(io.StringIO(committed))["path"].iloc[0] == "results/cpu-2rank-tiny/0/results.json"
+
+
+def test_a_sweeps_csv_names_points_relative_to_it(tmp_path, capsys):
+    import pandas as pd
+
+    from reports.__main__ import main
+
+    sweep = _sweep(tmp_path / "sweep", {"0": _ok_doc(), "1": _ok_doc()})
+    assert main([str(sweep)]) == 0
+    assert sorted(pd.read_csv(sweep / "results.csv")["path"]) == ["0/results.json", "1/results.json"]
+    elsewhere = tmp_path / "elsewhere" / "frame.csv"  # not above the results: their absolute paths
+    assert main([str(sweep), "--csv", str(elsewhere)]) == 0
+    assert sorted(pd.read_csv(elsewhere)["path"]) == [str((sweep / n / "results.json").resolve()) for n in "01"]
