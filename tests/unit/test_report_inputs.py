@@ -160,3 +160,73 @@ def test_a_sweeps_csv_names_points_relative_to_it(tmp_path, capsys):
     elsewhere = tmp_path / "elsewhere" / "frame.csv"  # not above the results: their absolute paths
     assert main([str(sweep), "--csv", str(elsewhere)]) == 0
     assert sorted(pd.read_csv(elsewhere)["path"]) == [str((sweep / n / "results.json").resolve()) for n in "01"]
+
+
+def _failed_at_start(**changes) -> dict:
+    """What harness/app.py's base_document leaves when a point fails before its backend reports the device."""
+    doc = {
+        "status": "error", "error": "rank 1 died while starting", "backend": "fsdp2", "world_size": None,
+        "device": None, "model": {"name": "tiny", "path": None, "lora_rank": 32}, "mtpm": 65536, "mbs": 1,
+        "layout": "packed", "planner": "balanced", "gc": False, "bench": {"warmup": 1, "repeat": 3},
+        "workload": {"name": "cpu_mixed"}, "plan": None, "precision": None, "passes": {}, "peak": None,
+        "overrides": ["mtpm=65536"], "started_at": "2026-12-01T09:38:24+00:00",
+    }
+    doc.update(changes)
+    return doc
+
+
+def _report(tmp_path, docs: dict) -> str:
+    from reports.__main__ import main
+
+    sweep = _sweep(tmp_path / "sweep", docs)
+    assert main([str(sweep)]) == 0
+    return (sweep / "report.md").read_text()
+
+
+def _header_and_rows(report: str, backend: str = "FSDP2") -> tuple[list[str], list[str]]:
+    lines = report.splitlines()
+    return ([line for line in lines if line.startswith(("Measured on", "Setting"))],
+            [line for line in lines if line.startswith(f"| {backend}")])
+
+
+def _cells(row: str) -> list[str]:
+    return [c.strip() for c in row.strip().strip("|").split("|")]
+
+
+UNKNOWN_WORDS = ("unknown", "?", "None", "nan")
+
+
+def test_an_error_point_says_only_what_its_results_json_records(tmp_path):
+    report = _report(tmp_path, {"0": _failed_at_start()})
+    (header,), (row,) = _header_and_rows(report)
+    assert header.startswith("Measured on model `tiny` (LoRA rank 32), workload `cpu_mixed`,"), header
+    assert not any(w in header + row for w in UNKNOWN_WORDS), header + row
+    assert _cells(row)[1] == "—"  # the devices column: nothing recorded, nothing claimed
+
+    report = _report(tmp_path / "2", {"0": _failed_at_start(world_size=2)})
+    (header,), (row,) = _header_and_rows(report)
+    assert _cells(row)[1] == "2 ranks" and not any(w in header + row for w in UNKNOWN_WORDS)
+
+    gpu = {"type": "cuda", "name": "NVIDIA H200", "count": 8}
+    report = _report(tmp_path / "3", {"0": _failed_at_start(world_size=8, device=gpu)})
+    (header,), (row,) = _header_and_rows(report)
+    assert header.startswith("Measured on NVIDIA H200 (NCCL), model `tiny`") and _cells(row)[1] == "8 × NVIDIA H200"
+
+
+def test_an_unreadable_row_names_its_file_and_claims_nothing(tmp_path):
+    report = _report(tmp_path, {"0": _ok_doc(), "1": "[]"})
+    headers, _ = _header_and_rows(report)
+    assert headers[0].startswith("Measured on AMD EPYC") and headers[-1] == "Setting not recorded."
+    (row,) = [line for line in report.splitlines() if "unreadable" in line]
+    assert "1/results.json" in row
+    cells = _cells(row)
+    assert not any(w in c for c in cells for w in UNKNOWN_WORDS) and "greedy" not in cells, row
+
+
+def test_a_dry_run_row_says_it_was_not_timed(tmp_path):
+    dry = {**_ok_doc(), "status": "planned", "passes": {}, "precision": None, "peak": None}
+    report = _report(tmp_path, {"0": _ok_doc(), "1": dry})
+    headers, _ = _header_and_rows(report)
+    measured, planned = sorted(headers, key=lambda h: "not timed" in h)
+    assert "1 warm-up + 3 timed repeats" in measured
+    assert "not timed (dry run)" in planned and "timed repeats" not in planned and "warm-up" not in planned
