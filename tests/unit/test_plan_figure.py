@@ -239,3 +239,17 @@ def test_plan_out_of_another_format_or_unwritable_is_one_line(tmp_path, capsys):
         assert rc == 2 and printed == "", (out, printed)
         assert err.count("\n") == 0 and err.startswith("error: ") and str(out) in err and words in err, err
         assert not out.exists()
+
+
+@pytest.mark.parametrize("version", [2, 0, "1", None, True], ids=["2", "0", "'1'", "missing", "true"])
+def test_a_plan_json_of_another_version_is_one_line_naming_the_versions_read(version, tmp_path, capsys):
+    from backends.planning import PLAN_JSON_VERSION
+
+    doc, _ = greedy_doc(LENGTHS[:24], 2, 16384)
+    doc = {**doc, "version": version} if version is not None else {k: v for k, v in doc.items() if k != "version"}
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(doc))
+    rc, printed, err = _plan_cli(capsys, str(path))
+    assert rc == 2 and printed == "" and not (tmp_path / "plan.png").exists()
+    assert err.count("\n") == 0 and str(path) in err and "'version'" in err, err
+    assert f"this code reads version {PLAN_JSON_VERSION}" in err, err
