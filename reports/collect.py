@@ -176,38 +176,50 @@ def _max_per_rank(a: list, b: list) -> list:
     return [known(x, shorter[i] if i < len(shorter) else None) for i, x in enumerate(longer)]
 
 
-_JSON_TYPE = {list: "an array", str: "a string", bool: "true or false", int: "a number", float: "a number",
-              type(None): "null"}
-_OBJECTS = ("device", "model", "workload", "bench", "plan", "passes", "precision")  # objects or null
-_NUMBERS = ("mtpm", "mbs", "world_size")
-_PLAN_NUMBERS = ("pad_efficiency", "critical_path", "cost_imbalance", "steps", "lower_bound_steps",
-                 "max_microbatch_padded_tokens")
-_PASS_NUMBERS = ("tok_per_s", "util_pct", "mem_pct", "mfu_pct")
+_JSON_TYPE = {dict: "an object", list: "an array", str: "a string", bool: "true or false", int: "a number",
+              float: "a number", type(None): "null"}
+# The keys the report reads, by what each must be (or null): a results.json with another shape is unreadable.
+_KINDS = {"object": (dict,), "number": (int, float), "string": (str,), "list": (list,)}
+_SHAPE = {
+    "object": ("device", "model", "workload", "bench", "plan", "passes", "precision"),
+    "number": ("mtpm", "mbs", "world_size", "workload.n_examples", "workload.total_tokens", "workload.min_len",
+               "workload.max_len", "plan.pad_efficiency", "plan.critical_path", "plan.cost_imbalance", "plan.steps",
+               "plan.lower_bound_steps", "plan.max_microbatch_padded_tokens"),
+    "string": ("status", "backend", "planner", "layout", "started_at", "plan.planner", "plan.layout"),
+    "list": ("overrides", "plan.n_microbatches", "plan.n_dummy"),
+}
+_PASS_SHAPE = {"number": ("tok_per_s", "util_pct", "mem_pct", "mfu_pct"), "list": ("mem_peak_bytes",)}
 
 
-def _is_number(x) -> bool:
-    return x is None or (isinstance(x, (int, float)) and not isinstance(x, bool))
+def _kind_problem(doc: dict, key: str, kind: str, prefix: str = "") -> Optional[str]:
+    """Why ``doc``'s (dotted) ``key`` is not a ``kind`` or null, or None when it is (or is absent)."""
+    *outer, last = key.split(".")
+    value = doc
+    for k in outer:
+        value = value.get(k) or {}
+    value = value.get(last)
+    if value is None or (isinstance(value, _KINDS[kind]) and not isinstance(value, bool)):
+        return None
+    found = _JSON_TYPE.get(type(value), type(value).__name__)
+    return f"'{prefix}{key}' is {found}, not {'an' if kind == 'object' else 'a'} {kind} or null"
 
 
 def shape_problem(doc) -> Optional[str]:
     """What keeps ``doc`` from being read as a results.json (the keys the report reads), or None."""
     if not isinstance(doc, dict):
         return f"holds {_JSON_TYPE.get(type(doc), type(doc).__name__)}, not a JSON object"
-    for key in _OBJECTS:
-        if not isinstance(doc.get(key), (dict, type(None))):
-            return f"'{key}' is {_JSON_TYPE.get(type(doc[key]), '?')}, not an object or null"
-    for key in _NUMBERS:
-        if not _is_number(doc.get(key)):
-            return f"'{key}' is not a number or null"
-    for key in _PLAN_NUMBERS:
-        if not _is_number((doc.get("plan") or {}).get(key)):
-            return f"'plan.{key}' is not a number or null"
+    for kind, keys in _SHAPE.items():  # objects first: the dotted keys after them read into them
+        for key in keys:
+            problem = _kind_problem(doc, key, kind)
+            if problem:
+                return problem
     for name, rec in (doc.get("passes") or {}).items():
-        if not isinstance(rec, (dict, type(None))):
-            return f"'passes.{name}' is not an object or null"
-        for key in _PASS_NUMBERS:
-            if not _is_number((rec or {}).get(key)):
-                return f"'passes.{name}.{key}' is not a number or null"
+        problem = _kind_problem(doc["passes"], name, "object", "passes.")
+        for kind, keys in _PASS_SHAPE.items():
+            for key in keys:
+                problem = problem or _kind_problem(rec or {}, key, kind, f"passes.{name}.")
+        if problem:
+            return problem
     return None
 
 
@@ -226,7 +238,14 @@ def read_results(path: Path) -> dict:
 
 def collect(dirs: Iterable[Path]) -> pd.DataFrame:
     """Every results.json under ``dirs`` as a row; unreadable files are a warning and a row, never silently dropped."""
-    rows = [row_of(path, read_results(path)) for path in find_results(dirs)]
+    rows = []
+    for path in find_results(dirs):
+        doc = read_results(path)
+        try:
+            rows.append(row_of(path, doc))
+        except (TypeError, ValueError, AttributeError, KeyError) as exc:  # a shape shape_problem does not check
+            log.warning("%s: unreadable (%s: %s); shown as an unreadable row", path, type(exc).__name__, exc)
+            rows.append(row_of(path, {"status": "unreadable", "error": f"{type(exc).__name__}: {exc}"}))
     df = pd.DataFrame(rows)
     return sort_rows(df) if not df.empty else df
 

@@ -20,10 +20,14 @@ def _ok_doc() -> dict:
 
 
 def _sweep(root: Path, docs: dict) -> Path:
-    """A sweep folder with one point per entry: a dict is written as JSON, a string as it is."""
+    """A sweep folder with one point per entry: a dict is written as JSON, a string or bytes as they are."""
     for name, doc in docs.items():
         (root / name).mkdir(parents=True)
-        (root / name / "results.json").write_text(doc if isinstance(doc, str) else json.dumps(doc))
+        out = root / name / "results.json"
+        if isinstance(doc, bytes):
+            out.write_bytes(doc)
+        else:
+            out.write_text(doc if isinstance(doc, str) else json.dumps(doc))
     return root
 
 
@@ -36,7 +40,12 @@ BAD_DOCS = {
     "plan not an object": json.dumps({**_ok_doc(), "plan": "greedy"}),
     "mtpm not a number": json.dumps({**_ok_doc(), "mtpm": "big"}),
     "tok/s not a number": json.dumps({**_ok_doc(), "passes": {"forward": {"tok_per_s": "fast"}}}),
+    "status not a string": json.dumps({**_ok_doc(), "status": ["ok"]}),
+    "peaks not a list": json.dumps({**_ok_doc(), "passes": {"forward": {"mem_peak_bytes": 5}}}),
+    "workload size not a number": json.dumps({**_ok_doc(), "workload": {"name": "w", "n_examples": "24"}}),
+    "kernels not lists": json.dumps({**_ok_doc(), "passes": {"forward_backward": {"kernels": {"attention": 3}}}}),
     "torn": '{"status": "ok", "pas',
+    "not UTF-8": b'{"status": "\xff"}',
 }
 
 
