@@ -23,7 +23,8 @@ def record_sweep_status(sweep_dir: Path) -> None:
 
     for path in sweep_dir.glob("*/results.json"):
         try:
-            status = json.loads(path.read_text()).get("status")
+            doc = json.loads(path.read_text())
+            status = doc.get("status") if isinstance(doc, dict) else "unreadable"  # "[]" must not stop the report
         except (OSError, ValueError):
             status = "unreadable"
         if status in FAILED_STATUSES:

@@ -15,7 +15,7 @@ from reports.collect import collect
 from reports.plan_figure import draw_plan_file, draw_side_by_side, readme_plan_lines, write_plan_figures
 from reports.plan_files import plan_figure_paths, published_plans
 from reports.plots import plot_paths, write_plots
-from reports.render import BEGIN, END, markdown_tables, readme_block, replace_block, write_csv
+from reports.render import current_block, markdown_tables, no_block_message, readme_block, replace_block, write_csv
 
 PACKAGE = Path(__file__).resolve().parent
 REPO = PACKAGE.parent
@@ -39,7 +39,8 @@ def plan_main(argv) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m reports plan", description=plan_main.__doc__.split(": ", 1)[1])
     ap.add_argument("path", type=Path, help="a point folder holding plan.json, or a plan.json file")
-    ap.add_argument("-o", "--out", type=Path, help="the PNG to write (default: plan.png beside the plan.json)")
+    ap.add_argument("-o", "--out", help="the PNG to write (default: plan.png beside the plan.json); a folder: "
+                    "FOLDER/plan-<point>.png; no extension: OUT.png; only PNG is written")
     args = ap.parse_args(argv)
     try:
         png = draw_plan_file(args.path, args.out)
@@ -54,16 +55,58 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["plan"]:
         return plan_main(argv[1:])
-    args = parse_args(argv)
+    from backends.errors import UserError
+
+    try:
+        return report(parse_args(argv))
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def readme_text(readme: Path, verb: str) -> str:
+    """The README's text, which must hold the results block (UserError naming the file and the markers otherwise)."""
+    from backends.errors import UserError
+
+    usage = f"--readme takes the Markdown file whose results block to {verb}"
+    if not readme.exists():
+        raise UserError(f"{readme}: no such file ({usage})")
+    if not readme.is_file():
+        raise UserError(f"{readme}: not a file ({usage})")
+    try:
+        text = readme.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"{readme}: cannot read ({getattr(exc, 'strerror', None) or exc})") from None
+    if current_block(text) is None:
+        raise UserError(no_block_message(readme, verb))
+    return text
+
+
+def _write(path: Path, write, hint: str) -> None:
+    """Run ``write``; a file it cannot write is one line naming it (UserError), not a traceback."""
+    from backends.errors import UserError
+
+    try:
+        write()
+    except OSError as exc:
+        raise UserError(f"{exc.filename or path}: cannot write ({exc.strerror or exc}; {hint})") from None
+
+
+def report(args: argparse.Namespace) -> int:
+    from backends.errors import UserError
+
     committed = not args.dirs
     dirs = args.dirs or [COMMITTED]
     missing = [d for d in dirs if not d.exists()]
     if missing:
-        print(f"error: {missing[0]}: no such folder (give run or multirun folders holding results.json)", file=sys.stderr)
-        return 2
+        raise UserError(f"{missing[0]}: no such folder (give run or multirun folders holding results.json)")
+    readme = args.readme or (REPO / "README.md" if committed and args.check else None)
+    if args.check and readme is None:
+        raise UserError("--check needs --readme PATH (or no DIR, to check README.md)")
+    # Before anything is written: a README the command cannot check or rewrite stops it here.
+    text = readme_text(readme, "check" if args.check else "rewrite") if readme is not None else None
     df = collect(dirs)
     out_dir = PACKAGE if committed else (dirs[0] if dirs[0].is_dir() else dirs[0].parent)
-    readme = args.readme or (REPO / "README.md" if committed and args.check else None)
     source = "reports/results" if committed else ", ".join(str(d) for d in dirs)
     plots = plot_paths(out_dir)
     if not df.empty:
@@ -74,13 +117,7 @@ def main(argv=None) -> int:
     block = readme_block(df, plots, readme, source, plan_lines)
 
     if args.check:
-        if readme is None:
-            print("error: --check needs --readme PATH (or no DIR, to check README.md)", file=sys.stderr)
-            return 2
-        text = readme.read_text()
-        start, end = text.find(BEGIN), text.find(END)
-        current = text[start : end + len(END)] if 0 <= start < end else None
-        if current != block:
+        if current_block(text) != block:
             print(f"{readme}: results block is stale; run: python -m reports {' '.join(map(str, args.dirs))} --readme {readme}".rstrip())
             return 1
         print(f"{readme}: results block matches {source} ({len(df)} runs)")
@@ -89,18 +126,17 @@ def main(argv=None) -> int:
     print(markdown_tables(df))
     if df.empty:
         return 0
-    write_plots(df, out_dir)
-    write_plan_figures(df, out_dir)
+    here = f"the report goes into {out_dir}"
+    csv = args.csv or out_dir / "results.csv"
+    csv = csv / "results.csv" if csv.is_dir() else csv
+    _write(plots[0], lambda: write_plots(df, out_dir), here)
+    write_plan_figures(df, out_dir)  # a figure it cannot write is a warning
     if committed:  # the README's plan figures are committed files: only the committed run redraws them
-        draw_side_by_side(plans, plan_pngs)
-    write_csv(df, args.csv or out_dir / "results.csv")
-    (out_dir / "report.md").write_text(markdown_tables(df, out_dir) + "\n")
+        _write(plan_pngs[0] if plan_pngs else PACKAGE, lambda: draw_side_by_side(plans, plan_pngs), here)
+    _write(csv, lambda: write_csv(df, csv), "give --csv a path in a writable folder" if args.csv else here)
+    _write(out_dir / "report.md", lambda: (out_dir / "report.md").write_text(markdown_tables(df, out_dir) + "\n"), here)
     if readme is not None:
-        try:
-            readme.write_text(replace_block(readme.read_text(), block, readme))
-        except (OSError, ValueError) as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
+        _write(readme, lambda: readme.write_text(replace_block(text, block, readme)), "--readme must be writable")
         print(f"{readme}: results block rewritten ({len(df)} runs)")
     return 0
 

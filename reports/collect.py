@@ -43,46 +43,63 @@ def _overrides(path: Path, doc: dict) -> list[str]:
     return []
 
 
-def _devices(doc: dict) -> str:
+def _devices(doc: dict) -> Optional[str]:
+    """The devices a run used, as recorded; without a recorded device only its rank count, if that (None: nothing known)."""
     dev = doc.get("device") or {}
-    count = dev.get("count") or doc.get("world_size") or 1
+    count = dev.get("count") or doc.get("world_size")
     if dev.get("type") == "cuda":
-        return f"{count} × {dev.get('name', 'GPU')}"
+        return f"{count or 1} × {dev.get('name') or 'GPU'}"
     if dev.get("type") == "cpu":
-        return "1 × CPU process" if count == 1 else f"{count} × CPU ranks"
-    return f"{count} × ?"
+        return "1 × CPU process" if (count or 1) == 1 else f"{count} × CPU ranks"
+    if dev.get("type"):
+        return f"{count or 1} × {dev['type']}"
+    if isinstance(count, int) and count > 0:  # failed before the backend reported its devices
+        return f"{count} rank{'s' if count != 1 else ''}"
+    return None
+
+
+def _hardware(dev: dict) -> Optional[str]:
+    if dev.get("type") == "cpu":
+        name = dev.get("name") or "a CPU"
+        cores = f", {dev['cores']} cores" if dev.get("cores") else ""
+        return f"{name}{cores} (no GPU; ranks on gloo)"
+    if dev.get("type") == "cuda":
+        return f"{dev.get('name') or 'GPU'} (NCCL)"
+    return dev.get("name") or dev.get("type") or None
 
 
 def _setting(doc: dict) -> str:
-    """What makes rows comparable: devices, model, workload, gradient checkpointing, protocol."""
+    """What makes rows comparable: devices, model, workload, gradient checkpointing, protocol.
+
+    Only what the results.json records: a point that failed before its backend started has no
+    hardware phrase (not "unknown hardware"), an unreadable one no setting at all ("").
+    """
     model = doc.get("model") or {}
     wl = doc.get("workload") or {}
     bench = doc.get("bench") or {}
-    dev = doc.get("device") or {}
-    if dev.get("type") == "cpu":
-        hardware = f"{dev.get('name', 'a CPU')}, {dev.get('cores', '?')} cores (no GPU; ranks on gloo)"
-    elif dev.get("type") == "cuda":
-        hardware = f"{dev.get('name', 'GPU')} (NCCL)"
-    else:
-        hardware = "unknown hardware"
-    parts = [
-        hardware,
-        f"model `{model.get('name')}`" + (f" (LoRA rank {model.get('lora_rank')})" if model.get("lora_rank") else " (full fine-tuning)"),
-    ]
+    parts = [_hardware(doc.get("device") or {})]
+    if model.get("name"):
+        if "lora_rank" in model:
+            tuning = f" (LoRA rank {model['lora_rank']})" if model["lora_rank"] else " (full fine-tuning)"
+        else:
+            tuning = ""
+        parts.append(f"model `{model['name']}`{tuning}")
     if wl.get("n_examples"):
         parts.append(
             f"workload `{wl.get('name')}` ({wl['n_examples']} examples, {wl.get('total_tokens', 0):,} tokens, "
             f"{wl.get('min_len', 0):,}–{wl.get('max_len', 0):,} per sequence)"
         )
-    else:
-        parts.append(f"workload `{wl.get('name')}`")
-    parts.append(f"gradient checkpointing {'on' if doc.get('gc') else 'off'}")
-    precision = _precision(doc.get("precision"))
-    if precision:
-        parts.append(precision)
-    if bench.get("repeat") is not None:
-        parts.append(f"{bench.get('warmup')} warm-up + {bench.get('repeat')} timed repeats")
-    return ", ".join(parts)
+    elif wl.get("name"):
+        parts.append(f"workload `{wl['name']}`")
+    if doc.get("gc") is not None:
+        parts.append(f"gradient checkpointing {'on' if doc['gc'] else 'off'}")
+    parts.append(_precision(doc.get("precision")))
+    if doc.get("status") == "planned":
+        parts.append("not timed (dry run)")  # a dry run plans; its bench settings were never used
+    elif bench.get("repeat") is not None:
+        warmup = f"{bench['warmup']} warm-up + " if bench.get("warmup") is not None else ""
+        parts.append(f"{warmup}{bench['repeat']} timed repeats")
+    return ", ".join(p for p in parts if p)
 
 
 _SHORT_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -109,6 +126,7 @@ def _kernels(passes: dict) -> Optional[str]:
 def row_of(path: Path, doc: dict) -> dict:
     plan = doc.get("plan") or {}
     passes = doc.get("passes") or {}
+    unreadable = doc.get("status") == "unreadable"
     row = {
         "path": str(path),
         "backend": doc.get("backend"),
@@ -117,8 +135,9 @@ def row_of(path: Path, doc: dict) -> dict:
         "mbs": doc.get("mbs"),
         "mtpm": doc.get("mtpm"),
         # results written before the balanced planner ran the original planner's: greedy, padded
-        "planner": plan.get("planner") or doc.get("planner") or "greedy",
-        "layout": plan.get("layout") or doc.get("layout") or "padded",
+        # (an unreadable file records no run at all: nothing to default)
+        "planner": plan.get("planner") or doc.get("planner") or (None if unreadable else "greedy"),
+        "layout": plan.get("layout") or doc.get("layout") or (None if unreadable else "padded"),
         "status": doc.get("status"),
         "error": doc.get("error"),
         "pad_efficiency": plan.get("pad_efficiency"),
@@ -157,16 +176,76 @@ def _max_per_rank(a: list, b: list) -> list:
     return [known(x, shorter[i] if i < len(shorter) else None) for i, x in enumerate(longer)]
 
 
+_JSON_TYPE = {dict: "an object", list: "an array", str: "a string", bool: "true or false", int: "a number",
+              float: "a number", type(None): "null"}
+# The keys the report reads, by what each must be (or null): a results.json with another shape is unreadable.
+_KINDS = {"object": (dict,), "number": (int, float), "string": (str,), "list": (list,)}
+_SHAPE = {
+    "object": ("device", "model", "workload", "bench", "plan", "passes", "precision"),
+    "number": ("mtpm", "mbs", "world_size", "workload.n_examples", "workload.total_tokens", "workload.min_len",
+               "workload.max_len", "plan.pad_efficiency", "plan.critical_path", "plan.cost_imbalance", "plan.steps",
+               "plan.lower_bound_steps", "plan.max_microbatch_padded_tokens"),
+    "string": ("status", "backend", "planner", "layout", "started_at", "plan.planner", "plan.layout"),
+    "list": ("overrides", "plan.n_microbatches", "plan.n_dummy"),
+}
+_PASS_SHAPE = {"number": ("tok_per_s", "util_pct", "mem_pct", "mfu_pct"), "list": ("mem_peak_bytes",)}
+
+
+def _kind_problem(doc: dict, key: str, kind: str, prefix: str = "") -> Optional[str]:
+    """Why ``doc``'s (dotted) ``key`` is not a ``kind`` or null, or None when it is (or is absent)."""
+    *outer, last = key.split(".")
+    value = doc
+    for k in outer:
+        value = value.get(k) or {}
+    value = value.get(last)
+    if value is None or (isinstance(value, _KINDS[kind]) and not isinstance(value, bool)):
+        return None
+    found = _JSON_TYPE.get(type(value), type(value).__name__)
+    return f"'{prefix}{key}' is {found}, not {'an' if kind == 'object' else 'a'} {kind} or null"
+
+
+def shape_problem(doc) -> Optional[str]:
+    """What keeps ``doc`` from being read as a results.json (the keys the report reads), or None."""
+    if not isinstance(doc, dict):
+        return f"holds {_JSON_TYPE.get(type(doc), type(doc).__name__)}, not a JSON object"
+    for kind, keys in _SHAPE.items():  # objects first: the dotted keys after them read into them
+        for key in keys:
+            problem = _kind_problem(doc, key, kind)
+            if problem:
+                return problem
+    for name, rec in (doc.get("passes") or {}).items():
+        problem = _kind_problem(doc["passes"], name, "object", "passes.")
+        for kind, keys in _PASS_SHAPE.items():
+            for key in keys:
+                problem = problem or _kind_problem(rec or {}, key, kind, f"passes.{name}.")
+        if problem:
+            return problem
+    return None
+
+
+def read_results(path: Path) -> dict:
+    """``path``'s results.json document; one that cannot be read as such is a warning naming it and an "unreadable" row."""
+    try:
+        doc = json.loads(Path(path).read_text())
+        problem = shape_problem(doc)
+    except (OSError, ValueError) as exc:  # ValueError: torn JSON, not UTF-8
+        problem = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    if problem is None:
+        return doc
+    log.warning("%s: unreadable (%s); shown as an unreadable row", path, problem)
+    return {"status": "unreadable", "error": problem}
+
+
 def collect(dirs: Iterable[Path]) -> pd.DataFrame:
-    """Every results.json under ``dirs`` as a row; unreadable files are reported, never silently dropped."""
+    """Every results.json under ``dirs`` as a row; unreadable files are a warning and a row, never silently dropped."""
     rows = []
     for path in find_results(dirs):
+        doc = read_results(path)
         try:
-            doc = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            log.warning("%s: unreadable (%s); shown as such", path, exc)
-            doc = {"status": "unreadable", "error": str(exc)}
-        rows.append(row_of(path, doc))
+            rows.append(row_of(path, doc))
+        except (TypeError, ValueError, AttributeError, KeyError) as exc:  # a shape shape_problem does not check
+            log.warning("%s: unreadable (%s: %s); shown as an unreadable row", path, type(exc).__name__, exc)
+            rows.append(row_of(path, {"status": "unreadable", "error": f"{type(exc).__name__}: {exc}"}))
     df = pd.DataFrame(rows)
     return sort_rows(df) if not df.empty else df
 
@@ -175,6 +254,7 @@ def sort_rows(df: pd.DataFrame) -> pd.DataFrame:
     """Per backend: fixed-mbs rows first (by mbs), then mtpm ascending; greedy before balanced, padded before packed."""
     key = pd.DataFrame(
         {
+            "unrecorded": df["setting"] == "",  # rows whose results.json records no setting: their table last
             "setting": df["setting"],
             "backend": df["backend"].map(lambda b: BACKEND_ORDER.get(b, 9)),
             "budget": df["mtpm"].isna().map(lambda fixed: 0 if fixed else 1),
@@ -185,7 +265,7 @@ def sort_rows(df: pd.DataFrame) -> pd.DataFrame:
             "started": df["started_at"].fillna(""),
         }
     )
-    columns = ["setting", "backend", "budget", "mtpm", "mbs", "planner", "layout", "started"]
+    columns = ["unrecorded", "setting", "backend", "budget", "mtpm", "mbs", "planner", "layout", "started"]
     order = key.sort_values(columns, kind="stable").index
     return df.loc[order].reset_index(drop=True)
 

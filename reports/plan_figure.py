@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from typing import Optional, Sequence
 
 from backends.errors import UserError
+from backends.planning.plan import PLAN_FILE
 from reports.plan_blocks import MAX_COLUMNS, Layout, PlanBlocks, plan_blocks, plan_layout
 from reports.plan_files import find_plan, load_plan, plan_figure_paths, workload_name
 
+DPI = 110  # the PNG's; text is measured at it to wrap lines to the figure's width
 COLORS = {"real": "#3b6fb6", "padding": "#e8893a", "idle": "#d9d9d9", "dummy": "#bdbdbd"}
 LABELS = {
     "real": "real tokens",
@@ -63,11 +66,27 @@ def figure_notes(pb: PlanBlocks, lay: Layout) -> list[str]:
     return notes
 
 
-def _wrap(parts: Sequence[str], width: int, sep: str = " · ") -> list[str]:
-    """Join ``parts`` with ``sep`` into lines of at most ``width`` characters (a part is never split)."""
+@functools.lru_cache(maxsize=None)
+def _renderer():
+    from matplotlib.backends.backend_agg import RendererAgg
+
+    return RendererAgg(1, 1, DPI)
+
+
+def text_width_in(text: str, fontsize: float, weight: str = "normal") -> float:
+    """How wide ``text`` is drawn, in inches, in matplotlib's default font at ``fontsize`` points (measured by Agg at DPI)."""
+    from matplotlib.font_manager import FontProperties
+
+    width, _, _ = _renderer().get_text_width_height_descent(text, FontProperties(size=fontsize, weight=weight),
+                                                            ismath=False)
+    return width / DPI
+
+
+def _wrap(parts: Sequence[str], width_in: float, fontsize: float, sep: str = " · ", weight: str = "normal") -> list[str]:
+    """Join ``parts`` with ``sep`` into lines no wider than ``width_in`` inches as drawn (a part is never split)."""
     lines: list[str] = []
     for part in parts:
-        if lines and len(lines[-1]) + len(sep) + len(part) <= width:
+        if lines and text_width_in(lines[-1] + sep + part, fontsize, weight) <= width_in:
             lines[-1] += sep + part
         else:
             lines.append(part)
@@ -80,8 +99,21 @@ def draw_plan(doc: dict, out_png: Path, workload: Optional[str] = None, max_colu
 
     ``x_total``: draw the axis at least this long (plans shown side by side share one scale).
     """
-    import textwrap
+    import matplotlib.pyplot as plt
 
+    fig = plan_figure(doc, workload, max_columns, width_in, x_total)
+    try:
+        out_png = Path(out_png)
+        out_png.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out_png, dpi=DPI)
+    finally:
+        plt.close(fig)
+    return out_png
+
+
+def plan_figure(doc: dict, workload: Optional[str] = None, max_columns: int = MAX_COLUMNS,
+                width_in: float = 13.0, x_total: float = 0.0):
+    """The matplotlib figure of ``doc`` (see ``draw_plan``); the caller closes it."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -93,9 +125,10 @@ def draw_plan(doc: dict, out_png: Path, workload: Optional[str] = None, max_colu
     lay = plan_layout(pb, max_columns)
     ranks = pb.world_size
     title_parts, subtitle_parts = describe(pb, workload)
-    title = _wrap(title_parts, int(width_in * 9.5))
-    subtitle = _wrap(subtitle_parts, int(width_in * 15))
-    notes = [line for note in figure_notes(pb, lay) for line in textwrap.wrap(note, int(width_in * 21))]
+    text_in = 0.97 * (width_in - 2 * 0.08)  # texts start 0.08 in from the left edge; keep as much on the right
+    title = _wrap(title_parts, text_in, 10.5, weight="bold")
+    subtitle = _wrap(subtitle_parts, text_in, 8)
+    notes = [line for note in figure_notes(pb, lay) for line in _wrap(note.split(" "), text_in, 6.5, sep=" ")]
     drawn = {r.kind for r in lay.rects if r.width > 0}  # the legend always explains real, padding and waiting
     legend_kinds = ["real", "padding", "idle"] + (["dummy"] if "dummy" in drawn else [])
     legend_cols = len(legend_kinds) + 1 if width_in >= 10 else 3
@@ -106,7 +139,7 @@ def draw_plan(doc: dict, out_png: Path, workload: Optional[str] = None, max_colu
     bottom_in = 0.55 + 0.22 * legend_rows + 0.12 * len(notes) + 0.06
     left_in, right_in, row_in = 0.62, 0.08, 0.36
     fig_h = top_in + row_in * max(ranks, 2) + bottom_in
-    fig, ax = plt.subplots(figsize=(width_in, fig_h))
+    fig, ax = plt.subplots(figsize=(width_in, fig_h), dpi=DPI)
     fig.subplots_adjust(left=left_in / width_in, right=1 - right_in / width_in,
                         top=1 - top_in / fig_h, bottom=bottom_in / fig_h)
     plot_in = width_in - left_in - right_in
@@ -172,19 +205,46 @@ def draw_plan(doc: dict, out_png: Path, workload: Optional[str] = None, max_colu
     fig.legend(handles=handles, loc="lower left", ncol=legend_cols, fontsize=7.5, frameon=False,
                bbox_to_anchor=(0.0, notes_in / fig_h), handlelength=1.6, columnspacing=1.2)
     fig.text(0.08 / width_in, 0.05 / fig_h, "\n".join(notes), fontsize=6.5, ha="left", va="bottom", color="#444444")
-    out_png = Path(out_png)
-    out_png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_png, dpi=110)
-    plt.close(fig)
-    return out_png
+    return fig
 
 
-def draw_plan_file(path: Path, out_png: Optional[Path] = None, **kwargs) -> Path:
-    """Draw the plan at ``path`` (a point folder or a plan.json) into ``out_png`` (default: plan.png beside it)."""
+def figure_name(plan_path: Path) -> str:
+    """A plan's figure name in a folder: ``plan-<point>.png`` for a point's plan.json (as the report's plots/), else ``<name>.png``."""
+    plan_path = Path(plan_path)
+    if plan_path.name == PLAN_FILE:
+        return f"plan-{plan_path.resolve().parent.name}.png"
+    return plan_path.with_suffix(".png").name
+
+
+def plan_png_path(out, plan_path: Path) -> Path:
+    """Where ``python -m reports plan PATH -o OUT`` writes (UserError for a format other than PNG).
+
+    No OUT: plan.png beside the plan.json. OUT a folder (an existing one, or a name ending in /):
+    ``OUT/plan-<point>.png``. OUT without an extension: ``OUT.png``. Only PNG is written.
+    """
+    plan_path = Path(plan_path)
+    if out is None:
+        return plan_path.with_suffix(".png")
+    raw, out = str(out), Path(out)
+    if out.is_dir() or raw.endswith(("/", os.sep)):
+        return out / figure_name(plan_path)
+    if not out.suffix:
+        return out.with_name(out.name + ".png")
+    if out.suffix.lower() != ".png":
+        raise UserError(f"{raw}: only .png is written (give OUT.png, a name without extension to get OUT.png, "
+                        "or a folder)")
+    return out
+
+
+def draw_plan_file(path: Path, out_png=None, **kwargs) -> Path:
+    """Draw the plan at ``path`` (a point folder or a plan.json) into ``out_png`` (see ``plan_png_path``); returns the PNG written."""
     plan_path = find_plan(path)
     doc = load_plan(plan_path)
-    out = Path(out_png) if out_png is not None else plan_path.with_suffix(".png")
-    return draw_plan(doc, out, workload=workload_name(plan_path), **kwargs)
+    out = plan_png_path(out_png, plan_path)
+    try:
+        return draw_plan(doc, out, workload=workload_name(plan_path), **kwargs)
+    except OSError as exc:
+        raise UserError(f"{out}: cannot write ({exc.strerror or exc}; give -o a path in a writable folder)") from None
 
 
 def draw_side_by_side(plans: Sequence[Path], pngs: Sequence[Path], width_in: float = 6.5) -> list[Path]:

@@ -62,6 +62,20 @@ def _microbatches(n_mb, n_dummy) -> str:
     return f"{text} (+{dummies} dummy)" if dummies else text
 
 
+def _text(x) -> str:
+    return "—" if _missing(x) or x == "" else str(x)
+
+
+def _status(r, base: Optional[Path]) -> str:
+    """The status cell; an unreadable row names its file (the table has no other way to say which point it is)."""
+    if _missing(r.status):
+        return "—"
+    if r.status == "unreadable":
+        shown = Path(os.path.relpath(r.path, base)) if base is not None else Path(r.path)
+        return f"unreadable: {shown.as_posix()}"
+    return STATUS_LABEL.get(r.status, str(r.status))
+
+
 def _plan_link(png, base: Optional[Path]) -> str:
     if _missing(png):
         return "—"
@@ -122,15 +136,14 @@ def table_frame(df: pd.DataFrame, base: Optional[Path] = None) -> pd.DataFrame:
     rows = []
     for r, speedup in zip(df.itertuples(index=False), speedups(df)):
         budget = not _missing(r.mtpm)
-        status = STATUS_LABEL.get(r.status, str(r.status))
         rows.append(
             [
-                BACKEND_LABEL.get(r.backend, str(r.backend)),
-                r.devices,
+                "—" if _missing(r.backend) else BACKEND_LABEL.get(r.backend, str(r.backend)),
+                _text(r.devices),
                 "—" if budget or _missing(r.mbs) else f"{int(r.mbs)}",
                 f"{int(r.mtpm):,}" if budget else "—",
-                str(r.planner),
-                str(r.layout),
+                _text(r.planner),
+                _text(r.layout),
                 _int(r.forward_tok_per_s),
                 _pct(r.forward_util_pct),
                 _int(r.forward_backward_tok_per_s),
@@ -142,7 +155,7 @@ def table_frame(df: pd.DataFrame, base: Optional[Path] = None) -> pd.DataFrame:
                 _pct(None if _missing(r.pad_efficiency) else 100 * r.pad_efficiency, 1),
                 "—" if _missing(r.critical_path) else f"{r.critical_path:.3f}",
                 _microbatches(r.n_microbatches, r.n_dummy),
-                status,
+                _status(r, base),
             ]
         )
     frame = pd.DataFrame(rows, columns=COLUMNS)
@@ -158,7 +171,8 @@ def markdown_tables(df: pd.DataFrame, base: Optional[Path] = None) -> str:
     parts = []
     for setting in settings_of(df):
         sub = df[df["setting"] == setting]
-        text = f"Measured on {setting}.\n\n" + table_frame(sub, base).to_markdown(index=False, disable_numparse=True)
+        label = f"Measured on {setting}." if setting else "Setting not recorded."  # unreadable results.json
+        text = f"{label}\n\n" + table_frame(sub, base).to_markdown(index=False, disable_numparse=True)
         fastest = fastest_lines(sub)
         if fastest:
             text += "\n\n" + "\n".join(f"- {line}" for line in fastest)
@@ -186,15 +200,43 @@ def readme_block(df: pd.DataFrame, plots: Sequence[Path], readme: Optional[Path]
     return "\n".join(lines)
 
 
+def block_span(text: str) -> Optional[tuple[int, int]]:
+    """Where the results block (both markers included) is in ``text``; None without BEGIN followed by END."""
+    start = text.find(BEGIN)
+    end = text.find(END, start + len(BEGIN)) if start >= 0 else -1
+    return (start, end + len(END)) if end >= 0 else None
+
+
+def no_block_message(path: Path, verb: str = "rewrite") -> str:
+    return f"{path}: no results block to {verb}; add the lines '{BEGIN}' and '{END}' (in that order) where the table goes"
+
+
+def current_block(text: str) -> Optional[str]:
+    span = block_span(text)
+    return text[span[0] : span[1]] if span else None
+
+
 def replace_block(text: str, block: str, path: Path) -> str:
-    start, end = text.find(BEGIN), text.find(END)
-    if start < 0 or end < start:
-        raise ValueError(f"{path}: no '{BEGIN}' ... '{END}' block to rewrite (add both markers where the table goes)")
-    return text[:start] + block + text[end + len(END) :]
+    span = block_span(text)
+    if span is None:
+        raise ValueError(no_block_message(path))
+    return text[: span[0]] + block + text[span[1] :]
 
 
-def write_csv(df: pd.DataFrame, path: Path) -> None:
+def portable_path(path, base: Path) -> str:
+    """``path`` relative to ``base`` (POSIX) when it lies under it, else absolute: what a CSV in ``base`` names a run by."""
+    full = Path(path).resolve()
+    try:
+        return full.relative_to(Path(base).resolve()).as_posix()
+    except ValueError:
+        return str(full)
+
+
+def write_csv(df: pd.DataFrame, path: Path, base: Optional[Path] = None) -> None:
+    """The frame as CSV; ``path`` relative to ``base`` (default: the CSV's folder), so another clone writes the same file."""
     out = df.drop(columns=["plan_png"], errors="ignore")  # a figure's path on this machine, not a measurement
+    base = Path(path).parent if base is None else base
+    out["path"] = out["path"].map(lambda p: p if _missing(p) else portable_path(p, base))
     for col in ("n_microbatches", "n_dummy", "forward_mem_peak_bytes", "forward_backward_mem_peak_bytes",
                 "peak_mem_bytes_per_rank"):
         out[col] = out[col].map(lambda v: " ".join(map(str, v)) if isinstance(v, (list, tuple)) else v)

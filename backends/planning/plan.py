@@ -58,6 +58,12 @@ def check_plan_json(doc) -> None:
     """Raise ValueError naming the first thing that makes ``doc`` no plan.json document (the format of ``Plan.to_json``)."""
     if not isinstance(doc, dict):
         raise ValueError("not a JSON object")
+    version = doc.get("version")
+    if type(version) is not int or version != PLAN_JSON_VERSION:  # type(): true is no version 1
+        import json
+
+        found = "missing" if version is None else json.dumps(version)  # as the file spells it: 2, "1", true
+        raise ValueError(f"'version' is {found}; this code reads version {PLAN_JSON_VERSION} of plan.json")
     for key in ("lengths", "schedules"):
         if not isinstance(doc.get(key), list):
             raise ValueError(f"'{key}' is missing or not a list")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +12,7 @@ from harness.workload import mixed_lengths
 from reports.plan_blocks import MAX_COLUMNS, plan_blocks, plan_layout, kind_totals
 from reports.plan_figure import draw_plan, draw_side_by_side, figure_notes, readme_plan_lines
 from reports.plan_files import published_plans
+from tests.conftest import REPO
 from tests.plan_docs import COST_MODEL, greedy_doc, plan_doc
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -190,3 +192,101 @@ def test_readme_shows_published_plans_side_by_side(tmp_path):
     assert readme_plan_lines([], [], tmp_path) == []
     assert [png.read_bytes()[:8] for png in draw_side_by_side(found, pngs)] == [PNG, PNG]
     assert math.isfinite(plan_blocks(json.loads(found[0].read_text())).critical_path)
+
+
+def _plan_point(tmp_path, name: str = "point"):
+    doc, _ = greedy_doc(LENGTHS[:24], 2, 16384)
+    point = tmp_path / name
+    point.mkdir()
+    (point / "plan.json").write_text(json.dumps(doc))
+    return point
+
+
+def _plan_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    from reports.__main__ import main
+
+    rc = main(["plan", *argv])
+    out, err = capsys.readouterr()
+    return rc, out.strip(), err.strip()
+
+
+def test_plan_out_folder_or_bare_name_writes_the_png_it_prints(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    point = _plan_point(tmp_path, "3")
+    (tmp_path / "figs").mkdir()
+    for out, written in [
+        ("figs", tmp_path / "figs" / "plan-3.png"),  # an existing folder: the point's name, as the report's plots/
+        ("new/", tmp_path / "new" / "plan-3.png"),  # a trailing slash: a folder, made
+        ("noext", tmp_path / "noext.png"),  # no extension: .png appended
+        ("Shot.PNG", tmp_path / "Shot.PNG"),
+    ]:
+        rc, printed, err = _plan_cli(capsys, str(point), "-o", out)
+        assert rc == 0, err
+        assert Path(printed).resolve() == written.resolve() and written.read_bytes()[:8] == PNG, (out, printed)
+    assert not (tmp_path / "figs.png").exists() and not (tmp_path / "figs" / "plan.png").exists()
+    rc, printed, _ = _plan_cli(capsys, str(point / "plan.json"), "-o", "figs")
+    assert rc == 0 and Path(printed).resolve() == (tmp_path / "figs" / "plan-3.png").resolve()
+
+
+def test_plan_out_of_another_format_or_unwritable_is_one_line(tmp_path, capsys):
+    point = _plan_point(tmp_path)
+    for out, words in [
+        (tmp_path / "out.txt", "only .png"),
+        (tmp_path / "out.pdf", "only .png"),
+        (Path("/proc/x.png"), "cannot write"),
+        (Path("/proc/nope/x.png"), "cannot write"),
+    ]:
+        rc, printed, err = _plan_cli(capsys, str(point), "-o", str(out))
+        assert rc == 2 and printed == "", (out, printed)
+        assert err.count("\n") == 0 and err.startswith("error: ") and str(out) in err and words in err, err
+        assert not out.exists()
+
+
+@pytest.mark.parametrize("version", [2, 0, "1", None, True], ids=["2", "0", "'1'", "missing", "true"])
+def test_a_plan_json_of_another_version_is_one_line_naming_the_versions_read(version, tmp_path, capsys):
+    from backends.planning import PLAN_JSON_VERSION
+
+    doc, _ = greedy_doc(LENGTHS[:24], 2, 16384)
+    doc = {**doc, "version": version} if version is not None else {k: v for k, v in doc.items() if k != "version"}
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(doc))
+    rc, printed, err = _plan_cli(capsys, str(path))
+    assert rc == 2 and printed == "" and not (tmp_path / "plan.png").exists()
+    assert err.count("\n") == 0 and str(path) in err and "'version'" in err, err
+    assert f"this code reads version {PLAN_JSON_VERSION}" in err, err
+
+
+def _texts_outside(fig) -> list[str]:
+    """The drawn texts (title, subtitle, notes, legend, rank totals) that cross the figure's left or right edge."""
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    texts = list(fig.texts) + [t for ax in fig.axes for t in ax.texts]
+    texts += [t for legend in fig.legends for t in legend.get_texts()]
+    out = []
+    for t in texts:
+        if not t.get_text():
+            continue
+        box = t.get_window_extent(renderer)
+        if box.x0 < -0.5 or box.x1 > fig.bbox.x1 + 0.5:
+            out.append(t.get_text())
+    return out
+
+
+LONG_SOURCE = {**COST_MODEL, "source": "backends/model_configs.py:qwen3_5_35b_a3b (checkpoint not on disk) from a very "
+                                      "long path /mnt/checkpoints/some/team/qwen3.5-35b-a3b-instruct/config.json"}
+
+
+@pytest.mark.parametrize("width_in", [13.0, 6.5])
+def test_every_text_of_the_figure_fits_its_width(width_in):
+    import matplotlib.pyplot as plt
+
+    from reports.plan_figure import plan_figure
+
+    docs = [d for _, d, _ in CASES] + [json.loads(p.read_text()) for p in published_plans(REPO / "reports" / "plans")]
+    docs.append({**greedy_doc(LENGTHS, 4, 65536)[0], "cost_model": LONG_SOURCE})
+    for doc in docs:
+        fig = plan_figure(doc, workload="seed_mixed_128", width_in=width_in)
+        try:
+            assert _texts_outside(fig) == [], (width_in, doc["layout"], doc["lockstep"])
+        finally:
+            plt.close(fig)

@@ -1,0 +1,241 @@
+"""python -m reports in-process: a bad results.json, README or output path is one line (or a warning), and a row says only what its results.json records."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from reports.collect import collect
+from tests.conftest import REPO
+
+COMMITTED = REPO / "reports" / "results" / "cpu-2rank-tiny"
+
+
+def _ok_doc() -> dict:
+    return json.loads((COMMITTED / "0" / "results.json").read_text())
+
+
+def _sweep(root: Path, docs: dict) -> Path:
+    """A sweep folder with one point per entry: a dict is written as JSON, a string or bytes as they are."""
+    for name, doc in docs.items():
+        (root / name).mkdir(parents=True)
+        out = root / name / "results.json"
+        if isinstance(doc, bytes):
+            out.write_bytes(doc)
+        else:
+            out.write_text(doc if isinstance(doc, str) else json.dumps(doc))
+    return root
+
+
+BAD_DOCS = {
+    "an array": "[]",
+    "a string": '"ok"',
+    "null": "null",
+    "passes not an object": json.dumps({**_ok_doc(), "passes": [1, 2]}),
+    "a pass not an object": json.dumps({**_ok_doc(), "passes": {"forward": 3}}),
+    "plan not an object": json.dumps({**_ok_doc(), "plan": "greedy"}),
+    "mtpm not a number": json.dumps({**_ok_doc(), "mtpm": "big"}),
+    "tok/s not a number": json.dumps({**_ok_doc(), "passes": {"forward": {"tok_per_s": "fast"}}}),
+    "status not a string": json.dumps({**_ok_doc(), "status": ["ok"]}),
+    "peaks not a list": json.dumps({**_ok_doc(), "passes": {"forward": {"mem_peak_bytes": 5}}}),
+    "workload size not a number": json.dumps({**_ok_doc(), "workload": {"name": "w", "n_examples": "24"}}),
+    "kernels not lists": json.dumps({**_ok_doc(), "passes": {"forward_backward": {"kernels": {"attention": 3}}}}),
+    "torn": '{"status": "ok", "pas',
+    "not UTF-8": b'{"status": "\xff"}',
+}
+
+
+@pytest.mark.parametrize("text", BAD_DOCS.values(), ids=BAD_DOCS.keys())
+def test_a_bad_results_json_is_a_warning_naming_it_and_the_others_are_reported(text, tmp_path, caplog):
+    sweep = _sweep(tmp_path / "sweep", {"0": _ok_doc(), "1": text, "2": _ok_doc()})
+    with caplog.at_level(logging.WARNING, logger="reports.collect"):
+        df = collect([sweep])
+    assert list(df["status"]).count("ok") == 2
+    bad = df[df["status"] != "ok"]
+    assert len(bad) == 1 and bad.iloc[0]["status"] == "unreadable"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and str(sweep / "1" / "results.json") in warnings[0]
+
+    from reports.__main__ import main
+
+    assert main([str(sweep)]) == 0  # the report is written around it
+    report = (sweep / "report.md").read_text()
+    assert report.count("| FSDP2") == 2 and "unreadable" in report
+
+
+def test_the_end_of_sweep_report_is_written_despite_a_bad_results_json(tmp_path, monkeypatch):
+    from omegaconf import OmegaConf
+
+    from harness import state
+    from harness.callbacks import ReportCallback
+
+    monkeypatch.setattr(state, "STATE", state.RunState())
+    sweep = _sweep(tmp_path / "sweep", {"0": _ok_doc(), "1": "[]", "2": _ok_doc()})
+    ReportCallback().on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep)}}}))
+    assert (sweep / "report.md").read_text().count("| FSDP2") == 2
+    assert "unreadable" in (sweep / "results.csv").read_text()
+    assert state.STATE.exit_code == state.EXIT_FAILED  # the sweep still says a point went wrong
+
+
+def _one_line_error(capsys, *words: str) -> str:
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("error: "), err
+    for w in words:
+        assert w in err, err
+    return err
+
+
+@pytest.mark.parametrize("check", [True, False], ids=["--check", "rewrite"])
+def test_a_missing_readme_is_one_line_and_nothing_is_written(check, tmp_path, capsys):
+    from reports.__main__ import main
+
+    sweep = _sweep(tmp_path / "sweep", {"0": _ok_doc()})
+    missing = tmp_path / "missing.md"
+    assert main([str(sweep), "--readme", str(missing)] + (["--check"] if check else [])) == 2
+    _one_line_error(capsys, str(missing), "no such file")
+    assert not missing.exists() and not (sweep / "report.md").exists()
+    assert main([str(sweep), "--readme", str(tmp_path)] + (["--check"] if check else [])) == 2  # a folder
+    _one_line_error(capsys, str(tmp_path), "not a file")
+
+
+@pytest.mark.parametrize("check", [True, False], ids=["--check", "rewrite"])
+def test_a_readme_without_the_markers_says_which_to_add(check, tmp_path, capsys):
+    from reports.__main__ import main
+    from reports.render import BEGIN, END
+
+    sweep = _sweep(tmp_path / "sweep", {"0": _ok_doc()})
+    for text in ("# A project\n", f"# A project\n{END}\n{BEGIN}\n", f"# only one\n{BEGIN}\n"):
+        readme = tmp_path / "NOMARK.md"
+        readme.write_text(text)
+        assert main([str(sweep), "--readme", str(readme)] + (["--check"] if check else [])) == 2
+        err = _one_line_error(capsys, str(readme), BEGIN, END)
+        assert "stale" not in err and "run:" not in err  # not a command that would fail in turn
+        assert readme.read_text() == text and not (sweep / "report.md").exists()
+    assert capsys.readouterr().out == ""
+
+
+def test_unwritable_outputs_are_one_line(tmp_path, capsys, monkeypatch):
+    from reports.__main__ import main
+
+    sweep = _sweep(tmp_path / "sweep", {"0": _ok_doc()})
+    assert main([str(sweep), "--csv", "/proc/frame.csv"]) == 2
+    _one_line_error(capsys, "/proc/frame.csv", "cannot write")
+
+    import reports.__main__ as cli
+
+    def refuse(df, out_dir):
+        raise PermissionError(13, "Permission denied", str(out_dir / "plots" / "tok_per_s.png"))
+
+    monkeypatch.setattr(cli, "write_plots", refuse)  # a read-only sweep folder (tests may run as root)
+    assert main([str(sweep)]) == 2
+    _one_line_error(capsys, str(sweep / "plots" / "tok_per_s.png"), "cannot write", "Permission denied")
+
+
+def test_csv_into_a_folder_writes_results_csv_there(tmp_path, capsys):
+    from reports.__main__ import main
+
+    sweep = _sweep(tmp_path / "sweep", {"0": _ok_doc()})
+    (tmp_path / "frames").mkdir()
+    assert main([str(sweep), "--csv", str(tmp_path / "frames")]) == 0
+    assert (tmp_path / "frames" / "results.csv").read_text().startswith("path,")
+
+
+def test_csv_paths_are_relative_to_its_folder_so_any_clone_writes_the_committed_file(tmp_path):
+    from reports.render import write_csv
+
+    df = collect([COMMITTED])
+    committed = (REPO / "reports" / "results.csv").read_text()
+    assert str(REPO) not in committed and "/work/" not in committed  # no machine's absolute paths
+    out = tmp_path / "results.csv"
+    write_csv(df, out, base=REPO / "reports")  # as python -m reports writes reports/results.csv, in this clone
+    assert out.read_text() == committed
+    import pandas as pd
+
+    assert pd.read_csv(io.StringIO(committed))["path"].iloc[0] == "results/cpu-2rank-tiny/0/results.json"
+
+
+def test_a_sweeps_csv_names_points_relative_to_it(tmp_path, capsys):
+    import pandas as pd
+
+    from reports.__main__ import main
+
+    sweep = _sweep(tmp_path / "sweep", {"0": _ok_doc(), "1": _ok_doc()})
+    assert main([str(sweep)]) == 0
+    assert sorted(pd.read_csv(sweep / "results.csv")["path"]) == ["0/results.json", "1/results.json"]
+    elsewhere = tmp_path / "elsewhere" / "frame.csv"  # not above the results: their absolute paths
+    assert main([str(sweep), "--csv", str(elsewhere)]) == 0
+    assert sorted(pd.read_csv(elsewhere)["path"]) == [str((sweep / n / "results.json").resolve()) for n in "01"]
+
+
+def _failed_at_start(**changes) -> dict:
+    """What harness/app.py's base_document leaves when a point fails before its backend reports the device."""
+    doc = {
+        "status": "error", "error": "rank 1 died while starting", "backend": "fsdp2", "world_size": None,
+        "device": None, "model": {"name": "tiny", "path": None, "lora_rank": 32}, "mtpm": 65536, "mbs": 1,
+        "layout": "packed", "planner": "balanced", "gc": False, "bench": {"warmup": 1, "repeat": 3},
+        "workload": {"name": "cpu_mixed"}, "plan": None, "precision": None, "passes": {}, "peak": None,
+        "overrides": ["mtpm=65536"], "started_at": "2026-12-01T09:38:24+00:00",
+    }
+    doc.update(changes)
+    return doc
+
+
+def _report(tmp_path, docs: dict) -> str:
+    from reports.__main__ import main
+
+    sweep = _sweep(tmp_path / "sweep", docs)
+    assert main([str(sweep)]) == 0
+    return (sweep / "report.md").read_text()
+
+
+def _header_and_rows(report: str, backend: str = "FSDP2") -> tuple[list[str], list[str]]:
+    lines = report.splitlines()
+    return ([line for line in lines if line.startswith(("Measured on", "Setting"))],
+            [line for line in lines if line.startswith(f"| {backend}")])
+
+
+def _cells(row: str) -> list[str]:
+    return [c.strip() for c in row.strip().strip("|").split("|")]
+
+
+UNKNOWN_WORDS = ("unknown", "?", "None", "nan")
+
+
+def test_an_error_point_says_only_what_its_results_json_records(tmp_path):
+    report = _report(tmp_path, {"0": _failed_at_start()})
+    (header,), (row,) = _header_and_rows(report)
+    assert header.startswith("Measured on model `tiny` (LoRA rank 32), workload `cpu_mixed`,"), header
+    assert not any(w in header + row for w in UNKNOWN_WORDS), header + row
+    assert _cells(row)[1] == "—"  # the devices column: nothing recorded, nothing claimed
+
+    report = _report(tmp_path / "2", {"0": _failed_at_start(world_size=2)})
+    (header,), (row,) = _header_and_rows(report)
+    assert _cells(row)[1] == "2 ranks" and not any(w in header + row for w in UNKNOWN_WORDS)
+
+    gpu = {"type": "cuda", "name": "NVIDIA H200", "count": 8}
+    report = _report(tmp_path / "3", {"0": _failed_at_start(world_size=8, device=gpu)})
+    (header,), (row,) = _header_and_rows(report)
+    assert header.startswith("Measured on NVIDIA H200 (NCCL), model `tiny`") and _cells(row)[1] == "8 × NVIDIA H200"
+
+
+def test_an_unreadable_row_names_its_file_and_claims_nothing(tmp_path):
+    report = _report(tmp_path, {"0": _ok_doc(), "1": "[]"})
+    headers, _ = _header_and_rows(report)
+    assert headers[0].startswith("Measured on AMD EPYC") and headers[-1] == "Setting not recorded."
+    (row,) = [line for line in report.splitlines() if "unreadable" in line]
+    assert "1/results.json" in row
+    cells = _cells(row)
+    assert not any(w in c for c in cells for w in UNKNOWN_WORDS) and "greedy" not in cells, row
+
+
+def test_a_dry_run_row_says_it_was_not_timed(tmp_path):
+    dry = {**_ok_doc(), "status": "planned", "passes": {}, "precision": None, "peak": None}
+    report = _report(tmp_path, {"0": _ok_doc(), "1": dry})
+    headers, _ = _header_and_rows(report)
+    measured, planned = sorted(headers, key=lambda h: "not timed" in h)
+    assert "1 warm-up + 3 timed repeats" in measured
+    assert "not timed (dry run)" in planned and "timed repeats" not in planned and "warm-up" not in planned
