@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
+from backends.errors import UserError
 from backends.planning.cost import CostModel, cost_model_from_config
 from backends.specs import ModelSpec
 
@@ -71,6 +72,14 @@ SHIPPED_CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
+def config_file(spec: ModelSpec) -> Optional[Path]:
+    """The checkpoint's config.json when it is on disk, else None."""
+    if spec.path is None:
+        return None
+    path = Path(os.path.expanduser(str(spec.path))) / "config.json"
+    return path if path.is_file() else None
+
+
 def model_config(spec: ModelSpec) -> tuple[dict[str, Any], str]:
     """The model's config and where it came from: the checkpoint's config.json when it is on disk, else the shipped one.
 
@@ -78,11 +87,10 @@ def model_config(spec: ModelSpec) -> tuple[dict[str, Any], str]:
     A named model whose checkpoint is absent (a dry run on a laptop) falls back
     to its shipped config; a model with neither gets the token-count cost.
     """
-    if spec.path is not None:
-        path = Path(os.path.expanduser(str(spec.path))) / "config.json"
-        if path.is_file():
-            data = json.loads(path.read_text())
-            return dict(data.get("text_config") or data), str(path)
+    path = config_file(spec)
+    if path is not None:
+        data = read_json_file(path, "a checkpoint's config.json")
+        return dict(data.get("text_config") or data), str(path)
     if spec.path is None:
         config = dict(SHIPPED_CONFIGS["tiny"])
         if spec.vocab_size:
@@ -91,6 +99,26 @@ def model_config(spec: ModelSpec) -> tuple[dict[str, Any], str]:
     if spec.name in SHIPPED_CONFIGS:
         return dict(SHIPPED_CONFIGS[spec.name]), f"backends/model/configs.py:{spec.name} (checkpoint not on disk)"
     return {}, ""
+
+
+def read_json_file(path: Path, what: str) -> dict[str, Any]:
+    """A JSON object from ``path`` (``what`` it should be, for the error), or one line naming the file and the problem."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"model.path: {path} is not UTF-8 text ({exc.reason} at byte {exc.start}); "
+                        f"{what} is JSON, as save_pretrained writes it") from None
+    except OSError as exc:
+        raise UserError(f"model.path: cannot read {path} ({exc.strerror or exc})") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UserError(f"model.path: {path} is not valid JSON ({exc.msg}: line {exc.lineno} column {exc.colno}); "
+                        f"{what} is one JSON object, as save_pretrained writes it") from None
+    if not isinstance(data, dict):
+        raise UserError(f"model.path: {path} holds a JSON {type(data).__name__}, not an object "
+                        f"({what} is one JSON object, as save_pretrained writes it)")
+    return data
 
 
 def cost_model_for(spec: ModelSpec) -> CostModel:
