@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from backends.errors import UserError, first_line
-from backends.model.configs import read_json_file
+from backends.model.configs import check_model_spec, read_json_file
 from backends.specs import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -42,6 +42,7 @@ SHOWN_KEYS = 3  # weight names quoted in a one-line error
 
 def check_model_path(spec: ModelSpec) -> Optional[Path]:
     """The checkpoint directory, checked before any process is started; None for the tiny model."""
+    check_model_spec(spec)  # model.vocab_size with a checkpoint
     if spec.path is None:
         if spec.name != TINY_MODEL_NAME:
             # Building the tiny model here would run a random toy labelled as this model.

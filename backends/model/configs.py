@@ -121,6 +121,18 @@ def read_json_file(path: Path, what: str) -> dict[str, Any]:
     return data
 
 
+def check_model_spec(spec: ModelSpec, layout: str = "padded") -> None:
+    """Settings the model would silently ignore or not run, refused in one line before anything is loaded (torch-free).
+
+    - ``model.vocab_size`` sizes the tiny model only; a checkpoint's vocabulary is its own.
+    """
+    if spec.path is not None and spec.vocab_size is not None:
+        config, _ = model_config(spec)
+        own = f" ({config['vocab_size']} in {spec.path})" if "vocab_size" in config else ""
+        raise UserError(f"model.vocab_size: applies only to the tiny model built in code (model.path=null); "
+                        f"a checkpoint's vocabulary is its own{own}: drop model.vocab_size={spec.vocab_size}")
+
+
 def cost_model_for(spec: ModelSpec) -> CostModel:
     """The planner's cost model for a model spec (torch-free; reads config.json only)."""
     config, source = model_config(spec)

@@ -96,3 +96,10 @@ def test_a_corrupt_config_json_or_safetensors_is_one_line_naming_the_file(saved,
     line = _one_error_line(proc)
     assert str(bad_weights / "model.safetensors") in line and "did not finish" in line
 
+
+def test_vocab_size_with_a_checkpoint_is_refused(saved, tmp_path):
+    for mode in ("dry_run=true", "dry_run=false"):
+        proc = run_harness(*_model_args(saved, "model.vocab_size=4096", mode), f"hydra.run.dir={tmp_path / mode.replace('=', '-')}", cwd=tmp_path)
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        line = _one_error_line(proc)
+        assert "model.vocab_size" in line and "tiny model" in line and "2048" in line

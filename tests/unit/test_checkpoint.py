@@ -17,7 +17,7 @@ import torch
 
 from backends.errors import UserError
 from backends.model.build import build_model, describe_model, model_vocab_size
-from backends.model.configs import cost_model_for
+from backends.model.configs import check_model_spec, cost_model_for
 from backends.specs import ModelSpec
 
 CPU = torch.device("cpu")
@@ -158,6 +158,18 @@ def test_a_sharded_checkpoint_passes_the_check(saved, tmp_path):
     build_model(ModelSpec(lora_rank=0), CPU, False).save_pretrained(path, max_shard_size="200KB")
     assert (path / "model.safetensors.index.json").is_file() and len(list(path.glob("*.safetensors"))) > 1
     assert model_vocab_size(_spec(path)) == 2048
+
+
+# ---------------------------------------------------------------- settings a checkpoint ignores
+
+
+def test_vocab_size_with_a_checkpoint_is_refused(saved):
+    spec = _spec(saved, vocab_size=4096)
+    for check in (check_model_spec, model_vocab_size, lambda s: build_model(s, CPU, False)):
+        with pytest.raises(UserError, match=r"model.vocab_size: .*tiny model.*model.path=null.*2048") as info:
+            check(spec)
+        assert "\n" not in str(info.value)
+    check_model_spec(ModelSpec(vocab_size=4096))  # the tiny model takes it
 
 
 def test_a_config_and_weights_of_different_shapes_are_refused_naming_the_shapes(saved, tmp_path):
