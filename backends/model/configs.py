@@ -121,16 +121,34 @@ def read_json_file(path: Path, what: str) -> dict[str, Any]:
     return data
 
 
+# Architectures (config model_type) whose layers the packed layout keeps apart at sequence boundaries:
+# Qwen3.5-MoE's gated delta-net and full attention (backends/model/packing.py), tested against padded and mbs=1.
+PACKED_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
+
+
 def check_model_spec(spec: ModelSpec, layout: str = "padded") -> None:
     """Settings the model would silently ignore or not run, refused in one line before anything is loaded (torch-free).
 
     - ``model.vocab_size`` sizes the tiny model only; a checkpoint's vocabulary is its own.
+    - ``layout=packed`` needs an architecture whose layers packing keeps apart
+      (``PACKED_MODEL_TYPES``); read from config.json, or the shipped config.
+      A model with neither (a dry run of a checkpoint not on disk) is not judged here.
     """
     if spec.path is not None and spec.vocab_size is not None:
         config, _ = model_config(spec)
         own = f" ({config['vocab_size']} in {spec.path})" if "vocab_size" in config else ""
         raise UserError(f"model.vocab_size: applies only to the tiny model built in code (model.path=null); "
                         f"a checkpoint's vocabulary is its own{own}: drop model.vocab_size={spec.vocab_size}")
+    if layout == "packed":
+        config, source = model_config(spec)
+        # a composite checkpoint names its type at the top and in its text_config: either one will do
+        file = config_file(spec)
+        top = read_json_file(file, "a checkpoint's config.json") if file is not None else {}
+        types = [t for t in (config.get("model_type"), top.get("model_type")) if t is not None]
+        if config and not set(types) & set(PACKED_MODEL_TYPES):
+            raise UserError(f"layout: packed keeps sequences apart only in Qwen3.5-MoE models (model_type "
+                            f"{' / '.join(PACKED_MODEL_TYPES)}), and {source} says model_type "
+                            f"{types[0] if types else None!r}; use layout=padded for it")
 
 
 def cost_model_for(spec: ModelSpec) -> CostModel:

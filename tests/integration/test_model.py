@@ -11,7 +11,7 @@ from backends.model.build import build_model
 from backends.specs import ModelSpec
 from tests.conftest import load_json, run_harness
 from tests.integration.test_harness_cli import _one_error_line
-from tests.unit.test_checkpoint import checkpoint_copy
+from tests.unit.test_checkpoint import checkpoint_copy, llama_checkpoint
 
 CPU = torch.device("cpu")
 
@@ -95,6 +95,17 @@ def test_a_corrupt_config_json_or_safetensors_is_one_line_naming_the_file(saved,
     assert proc.returncode == 2, proc.stdout + proc.stderr
     line = _one_error_line(proc)
     assert str(bad_weights / "model.safetensors") in line and "did not finish" in line
+
+
+def test_packed_layout_on_a_llama_checkpoint_is_refused_before_loading(tmp_path):
+    path = llama_checkpoint(tmp_path / "llama")
+    for mode in ("dry_run=true", "dry_run=false"):
+        proc = run_harness("model.path=" + str(path), "backend=pytorch", *QUICK, "layout=packed", "planner=balanced", "mtpm=4096",
+                           mode, f"hydra.run.dir={tmp_path / mode.replace('=', '-')}", cwd=tmp_path)
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        line = _one_error_line(proc)
+        assert "layout: packed" in line and "'llama'" in line and "qwen3_5_moe" in line and "layout=padded" in line
+        assert "starting" not in proc.stdout + proc.stderr
 
 
 def test_vocab_size_with_a_checkpoint_is_refused(saved, tmp_path):

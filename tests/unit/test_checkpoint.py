@@ -172,6 +172,46 @@ def test_vocab_size_with_a_checkpoint_is_refused(saved):
     check_model_spec(ModelSpec(vocab_size=4096))  # the tiny model takes it
 
 
+def llama_checkpoint(path: Path) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def test_packed_layout_on_an_architecture_it_does_not_keep_apart_is_refused_from_the_config(tmp_path):
+    """Checked from config.json alone (torch-free, before any weight is read); layout=padded is fine."""
+    spec = _spec(llama_checkpoint(tmp_path / "llama"))
+    with pytest.raises(UserError) as info:
+        check_model_spec(spec, layout="packed")
+    message = str(info.value)
+    assert message.startswith("layout: packed") and "'llama'" in message and "layout=padded" in message
+    assert "qwen3_5_moe" in message and "\n" not in message
+    check_model_spec(spec, layout="padded")
+    check_model_spec(ModelSpec(), layout="packed")  # the tiny Qwen3.5-MoE
+    check_model_spec(ModelSpec(name="qwen3_5_35b_a3b", path=str(tmp_path / "not-on-disk")), layout="packed")
+
+
+def test_a_packed_row_on_a_model_that_cannot_keep_it_apart_fails_naming_the_layout(tmp_path):
+    """Past the config check (a backend driven directly): one clear error, not an AttributeError in the mask code."""
+    from backends.model.packing import check_packable
+    from backends.model.step import run_schedule
+    from harness.workload import make_examples
+
+    spec = _spec(llama_checkpoint(tmp_path / "llama"), lora_rank=0)
+    model = build_model(spec, CPU, False)
+    with pytest.raises(ValueError, match=r"layout=packed .*LlamaForCausalLM.*layout=padded"):
+        check_packable(model)
+    examples = make_examples([5, 7], 2048, seed=0)
+    with pytest.raises(ValueError, match=r"layout=packed .*LlamaForCausalLM"):
+        run_schedule(model, examples, [[0, 1]], "forward", 1.0, CPU, layout="packed")
+    check_packable(build_model(ModelSpec(), CPU, False))
+
+
 def test_a_config_and_weights_of_different_shapes_are_refused_naming_the_shapes(saved, tmp_path):
     path = checkpoint_copy(saved, tmp_path)
     config = json.loads((path / "config.json").read_text())
@@ -226,3 +266,14 @@ def test_the_check_reads_the_published_layout_as_transformers_loads_it(saved, tm
     with pytest.raises(UserError, match=r"missing \(model\.layers\.3\."):
         model_vocab_size(short)
 
+
+def test_packed_layout_takes_a_composite_config_by_either_model_type(tmp_path):
+    """The published checkpoint's config.json is composite (qwen3_5_moe at the top, a text_config inside)."""
+    from backends.model.configs import QWEN3_5_35B_A3B_TEXT_CONFIG
+
+    text = {k: v for k, v in QWEN3_5_35B_A3B_TEXT_CONFIG.items() if k != "model_type"}
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_5_moe", "text_config": text}))
+    check_model_spec(ModelSpec(name="qwen3_5_35b_a3b", path=str(tmp_path)), layout="packed")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llava", "text_config": {"model_type": "llama"}}))
+    with pytest.raises(UserError, match=r"says model_type 'llama'"):
+        check_model_spec(ModelSpec(name="x", path=str(tmp_path)), layout="packed")
