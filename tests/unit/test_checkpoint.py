@@ -277,3 +277,22 @@ def test_packed_layout_takes_a_composite_config_by_either_model_type(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llava", "text_config": {"model_type": "llama"}}))
     with pytest.raises(UserError, match=r"says model_type 'llama'"):
         check_model_spec(ModelSpec(name="x", path=str(tmp_path)), layout="packed")
+
+
+def test_a_check_that_cannot_run_on_meta_tensors_leaves_it_to_the_load(saved, tmp_path, monkeypatch, caplog):
+    """The check runs ahead of the load and must never refuse what would load: the load's own report still refuses."""
+    import logging
+
+    from transformers import Qwen3_5MoeForCausalLM
+
+    def fails(*args, **kwargs):
+        raise NotImplementedError("an operation with no meta kernel")
+
+    path = checkpoint_copy(saved, tmp_path, layers=6)
+    with monkeypatch.context() as patch:
+        patch.setattr(Qwen3_5MoeForCausalLM, "from_pretrained", fails)
+        with caplog.at_level(logging.WARNING, logger="backends.model.checkpoint"):
+            assert model_vocab_size(_spec(path)) == 2048
+    assert any("could not be checked before loading" in r.getMessage() for r in caplog.records)
+    with pytest.raises(UserError, match=r"missing.*model\.layers\.4\."):
+        build_model(_spec(path), CPU, False)
