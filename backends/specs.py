@@ -40,4 +40,7 @@ class ModelSpec:
     init_seed: int = 0
     # None = flash_attention_2 on CUDA in half precision when flash-attn imports, else sdpa (both layouts alike)
     attn_implementation: Optional[str] = None
-    vocab_size: Optional[int] = None  # tiny model only; None = TINY_CONFIG's
+    vocab_size: Optional[int] = None  # tiny model only (refused with a path); None = TINY_CONFIG's
+    # A checkpoint whose weights lack some of the model's (left randomly initialised) or hold others is refused;
+    # true runs it and lists them in results.json's model.built.missing_weights / unexpected_weights.
+    allow_missing_weights: bool = False

@@ -10,6 +10,7 @@ from omegaconf import MISSING
 from omegaconf.errors import OmegaConfBaseException
 
 from backends.errors import UserError
+from backends.model.configs import check_model_spec
 from backends.planning import LAYOUTS, PLANNERS
 from backends.registry import backend_entry
 from backends.specs import BackendSpec, ModelSpec
@@ -103,6 +104,7 @@ def validate(cfg: HarnessConfig) -> None:
         raise UserError(f"planner: '{cfg.backend.planner}' is not a planner (valid: {', '.join(PLANNERS)})")
     if cfg.backend.planner == "balanced" and cfg.backend.max_tokens_per_microbatch is None:
         raise UserError("planner: balanced needs a budget (set mtpm=<tokens>; with mtpm=null use planner=greedy: fixed-size slices have nothing to balance)")
+    check_model_spec(cfg.model, cfg.backend.layout)  # model.vocab_size with a checkpoint; packed on an unsupported model
     # numpy's generators take no negative seed, and the published length generator (RandomState) none above 2**32-1.
     if cfg.seed < 0:
         raise UserError(f"seed: must be an integer >= 0, got {cfg.seed}")

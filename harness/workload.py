@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -37,20 +38,44 @@ def mixed_lengths(n_examples: int, min_len: int, max_len: int, seed: int) -> lis
     return [int(n) for n in lengths[:n_examples]]
 
 
+# A length is plain ASCII digits, with an optional sign: int() alone also takes 1_000 and
+# full-width or other Unicode digits, which a lengths file written by a script never means.
+_LENGTH = re.compile(r"[+-]?[0-9]+")
+
+
 def read_lengths_file(path: str) -> list[int]:
-    """Sequence lengths from a text file, one positive integer per line (blank lines and # comments skipped)."""
+    """Sequence lengths from a UTF-8 text file, one positive integer per line (blank lines and # comments skipped).
+
+    A byte-order mark at the start (what some editors write) is skipped.
+    """
     p = Path(path).expanduser()
+    if p.is_dir():
+        raise UserError(f"workload.path: '{p}' is a folder, not a file (expected a text file with one sequence length per line)")
     if not p.is_file():
         raise UserError(f"workload.path: no such file '{p}' (expected a text file with one sequence length per line)")
+    try:
+        data = p.read_bytes()
+    except OSError as exc:
+        raise UserError(f"workload.path: cannot read '{p}' ({exc.strerror or exc})") from None
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        lineno = data.count(b"\n", 0, exc.start) + 1
+        raise UserError(
+            f"workload.path: {p} is not UTF-8 text (byte 0x{data[exc.start]:02x} on line {lineno}; "
+            "expected a text file with one sequence length per line, in ASCII digits)"
+        ) from None
     lengths = []
-    for lineno, raw in enumerate(p.read_text().splitlines(), start=1):
+    for lineno, raw in enumerate(text.splitlines(), start=1):
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue
-        try:
-            n = int(line)
-        except ValueError:
-            raise UserError(f"workload.path: {p}:{lineno}: '{line}' is not an integer (expected one positive length per line)") from None
+        if not _LENGTH.fullmatch(line):
+            raise UserError(
+                f"workload.path: {p}:{lineno}: {line!r} is not an integer "
+                "(expected one positive length per line, in ASCII digits 0-9)"
+            )
+        n = int(line)
         if n <= 0:
             raise UserError(f"workload.path: {p}:{lineno}: length {n} is not positive (every sequence needs at least 1 token)")
         lengths.append(n)

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import logging
-import os
 import warnings
-from pathlib import Path
 from typing import Optional
 
 import torch
 
 from backends.errors import UserError
 from backends.model import kernels
+from backends.model.checkpoint import check_checkpoint, check_model_path, check_weight_files, load_config, weights_loaded
 from backends.model.configs import TINY_CONFIG
 from backends.model.logprobs import install_logprob_head
 from backends.model.packing import prepare_model_for_packing
@@ -29,37 +28,17 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return valid[name]
 
 
-# The one model built in code; every other model name is a checkpoint read from model.path.
-TINY_MODEL_NAME = "tiny"
-
-
-def check_model_path(spec: ModelSpec) -> Optional[Path]:
-    """The checkpoint directory, checked before any process is started; None for the tiny model."""
-    if spec.path is None:
-        if spec.name != TINY_MODEL_NAME:
-            # Building the tiny model here would run a random toy labelled as this model.
-            raise UserError(
-                f"model.path: model '{spec.name}' needs a local checkpoint directory (model.path=/path/to/checkpoint); "
-                f"null builds the tiny random model, which only model={TINY_MODEL_NAME} may do"
-            )
-        return None
-    path = Path(os.path.expanduser(str(spec.path)))
-    if not (path / "config.json").is_file():
-        raise UserError(
-            f"model.path: '{path}' is not a local checkpoint directory (expected config.json and weights there; "
-            "nothing is downloaded at run time)"
-        )
-    return path
-
-
 def model_vocab_size(spec: ModelSpec) -> int:
-    """Vocabulary size, read from the config only (no weights are loaded)."""
-    path = check_model_path(spec)
+    """Vocabulary size, read from the config only (no weights are loaded).
+
+    What the harness and the server call before any process is started, so a
+    checkpoint is checked here first (``checkpoint.check_checkpoint``: its
+    config, its weight files, and that they hold the model's weights).
+    """
+    path = check_checkpoint(spec)
     if path is None:
         return int(spec.vocab_size or TINY_CONFIG["vocab_size"])
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    config = load_config(path)
     config = getattr(config, "text_config", None) or config
     return int(config.vocab_size)
 
@@ -86,7 +65,7 @@ def build_model(
     kept), "cpu" (host memory, a source to broadcast from) or "meta" (shapes
     only, nothing allocated or read: FSDP2 shards this and loads the shards).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+    from transformers import AutoModelForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
     if place not in PLACES:
         raise ValueError(f"place must be one of {PLACES}, got {place!r}")
@@ -116,16 +95,21 @@ def build_model(
                 model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**config, **kwargs))
             model = model.to(device=target, dtype=dtype)
     elif place == "meta":
-        config = AutoConfig.from_pretrained(path, local_files_only=True, **kwargs)
+        config = load_config(path, **kwargs)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, **kwargs)
     else:
+        load_config(path)  # config.json and the weight files' headers first: a broken file is named, in one line
+        check_weight_files(path)
         # On a GPU straight onto it (device_map; accelerate comes with peft): from_pretrained
         # reads tensor by tensor into the device, so no host copy of the model is kept.
         device_map = target if target.type == "cuda" else None
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, local_files_only=True, device_map=device_map, **kwargs
+        model, info = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, local_files_only=True, device_map=device_map, output_loading_info=True, **kwargs
         )
+        # Weights the files lack (left random) or hold beyond the model: refused unless allowed, then recorded.
+        setattr(model, _WEIGHTS_RECORD, weights_loaded(spec, info["missing_keys"], info["unexpected_keys"],
+                                                         level=logging.DEBUG))
         if device_map is None:
             model = model.to(target)
     model.config.use_cache = False
@@ -237,8 +221,19 @@ def load_method(spec: ModelSpec) -> str:
     return "from_config" if spec.path is None else "from_pretrained"
 
 
+# Set on a model read from a checkpoint: the weights its files lacked and held beyond it (checkpoint.weights_loaded).
+_WEIGHTS_RECORD = "_balance_batch_weights"
+
+
+def loaded_weights(model: torch.nn.Module) -> dict:
+    """``missing_weights`` and ``unexpected_weights`` of the checkpoint read into ``model`` ([] each when it
+    matched); None each when nothing was read (the tiny model, a meta build)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return dict(getattr(base, _WEIGHTS_RECORD, None) or {"missing_weights": None, "unexpected_weights": None})
+
+
 def describe_model(model: torch.nn.Module, spec: ModelSpec) -> dict:
-    """What was built, for results.json: architecture, parameter counts, vocabulary, dtype, source."""
+    """What was built, for results.json: architecture, parameter counts, vocabulary, dtype, source, weights left out."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = base.config
     params = list(model.parameters())
@@ -252,4 +247,5 @@ def describe_model(model: torch.nn.Module, spec: ModelSpec) -> dict:
         "n_trainable_params": sum(p.numel() for p in params if p.requires_grad),
         "dtype": str(params[0].dtype).removeprefix("torch."),
         "source": "random init (tiny, built in code)" if spec.path is None else f"checkpoint {spec.path}",
+        **loaded_weights(model),  # only with model.allow_missing_weights=true can a list be non-empty
     }

@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
+from backends.errors import UserError
 from backends.planning.cost import CostModel, cost_model_from_config
 from backends.specs import ModelSpec
 
@@ -71,6 +72,14 @@ SHIPPED_CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
+def config_file(spec: ModelSpec) -> Optional[Path]:
+    """The checkpoint's config.json when it is on disk, else None."""
+    if spec.path is None:
+        return None
+    path = Path(os.path.expanduser(str(spec.path))) / "config.json"
+    return path if path.is_file() else None
+
+
 def model_config(spec: ModelSpec) -> tuple[dict[str, Any], str]:
     """The model's config and where it came from: the checkpoint's config.json when it is on disk, else the shipped one.
 
@@ -79,11 +88,10 @@ def model_config(spec: ModelSpec) -> tuple[dict[str, Any], str]:
     laptop; a real run refuses a missing checkpoint before this matters) falls
     back to its shipped config; a model with neither gets the token-count cost.
     """
-    if spec.path is not None:
-        path = Path(os.path.expanduser(str(spec.path))) / "config.json"
-        if path.is_file():
-            data = json.loads(path.read_text())
-            return dict(data.get("text_config") or data), str(path)
+    path = config_file(spec)
+    if path is not None:
+        data = read_json_file(path, "a checkpoint's config.json")
+        return dict(data.get("text_config") or data), str(path)
     if spec.path is None and (spec.name == "tiny" or spec.name not in SHIPPED_CONFIGS):
         config = dict(SHIPPED_CONFIGS["tiny"])
         if spec.vocab_size:
@@ -93,6 +101,56 @@ def model_config(spec: ModelSpec) -> tuple[dict[str, Any], str]:
         why = "no model.path" if spec.path is None else "checkpoint not on disk"
         return dict(SHIPPED_CONFIGS[spec.name]), f"backends/model/configs.py:{spec.name} ({why})"
     return {}, ""
+
+
+def read_json_file(path: Path, what: str) -> dict[str, Any]:
+    """A JSON object from ``path`` (``what`` it should be, for the error), or one line naming the file and the problem."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"model.path: {path} is not UTF-8 text ({exc.reason} at byte {exc.start}); "
+                        f"{what} is JSON, as save_pretrained writes it") from None
+    except OSError as exc:
+        raise UserError(f"model.path: cannot read {path} ({exc.strerror or exc})") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UserError(f"model.path: {path} is not valid JSON ({exc.msg}: line {exc.lineno} column {exc.colno}); "
+                        f"{what} is one JSON object, as save_pretrained writes it") from None
+    if not isinstance(data, dict):
+        raise UserError(f"model.path: {path} holds a JSON {type(data).__name__}, not an object "
+                        f"({what} is one JSON object, as save_pretrained writes it)")
+    return data
+
+
+# Architectures (config model_type) whose layers the packed layout keeps apart at sequence boundaries:
+# Qwen3.5-MoE's gated delta-net and full attention (backends/model/packing.py), tested against padded and mbs=1.
+PACKED_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
+
+
+def check_model_spec(spec: ModelSpec, layout: str = "padded") -> None:
+    """Settings the model would silently ignore or not run, refused in one line before anything is loaded (torch-free).
+
+    - ``model.vocab_size`` sizes the tiny model only; a checkpoint's vocabulary is its own.
+    - ``layout=packed`` needs an architecture whose layers packing keeps apart
+      (``PACKED_MODEL_TYPES``); read from config.json, or the shipped config.
+      A model with neither (a dry run of a checkpoint not on disk) is not judged here.
+    """
+    if spec.path is not None and spec.vocab_size is not None:
+        config, _ = model_config(spec)
+        own = f" ({config['vocab_size']} in {spec.path})" if "vocab_size" in config else ""
+        raise UserError(f"model.vocab_size: applies only to the tiny model built in code (model.path=null); "
+                        f"a checkpoint's vocabulary is its own{own}: drop model.vocab_size={spec.vocab_size}")
+    if layout == "packed":
+        config, source = model_config(spec)
+        # a composite checkpoint names its type at the top and in its text_config: either one will do
+        file = config_file(spec)
+        top = read_json_file(file, "a checkpoint's config.json") if file is not None else {}
+        types = [t for t in (config.get("model_type"), top.get("model_type")) if t is not None]
+        if config and not set(types) & set(PACKED_MODEL_TYPES):
+            raise UserError(f"layout: packed keeps sequences apart only in Qwen3.5-MoE models (model_type "
+                            f"{' / '.join(PACKED_MODEL_TYPES)}), and {source} says model_type "
+                            f"{types[0] if types else None!r}; use layout=padded for it")
 
 
 def cost_model_for(spec: ModelSpec) -> CostModel:

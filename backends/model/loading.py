@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from backends.model.build import build_model, describe_model, load_method
+from backends.model.build import build_model, describe_model, load_method, loaded_weights
 from backends.runtime.memory import peak_memory_bytes, reset_peak_memory
 from backends.specs import ModelSpec
 
@@ -145,6 +145,7 @@ def load_sharded(
             raise
         gate.open()
         log.info("rank 0: read %s in %.1f s", what, time.perf_counter() - t0)
+        built.update(loaded_weights(source))  # what the read left out: known once it is read, not from the meta build
     else:
         gate.wait()
     # Sharding and the broadcasts are collectives: they start once rank 0 holds the weights.

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 from backends.messages import Example
 from backends.model import kernels
+from backends.model.configs import PACKED_MODEL_TYPES
 
 PACKED_PREFIX = "packed_"  # registered attention name = prefix + the model's own implementation
 _PACKED_MARK = "_balance_batch_packed"  # set on our replacement functions (idempotence)
@@ -83,6 +84,30 @@ def model_layer_types(model: torch.nn.Module) -> tuple[str, ...]:
 
 
 _LAYER_TYPES: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[str, ...]]" = weakref.WeakKeyDictionary()
+
+
+def check_packable(model: torch.nn.Module) -> None:
+    """Raise ValueError unless packing keeps sequences apart in this model's architecture (``PACKED_MODEL_TYPES``).
+
+    Elsewhere a packed row would fail deep in the model's mask code, or, worse,
+    run with attention across sequences. The harness refuses such a run from
+    config.json before loading (``configs.check_model_spec``); this is the
+    same rule for a backend driven directly. Decided once per model.
+    """
+    if _PACKABLE.get(model):
+        return
+    from transformers import PreTrainedModel
+
+    hf = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
+    model_type = getattr(getattr(hf, "config", None), "model_type", None)
+    if model_type not in PACKED_MODEL_TYPES:
+        name = type(hf).__name__ if hf is not None else type(model).__name__
+        raise ValueError(f"layout=packed cannot run {name} (model_type {model_type!r}): packed rows are kept apart only "
+                         f"in Qwen3.5-MoE models (model_type {' / '.join(PACKED_MODEL_TYPES)}); use layout=padded")
+    _PACKABLE[model] = True
+
+
+_PACKABLE: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
 
 
 @dataclass

@@ -11,7 +11,7 @@ import torch
 from backends.messages import PASS_TYPES, Example, ExampleOutput
 from backends.model import kernels
 from backends.model.logprobs import find_logprob_head
-from backends.model.packing import collate_packed, model_layer_types, prepare_model_for_packing
+from backends.model.packing import check_packable, collate_packed, model_layer_types, prepare_model_for_packing
 from backends.planning import LAYOUTS, Schedule  # padded: one row per sequence; packed: one row, end to end
 
 
@@ -143,6 +143,8 @@ def run_steps(
         raise ValueError(f"pass type must be one of {PASS_TYPES}, got {pass_type!r}")
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if layout == "packed":
+        check_packable(model)  # an architecture packing does not keep apart: one clear error, before any step
     # idempotent (build_model does it): a packed row must never leak across sequences, and every kernel call is recorded
     prepare_model_for_packing(model)
     kernels.reset()  # kernels.snapshot() after the pass says what ran in it

@@ -178,6 +178,25 @@ def test_zero_length_in_a_lengths_file_is_one_line(workdir):
     assert res["status"] == "error" and "length 0" in res["error"]
 
 
+def test_lengths_files_as_editors_and_tools_write_them(workdir):
+    """A BOM is skipped; non-UTF-8 bytes, a folder and 1_000 are one line naming the path (issue 22, item 10)."""
+    bom = workdir / "bom.txt"
+    bom.write_bytes("\ufeff100\n200\n".encode("utf-8"))
+    proc = run_harness("dry_run=true", "workload=lengths_file", f"workload.path={bom}", f"hydra.run.dir={workdir / 'bom'}", cwd=workdir)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert load_json(workdir / "bom" / "results.json")["workload"]["total_tokens"] == 300
+    latin1, underscores = workdir / "latin1.txt", workdir / "underscores.txt"
+    latin1.write_bytes(b"100\n# caf\xe9\n")
+    underscores.write_text("100\n1_000\n")
+    for i, (path, needle) in enumerate([(latin1, "is not UTF-8 text"), (workdir, "is a folder, not a file"),
+                                        (underscores, "underscores.txt:2: '1_000' is not an integer")]):
+        proc = run_harness("dry_run=true", "workload=lengths_file", f"workload.path={path}", f"hydra.run.dir={workdir / str(i)}",
+                           cwd=workdir)
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        line = _one_error_line(proc)
+        assert "workload.path" in line and str(path) in line and needle in line, line
+
+
 def test_missing_checkpoint_is_one_line_naming_the_path(workdir):
     proc = run_harness("model=qwen3_5_35b_a3b", "model.path=/no/such/ckpt", *FAST, f"hydra.run.dir={workdir / 'run'}", cwd=workdir)
     assert proc.returncode == 2

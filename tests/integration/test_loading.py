@@ -82,3 +82,24 @@ def test_fsdp2_ranks_wait_for_a_rank0_read_longer_than_the_collective_timeout(ca
     assert len(progress) >= 2, messages[:5]
     sent, total = map(int, re.search(r"(\d+)/(\d+) tensors", progress[-1]).groups())
     assert sent == total > 1  # the summary line at the end: every tensor sent
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["fsdp2", "megatron_ddp"])
+def test_allowed_missing_weights_are_listed_by_the_distributed_backends_too(checkpoint, backend, tmp_path):
+    """FSDP2 reads on rank 0 and broadcasts (the meta build knows nothing of the read), Megatron reads on every rank:
+    both report the same missing weights as the single-process load, and run (issue 22, item 2)."""
+    import json
+    import shutil
+
+    path = tmp_path / "six-layers"
+    shutil.copytree(checkpoint.path, path)
+    config = json.loads((path / "config.json").read_text())
+    config["num_hidden_layers"], config["layer_types"] = 6, (config["layer_types"] * 2)[:6]
+    (path / "config.json").write_text(json.dumps(config))
+    spec = replace(checkpoint, path=str(path), allow_missing_weights=True)
+    _, _, ref_built = _run(BackendSpec(name="pytorch", device="cpu"), spec)
+    got, _, built = _run(BackendSpec(name=backend, world_size=2, device="cpu"), spec)
+    assert ref_built["missing_weights"] and built["missing_weights"] == ref_built["missing_weights"]
+    assert built["unexpected_weights"] == [] and built["n_layers"] == 6
+    assert all(math.isfinite(o.loss) for o in got.outputs)

@@ -78,3 +78,47 @@ def test_bad_generator_values_name_the_key():
         workload_lengths(WorkloadSpec(name="x", min_len=300, max_len=5000))
     for max_len in (344, 345, 1000):  # the smallest valid workloads really generate
         assert len(workload_lengths(WorkloadSpec(name="x", n_examples=10, min_len=64, max_len=max_len))) == 10
+
+
+def test_a_lengths_file_that_is_not_utf8_is_one_line_naming_the_path(tmp_path):
+    f = tmp_path / "lengths.txt"
+    f.write_bytes(b"100\n\xff\xfe200\n")
+    with pytest.raises(UserError) as info:
+        read_lengths_file(str(f))
+    message = str(info.value)
+    assert message.startswith("workload.path: ") and str(f) in message and "UTF-8" in message and "\n" not in message
+    assert "line 2" in message  # where the first bad byte is
+
+
+def test_a_lengths_file_with_a_utf8_bom_is_read(tmp_path):
+    """Windows editors write a byte-order mark first; it is not part of the first length."""
+    f = tmp_path / "lengths.txt"
+    f.write_bytes("\ufeff100\n200\n".encode("utf-8"))
+    assert read_lengths_file(str(f)) == [100, 200]
+
+
+def test_a_folder_as_lengths_file_says_it_is_a_folder(tmp_path):
+    with pytest.raises(UserError, match=r"workload.path: '.*' is a folder, not a file") as info:
+        read_lengths_file(str(tmp_path))
+    assert "no such file" not in str(info.value)
+    with pytest.raises(UserError, match=r"workload.path: no such file"):
+        read_lengths_file(str(tmp_path / "absent.txt"))
+
+
+@pytest.mark.parametrize("text", ["1_000", "\uff11\uff10\uff10", "\u0661\u0660", "1e3", "0x10", "12.0"])
+def test_only_plain_ascii_digits_are_lengths(tmp_path, text):
+    """Python's int() takes 1_000, full-width and Arabic-Indic digits; a lengths file takes 0-9 only."""
+    f = tmp_path / "lengths.txt"
+    f.write_text(f"100\n{text}\n", encoding="utf-8")
+    with pytest.raises(UserError, match=r"workload.path: .*lengths.txt:2: .* is not an integer .*0-9") as info:
+        read_lengths_file(str(f))
+    assert repr(text) in str(info.value)  # shown as Python writes it: invisible or look-alike characters show
+
+
+def test_signs_and_spaces_around_a_length(tmp_path):
+    f = tmp_path / "lengths.txt"
+    f.write_text(" 12 \n+7\n\t30\t# tab\n")
+    assert read_lengths_file(str(f)) == [12, 7, 30]
+    f.write_text("12\n-3\n")
+    with pytest.raises(UserError, match=r"lengths.txt:2: length -3 is not positive"):
+        read_lengths_file(str(f))
