@@ -10,30 +10,19 @@ from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
 from backends.errors import BackendError, UserError
 from backends.model.configs import cost_model_for
 from backends.planning import plan_batch
 from backends.registry import LOCKSTEP_BACKENDS
 from backends.runtime.job import resolve_world_size
-from harness.config import HarnessConfig, config_error_line, validate
+from harness.config import HarnessConfig, launcher_sets_world_size, resolve_config
 from harness.results import OUTPUTS_FILE, PLAN_FILE, RESULTS_FILE, write_json_atomic, write_plan_json
 from harness.state import EXIT_FAILED, EXIT_OK, EXIT_USER_ERROR, STATE
 from harness.tracking import Tracker, run_name, sweep_group
 from harness.workload import make_examples, workload_lengths
 
 log = logging.getLogger("harness")
-
-def resolve_config(cfg: DictConfig) -> HarnessConfig:
-    try:
-        spec = OmegaConf.to_object(cfg)
-    except OmegaConfBaseException as exc:
-        raise UserError(config_error_line(exc)) from None
-    assert isinstance(spec, HarnessConfig)
-    validate(spec)
-    return spec
-
 
 def _versions() -> dict[str, str]:
     from importlib import metadata
@@ -166,7 +155,7 @@ class Point:
         b = spec.backend
         mtpm, mbs = b.max_tokens_per_microbatch, b.micro_batch_size
         self.label = f"[{b.name} mtpm={mtpm} mbs={mbs}] "
-        _launcher_sets_world_size(b)
+        launcher_sets_world_size(b, _overrides())
         lengths = workload_lengths(spec.workload)
         if spec.dry_run:
             # torch is imported here, not at start-up, so a config error is reported at once.
@@ -355,18 +344,6 @@ class Point:
         )
 
 
-def _launcher_sets_world_size(backend_spec) -> None:
-    """Under torchrun/Slurm a preset's world_size (experiment=seed_b200: 4) gives way to the launcher's;
-    only one typed on the command line is checked against it (backends.runtime.job.check_world_size)."""
-    from backends.runtime.job import launch_env
-    from harness.points import override_key
-
-    if launch_env() is None:
-        return
-    if not any(override_key(o) in ("world_size", "backend.world_size") for o in _overrides()):
-        backend_spec.world_size = None
-
-
 def _folder_key() -> str:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
@@ -433,4 +410,4 @@ def _run_point(cfg: DictConfig) -> int:
     return code
 
 
-__all__ = ["run_point", "resolve_config"]
+__all__ = ["run_point"]

@@ -321,7 +321,7 @@ def _raise_stop(signum, frame):
 
 def serve(cfg: DictConfig) -> int:
     from backends.runtime.control import BatchingSettings, ControlFile
-    from harness.app import resolve_config
+    from harness.config import resolve_config
 
     sock = None
     try:
