@@ -18,6 +18,7 @@ from backends.registry import LOCKSTEP_BACKENDS
 from backends.runtime.job import resolve_world_size
 from harness.config import HarnessConfig, launcher_sets_world_size, resolve_config
 from harness.results import OUTPUTS_FILE, PLAN_FILE, RESULTS_FILE, write_json_atomic, write_plan_json
+from harness.roles import follow, leads
 from harness.state import EXIT_FAILED, EXIT_OK, EXIT_USER_ERROR, STATE
 from harness.tracking import Tracker, run_name, sweep_group
 from harness.workload import make_examples, workload_lengths
@@ -369,27 +370,27 @@ def skip_reason(cfg: DictConfig, out_dir: Path) -> str | None:
     return None
 
 
-def run_point(cfg: DictConfig) -> int:
-    """Hydra task function body: never raises for a failed point, records its exit code."""
-    from backends.runtime.job import detect_launch
+def run_point(cfg: DictConfig, job_spans_run: bool = False) -> int:
+    """Hydra task function body: never raises for a failed point, records its exit code.
 
-    launched = detect_launch()
-    if launched is None:
-        return _run_point(cfg)
-    from backends.runtime.job import end_after_failure, job_spans_run, launched_job
+    In a launched job only the lead (global rank 0, harness/roles.py) measures and writes; it ends the
+    job after this point unless ``job_spans_run`` (``python -m harness`` itself is the job's rank 0 and
+    ends it after the last point; under submitit each point's Hydra job is the whole job).
+    """
+    if not leads():
+        # Under submitit every task runs this Hydra job; only global rank 0 measures and writes.
+        return follow()
+    from backends.runtime.job import end_after_failure, launched_job
 
     job = launched_job()
-    if job.rank != 0:
-        # Under submitit every task runs this Hydra job; only global rank 0 measures and writes.
-        from backends.runtime.launched import follow
-
-        return follow(job)
+    if job is None:
+        return _run_point(cfg)
     try:
         code = _run_point(cfg)
         end_after_failure(code)  # a failed launched job runs no more points: every rank ends now
         return code
     finally:
-        if not job_spans_run():
+        if not job_spans_run:
             job.finish()
 
 
