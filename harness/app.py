@@ -70,6 +70,26 @@ class Setup:
     precision: Optional[dict] = None
     load: Optional[dict] = None
 
+    @classmethod
+    def dry_run(cls, spec: HarnessConfig) -> "Setup":
+        """A dry run builds no model: the device and the ranks the backend would run."""
+        b = spec.backend
+        # torch is imported here, not at start-up, so a config error is reported at once.
+        from backends.runtime.devices import device_description, resolve_device
+
+        device = resolve_device(b.device)
+        world_size = resolve_world_size(b.name, b.world_size, device.type)
+        return cls(b.name, world_size, device_description(device, world_size),
+                   b.max_tokens_per_microbatch, b.micro_batch_size)
+
+    @classmethod
+    def of_backend(cls, spec: HarnessConfig, backend) -> "Setup":
+        """What a started backend reports; a server's batching is authoritative (its plan is what runs)."""
+        b = spec.backend
+        mtpm, mbs = backend.batching if spec.target.url else (b.max_tokens_per_microbatch, b.micro_batch_size)
+        return cls(backend.name, backend.world_size, backend.describe_device(), mtpm, mbs,
+                   built=backend.model_info, precision=backend.precision, load=backend.load_info)
+
 
 def _label(name: str, mtpm: Optional[int], mbs: int) -> str:
     """The prefix of a point's log lines."""
@@ -77,7 +97,7 @@ def _label(name: str, mtpm: Optional[int], mbs: int) -> str:
 
 
 class Point:
-    """One run of the benchmark, writing its results.json as it goes."""
+    """One run of the benchmark: start a backend, plan, measure each pass type; results.json written as it goes."""
 
     def __init__(self, cfg: DictConfig, hydra_run: HydraRun):
         self.cfg = cfg
@@ -117,13 +137,13 @@ class Point:
         launcher_sets_world_size(b, self.hydra_run.overrides)
         lengths = workload_lengths(spec.workload)
         if spec.dry_run:
-            backend, setup = None, self._dry_run_setup(spec)
+            backend, setup = None, Setup.dry_run(spec)
         else:
             backend = self._start_backend(spec)
-            setup = self._backend_setup(spec, backend)
+            setup = Setup.of_backend(spec, backend)
             self.label = _label(setup.name, setup.mtpm, setup.mbs)
         plan = self._plan(spec, lengths, setup)
-        self._record_setup(spec, lengths, setup, plan)
+        self.results.update(**_setup_fields(spec, lengths, setup, plan))
         _log_plan(self.label, plan.stats, len(lengths))
         if spec.dry_run:
             self.results.mark("planned")
@@ -168,25 +188,7 @@ class Point:
         if self.tracker is not None:
             self.tracker.finish(self.results.doc)
 
-    # -- what the point runs on -------------------------------------------------------------------
-    def _dry_run_setup(self, spec: HarnessConfig) -> Setup:
-        """A dry run builds no model: the device and the ranks the backend would run."""
-        b = spec.backend
-        # torch is imported here, not at start-up, so a config error is reported at once.
-        from backends.runtime.devices import device_description, resolve_device
-
-        device = resolve_device(b.device)
-        world_size = resolve_world_size(b.name, b.world_size, device.type)
-        return Setup(b.name, world_size, device_description(device, world_size),
-                     b.max_tokens_per_microbatch, b.micro_batch_size)
-
-    def _backend_setup(self, spec: HarnessConfig, backend) -> Setup:
-        """What the started backend reports; a server's batching is authoritative (its plan is what runs)."""
-        b = spec.backend
-        mtpm, mbs = backend.batching if spec.target.url else (b.max_tokens_per_microbatch, b.micro_batch_size)
-        return Setup(backend.name, backend.world_size, backend.describe_device(), mtpm, mbs,
-                     built=backend.model_info, precision=backend.precision, load=backend.load_info)
-
+    # -- the backend, the plan, the measurements ---------------------------------------------------
     def _start_backend(self, spec: HarnessConfig):
         """A running server (client mode), the sweep's loaded backend (hot), or a new one (cold)."""
         b = spec.backend
@@ -212,64 +214,29 @@ class Point:
         self.backend = backend = make_backend(b, spec.model)
         return backend
 
-    # -- the plan and the record of what ran ---------------------------------------------------------
     def _plan(self, spec: HarnessConfig, lengths: list[int], setup: Setup):
         """The workload planned for the backend's ranks, written to plan.json."""
         b = spec.backend
         self.cost_model = cost_model_for(spec.model)
-        plan = plan_batch(
-            lengths,
-            setup.world_size,
-            setup.mtpm,
-            setup.mbs,
-            align=setup.name in LOCKSTEP_BACKENDS,
-            layout=b.layout,
-            planner=b.planner,
-            cost_model=self.cost_model,
-        )
+        plan = plan_batch(lengths, setup.world_size, setup.mtpm, setup.mbs, align=setup.name in LOCKSTEP_BACKENDS,
+                          layout=b.layout, planner=b.planner, cost_model=self.cost_model)
         self.schedules = plan.schedules  # the micro-batches each rank runs: hardware FLOPs are counted from them
         write_plan_json(self.out_dir / PLAN_FILE, plan.to_json(backend=setup.name))
         return plan
 
-    def _record_setup(self, spec: HarnessConfig, lengths: list[int], setup: Setup, plan) -> None:
-        from backends.runtime.job import launch_record
-
-        self.results.update(
-            backend=setup.name,
-            world_size=setup.world_size,
-            launch=launch_record(setup.world_size),  # who started the ranks: spawn (the harness), torchrun, slurm
-            mtpm=setup.mtpm,
-            mbs=setup.mbs,
-            device=setup.device,
-            model=model_record(spec.model, setup.built),
-            workload=workload_record(spec.workload, lengths),
-            plan=plan.stats.as_dict(),
-            # what the backend built runs in (params, adapters, compute, reduce); a dry run builds nothing
-            precision=setup.precision,
-            load=setup.load,  # how the backend loaded the weights: time and host/device peaks per rank
-            hot=spec.hot and not spec.target.url,
-            target={"url": spec.target.url} if spec.target.url else None,
-        )
-
-    # -- the measurements ---------------------------------------------------------------------------
     def _measure(self, spec: HarnessConfig, lengths: list[int], backend) -> None:
+        """Every pass type, warm-up and timed repeats (harness/measure.py), each recorded as it finishes."""
         from harness.flops import device_peak, training_flops_for
         from harness.measure import PASS_TYPES, default_command_for, measure_pass
 
         b = spec.backend
-        mtpm, mbs = b.max_tokens_per_microbatch, b.micro_batch_size
         examples = make_examples(lengths, self.vocab_size, spec.seed)
         self.results.save()
-        self.tracker = self._start_tracker(backend.name, spec)
+        self.tracker = _start_tracker(self.cfg, self.out_dir, self.hydra_run.group, backend.name, b)
         outputs: dict[str, Any] = {}
         command_for = default_command_for(
-            examples,
-            mtpm,
-            mbs,
-            layout=b.layout,
-            planner=b.planner,
-            cost_model=self.cost_model.as_dict(),
-            progress_every_s=spec.bench.progress_every_s,
+            examples, b.max_tokens_per_microbatch, b.micro_batch_size, layout=b.layout, planner=b.planner,
+            cost_model=self.cost_model.as_dict(), progress_every_s=spec.bench.progress_every_s,
             timeout_s=spec.bench.pass_timeout_s,
         )
         doc = self.results.doc
@@ -279,34 +246,15 @@ class Point:
         # FLOPs of a training pass: the config's matmuls, LoRA adapters and what backward computes for them.
         training = training_flops_for(spec.model, chunked_logprobs=b.logprob_chunk_tokens is not None)
         for pass_type in PASS_TYPES:
-            record, result = measure_pass(
-                backend,
-                examples,
-                pass_type,
-                spec.bench.warmup,
-                spec.bench.repeat,
-                command_for,
-                spec.bench.util_sample_s,
-                label=self.label,
-                on_repeat=self.tracker.log_repeat,
-            )
+            record, result = measure_pass(backend, examples, pass_type, spec.bench.warmup, spec.bench.repeat,
+                                          command_for, spec.bench.util_sample_s, label=self.label,
+                                          on_repeat=self.tracker.log_repeat)
             self._record_pass(spec, lengths, training, backend.world_size, pass_type, record, result)
             if spec.bench.save_outputs:
                 outputs[pass_type] = _example_outputs(result)
                 write_json_atomic(self.out_dir / OUTPUTS_FILE, outputs)
         self.results.mark("ok")
-        self._log_ok()
-
-    def _start_tracker(self, backend_name: str, spec: HarnessConfig) -> Tracker:
-        """The point's W&B run (or none: the logger off, or W&B failing to start)."""
-        b = spec.backend
-        return Tracker(
-            OmegaConf.to_container(self.cfg.logger, resolve=True) if self.cfg.get("logger") else None,
-            self.out_dir,
-            OmegaConf.to_container(self.cfg, resolve=True),
-            run_name(backend_name, b.max_tokens_per_microbatch, b.micro_batch_size, b.planner, b.layout),
-            self.hydra_run.group,
-        )
+        _log_ok(self.label, doc)
 
     def _record_pass(self, spec: HarnessConfig, lengths: list[int], training, world_size: int, pass_type: str,
                      record, result) -> None:
@@ -321,17 +269,38 @@ class Point:
                              schedules=self.schedules)
         self.results.record_pass(pass_type, {**record.as_dict(), **flops})
 
-    def _log_ok(self) -> None:
-        doc = self.results.doc
-        fwd, fb = doc["passes"]["forward"], doc["passes"]["forward_backward"]
-        log.info(
-            "%sok: forward %s tok/s, forward_backward %s tok/s, pad efficiency %.3f, MFU (fwd+bwd) %s",
-            self.label,
-            f"{fwd['tok_per_s']:,.0f}",
-            f"{fb['tok_per_s']:,.0f}",
-            doc["plan"]["pad_efficiency"],
-            "—" if fb["mfu_pct"] is None else f"{fb['mfu_pct']:.2f}%",
-        )
+
+def _setup_fields(spec: HarnessConfig, lengths: list[int], setup: Setup, plan) -> dict[str, Any]:
+    """results.json's record of what the point runs: the backend, its ranks and device, the model, workload and plan."""
+    from backends.runtime.job import launch_record
+
+    return dict(
+        backend=setup.name,
+        world_size=setup.world_size,
+        launch=launch_record(setup.world_size),  # who started the ranks: spawn (the harness), torchrun, slurm
+        mtpm=setup.mtpm,
+        mbs=setup.mbs,
+        device=setup.device,
+        model=model_record(spec.model, setup.built),
+        workload=workload_record(spec.workload, lengths),
+        plan=plan.stats.as_dict(),
+        # what the backend built runs in (params, adapters, compute, reduce); a dry run builds nothing
+        precision=setup.precision,
+        load=setup.load,  # how the backend loaded the weights: time and host/device peaks per rank
+        hot=spec.hot and not spec.target.url,
+        target={"url": spec.target.url} if spec.target.url else None,
+    )
+
+
+def _start_tracker(cfg: DictConfig, out_dir: Path, group: Optional[str], backend_name: str, b) -> Tracker:
+    """The point's W&B run (or none: the logger off, or W&B failing to start)."""
+    return Tracker(
+        OmegaConf.to_container(cfg.logger, resolve=True) if cfg.get("logger") else None,
+        out_dir,
+        OmegaConf.to_container(cfg, resolve=True),
+        run_name(backend_name, b.max_tokens_per_microbatch, b.micro_batch_size, b.planner, b.layout),
+        group,
+    )
 
 
 def _example_outputs(result) -> dict[str, Any]:
@@ -340,6 +309,19 @@ def _example_outputs(result) -> dict[str, Any]:
     if result.grad_norm is not None:
         out["grad_norm"] = result.grad_norm
     return out
+
+
+def _log_ok(label: str, doc: dict[str, Any]) -> None:
+    """The point's last line: throughput of both pass types, pad efficiency and MFU."""
+    fwd, fb = doc["passes"]["forward"], doc["passes"]["forward_backward"]
+    log.info(
+        "%sok: forward %s tok/s, forward_backward %s tok/s, pad efficiency %.3f, MFU (fwd+bwd) %s",
+        label,
+        f"{fwd['tok_per_s']:,.0f}",
+        f"{fb['tok_per_s']:,.0f}",
+        doc["plan"]["pad_efficiency"],
+        "—" if fb["mfu_pct"] is None else f"{fb['mfu_pct']:.2f}%",
+    )
 
 
 def _log_plan(label: str, st, n_examples: int) -> None:
