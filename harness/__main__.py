@@ -1,4 +1,4 @@
-"""``python -m harness``: the benchmark, a Hydra app over conf/."""
+"""``python -m harness``: the benchmark, a Hydra app over conf/ (under torchrun / srun: rank 0 runs it, the other ranks follow)."""
 
 from __future__ import annotations
 
@@ -9,39 +9,39 @@ from omegaconf import DictConfig
 
 from harness.app import run_point
 from harness.cli import run_hydra_cli
+from harness.roles import follow, leads
 from harness.state import STATE
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def _hydra_main(cfg: DictConfig) -> int:
+    # Also what the submitit launcher runs in each task: there every point's Hydra job is the whole launched job.
     return run_point(cfg)
 
 
+@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+def _hydra_main_spanning_job(cfg: DictConfig) -> int:
+    # Rank 0 of a torchrun / srun job that this process itself is: the job lasts until main() ends it.
+    return run_point(cfg, job_spans_run=True)
+
+
 def main() -> int:
-    from backends.runtime.job import detect_launch
-
-    if detect_launch() is None:
-        return run_hydra_cli(_hydra_main, lambda: STATE.exit_code)
-    return _main_launched()
-
-
-def _main_launched() -> int:
-    """One rank of a torchrun / Slurm job: rank 0 runs the benchmark, every other rank serves it (no Hydra, no files)."""
+    """Run the benchmark (rank 0 of a launched job: every point, then end the job), or follow rank 0."""
     from backends.errors import UserError
-    from backends.runtime.job import keep_job_until_exit, launched_job
+    from backends.runtime.job import launched_job
 
     try:
-        job = launched_job()
+        lead = leads()
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if job.rank != 0:
-        from backends.runtime.launched import follow
-
-        return follow(job)
-    keep_job_until_exit()
-    try:
+    if not lead:
+        return follow()  # one rank of a torchrun / Slurm job: it serves rank 0 (no Hydra, no files)
+    job = launched_job()
+    if job is None:
         return run_hydra_cli(_hydra_main, lambda: STATE.exit_code)
+    try:
+        return run_hydra_cli(_hydra_main_spanning_job, lambda: STATE.exit_code)
     finally:
         job.finish()  # the other ranks exit with this one
 

@@ -1,113 +1,109 @@
-"""One benchmark point: resolve the config, plan, run the passes, write results.json."""
+"""One benchmark point, Hydra's task function: start (or reuse) a backend, plan, measure each pass, record it in results.json.
+
+``run_point`` is the task function's body (harness/__main__.py): in a
+launched job only the lead measures (harness/roles.py); a finished point is
+skipped on resume; else a ``Point`` runs and its exit code is recorded for the
+CLI (harness/state.py). The document it writes is harness/results.py's, the
+config it reads is resolved by harness/config.py.
+"""
 
 from __future__ import annotations
 
 import logging
-import time
 import traceback
-from datetime import datetime, timezone
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
 from backends.errors import BackendError, UserError
 from backends.model.configs import cost_model_for
 from backends.planning import plan_batch
 from backends.registry import LOCKSTEP_BACKENDS
 from backends.runtime.job import resolve_world_size
-from harness.config import HarnessConfig, config_error_line, validate
-from harness.results import OUTPUTS_FILE, PLAN_FILE, RESULTS_FILE, write_json_atomic, write_plan_json
+from harness.config import HarnessConfig, launcher_sets_world_size, resolve_config
+from harness.results import (OUTPUTS_FILE, PLAN_FILE, RESULTS_FILE, PointResults, base_document, model_record,
+                             workload_record, write_json_atomic, write_plan_json)
+from harness.roles import follow, leads
 from harness.state import EXIT_FAILED, EXIT_OK, EXIT_USER_ERROR, STATE
 from harness.tracking import Tracker, run_name, sweep_group
 from harness.workload import make_examples, workload_lengths
 
 log = logging.getLogger("harness")
 
-def resolve_config(cfg: DictConfig) -> HarnessConfig:
-    try:
-        spec = OmegaConf.to_object(cfg)
-    except OmegaConfBaseException as exc:
-        raise UserError(config_error_line(exc)) from None
-    assert isinstance(spec, HarnessConfig)
-    validate(spec)
-    return spec
+
+@dataclass(frozen=True)
+class HydraRun:
+    """What Hydra says of the point it is running: its folder, its overrides, and the sweep it belongs to."""
+
+    out_dir: Path
+    overrides: list[str]
+    folder_key: str  # the config key that names the folder: hydra.run.dir, or hydra.sweep.dir in a multirun
+    group: Optional[str]  # the sweep's W&B group (None for a single run)
+
+    @classmethod
+    def current(cls) -> "HydraRun":
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        hc = HydraConfig.get()
+        multirun = hc.mode == RunMode.MULTIRUN
+        return cls(
+            out_dir=Path(hc.runtime.output_dir),
+            overrides=list(hc.overrides.task),
+            folder_key="hydra.sweep.dir" if multirun else "hydra.run.dir",
+            group=sweep_group(hc.sweep.dir) if multirun else None,
+        )
 
 
-def _versions() -> dict[str, str]:
-    from importlib import metadata
+@dataclass
+class Setup:
+    """What a point runs on: the backend's name, ranks, device, batching, and what it built (None in a dry run)."""
 
-    out = {}
-    for dist in ("torch", "transformers", "peft", "megatron-core", "hydra-core"):
-        try:
-            out[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            continue
-    return out
+    name: str
+    world_size: int
+    device: Any
+    mtpm: Optional[int]
+    mbs: int
+    built: Optional[dict] = None
+    precision: Optional[dict] = None
+    load: Optional[dict] = None
+
+    @classmethod
+    def dry_run(cls, spec: HarnessConfig) -> "Setup":
+        """A dry run builds no model: the device and the ranks the backend would run."""
+        b = spec.backend
+        # torch is imported here, not at start-up, so a config error is reported at once.
+        from backends.runtime.devices import device_description, resolve_device
+
+        device = resolve_device(b.device)
+        world_size = resolve_world_size(b.name, b.world_size, device.type)
+        return cls(b.name, world_size, device_description(device, world_size),
+                   b.max_tokens_per_microbatch, b.micro_batch_size)
+
+    @classmethod
+    def of_backend(cls, spec: HarnessConfig, backend) -> "Setup":
+        """What a started backend reports; a server's batching is authoritative (its plan is what runs)."""
+        b = spec.backend
+        mtpm, mbs = backend.batching if spec.target.url else (b.max_tokens_per_microbatch, b.micro_batch_size)
+        return cls(backend.name, backend.world_size, backend.describe_device(), mtpm, mbs,
+                   built=backend.model_info, precision=backend.precision, load=backend.load_info)
 
 
-def _output_dir() -> Path:
-    from hydra.core.hydra_config import HydraConfig
-
-    return Path(HydraConfig.get().runtime.output_dir)
-
-
-def _sweep_group():
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
-    hc = HydraConfig.get()
-    return sweep_group(hc.sweep.dir) if hc.mode == RunMode.MULTIRUN else None
-
-
-def _overrides() -> list[str]:
-    from hydra.core.hydra_config import HydraConfig
-
-    return list(HydraConfig.get().overrides.task)
-
-
-def base_document(cfg: DictConfig) -> dict[str, Any]:
-    """The run's identity, read leniently so even an invalid config leaves a readable results.json."""
-
-    def get(key: str) -> Any:
-        try:
-            return OmegaConf.select(cfg, key, throw_on_resolution_failure=False)
-        except Exception:
-            return None
-
-    return {
-        "status": "running",
-        "error": None,
-        "backend": get("backend.name"),
-        "world_size": get("backend.world_size"),
-        "device": None,
-        "model": {"name": get("model.name"), "path": get("model.path"), "lora_rank": get("model.lora_rank")},
-        "mtpm": get("mtpm"),
-        "mbs": get("mbs"),
-        "layout": get("layout"),
-        "planner": get("planner"),
-        "gc": get("gc"),
-        "bench": {"warmup": get("bench.warmup"), "repeat": get("bench.repeat")},
-        "workload": {"name": get("workload.name")},
-        "plan": None,
-        "precision": None,  # the precision policy that ran: params, adapters, compute, reduce (backends/model/build.py)
-        "passes": {},
-        "peak": None,  # the device peak MFU is measured against (harness/flops.py)
-        "overrides": _overrides(),
-        "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "versions": _versions(),
-    }
+def _label(name: str, mtpm: Optional[int], mbs: int) -> str:
+    """The prefix of a point's log lines."""
+    return f"[{name} mtpm={mtpm} mbs={mbs}] "
 
 
 class Point:
-    """One run of the benchmark, writing its results.json as it goes."""
+    """One run of the benchmark: start a backend, plan, measure each pass type; results.json written as it goes."""
 
-    def __init__(self, cfg: DictConfig, out_dir: Path):
+    def __init__(self, cfg: DictConfig, hydra_run: HydraRun):
         self.cfg = cfg
-        self.out_dir = out_dir
-        self.doc = base_document(cfg)
-        self.t0 = time.perf_counter()
+        self.hydra_run = hydra_run
+        self.out_dir = hydra_run.out_dir
+        self.results = PointResults(self.out_dir, base_document(cfg, hydra_run.overrides))
         self.label = ""
         self.backend = None  # closed at the end of the point (not a hot sweep's shared one)
         self.hot = False
@@ -116,147 +112,83 @@ class Point:
         self.cost_model = None  # the planner's cost model (backends.planning.CostModel), from the model's config
         self.schedules = None  # the plan's micro-batches per rank
 
-    def save(self) -> None:
-        self.doc["wall_s"] = time.perf_counter() - self.t0
-        write_json_atomic(self.out_dir / RESULTS_FILE, self.doc)
-
-    def fail(self, status: str, message: str) -> None:
-        self.doc["status"] = status
-        self.doc["error"] = message
-        self.save()
-
+    # -- the point from start to end ------------------------------------------------------------
     def run(self) -> int:
-        self.save()
+        """The point's exit code; whatever happens, results.json says how it ended."""
+        self.results.save()
         try:
             self._run(resolve_config(self.cfg))
         except UserError as exc:
-            log.error("%s", exc)
-            self.fail("error", str(exc))
-            return EXIT_USER_ERROR
+            return self._user_error(exc)
         except BackendError as exc:
-            if self.hot:
-                from harness.hot import HOT
-
-                HOT.close()  # its workers are gone; the next point loads a fresh one
-            log.error("%s%s", self.label, exc)
-            if exc.details:
-                (self.out_dir / "error.txt").write_text(exc.details)
-            self.fail(exc.status, str(exc))
-            # Running out of memory is a measurement (this budget does not fit), not a failure.
-            return EXIT_OK if exc.status == "oom" else EXIT_FAILED
+            return self._backend_failed(exc)
         except KeyboardInterrupt:
-            log.error("%sinterrupted; finished passes are kept in %s", self.label, self.out_dir / RESULTS_FILE)
-            self.fail("interrupted", "interrupted (Ctrl-C or SIGTERM) before the point finished")
+            self._interrupted()
             raise
-        except Exception as exc:  # an internal failure: one line on the console, the traceback in the log
-            log.error("%s%s: %s", self.label, type(exc).__name__, exc)
-            log.debug("%s", traceback.format_exc())
-            (self.out_dir / "error.txt").write_text(traceback.format_exc())
-            self.fail("error", f"{type(exc).__name__}: {exc}")
-            return EXIT_FAILED
+        except Exception as exc:
+            return self._internal_error(exc)
         finally:
-            if self.backend is not None:
-                self.backend.close()
-                self.backend = None
-            if self.tracker is not None:
-                self.tracker.finish(self.doc)
+            self._close()
         return EXIT_OK
 
     def _run(self, spec: HarnessConfig) -> None:
         b = spec.backend
-        mtpm, mbs = b.max_tokens_per_microbatch, b.micro_batch_size
-        self.label = f"[{b.name} mtpm={mtpm} mbs={mbs}] "
-        _launcher_sets_world_size(b)
+        self.label = _label(b.name, b.max_tokens_per_microbatch, b.micro_batch_size)
+        launcher_sets_world_size(b, self.hydra_run.overrides)
         lengths = workload_lengths(spec.workload)
         if spec.dry_run:
-            # torch is imported here, not at start-up, so a config error is reported at once.
-            from backends.runtime.devices import device_description, resolve_device
-
-            device = resolve_device(b.device)
-            name, world_size = b.name, resolve_world_size(b.name, b.world_size, device.type)
-            device_info = device_description(device, world_size)
-            built = load = precision = None  # a dry run builds no model
+            backend, setup = None, Setup.dry_run(spec)
         else:
             backend = self._start_backend(spec)
-            name, world_size, device_info = backend.name, backend.world_size, backend.describe_device()
-            built = backend.model_info
-            precision = backend.precision
-            load = backend.load_info
-            if spec.target.url:
-                mtpm, mbs = backend.batching  # what the server runs: its plan is authoritative
-            self.label = f"[{name} mtpm={mtpm} mbs={mbs}] "
-        self.cost_model = cost_model_for(spec.model)
-        plan = plan_batch(
-            lengths,
-            world_size,
-            mtpm,
-            mbs,
-            align=name in LOCKSTEP_BACKENDS,
-            layout=b.layout,
-            planner=b.planner,
-            cost_model=self.cost_model,
-        )
-        self.schedules = plan.schedules  # the micro-batches each rank runs: hardware FLOPs are counted from them
-        write_plan_json(self.out_dir / PLAN_FILE, plan.to_json(backend=name))
-        from backends.runtime.job import launch_record
-
-        self.doc.update(
-            backend=name,
-            world_size=world_size,
-            launch=launch_record(world_size),  # who started the ranks: spawn (the harness), torchrun, slurm
-            mtpm=mtpm,
-            mbs=mbs,
-            device=device_info,
-            model={
-                "name": spec.model.name,
-                "path": spec.model.path,
-                "lora_rank": spec.model.lora_rank,
-                "dtype": spec.model.dtype,
-                "built": built,  # what the backend reports it built: architecture, parameters, vocabulary, dtype
-            },
-            workload={
-                "name": spec.workload.name,
-                "n_examples": len(lengths),
-                "total_tokens": sum(lengths),
-                "min_len": min(lengths),
-                "max_len": max(lengths),
-                "seed": spec.workload.seed,
-            },
-            plan=plan.stats.as_dict(),
-            # what the backend built runs in (params, adapters, compute, reduce); a dry run builds nothing
-            precision=precision,
-            load=load,  # how the backend loaded the weights: time and host/device peaks per rank
-            hot=spec.hot and not spec.target.url,
-            target={"url": spec.target.url} if spec.target.url else None,
-        )
-        st = plan.stats
-        log.info(
-            "%splan (%s, %s): %d examples, %s real / %s padded tokens, pad efficiency %.3f, micro-batches per rank %s, dummies %s",
-            self.label,
-            st.planner,
-            st.layout,
-            len(lengths),
-            f"{st.real_tokens:,}",
-            f"{st.padded_tokens:,}",
-            st.pad_efficiency,
-            st.n_microbatches,
-            st.n_dummy,
-        )
-        log.info(
-            "%s%d steps (fewest possible %d), %d micro-batches over budget, modeled cost per rank max/mean %.4f, critical path %.4f",
-            self.label,
-            st.steps,
-            st.lower_bound_steps,
-            st.over_budget,
-            st.cost_imbalance,
-            st.critical_path,
-        )
+            setup = Setup.of_backend(spec, backend)
+            self.label = _label(setup.name, setup.mtpm, setup.mbs)
+        plan = self._plan(spec, lengths, setup)
+        self.results.update(**_setup_fields(spec, lengths, setup, plan))
+        _log_plan(self.label, plan.stats, len(lengths))
         if spec.dry_run:
-            self.doc["status"] = "planned"
-            self.save()
+            self.results.mark("planned")
             return
         self._measure(spec, lengths, backend)
 
+    # -- how a point fails: one line on the console, the status and the message in results.json --------
+    def _user_error(self, exc: UserError) -> int:
+        log.error("%s", exc)
+        self.results.fail("error", str(exc))
+        return EXIT_USER_ERROR
+
+    def _backend_failed(self, exc: BackendError) -> int:
+        if self.hot:
+            from harness.hot import HOT
+
+            HOT.close()  # its workers are gone; the next point loads a fresh one
+        log.error("%s%s", self.label, exc)
+        if exc.details:
+            (self.out_dir / "error.txt").write_text(exc.details)
+        self.results.fail(exc.status, str(exc))
+        # Running out of memory is a measurement (this budget does not fit), not a failure.
+        return EXIT_OK if exc.status == "oom" else EXIT_FAILED
+
+    def _interrupted(self) -> None:
+        log.error("%sinterrupted; finished passes are kept in %s", self.label, self.out_dir / RESULTS_FILE)
+        self.results.fail("interrupted", "interrupted (Ctrl-C or SIGTERM) before the point finished")
+
+    def _internal_error(self, exc: Exception) -> int:
+        """An internal failure: one line on the console, the traceback in the log and in error.txt."""
+        log.error("%s%s: %s", self.label, type(exc).__name__, exc)
+        log.debug("%s", traceback.format_exc())
+        (self.out_dir / "error.txt").write_text(traceback.format_exc())
+        self.results.fail("error", f"{type(exc).__name__}: {exc}")
+        return EXIT_FAILED
+
+    def _close(self) -> None:
+        """Whatever the point ended with: its own backend closes (not a hot sweep's), its W&B run finishes."""
+        if self.backend is not None:
+            self.backend.close()
+            self.backend = None
+        if self.tracker is not None:
+            self.tracker.finish(self.results.doc)
+
+    # -- the backend, the plan, the measurements ---------------------------------------------------
     def _start_backend(self, spec: HarnessConfig):
         """A running server (client mode), the sweep's loaded backend (hot), or a new one (cold)."""
         b = spec.backend
@@ -282,109 +214,153 @@ class Point:
         self.backend = backend = make_backend(b, spec.model)
         return backend
 
+    def _plan(self, spec: HarnessConfig, lengths: list[int], setup: Setup):
+        """The workload planned for the backend's ranks, written to plan.json."""
+        b = spec.backend
+        self.cost_model = cost_model_for(spec.model)
+        plan = plan_batch(lengths, setup.world_size, setup.mtpm, setup.mbs, align=setup.name in LOCKSTEP_BACKENDS,
+                          layout=b.layout, planner=b.planner, cost_model=self.cost_model)
+        self.schedules = plan.schedules  # the micro-batches each rank runs: hardware FLOPs are counted from them
+        write_plan_json(self.out_dir / PLAN_FILE, plan.to_json(backend=setup.name))
+        return plan
+
     def _measure(self, spec: HarnessConfig, lengths: list[int], backend) -> None:
-        from harness.flops import device_peak, flops_record, training_flops_for
+        """Every pass type, warm-up and timed repeats (harness/measure.py), each recorded as it finishes."""
+        from harness.flops import device_peak, training_flops_for
         from harness.measure import PASS_TYPES, default_command_for, measure_pass
 
         b = spec.backend
-        mtpm, mbs = b.max_tokens_per_microbatch, b.micro_batch_size
         examples = make_examples(lengths, self.vocab_size, spec.seed)
-        self.save()
-        self.tracker = Tracker(
-            OmegaConf.to_container(self.cfg.logger, resolve=True) if self.cfg.get("logger") else None,
-            self.out_dir,
-            OmegaConf.to_container(self.cfg, resolve=True),
-            run_name(backend.name, mtpm, mbs, b.planner, b.layout),
-            _sweep_group(),
-        )
+        self.results.save()
+        self.tracker = _start_tracker(self.cfg, self.out_dir, self.hydra_run.group, backend.name, b)
         outputs: dict[str, Any] = {}
         command_for = default_command_for(
-            examples,
-            mtpm,
-            mbs,
-            layout=b.layout,
-            planner=b.planner,
-            cost_model=self.cost_model.as_dict(),
-            progress_every_s=spec.bench.progress_every_s,
+            examples, b.max_tokens_per_microbatch, b.micro_batch_size, layout=b.layout, planner=b.planner,
+            cost_model=self.cost_model.as_dict(), progress_every_s=spec.bench.progress_every_s,
             timeout_s=spec.bench.pass_timeout_s,
         )
+        doc = self.results.doc
         # The device's peak for MFU: a data-sheet figure on GPUs, measured once per process on CPUs.
-        self.doc["peak"] = device_peak(self.doc["device"] or {}, backend.world_size,
-                                       (self.doc.get("precision") or {}).get("compute") or "float32")
+        doc["peak"] = device_peak(doc["device"] or {}, backend.world_size,
+                                  (doc.get("precision") or {}).get("compute") or "float32")
         # FLOPs of a training pass: the config's matmuls, LoRA adapters and what backward computes for them.
         training = training_flops_for(spec.model, chunked_logprobs=b.logprob_chunk_tokens is not None)
         for pass_type in PASS_TYPES:
-            record, result = measure_pass(
-                backend,
-                examples,
-                pass_type,
-                spec.bench.warmup,
-                spec.bench.repeat,
-                command_for,
-                spec.bench.util_sample_s,
-                label=self.label,
-                on_repeat=self.tracker.log_repeat,
-            )
-            self.doc["plan"] = result.plan  # what the backend ran (same as planned; FSDP2 agrees on it by collective)
-            from backends.model.kernels import summary as kernel_summary
-
-            log.info("%s%s kernels: %s", self.label, pass_type, kernel_summary(result.kernels))
-            self.doc["passes"][pass_type] = {
-                **record.as_dict(),
-                **flops_record(pass_type, lengths, training, result.plan, b.gradient_checkpointing,
-                               record.elapsed_s, backend.world_size, self.doc["peak"], cost_model=self.cost_model,
-                               schedules=self.schedules),
-            }
-            self.save()
+            record, result = measure_pass(backend, examples, pass_type, spec.bench.warmup, spec.bench.repeat,
+                                          command_for, spec.bench.util_sample_s, label=self.label,
+                                          on_repeat=self.tracker.log_repeat)
+            self._record_pass(spec, lengths, training, backend.world_size, pass_type, record, result)
             if spec.bench.save_outputs:
-                outputs[pass_type] = {"loss": [o.loss for o in result.outputs]}
-                if result.grad_norm is not None:
-                    outputs[pass_type]["grad_norm"] = result.grad_norm
+                outputs[pass_type] = _example_outputs(result)
                 write_json_atomic(self.out_dir / OUTPUTS_FILE, outputs)
-        self.doc["status"] = "ok"
-        self.doc["finished_at"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
-        self.save()
-        fwd, fb = self.doc["passes"]["forward"], self.doc["passes"]["forward_backward"]
-        log.info(
-            "%sok: forward %s tok/s, forward_backward %s tok/s, pad efficiency %.3f, MFU (fwd+bwd) %s",
-            self.label,
-            f"{fwd['tok_per_s']:,.0f}",
-            f"{fb['tok_per_s']:,.0f}",
-            self.doc["plan"]["pad_efficiency"],
-            "—" if fb["mfu_pct"] is None else f"{fb['mfu_pct']:.2f}%",
-        )
+        self.results.mark("ok")
+        _log_ok(self.label, doc)
+
+    def _record_pass(self, spec: HarnessConfig, lengths: list[int], training, world_size: int, pass_type: str,
+                     record, result) -> None:
+        """One pass type's measurements and FLOPs into results.json."""
+        from backends.model.kernels import summary as kernel_summary
+        from harness.flops import flops_record
+
+        self.results.update(plan=result.plan)  # what the backend ran (same as planned; FSDP2 agrees on it by collective)
+        log.info("%s%s kernels: %s", self.label, pass_type, kernel_summary(result.kernels))
+        flops = flops_record(pass_type, lengths, training, result.plan, spec.backend.gradient_checkpointing,
+                             record.elapsed_s, world_size, self.results.doc["peak"], cost_model=self.cost_model,
+                             schedules=self.schedules)
+        self.results.record_pass(pass_type, {**record.as_dict(), **flops})
 
 
-def _launcher_sets_world_size(backend_spec) -> None:
-    """Under torchrun/Slurm a preset's world_size (experiment=seed_b200: 4) gives way to the launcher's;
-    only one typed on the command line is checked against it (backends.runtime.job.check_world_size)."""
-    from backends.runtime.job import launch_env
-    from harness.points import override_key
+def _setup_fields(spec: HarnessConfig, lengths: list[int], setup: Setup, plan) -> dict[str, Any]:
+    """results.json's record of what the point runs: the backend, its ranks and device, the model, workload and plan."""
+    from backends.runtime.job import launch_record
 
-    if launch_env() is None:
-        return
-    if not any(override_key(o) in ("world_size", "backend.world_size") for o in _overrides()):
-        backend_spec.world_size = None
+    return dict(
+        backend=setup.name,
+        world_size=setup.world_size,
+        launch=launch_record(setup.world_size),  # who started the ranks: spawn (the harness), torchrun, slurm
+        mtpm=setup.mtpm,
+        mbs=setup.mbs,
+        device=setup.device,
+        model=model_record(spec.model, setup.built),
+        workload=workload_record(spec.workload, lengths),
+        plan=plan.stats.as_dict(),
+        # what the backend built runs in (params, adapters, compute, reduce); a dry run builds nothing
+        precision=setup.precision,
+        load=setup.load,  # how the backend loaded the weights: time and host/device peaks per rank
+        hot=spec.hot and not spec.target.url,
+        target={"url": spec.target.url} if spec.target.url else None,
+    )
 
 
-def _folder_key() -> str:
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
+def _start_tracker(cfg: DictConfig, out_dir: Path, group: Optional[str], backend_name: str, b) -> Tracker:
+    """The point's W&B run (or none: the logger off, or W&B failing to start)."""
+    return Tracker(
+        OmegaConf.to_container(cfg.logger, resolve=True) if cfg.get("logger") else None,
+        out_dir,
+        OmegaConf.to_container(cfg, resolve=True),
+        run_name(backend_name, b.max_tokens_per_microbatch, b.micro_batch_size, b.planner, b.layout),
+        group,
+    )
 
-    return "hydra.sweep.dir" if HydraConfig.get().mode == RunMode.MULTIRUN else "hydra.run.dir"
+
+def _example_outputs(result) -> dict[str, Any]:
+    """example_outputs.json's entry for one pass type: per-example losses, and the gradient norm if there is one."""
+    out: dict[str, Any] = {"loss": [o.loss for o in result.outputs]}
+    if result.grad_norm is not None:
+        out["grad_norm"] = result.grad_norm
+    return out
 
 
-def skip_reason(cfg: DictConfig, out_dir: Path) -> str | None:
+def _log_ok(label: str, doc: dict[str, Any]) -> None:
+    """The point's last line: throughput of both pass types, pad efficiency and MFU."""
+    fwd, fb = doc["passes"]["forward"], doc["passes"]["forward_backward"]
+    log.info(
+        "%sok: forward %s tok/s, forward_backward %s tok/s, pad efficiency %.3f, MFU (fwd+bwd) %s",
+        label,
+        f"{fwd['tok_per_s']:,.0f}",
+        f"{fb['tok_per_s']:,.0f}",
+        doc["plan"]["pad_efficiency"],
+        "—" if fb["mfu_pct"] is None else f"{fb['mfu_pct']:.2f}%",
+    )
+
+
+def _log_plan(label: str, st, n_examples: int) -> None:
+    """Two lines on what the plan is: tokens and padding, then steps and the modeled cost."""
+    log.info(
+        "%splan (%s, %s): %d examples, %s real / %s padded tokens, pad efficiency %.3f, micro-batches per rank %s, dummies %s",
+        label,
+        st.planner,
+        st.layout,
+        n_examples,
+        f"{st.real_tokens:,}",
+        f"{st.padded_tokens:,}",
+        st.pad_efficiency,
+        st.n_microbatches,
+        st.n_dummy,
+    )
+    log.info(
+        "%s%d steps (fewest possible %d), %d micro-batches over budget, modeled cost per rank max/mean %.4f, critical path %.4f",
+        label,
+        st.steps,
+        st.lower_bound_steps,
+        st.over_budget,
+        st.cost_imbalance,
+        st.critical_path,
+    )
+
+
+def skip_reason(cfg: DictConfig, hydra_run: HydraRun) -> str | None:
     """Why this point is not run (a finished result is kept); raises UserError for a folder it must not write."""
     from harness.points import check_run_folder, identity, read_result
 
+    out_dir = hydra_run.out_dir
     previous = read_result(out_dir)
     if previous is None:
         return None
     # The sweeper and the run-folder callback check this before anything is written; this
     # also covers other sweepers and launchers: never overwrite another point's result.
-    check_run_folder(_folder_key(), out_dir, _overrides(), bool(cfg.get("resume")))
-    point = " ".join(identity(_overrides())) or "this point"
+    check_run_folder(hydra_run.folder_key, out_dir, hydra_run.overrides, bool(cfg.get("resume")))
+    point = " ".join(identity(hydra_run.overrides)) or "this point"
     if previous.get("status") == "ok":
         return f"resume: {point} already ok in {out_dir}; skipped"
     if cfg.get("dry_run") and previous.get("status") != "planned":
@@ -392,35 +368,35 @@ def skip_reason(cfg: DictConfig, out_dir: Path) -> str | None:
     return None
 
 
-def run_point(cfg: DictConfig) -> int:
-    """Hydra task function body: never raises for a failed point, records its exit code."""
-    from backends.runtime.job import detect_launch
+def run_point(cfg: DictConfig, job_spans_run: bool = False) -> int:
+    """Hydra task function body: never raises for a failed point, records its exit code.
 
-    launched = detect_launch()
-    if launched is None:
-        return _run_point(cfg)
-    from backends.runtime.job import end_after_failure, job_spans_run, launched_job
+    In a launched job only the lead (global rank 0, harness/roles.py) measures and writes; it ends the
+    job after this point unless ``job_spans_run`` (``python -m harness`` itself is the job's rank 0 and
+    ends it after the last point; under submitit each point's Hydra job is the whole job).
+    """
+    if not leads():
+        # Under submitit every task runs this Hydra job; only global rank 0 measures and writes.
+        return follow()
+    from backends.runtime.job import end_after_failure, launched_job
 
     job = launched_job()
-    if job.rank != 0:
-        # Under submitit every task runs this Hydra job; only global rank 0 measures and writes.
-        from backends.runtime.launched import follow
-
-        return follow(job)
+    if job is None:
+        return _run_point(cfg)
     try:
         code = _run_point(cfg)
         end_after_failure(code)  # a failed launched job runs no more points: every rank ends now
         return code
     finally:
-        if not job_spans_run():
+        if not job_spans_run:
             job.finish()
 
 
 def _run_point(cfg: DictConfig) -> int:
-    out_dir = _output_dir()
-    STATE.last_dir = out_dir
+    hydra_run = HydraRun.current()
+    STATE.last_dir = hydra_run.out_dir
     try:
-        skip = skip_reason(cfg, out_dir)
+        skip = skip_reason(cfg, hydra_run)
     except UserError as exc:
         log.error("%s", exc)
         STATE.record(EXIT_USER_ERROR)
@@ -428,9 +404,9 @@ def _run_point(cfg: DictConfig) -> int:
     if skip is not None:
         log.info("%s", skip)
         return EXIT_OK
-    code = Point(cfg, out_dir).run()
+    code = Point(cfg, hydra_run).run()
     STATE.record(code)
     return code
 
 
-__all__ = ["run_point", "resolve_config"]
+__all__ = ["run_point"]

@@ -7,11 +7,11 @@ import signal
 import sys
 from typing import Callable
 
-from hydra.errors import HydraException, MissingConfigException
-from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
+from hydra.errors import HydraException
+from omegaconf.errors import OmegaConfBaseException
 
 from backends.errors import UserError
-from harness.config import config_error_line, register_configs
+from harness.config import composition_error_line, register_configs
 
 
 class StartRefused(BaseException):
@@ -20,32 +20,6 @@ class StartRefused(BaseException):
     Hydra turns an ``Exception`` raised in a callback into a warning and goes
     on, so this one derives from ``BaseException`` to stop the run.
     """
-
-
-def composition_error_line(exc: BaseException) -> str:
-    """One line for a Hydra composition error, naming the key (or the group and its valid options)."""
-    if isinstance(exc, MissingConfigException) and exc.options:
-        group = os.path.dirname(exc.missing_cfg_file or "") or "config"
-        name = os.path.basename(exc.missing_cfg_file or "")
-        return f"{group}: '{name}' is not an option (valid: {', '.join(sorted(exc.options))})"
-    cause = exc.__cause__ or exc.__context__
-    while cause is not None and not isinstance(cause, OmegaConfBaseException):
-        cause = cause.__cause__ or cause.__context__
-    first = str(exc).splitlines()[0].strip() if str(exc).strip() else type(exc).__name__
-    override = getattr(exc, "override", None) or _override_in(first)
-    if isinstance(cause, (ConfigKeyError, ConfigAttributeError)):
-        key = getattr(cause, "full_key", None) or "?"
-        return f"{key}: not a config key{f' (from {override})' if override else ''}; `python -m harness --cfg job` lists them"
-    if isinstance(cause, OmegaConfBaseException):
-        return config_error_line(cause) + (f" (from {override})" if override else "")
-    return first
-
-
-def _override_in(message: str) -> str:
-    for prefix in ("Error merging override ", "Could not override "):
-        if message.startswith(prefix):
-            return message[len(prefix) :].strip(" .'")
-    return ""
 
 
 def run_hydra_cli(hydra_main: Callable[[], object], exit_code: Callable[[], int]) -> int:

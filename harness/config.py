@@ -1,13 +1,20 @@
-"""Structured config: the schema Hydra validates conf/ against, and value checks it cannot express."""
+"""The config: the schema Hydra validates conf/ against, the checks it cannot express, resolution, and one-line config errors.
+
+``resolve_config`` turns Hydra's DictConfig into a checked HarnessConfig (a
+UserError naming the key when it cannot); ``config_error_line`` and
+``composition_error_line`` say an OmegaConf or Hydra error in one line.
+"""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
-from omegaconf.errors import OmegaConfBaseException
+from hydra.errors import MissingConfigException
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from backends.errors import UserError
 from backends.model.configs import check_model_spec
@@ -92,6 +99,32 @@ def config_error_line(exc: OmegaConfBaseException) -> str:
     return f"{key}: {msg}" if key else msg
 
 
+def composition_error_line(exc: BaseException) -> str:
+    """One line for a Hydra composition error, naming the key (or the group and its valid options)."""
+    if isinstance(exc, MissingConfigException) and exc.options:
+        group = os.path.dirname(exc.missing_cfg_file or "") or "config"
+        name = os.path.basename(exc.missing_cfg_file or "")
+        return f"{group}: '{name}' is not an option (valid: {', '.join(sorted(exc.options))})"
+    cause = exc.__cause__ or exc.__context__
+    while cause is not None and not isinstance(cause, OmegaConfBaseException):
+        cause = cause.__cause__ or cause.__context__
+    first = str(exc).splitlines()[0].strip() if str(exc).strip() else type(exc).__name__
+    override = getattr(exc, "override", None) or _override_in(first)
+    if isinstance(cause, (ConfigKeyError, ConfigAttributeError)):
+        key = getattr(cause, "full_key", None) or "?"
+        return f"{key}: not a config key{f' (from {override})' if override else ''}; `python -m harness --cfg job` lists them"
+    if isinstance(cause, OmegaConfBaseException):
+        return config_error_line(cause) + (f" (from {override})" if override else "")
+    return first
+
+
+def _override_in(message: str) -> str:
+    for prefix in ("Error merging override ", "Could not override "):
+        if message.startswith(prefix):
+            return message[len(prefix) :].strip(" .'")
+    return ""
+
+
 def validate(cfg: HarnessConfig) -> None:
     """Checks of values (types are checked by Hydra against the schema)."""
     backend_entry(cfg.backend.name)  # "backend.name: '...' is not a backend (valid: ...)"
@@ -118,3 +151,26 @@ def validate(cfg: HarnessConfig) -> None:
         value = getattr(cfg.bench, key)
         if value is not None and value <= 0:
             raise UserError(f"bench.{key}: must be a positive number or null, got {value}")
+
+
+def resolve_config(cfg: DictConfig) -> HarnessConfig:
+    """Hydra's composed config as a checked HarnessConfig; a UserError with one line when it is not valid."""
+    try:
+        spec = OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as exc:
+        raise UserError(config_error_line(exc)) from None
+    assert isinstance(spec, HarnessConfig)
+    validate(spec)
+    return spec
+
+
+def launcher_sets_world_size(backend_spec: BackendSpec, overrides: Sequence[str]) -> None:
+    """Under torchrun/Slurm a preset's world_size (experiment=seed_b200: 4) gives way to the launcher's;
+    only one typed on the command line is checked against it (backends.runtime.job.check_world_size)."""
+    from backends.runtime.job import launch_env
+    from harness.points import override_key
+
+    if launch_env() is None:
+        return
+    if not any(override_key(o) in ("world_size", "backend.world_size") for o in overrides):
+        backend_spec.world_size = None

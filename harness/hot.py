@@ -48,5 +48,8 @@ class HotBackends:
         self.key, self.backend, self.control = None, None, None
 
 
+# A global because the loaded backend must outlive each point: Hydra calls the task function once per
+# point with the config alone. Point (harness/app.py) takes the backend from it; ReportCallback.on_multirun_end
+# (harness/callbacks.py) closes it after the last point, and atexit when a sweep ends any other way.
 HOT = HotBackends()
 atexit.register(HOT.close)

@@ -1,11 +1,21 @@
-"""results.json: written atomically, updated after every pass, the source of truth for reports."""
+"""results.json, a point's record and the source of truth for reports: created, updated after every pass, written atomically.
+
+``PointResults`` holds one point's document: ``base_document`` starts it
+("running", the point's identity read leniently from the config), the point
+adds what it ran and each pass's measurements, and every ``save`` rewrites the
+file atomically. plan.json and example_outputs.json sit beside it.
+"""
 
 from __future__ import annotations
 
 import json
 import math
+import time
+from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional, Sequence
+
+from omegaconf import DictConfig, OmegaConf
 
 from backends.runtime.atomic import write_text_atomic
 
@@ -33,3 +43,113 @@ def write_json_atomic(path: Path, data: Any) -> None:
 def write_plan_json(path: Path, plan: dict) -> None:
     """plan.json: compact (a plan of many lengths stays small), atomic like results.json."""
     write_text_atomic(path, json.dumps(_clean(plan), separators=(",", ":")) + "\n", durable=True)
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def _versions() -> dict[str, str]:
+    from importlib import metadata
+
+    out = {}
+    for dist in ("torch", "transformers", "peft", "megatron-core", "hydra-core"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return out
+
+
+def base_document(cfg: DictConfig, overrides: Sequence[str]) -> dict[str, Any]:
+    """The run's identity, read leniently so even an invalid config leaves a readable results.json."""
+
+    def get(key: str) -> Any:
+        try:
+            return OmegaConf.select(cfg, key, throw_on_resolution_failure=False)
+        except Exception:
+            return None
+
+    return {
+        "status": "running",
+        "error": None,
+        "backend": get("backend.name"),
+        "world_size": get("backend.world_size"),
+        "device": None,
+        "model": {"name": get("model.name"), "path": get("model.path"), "lora_rank": get("model.lora_rank")},
+        "mtpm": get("mtpm"),
+        "mbs": get("mbs"),
+        "layout": get("layout"),
+        "planner": get("planner"),
+        "gc": get("gc"),
+        "bench": {"warmup": get("bench.warmup"), "repeat": get("bench.repeat")},
+        "workload": {"name": get("workload.name")},
+        "plan": None,
+        "precision": None,  # the precision policy that ran: params, adapters, compute, reduce (backends/model/build.py)
+        "passes": {},
+        "peak": None,  # the device peak MFU is measured against (harness/flops.py)
+        "overrides": list(overrides),
+        "started_at": _now(),
+        "versions": _versions(),
+    }
+
+
+def model_record(model, built: Optional[dict]) -> dict[str, Any]:
+    """results.json's ``model``: the model config (backends.specs.ModelSpec) and what the backend built (None in a dry run)."""
+    return {
+        "name": model.name,
+        "path": model.path,
+        "lora_rank": model.lora_rank,
+        "dtype": model.dtype,
+        "built": built,  # what the backend reports it built: architecture, parameters, vocabulary, dtype
+    }
+
+
+def workload_record(workload, lengths: Sequence[int]) -> dict[str, Any]:
+    """results.json's ``workload``: its name and seed (harness.workload.WorkloadSpec) and the lengths it made."""
+    return {
+        "name": workload.name,
+        "n_examples": len(lengths),
+        "total_tokens": sum(lengths),
+        "min_len": min(lengths),
+        "max_len": max(lengths),
+        "seed": workload.seed,
+    }
+
+
+class PointResults:
+    """One point's results.json: the document, and its file rewritten atomically at every ``save``.
+
+    ``wall_s`` (seconds since the document was made) is refreshed at each save.
+    """
+
+    def __init__(self, out_dir: Path, doc: dict[str, Any]):
+        self.path = Path(out_dir) / RESULTS_FILE
+        self.doc = doc
+        self._t0 = time.perf_counter()
+
+    def save(self) -> None:
+        self.doc["wall_s"] = time.perf_counter() - self._t0
+        write_json_atomic(self.path, self.doc)
+
+    def update(self, **fields: Any) -> None:
+        """Set top-level fields (a field already there keeps its place in the file; a new one goes last)."""
+        self.doc.update(fields)
+
+    def mark(self, status: str) -> None:
+        """The point ended with ``status`` (ok also stamps ``finished_at``); written at once."""
+        self.doc["status"] = status
+        if status == "ok":
+            self.doc["finished_at"] = _now()
+        self.save()
+
+    def fail(self, status: str, message: str) -> None:
+        """The point ended without its measurements: ``status`` (error, oom, timeout, interrupted) and why."""
+        self.doc["status"] = status
+        self.doc["error"] = message
+        self.save()
+
+    def record_pass(self, pass_type: str, measured: dict[str, Any]) -> None:
+        """One pass type measured: its record under ``passes``; written at once."""
+        self.doc["passes"][pass_type] = measured
+        self.save()

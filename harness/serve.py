@@ -25,7 +25,10 @@ from typing import Any, Callable, Optional
 
 import hydra
 from fastapi import Request  # at module level: FastAPI resolves the route annotations here
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse
 from omegaconf import DictConfig
+from starlette.requests import ClientDisconnect
 
 from backends.errors import BackendError, UserError, first_line
 from harness.cli import run_hydra_cli
@@ -159,44 +162,46 @@ class ServedBackend:
             self.backend = None
 
 
-def build_app(
-    served: ServedBackend, control, vocab_size: int, server, admin_token: Optional[str], default_mbs: int,
-    plan_options: Optional[dict] = None,
-):
-    """The FastAPI app around a started backend and its control file.
+def _error(status: int, message: str, headers: Optional[dict] = None) -> JSONResponse:
+    """A refusal as the server answers every one: ``{"detail": message}`` with its HTTP status."""
+    return JSONResponse({"detail": message}, status_code=status, headers=headers)
 
-    ``plan_options`` (layout, planner, cost_model; see backends.messages.make_command)
-    are fixed for the server's life; only the budget and mbs change live.
+
+class ServerState:
+    """What the routes share: the served backend, its control file, its description, and the passes in flight.
+
+    Each route of ``build_app`` is one call of a method here: request bodies are
+    read and checked, admin requests authorised, and passes run one at a time
+    (``queue_size`` more may wait; beyond that a pass is refused with 503).
     """
-    from fastapi import FastAPI
-    from fastapi.concurrency import run_in_threadpool
-    from fastapi.responses import JSONResponse
-    from starlette.requests import ClientDisconnect
 
-    from backends.messages import make_command
+    def __init__(self, served: ServedBackend, control, vocab_size: int, server, admin_token: Optional[str],
+                 default_mbs: int, plan_options: Optional[dict] = None):
+        self.served = served
+        self.control = control
+        self.vocab_size = vocab_size
+        self.server = server  # harness.config.ServerConfig: the ceilings, request limits and queue size
+        self.admin_token = admin_token
+        self.default_mbs = default_mbs  # what micro_batch_size null puts back
+        self.plan_options = dict(plan_options or {})
+        self.passes = asyncio.Semaphore(1)  # one pass at a time
+        self.pending = 0  # passes running or queued
+        first = served.backend
+        self.info = {
+            "backend": first.name,
+            "world_size": first.world_size,
+            "device": first.describe_device(),
+            "vocab_size": vocab_size,
+        }
 
-    plan_options = dict(plan_options or {})
-
-    app = FastAPI(title="balance-batch", docs_url=None, redoc_url=None)
-    passes = asyncio.Semaphore(1)  # one pass at a time
-    state = {"pending": 0}
-    first = served.backend
-    info = {
-        "backend": first.name,
-        "world_size": first.world_size,
-        "device": first.describe_device(),
-        "vocab_size": vocab_size,
-    }
-
-    def error(status: int, message: str, headers: Optional[dict] = None) -> JSONResponse:
-        return JSONResponse({"detail": message}, status_code=status, headers=headers)
-
-    async def json_body(request: Request) -> Any:
+    # -- requests ---------------------------------------------------------------------------------
+    async def json_body(self, request: Request) -> Any:
+        """The request's JSON body, within server.max_request_bytes; a RequestError otherwise."""
         length = request.headers.get("content-length")
         if length is None:
             raise RequestError(411, "a Content-Length header is required")
-        if int(length) > server.max_request_bytes:
-            raise RequestError(413, f"request body of {int(length)} bytes is above server.max_request_bytes ({server.max_request_bytes})")
+        if int(length) > self.server.max_request_bytes:
+            raise RequestError(413, f"request body of {int(length)} bytes is above server.max_request_bytes ({self.server.max_request_bytes})")
         try:
             raw = await request.body()
         except ClientDisconnect:
@@ -208,89 +213,118 @@ def build_app(
         except ValueError:
             raise RequestError(422, "the body is not valid JSON") from None
 
-    def check_admin(request: Request) -> Optional[JSONResponse]:
-        if not admin_token:
-            return error(403, f"admin API disabled: start the server with {TOKEN_ENV} set")
+    def check_admin(self, request: Request) -> Optional[JSONResponse]:
+        """None when the request carries the admin token; else the refusal to answer with."""
+        if not self.admin_token:
+            return _error(403, f"admin API disabled: start the server with {TOKEN_ENV} set")
         header = request.headers.get("authorization", "")
         if not header.startswith("Bearer "):
-            return error(401, "missing 'Authorization: Bearer <token>' header", {"WWW-Authenticate": "Bearer"})
-        if not hmac.compare_digest(header[len("Bearer ") :].encode(), admin_token.encode()):
-            return error(403, "wrong admin token")
+            return _error(401, "missing 'Authorization: Bearer <token>' header", {"WWW-Authenticate": "Bearer"})
+        if not hmac.compare_digest(header[len("Bearer ") :].encode(), self.admin_token.encode()):
+            return _error(403, "wrong admin token")
         return None
 
-    def current() -> dict:
-        return {**control.read().as_dict(), "backend": info["backend"], "world_size": info["world_size"],
-                "control_path": str(control.path)}
+    # -- what the routes answer -----------------------------------------------------------------
+    def current(self) -> dict:
+        """The batching in force and where it is set: GET /admin/config and every admin set's answer."""
+        return {**self.control.read().as_dict(), "backend": self.info["backend"], "world_size": self.info["world_size"],
+                "control_path": str(self.control.path)}
 
-    @app.exception_handler(RequestError)
-    async def _request_error(request: Request, exc: RequestError):
-        return error(exc.status, str(exc))
-
-    @app.get("/healthz")
-    async def healthz():
+    def health(self):
+        """GET /healthz: the backend and its batching; 503 and the reason while its workers are down."""
+        served = self.served
         why = served.failure()
         if why is not None:
             return JSONResponse({"status": "down", "reason": why, "restarts": served.restarts,
                                  "recovery": "the workers are started again at the next pass"}, status_code=503)
         backend = served.backend
-        return {"status": "ok", **info, **control.read().as_dict(), "model": backend.model_info,
+        return {"status": "ok", **self.info, **self.control.read().as_dict(), "model": backend.model_info,
                 "precision": backend.precision, "load": backend.load_info, "pids": [os.getpid(), *backend.pids()], "restarts": served.restarts,
-                "pending": state["pending"]}  # passes running or queued
+                "pending": self.pending}  # passes running or queued
+
+    async def admin_set(self, request: Request, name: str, ceiling: int, apply: Callable[[Optional[int]], Any]) -> Any:
+        """An admin set request: authorised, its value checked against ``ceiling``, applied through the control file."""
+        refused = self.check_admin(request)
+        if refused:
+            return refused
+        value = parse_setting(await self.json_body(request), name, ceiling)
+        apply(value)
+        log.info("%s set to %s", name, value)
+        return self.current()
+
+    def set_budget(self, value: Optional[int]):
+        if value is None and self.plan_options.get("planner") == "balanced":
+            raise RequestError(422, "max_tokens_per_microbatch: null is not allowed with planner=balanced "
+                                    "(fixed-size slices have no budget to balance)")
+        return self.control.set_max_tokens_per_microbatch(value)
+
+    def set_micro_batch_size(self, value: Optional[int]):
+        # null puts back the size the server was started with
+        return self.control.set_micro_batch_size(self.default_mbs if value is None else value)
+
+    async def run_pass(self, pass_type: str, request: Request):
+        """POST /forward and /forward_backward: the examples checked, queued behind the running pass, run."""
+        from backends.messages import make_command
+
+        body = await self.json_body(request)
+        examples = parse_examples(body, self.vocab_size, self.server.max_request_tokens)
+        if self.pending > self.server.queue_size:
+            raise RequestError(503, f"busy: {self.pending} passes running or queued (server.queue_size={self.server.queue_size}); retry later")
+        self.pending += 1
+        try:
+            async with self.passes:
+                # The backend fills in the budget from the control file before the pass.
+                command = make_command(pass_type, examples, None, 1, **self.plan_options)
+                result = await run_in_threadpool(self.served.run_pass, command)
+        except BackendError as exc:
+            log.error("%s failed: %s", pass_type, exc)
+            return _error(500, str(exc))
+        finally:
+            self.pending -= 1
+        return result.as_dict()
+
+
+def build_app(
+    served: ServedBackend, control, vocab_size: int, server, admin_token: Optional[str], default_mbs: int,
+    plan_options: Optional[dict] = None,
+):
+    """The FastAPI app around a started backend and its control file: the routes, each one call of ServerState.
+
+    ``plan_options`` (layout, planner, cost_model; see backends.messages.make_command)
+    are fixed for the server's life; only the budget and mbs change live.
+    """
+    from fastapi import FastAPI
+
+    state = ServerState(served, control, vocab_size, server, admin_token, default_mbs, plan_options)
+    app = FastAPI(title="balance-batch", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(RequestError)
+    async def _request_error(request: Request, exc: RequestError):
+        return _error(exc.status, str(exc))
+
+    @app.get("/healthz")
+    async def healthz():
+        return state.health()
 
     @app.get("/admin/config")
     async def admin_config(request: Request):
-        return check_admin(request) or current()
-
-    async def admin_set(request: Request, name: str, ceiling: int, apply) -> Any:
-        refused = check_admin(request)
-        if refused:
-            return refused
-        value = parse_setting(await json_body(request), name, ceiling)
-        apply(value)
-        log.info("%s set to %s", name, value)
-        return current()
-
-    def set_budget(value: Optional[int]):
-        if value is None and plan_options.get("planner") == "balanced":
-            raise RequestError(422, "max_tokens_per_microbatch: null is not allowed with planner=balanced "
-                                    "(fixed-size slices have no budget to balance)")
-        return control.set_max_tokens_per_microbatch(value)
+        return state.check_admin(request) or state.current()
 
     @app.post("/admin/set_max_tokens_per_microbatch")
     async def set_mtpm(request: Request):
-        return await admin_set(request, "max_tokens_per_microbatch", server.mtpm_ceiling, set_budget)
+        return await state.admin_set(request, "max_tokens_per_microbatch", server.mtpm_ceiling, state.set_budget)
 
     @app.post("/admin/set_micro_batch_size")
     async def set_mbs(request: Request):
-        # null puts back the size the server was started with
-        return await admin_set(request, "micro_batch_size", server.mbs_ceiling,
-                               lambda v: control.set_micro_batch_size(default_mbs if v is None else v))
-
-    async def run(pass_type: str, request: Request):
-        body = await json_body(request)
-        examples = parse_examples(body, vocab_size, server.max_request_tokens)
-        if state["pending"] > server.queue_size:
-            raise RequestError(503, f"busy: {state['pending']} passes running or queued (server.queue_size={server.queue_size}); retry later")
-        state["pending"] += 1
-        try:
-            async with passes:
-                # The backend fills in the budget from the control file before the pass.
-                command = make_command(pass_type, examples, None, 1, **plan_options)
-                result = await run_in_threadpool(served.run_pass, command)
-        except BackendError as exc:
-            log.error("%s failed: %s", pass_type, exc)
-            return error(500, str(exc))
-        finally:
-            state["pending"] -= 1
-        return result.as_dict()
+        return await state.admin_set(request, "micro_batch_size", server.mbs_ceiling, state.set_micro_batch_size)
 
     @app.post("/forward")
     async def forward(request: Request):
-        return await run("forward", request)
+        return await state.run_pass("forward", request)
 
     @app.post("/forward_backward")
     async def forward_backward(request: Request):
-        return await run("forward_backward", request)
+        return await state.run_pass("forward_backward", request)
 
     return app
 
@@ -320,42 +354,56 @@ def _raise_stop(signum, frame):
 
 
 def serve(cfg: DictConfig) -> int:
-    from backends.runtime.control import BatchingSettings, ControlFile
-    from harness.app import resolve_config
-
-    sock = None
+    """Check what a user can get wrong, load the backend, serve until SIGINT/SIGTERM; the exit status."""
     try:
-        spec = resolve_config(cfg)
-        server = spec.server
-        b = spec.backend
-        token = os.environ.get(TOKEN_ENV) or None
-        if not is_loopback(server.host) and not token:
-            raise UserError(
-                f"server.host: {server.host} is not a loopback address and {TOKEN_ENV} is unset; "
-                "set a token (or keep server.host=127.0.0.1)"
-            )
-        if not 0 <= server.port <= 65535:
-            raise UserError(f"server.port: must be 0..65535, got {server.port}")
-        # Everything a user can get wrong is checked before the model loads (minutes for a large one).
-        sock = bind_port(server.host, server.port)
-        try:
-            control = ControlFile(server.control_path, BatchingSettings(b.max_tokens_per_microbatch, b.micro_batch_size))
-        except OSError as exc:
-            raise UserError(
-                f"server.control_path: cannot write {server.control_path or exc.filename} ({exc.strerror or exc}); "
-                "choose a writable path, or null for one in /dev/shm"
-            ) from None
+        spec, token, sock, control = _prepare(cfg)
     except UserError as exc:
         log.error("%s", exc)
-        if sock is not None:
-            sock.close()
         return 2
+    return _serve_backend(spec, token, sock, control)
 
+
+def _prepare(cfg: DictConfig):
+    """Everything a user can get wrong, checked before the model loads (minutes for a large one).
+
+    Returns (config, admin token, bound socket, control file); a UserError names the key.
+    """
+    from backends.runtime.control import BatchingSettings, ControlFile
+    from harness.config import resolve_config
+
+    spec = resolve_config(cfg)
+    server = spec.server
+    b = spec.backend
+    token = os.environ.get(TOKEN_ENV) or None
+    if not is_loopback(server.host) and not token:
+        raise UserError(
+            f"server.host: {server.host} is not a loopback address and {TOKEN_ENV} is unset; "
+            "set a token (or keep server.host=127.0.0.1)"
+        )
+    if not 0 <= server.port <= 65535:
+        raise UserError(f"server.port: must be 0..65535, got {server.port}")
+    sock = bind_port(server.host, server.port)
+    try:
+        control = ControlFile(server.control_path, BatchingSettings(b.max_tokens_per_microbatch, b.micro_batch_size))
+    except OSError as exc:
+        sock.close()
+        raise UserError(
+            f"server.control_path: cannot write {server.control_path or exc.filename} ({exc.strerror or exc}); "
+            "choose a writable path, or null for one in /dev/shm"
+        ) from None
+    return spec, token, sock, control
+
+
+def _serve_backend(spec, token: Optional[str], sock: socket.socket, control) -> int:
+    """Start the backend and serve it on ``sock`` until stopped; the workers, socket and control file go at the end."""
     import uvicorn
 
     from backends.model.build import model_vocab_size
     from backends.model.configs import cost_model_for
     from backends.start import make_backend
+
+    server = spec.server
+    b = spec.backend
 
     def start_backend():
         backend = make_backend(b, spec.model)
@@ -396,13 +444,18 @@ def serve(cfg: DictConfig) -> int:
     return 0
 
 
-_EXIT = {"code": 0}
+def main() -> int:
+    """``python -m harness.serve``: the server as a Hydra app; its exit status (2: a config mistake)."""
+    exit_code = 0
 
+    # Hydra drops a task function's return value, so the status comes back through this closure.
+    @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+    def _hydra_main(cfg: DictConfig) -> None:
+        nonlocal exit_code
+        exit_code = serve(cfg)
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
-def _hydra_main(cfg: DictConfig) -> None:
-    _EXIT["code"] = serve(cfg)
+    return run_hydra_cli(_hydra_main, lambda: exit_code)
 
 
 if __name__ == "__main__":
-    sys.exit(run_hydra_cli(_hydra_main, lambda: _EXIT["code"]))
+    sys.exit(main())

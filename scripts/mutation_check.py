@@ -118,8 +118,9 @@ MUTATIONS = (
     Mutation(
         "a failed point's W&B run is left unfinished",
         "harness/app.py",
-        "            if self.tracker is not None:\n                self.tracker.finish(self.doc)",
-        '            if self.tracker is not None and self.doc.get("status") == "ok":\n                self.tracker.finish(self.doc)',
+        "        if self.tracker is not None:\n            self.tracker.finish(self.results.doc)",
+        '        if self.tracker is not None and self.results.doc.get("status") == "ok":\n'
+        "            self.tracker.finish(self.results.doc)",
         ("tests/integration/test_tracking.py::test_a_failed_point_still_finishes_its_run_and_the_next_starts",),
     ),
     Mutation(

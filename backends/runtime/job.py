@@ -288,19 +288,11 @@ class LaunchedJob:
             time.sleep(0.1)
 
 
+# This process's one connection to its launched job (store, heartbeat thread, watchdog), opened by the
+# first launched_job() and kept for the process's life. No Hydra callback reads it: it is a global because
+# every point of a multirun (Hydra calls the task function once per point, with the config alone) and the
+# backend each point starts (backends/start.py, LaunchedBackend) must share that one connection.
 _JOB: Optional[LaunchedJob] = None
-# True when ``python -m harness`` itself owns the job (torchrun, srun): it tells the ranks to exit at its
-# end. False under submitit, where every task runs one point's Hydra job: the point's end ends them.
-_JOB_SPANS_RUN = False
-
-
-def keep_job_until_exit() -> None:
-    global _JOB_SPANS_RUN
-    _JOB_SPANS_RUN = True
-
-
-def job_spans_run() -> bool:
-    return _JOB_SPANS_RUN
 
 
 def launched_job() -> Optional[LaunchedJob]:

@@ -54,7 +54,7 @@ def test_cpu_memory_limit_is_applied_and_restored():
 
 
 def test_cuda_devices_are_matched_to_nvml_devices_by_uuid_not_index():
-    from harness.measure import match_nvml_devices
+    from harness.samplers import match_nvml_devices
 
     nvml = ["GPU-aaaa1111-0000-0000-0000-000000000000", "GPU-bbbb2222-0000-0000-0000-000000000000",
             "MIG-cccc3333-0000-0000-0000-000000000000", "GPU-dddd4444-0000-0000-0000-000000000000"]
