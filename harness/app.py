@@ -20,10 +20,11 @@ from omegaconf import DictConfig, OmegaConf
 from backends.errors import BackendError, UserError
 from backends.model.configs import cost_model_for
 from backends.planning import plan_batch
+from backends.planning.plan import PLAN_FILE
 from backends.registry import LOCKSTEP_BACKENDS
 from backends.runtime.job import resolve_world_size
 from harness.config import HarnessConfig, launcher_sets_world_size, resolve_config
-from harness.results import (OUTPUTS_FILE, PLAN_FILE, RESULTS_FILE, PointResults, base_document, model_record,
+from harness.results import (OUTPUTS_FILE, RESULTS_FILE, PointResults, base_document, model_record,
                              workload_record, write_json_atomic, write_plan_json)
 from harness.roles import follow, leads
 from harness.state import EXIT_FAILED, EXIT_OK, EXIT_USER_ERROR, STATE

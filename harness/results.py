@@ -21,7 +21,6 @@ from backends.runtime.atomic import write_text_atomic
 
 RESULTS_FILE = "results.json"
 OUTPUTS_FILE = "example_outputs.json"
-PLAN_FILE = "plan.json"  # which rank runs which examples in which step (backends.planning.Plan.to_json)
 
 
 def _clean(value: Any) -> Any:

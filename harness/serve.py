@@ -384,7 +384,9 @@ def _prepare(cfg: DictConfig):
         raise UserError(f"server.port: must be 0..65535, got {server.port}")
     sock = bind_port(server.host, server.port)
     try:
-        control = ControlFile(server.control_path, BatchingSettings(b.max_tokens_per_microbatch, b.micro_batch_size))
+        # a balanced server needs a budget: "unset" written into its file is bad content, not fixed slices
+        control = ControlFile(server.control_path, BatchingSettings(b.max_tokens_per_microbatch, b.micro_batch_size),
+                              budget_required=b.planner == "balanced")
     except OSError as exc:
         sock.close()
         raise UserError(
