@@ -9,7 +9,7 @@ from omegaconf import DictConfig
 
 from harness.app import run_point
 from harness.cli import run_hydra_cli
-from harness.roles import follow, leads
+from harness.roles import follow, leads, tell_launcher
 from harness.state import STATE
 
 
@@ -34,6 +34,7 @@ def main() -> int:
         lead = leads()
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        tell_launcher(str(exc))
         return 2
     if not lead:
         return follow()  # one rank of a torchrun / Slurm job: it serves rank 0 (no Hydra, no files)

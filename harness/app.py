@@ -19,14 +19,14 @@ from omegaconf import DictConfig, OmegaConf
 
 from backends.errors import BackendError, UserError
 from backends.model.configs import cost_model_for
-from backends.planning import plan_batch
+from backends.planning import CostModel, plan_batch
 from backends.planning.plan import PLAN_FILE
 from backends.registry import LOCKSTEP_BACKENDS
 from backends.runtime.job import resolve_world_size
 from harness.config import HarnessConfig, launcher_sets_world_size, resolve_config
 from harness.results import (OUTPUTS_FILE, RESULTS_FILE, PointResults, base_document, model_record,
                              workload_record, write_json_atomic, write_plan_json)
-from harness.roles import follow, leads
+from harness.roles import follow, leads, tell_launcher
 from harness.state import EXIT_FAILED, EXIT_OK, EXIT_USER_ERROR, STATE
 from harness.tracking import Tracker, run_name, sweep_group
 from harness.workload import make_examples, workload_lengths
@@ -67,6 +67,9 @@ class Setup:
     device: Any
     mtpm: Optional[int]
     mbs: int
+    layout: str
+    planner: str
+    cost_model: CostModel  # the planner's cost model, from the model's config (a server's: the one it plans with)
     built: Optional[dict] = None
     precision: Optional[dict] = None
     load: Optional[dict] = None
@@ -81,15 +84,24 @@ class Setup:
         device = resolve_device(b.device)
         world_size = resolve_world_size(b.name, b.world_size, device.type)
         return cls(b.name, world_size, device_description(device, world_size),
-                   b.max_tokens_per_microbatch, b.micro_batch_size)
+                   b.max_tokens_per_microbatch, b.micro_batch_size, b.layout, b.planner, cost_model_for(spec.model))
 
     @classmethod
     def of_backend(cls, spec: HarnessConfig, backend) -> "Setup":
-        """What a started backend reports; a server's batching is authoritative (its plan is what runs)."""
+        """What a started backend reports; a server's batching and planning are authoritative (its plan is what runs)."""
         b = spec.backend
-        mtpm, mbs = backend.batching if spec.target.url else (b.max_tokens_per_microbatch, b.micro_batch_size)
-        return cls(backend.name, backend.world_size, backend.describe_device(), mtpm, mbs,
-                   built=backend.model_info, precision=backend.precision, load=backend.load_info)
+        if not spec.target.url:
+            return cls(backend.name, backend.world_size, backend.describe_device(), b.max_tokens_per_microbatch,
+                       b.micro_batch_size, b.layout, b.planner, cost_model_for(spec.model),
+                       built=backend.model_info, precision=backend.precision, load=backend.load_info)
+        mtpm, mbs = backend.batching
+        layout, planner = backend.layout or b.layout, backend.planner or b.planner
+        if (layout, planner) != (b.layout, b.planner):
+            log.warning("the server at %s plans with planner=%s layout=%s (fixed for its life): this run records "
+                        "those, not planner=%s layout=%s", spec.target.url, planner, layout, b.planner, b.layout)
+        cost_model = CostModel.from_dict(backend.cost_model) if backend.cost_model else cost_model_for(spec.model)
+        return cls(backend.name, backend.world_size, backend.describe_device(), mtpm, mbs, layout, planner,
+                   cost_model, built=backend.model_info, precision=backend.precision, load=backend.load_info)
 
 
 def _label(name: str, mtpm: Optional[int], mbs: int) -> str:
@@ -154,6 +166,7 @@ class Point:
     # -- how a point fails: one line on the console, the status and the message in results.json --------
     def _user_error(self, exc: UserError) -> int:
         log.error("%s", exc)
+        tell_launcher(str(exc))
         self.results.fail("error", str(exc))
         return EXIT_USER_ERROR
 
@@ -163,6 +176,8 @@ class Point:
 
             HOT.close()  # its workers are gone; the next point loads a fresh one
         log.error("%s%s", self.label, exc)
+        if exc.status != "oom":
+            tell_launcher(f"{self.label}{exc}")
         if exc.details:
             (self.out_dir / "error.txt").write_text(exc.details)
         self.results.fail(exc.status, str(exc))
@@ -217,10 +232,9 @@ class Point:
 
     def _plan(self, spec: HarnessConfig, lengths: list[int], setup: Setup):
         """The workload planned for the backend's ranks, written to plan.json."""
-        b = spec.backend
-        self.cost_model = cost_model_for(spec.model)
+        self.cost_model = setup.cost_model
         plan = plan_batch(lengths, setup.world_size, setup.mtpm, setup.mbs, align=setup.name in LOCKSTEP_BACKENDS,
-                          layout=b.layout, planner=b.planner, cost_model=self.cost_model)
+                          layout=setup.layout, planner=setup.planner, cost_model=self.cost_model)
         self.schedules = plan.schedules  # the micro-batches each rank runs: hardware FLOPs are counted from them
         write_plan_json(self.out_dir / PLAN_FILE, plan.to_json(backend=setup.name))
         return plan
@@ -233,7 +247,7 @@ class Point:
         b = spec.backend
         examples = make_examples(lengths, self.vocab_size, spec.seed)
         self.results.save()
-        self.tracker = _start_tracker(self.cfg, self.out_dir, self.hydra_run.group, backend.name, b)
+        self.tracker = _start_tracker(self.cfg, self.out_dir, self.hydra_run.group, self.results.doc)
         outputs: dict[str, Any] = {}
         command_for = default_command_for(
             examples, b.max_tokens_per_microbatch, b.micro_batch_size, layout=b.layout, planner=b.planner,
@@ -281,6 +295,8 @@ def _setup_fields(spec: HarnessConfig, lengths: list[int], setup: Setup, plan) -
         launch=launch_record(setup.world_size),  # who started the ranks: spawn (the harness), torchrun, slurm
         mtpm=setup.mtpm,
         mbs=setup.mbs,
+        layout=setup.layout,  # a client's are the server's: what ran
+        planner=setup.planner,
         device=setup.device,
         model=model_record(spec.model, setup.built),
         workload=workload_record(spec.workload, lengths),
@@ -293,13 +309,13 @@ def _setup_fields(spec: HarnessConfig, lengths: list[int], setup: Setup, plan) -
     )
 
 
-def _start_tracker(cfg: DictConfig, out_dir: Path, group: Optional[str], backend_name: str, b) -> Tracker:
+def _start_tracker(cfg: DictConfig, out_dir: Path, group: Optional[str], doc: dict[str, Any]) -> Tracker:
     """The point's W&B run (or none: the logger off, or W&B failing to start)."""
     return Tracker(
         OmegaConf.to_container(cfg.logger, resolve=True) if cfg.get("logger") else None,
         out_dir,
         OmegaConf.to_container(cfg, resolve=True),
-        run_name(backend_name, b.max_tokens_per_microbatch, b.micro_batch_size, b.planner, b.layout),
+        run_name(doc["backend"], doc["mtpm"], doc["mbs"], doc["planner"], doc["layout"]),  # what runs (a server's)
         group,
     )
 

@@ -12,23 +12,30 @@ from omegaconf import DictConfig
 log = logging.getLogger(__name__)
 
 
-FAILED_STATUSES = ("error", "timeout", "running", "interrupted", "unreadable")
+FAILED_STATUSES = ("error", "timeout", "running", "died", "interrupted", "unreadable")
 
 
 def record_sweep_status(sweep_dir: Path) -> None:
     """Make the sweep's exit status reflect every point, also those a launcher ran in other processes."""
     import json
 
+    from harness.results import reported_status
     from harness.state import EXIT_FAILED, STATE
 
-    for path in sweep_dir.glob("*/results.json"):
+    for path in sorted(sweep_dir.glob("*/results.json")):
         try:
             doc = json.loads(path.read_text())
-            status = doc.get("status") if isinstance(doc, dict) else "unreadable"  # "[]" must not stop the report
+            status = reported_status(doc) if isinstance(doc, dict) else "unreadable"  # "[]" must not stop the report
         except (OSError, ValueError):
             status = "unreadable"
-        if status in FAILED_STATUSES:
-            STATE.record(EXIT_FAILED)
+        if status not in FAILED_STATUSES:
+            continue
+        if STATE.sweep_folders is not None and path.parent.name not in STATE.sweep_folders:
+            log.warning("%s: %s, from an earlier run of this sweep and not in this run's list: it does not decide "
+                        "the exit status (the report still shows it; list it again, or remove its folder)",
+                        path.parent, status)
+            continue
+        STATE.record(EXIT_FAILED)
 
 
 class RunFolderCallback(Callback):

@@ -43,6 +43,10 @@ class RemoteBackend(Backend):
         self.model_info = self.info.get("model")
         self.precision = self.info.get("precision")  # the server's policy, as it reported it
         self.load_info = self.info.get("load")  # how the server loaded its (current) workers
+        # How the server plans every pass (fixed for its life); None from a server that does not say.
+        self.layout: Optional[str] = self.info.get("layout")
+        self.planner: Optional[str] = self.info.get("planner")
+        self.cost_model: Optional[dict] = self.info.get("cost_model")
         # (max_tokens_per_microbatch, micro_batch_size) every pass of this run must report in its plan
         self.batching: Optional[tuple[Optional[int], int]] = None
 

@@ -18,6 +18,7 @@ from typing import Any, Optional, Sequence
 from omegaconf import DictConfig, OmegaConf
 
 from backends.runtime.atomic import write_text_atomic
+from backends.runtime.liveness import process_record, recorded_process_gone
 
 RESULTS_FILE = "results.json"
 OUTPUTS_FILE = "example_outputs.json"
@@ -89,8 +90,19 @@ def base_document(cfg: DictConfig, overrides: Sequence[str]) -> dict[str, Any]:
         "peak": None,  # the device peak MFU is measured against (harness/flops.py)
         "overrides": list(overrides),
         "started_at": _now(),
+        # who writes this file: a reader that finds "running" and this process gone reports the point as died
+        "process": process_record(),
         "versions": _versions(),
     }
+
+
+def reported_status(doc: dict[str, Any]) -> Any:
+    """The status a reader should show: "died" for a "running" point whose writing process is gone (killed,
+    or its machine's job ended), judged only on the host that ran it; otherwise the recorded status."""
+    status = doc.get("status")
+    if status == "running" and recorded_process_gone(doc.get("process")):
+        return "died"
+    return status
 
 
 def model_record(model, built: Optional[dict]) -> dict[str, Any]:

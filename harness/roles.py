@@ -30,3 +30,24 @@ def follow() -> int:
     job = launched_job()
     assert job is not None and job.rank != 0, "only a launched job's non-zero rank follows"
     return follow_rank0(job)
+
+
+def tell_launcher(line: str) -> None:
+    """Under torchrun: put this rank's one-line failure in the error file torchrun reads, so its failure summary
+    ("traceback : ...") names the cause instead of pointing at its docs; nothing elsewhere.
+
+    torchrun itself still exits 1 when a rank fails (its own status); the rank's exit code (2: a user error) is the
+    ``exitcode`` its summary shows.
+    """
+    import json
+    import os
+    import time
+
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path or os.path.exists(path):  # a first failure already recorded stays the one shown
+        return
+    try:
+        with open(path, "w") as f:
+            json.dump({"message": line, "timestamp": int(time.time())}, f)
+    except OSError:
+        pass

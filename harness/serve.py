@@ -192,6 +192,10 @@ class ServerState:
             "world_size": first.world_size,
             "device": first.describe_device(),
             "vocab_size": vocab_size,
+            # how every pass is planned, fixed for the server's life: a client records these, not its own
+            "layout": self.plan_options.get("layout", "padded"),
+            "planner": self.plan_options.get("planner", "greedy"),
+            "cost_model": self.plan_options.get("cost_model"),
         }
 
     # -- requests ---------------------------------------------------------------------------------

@@ -18,6 +18,9 @@ class RunState:
     def __init__(self) -> None:
         self.exit_code = EXIT_OK
         self.last_dir: Path | None = None  # the latest point's folder, for messages after an interrupt
+        # A resumed multirun: the folders (names under the sweep folder) of the points this invocation lists,
+        # set by the sweeper; None when every folder in the sweep is this invocation's.
+        self.sweep_folders: set[str] | None = None
 
     def record(self, code: int) -> None:
         self.exit_code = max(self.exit_code, code)
@@ -26,6 +29,7 @@ class RunState:
 # The one mutable global of a run, because Hydra hands nothing back: a task function's return value is
 # dropped (and a multirun calls it once per point), and callbacks are built by Hydra from conf/config.yaml.
 # Written by run_point (harness/app.py) after every point and by ReportCallback.on_multirun_end
-# (harness/callbacks.py: points a launcher ran in other processes); read by __main__ for the exit status
+# (harness/callbacks.py: points a launcher ran in other processes), and by the sweeper (sweep_folders: which
+# points a resumed sweep lists); read by __main__ for the exit status
 # once Hydra returns, and by cli.interrupted_hint (last_dir) after a Ctrl-C has unwound Hydra.
 STATE = RunState()

@@ -10,6 +10,7 @@ from typing import Iterable, Optional
 import pandas as pd
 
 from backends.registry import BACKENDS
+from harness.results import reported_status
 
 log = logging.getLogger(__name__)
 
@@ -231,6 +232,11 @@ def read_results(path: Path) -> dict:
     except (OSError, ValueError) as exc:  # ValueError: torn JSON, not UTF-8
         problem = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     if problem is None:
+        if reported_status(doc) == "died":  # "running", and the process writing it is gone
+            proc = doc.get("process") or {}
+            return {**doc, "status": "died", "error": doc.get("error") or (
+                f"the process writing it (pid {proc.get('pid')} on {proc.get('host')}) is gone: killed, or its job "
+                "ended before the point finished")}
         return doc
     log.warning("%s: unreadable (%s); shown as an unreadable row", path, problem)
     return {"status": "unreadable", "error": problem}

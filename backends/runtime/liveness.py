@@ -46,3 +46,38 @@ class Heartbeats:
             self._seen[rank] = (count, now)
             return False
         return now - last[1] > STALE_AFTER_S
+
+
+def process_record() -> dict:
+    """This process, as results.json records the one writing it: host, pid and when it started (epoch seconds)."""
+    import os
+    import socket
+
+    import psutil
+
+    return {"host": socket.gethostname(), "pid": os.getpid(), "started": psutil.Process().create_time()}
+
+
+def recorded_process_gone(record) -> bool:
+    """True when ``record`` (``process_record``'s) names a process on this host that no longer runs.
+
+    A pid reused by a later process does not count as alive; a record from
+    another host, or none, cannot be judged here: False.
+    """
+    import socket
+
+    import psutil
+
+    if not isinstance(record, dict) or record.get("host") != socket.gethostname():
+        return False
+    try:
+        pid, started = int(record["pid"]), float(record["started"])
+    except (KeyError, TypeError, ValueError):
+        return False
+    try:
+        proc = psutil.Process(pid)
+        return abs(proc.create_time() - started) > 1.0 or proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+    except psutil.Error:
+        return False

@@ -47,6 +47,10 @@ class PointSweeper(BasicSweeper):
         folders = place_points(jobs, sweep_dir, resume)
         if resume:
             keep_earlier_sweep_config(sweep_dir)
+            from harness.state import STATE
+
+            # the points this run lists: an earlier point left out of the list does not decide its exit status
+            STATE.sweep_folders = set(folders) if subdir == DEFAULT_SUBDIR and all(folders) else None
         if subdir == DEFAULT_SUBDIR:  # a user's own subdir pattern is left alone
             jobs = [job + [f"hydra.sweep.subdir={folder}"] if folder is not None else job for job, folder in zip(jobs, folders)]
         return [list(chunk) for chunk in BasicSweeper.split_overrides_to_chunks(jobs, max_batch_size)]

@@ -392,3 +392,19 @@ def test_more_ranks_than_cores_says_so(workdir):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     text = proc.stdout + proc.stderr
     assert "world_size=2 ranks on 1 CPU cores" in text and "starting 2 ranks" in text
+
+
+def test_a_resume_that_drops_a_failed_point_says_so_and_its_exit_is_its_own(workdir):
+    """Issue 22 (9): resuming without an earlier failed point exited 1 with no line saying why."""
+    sweep = workdir / "sweep"
+    common = ["dry_run=true", "workload=smoke", "logger=none", f"hydra.sweep.dir={sweep}"]
+    first = run_harness("-m", "mtpm=512,-5", *common, cwd=workdir)
+    assert first.returncode != 0  # the bad point is an error of this run
+    assert sorted(r["status"] for r in sweep_results(sweep)) == ["error", "planned"]
+    again = run_harness("-m", "mtpm=512", "resume=true", *common, cwd=workdir)
+    text = again.stdout + again.stderr
+    assert again.returncode == 0, text
+    line = next(ln for ln in text.splitlines() if "not in this run's list" in ln)
+    assert str(sweep / "1") in line and "error" in line
+    listed = run_harness("-m", "mtpm=512,-5", "resume=true", *common, cwd=workdir)  # listed again: it counts
+    assert listed.returncode != 0

@@ -83,6 +83,23 @@ def test_conflicting_world_size_is_one_line_and_exit_2(workdir):
     assert load_json(workdir / "run" / "results.json")["status"] == "error"
 
 
+def test_under_torchrun_a_conflicting_world_size_is_named_in_torchruns_summary(workdir):
+    """Issue 22 (12): torchrun's summary said "To enable traceback see ..." for rank 0's exit 2; it names the line now.
+
+    torchrun itself exits 1 whenever a rank fails (its own status, not the harness's); the rank's exitcode is 2.
+    """
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",
+               f"--master-port={_free_port()}", "--max-restarts=0", "-m", "harness", "backend=fsdp2",
+               "world_size=3", "dry_run=true", "workload=smoke", "hydra.run.dir=run"]
+    proc = subprocess.run(command, cwd=workdir, env=harness_env(), capture_output=True, text=True, timeout=180)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out  # torchrun's own status for a failed job
+    summary = out[out.index("Root Cause"):]
+    assert "exitcode  : 2" in summary and "world_size: 3 conflicts" in summary, out
+    assert "To enable traceback" not in summary
+    assert load_json(workdir / "run" / "results.json")["status"] == "error"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["fsdp2", "megatron_ddp"])
 def test_two_torchrun_nodes_match_the_spawned_ranks(workdir, backend):

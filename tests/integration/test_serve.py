@@ -420,3 +420,35 @@ def test_a_restart_that_fails_keeps_the_server_down_with_the_first_cause():
             assert served.failure().startswith("the workers were down (rank 0 was killed by SIGKILL) and did not start")
     finally:
         served.close()
+
+
+def test_a_packed_server_is_recorded_as_it_runs_by_its_client_and_keeps_its_budget(tmp_path):
+    """Issue 22 (1, 6): a client of a balanced packed server recorded its own greedy padded planner and plan.json;
+    "unset" written into the server's control file made every pass a 500 and stuck as the last good budget."""
+    s = start_server(tmp_path, "backend=pytorch", "workload=smoke", "layout=packed", "planner=balanced", "mtpm=4096")
+    try:
+        health = s.call("GET", "/healthz", token=None)[1]
+        assert (health["layout"], health["planner"]) == ("packed", "balanced") and health["cost_model"]["a"] > 0
+        run = tmp_path / "client"
+        proc = run_harness(f"target.url={s.url}", "mtpm=4096", "workload=smoke", "workload.n_examples=6",
+                           "bench.warmup=0", "bench.repeat=1", "logger=none", f"hydra.run.dir={run}",
+                           cwd=tmp_path, env=_no_token_env())
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "plans with planner=balanced layout=packed" in proc.stdout + proc.stderr  # it says it records the server's
+        res, plan = load_json(run / "results.json"), load_json(run / "plan.json")
+        assert (res["planner"], res["layout"]) == ("balanced", "packed")
+        assert (res["plan"]["planner"], res["plan"]["layout"], res["plan"]["pad_efficiency"]) == ("balanced", "packed", 1.0)
+        # plan.json is the plan the server ran: the same planner, layout, cost model and micro-batch count
+        assert (plan["planner"], plan["layout"], plan["cost_model"]) == ("balanced", "packed", health["cost_model"])
+        ran = [b for s_ in plan["schedules"] for b in s_ if b is not None]
+        assert len(ran) == sum(res["plan"]["n_microbatches"])
+
+        s.control.write_text('{"max_tokens_per_microbatch": "unset", "micro_batch_size": 1}')
+        for _ in range(2):
+            status, reply = s.call("POST", "/forward", {"examples": examples([100, 200])})
+            assert status == 200 and reply["plan"]["max_tokens_per_microbatch"] == 4096
+        s.control.write_text("{ not json")
+        assert s.call("POST", "/forward", {"examples": examples([100])})[1]["plan"]["max_tokens_per_microbatch"] == 4096
+        assert "not allowed with planner=balanced" in s.log.read_text()
+    finally:
+        assert stop(s) == 0
