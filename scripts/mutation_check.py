@@ -169,6 +169,27 @@ MUTATIONS = (
         ("tests/unit/test_training_flops.py",),
     ),
     Mutation(
+        "blame names the failing rank's own error before a peer that died",
+        "backends/runtime/failures.py",
+        "        peer = find_peer()\n",
+        "        peer = None\n",
+        ("tests/integration/test_faults.py::test_a_killed_worker_ends_the_run_with_a_clear_error",),
+    ),
+    Mutation(
+        "a running point whose process is gone still reads as running",
+        "harness/results.py",
+        'if status == "running" and recorded_process_gone(doc.get("process")):',
+        'if False and recorded_process_gone(doc.get("process")):',
+        ("tests/unit/test_died.py",),
+    ),
+    Mutation(
+        "a client records its own planner and layout, not the server's",
+        "harness/app.py",
+        "layout, planner = backend.layout or b.layout, backend.planner or b.planner",
+        "layout, planner = b.layout, b.planner",
+        ("tests/integration/test_serve.py::test_a_packed_server_is_recorded_as_it_runs_by_its_client_and_keeps_its_budget",),
+    ),
+    Mutation(
         "a committed result edited by hand (pad efficiency)",
         "reports/results/cpu-2rank-tiny/3/results.json",
         '"pad_efficiency": 0.5958749107698851,',
