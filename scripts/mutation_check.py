@@ -173,7 +173,7 @@ MUTATIONS = (
         "backends/runtime/failures.py",
         "        peer = find_peer()\n",
         "        peer = None\n",
-        ("tests/integration/test_faults.py::test_a_killed_worker_ends_the_run_with_a_clear_error",),
+        ("tests/unit/test_failures.py",),
     ),
     Mutation(
         "a running point whose process is gone still reads as running",
