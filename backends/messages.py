@@ -151,7 +151,7 @@ class PassResult:
     def from_dict(cls, data: dict[str, Any]) -> "PassResult":
         """The inverse of ``as_dict`` (None reads back as NaN); fields the sender did not know stay at defaults."""
         outputs = [
-            ExampleOutput(logprobs=np.asarray([np.nan if x is None else x for x in o["logprobs"]], dtype=np.float32),
+            ExampleOutput(logprobs=np.asarray(o["logprobs"], dtype=np.float32),  # numpy reads None as NaN
                           loss=float("nan") if o["loss"] is None else float(o["loss"]))
             for o in data["outputs"]
         ]

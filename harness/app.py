@@ -90,16 +90,16 @@ class Setup:
     def of_backend(cls, spec: HarnessConfig, backend) -> "Setup":
         """What a started backend reports; a server's batching and planning are authoritative (its plan is what runs)."""
         b = spec.backend
-        if not spec.target.url:
-            return cls(backend.name, backend.world_size, backend.describe_device(), b.max_tokens_per_microbatch,
-                       b.micro_batch_size, b.layout, b.planner, cost_model_for(spec.model),
-                       built=backend.model_info, precision=backend.precision, load=backend.load_info)
-        mtpm, mbs = backend.batching
-        layout, planner = backend.layout or b.layout, backend.planner or b.planner
-        if (layout, planner) != (b.layout, b.planner):
-            log.warning("the server at %s plans with planner=%s layout=%s (fixed for its life): this run records "
-                        "those, not planner=%s layout=%s", spec.target.url, planner, layout, b.planner, b.layout)
-        cost_model = CostModel.from_dict(backend.cost_model) if backend.cost_model else cost_model_for(spec.model)
+        mtpm, mbs, layout, planner = b.max_tokens_per_microbatch, b.micro_batch_size, b.layout, b.planner
+        served_cost = None
+        if spec.target.url:
+            mtpm, mbs = backend.batching
+            layout, planner = backend.layout or layout, backend.planner or planner
+            if (layout, planner) != (b.layout, b.planner):
+                log.warning("the server at %s plans with planner=%s layout=%s (fixed for its life): this run records "
+                            "those, not planner=%s layout=%s", spec.target.url, planner, layout, b.planner, b.layout)
+            served_cost = backend.cost_model
+        cost_model = CostModel.from_dict(served_cost) if served_cost else cost_model_for(spec.model)
         return cls(backend.name, backend.world_size, backend.describe_device(), mtpm, mbs, layout, planner,
                    cost_model, built=backend.model_info, precision=backend.precision, load=backend.load_info)
 
