@@ -57,6 +57,7 @@ class PassCommand:
     layout: str = "padded"
     planner: str = "greedy"
     cost_model: Optional[dict] = None  # CostModel.as_dict(); every rank plans the same global plan from it
+    max_seqs_per_microbatch: Optional[int] = None  # at most this many sequences per micro-batch (None: no cap)
     lengths: Optional[list] = None  # every example's length, where ``examples`` is only a rank's share
     # Target log-probs this many tokens at a time; None: full logits; BACKEND_CHUNK: the backend's setting.
     logprob_chunk_tokens: Union[int, None, str] = BACKEND_CHUNK
@@ -87,6 +88,7 @@ class PassCommand:
             layout=self.layout,
             planner=self.planner,
             cost_model=CostModel.from_dict(self.cost_model),
+            max_seqs_per_microbatch=self.max_seqs_per_microbatch,
         )
 
 

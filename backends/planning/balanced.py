@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import itertools
 import math
 from typing import Optional, Sequence
 
@@ -53,8 +54,10 @@ _PADDED_RETRIES = 8  # padded: at most this many steps more than the fewest, eac
 class _Bins:
     """Micro-batches under construction: items (longest first), computed tokens and modeled cost of each."""
 
-    def __init__(self, lengths: Sequence[int], costs: Sequence[float], budget: int, layout: str, cost_model: CostModel):
+    def __init__(self, lengths: Sequence[int], costs: Sequence[float], budget: int, layout: str, cost_model: CostModel,
+                 max_seqs: Optional[int] = None):
         self.L, self.c, self.B, self.packed, self.cm = lengths, costs, budget, layout == "packed", cost_model
+        self.cap = max_seqs or math.inf  # sequences per micro-batch
         self.items: list[list[int]] = []
         self.tok: list[int] = []
         self.cost: list[float] = []
@@ -62,13 +65,23 @@ class _Bins:
     def key(self, i: int) -> tuple[int, int]:
         return (-self.L[i], i)
 
-    def add_bin(self, items: Sequence[int]) -> int:
-        self.items.append(sorted(items, key=self.key))
-        self.tok.append(0)
-        self.cost.append(0.0)
-        j = len(self.items) - 1
-        self._refresh(j)
-        return j
+    def add_bin(self, items: Sequence[int], presorted: bool = False, value: Optional[tuple[int, float]] = None) -> int:
+        """A micro-batch of ``items``; ``presorted``: they are already longest first, ties by index.
+
+        ``value``: its (tokens, cost), where the caller knows them already.
+        """
+        # else sorted so: two sorts in C (the second is stable), no key call per item
+        self.items.append(list(items) if presorted else sorted(sorted(items), key=self.L.__getitem__, reverse=True))
+        tok, cost = value if value is not None else self.value(self.items[-1])
+        self.tok.append(tok)
+        self.cost.append(cost)
+        return len(self.items) - 1
+
+    def add_bins(self, groups: list[list[int]], values: list[tuple[int, float]]) -> None:
+        """Micro-batches already longest first (ties by index), with their (tokens, cost): no copies, no sums."""
+        self.items += groups
+        self.tok += [v[0] for v in values]
+        self.cost += [v[1] for v in values]
 
     def _refresh(self, j: int) -> None:
         self.tok[j], self.cost[j] = self.value(self.items[j])
@@ -77,8 +90,8 @@ class _Bins:
         if not items:
             return 0, 0.0
         if self.packed:
-            return sum(self.L[i] for i in items), sum(self.c[i] for i in items)
-        longest = max(self.L[i] for i in items)
+            return sum(map(self.L.__getitem__, items)), sum(map(self.c.__getitem__, items))
+        longest = max(map(self.L.__getitem__, items))
         return len(items) * longest, len(items) * self.cm.sequence(longest)
 
     def after(self, j: int, remove: Optional[int], add: Optional[int]) -> tuple[int, float, int]:
@@ -104,7 +117,7 @@ class _Bins:
         return count * longest, count * self.cm.sequence(longest), count
 
     def fits(self, tok: int, count: int) -> bool:
-        return count <= 1 or tok <= self.B
+        return count <= 1 or (tok <= self.B and count <= self.cap)
 
     def candidates(self, j: int) -> list[int]:
         """Sequences of bin j worth moving or swapping.
@@ -124,124 +137,322 @@ class _Bins:
 
     def move(self, i: int, src: int, dst: int) -> None:
         self.items[src].remove(i)
-        self.items[dst].append(i)
-        self.items[dst].sort(key=self.key)
+        dst_items = self.items[dst]
+        dst_items.insert(bisect.bisect_left([self.key(k) for k in dst_items], self.key(i)), i)
         self._refresh(src)
         self._refresh(dst)
 
 
-def _pack_packed(order: Sequence[int], n_bins: int, n_heavy: int, bins: _Bins) -> Optional[list[list[int]]]:
-    """Longest-processing-time first with a token capacity: each sequence into the cheapest micro-batch it fits.
+class _Rooms:
+    """Micro-batches by room left (0..budget tokens): add one, or take one with the least room >= x, in O(1) big-int steps.
 
-    The first ``n_heavy`` micro-batches share a step with over-long sequences
-    (which cost more than any micro-batch within the budget can): they take
-    every sequence that fits first, as the costliest ones come first, because
-    cost placed there is hidden under the step's maximum.
+    Two levels of bit sets: bit r % 1024 of ``low[r // 1024]`` says some
+    micro-batch has room r, bit k of ``high`` says ``low[k]`` is not empty.
     """
-    L, c, B = bins.L, bins.c, bins.B
-    if n_bins <= 0:
-        return [] if not order else None
-    groups: list[list[int]] = [[] for _ in range(n_bins)]
-    tok = [0] * n_bins
-    heap = [(0 if j < n_heavy else 1, 0.0, j) for j in range(n_bins)]
-    # Micro-batches too full for the current sequence wait here, fullest last, until
-    # sequences short enough come (they come longest first), so none is looked at twice in vain.
-    parked: list[tuple[int, int, float, int]] = []  # (-room, rank, cost, j)
-    for i in order:
-        while parked and -parked[0][0] >= L[i]:
-            _, rank, cost, j = heapq.heappop(parked)
-            heapq.heappush(heap, (rank, cost, j))
-        while heap:
-            rank, cost, j = heapq.heappop(heap)
-            if tok[j] + L[i] <= B:
-                groups[j].append(i)
-                tok[j] += L[i]
-                heapq.heappush(heap, (rank, cost + c[i], j))
-                break
-            heapq.heappush(parked, (tok[j] - B, rank, cost, j))
+
+    def __init__(self, budget: int):
+        self.ids: dict[int, list[int]] = {}
+        self.low = [0] * (budget // 1024 + 1)
+        self.high = 0
+
+    def add(self, room: int, j: int) -> None:
+        ids = self.ids.get(room)
+        if ids:
+            heapq.heappush(ids, j)
+            return
+        self.ids[room] = [j]
+        k = room >> 10
+        if not self.low[k]:
+            self.high |= 1 << k
+        self.low[k] |= 1 << (room & 1023)
+
+    def take_at_least(self, x: int) -> Optional[tuple[int, int]]:
+        """(room, micro-batch) with the least room >= x (the first micro-batch among equals), removed; None if none."""
+        k = x >> 10
+        word = self.low[k] >> (x & 1023) if k < len(self.low) else 0
+        if word:
+            room = x + (word & -word).bit_length() - 1
         else:
-            return None
-    return groups
+            higher = self.high >> (k + 1)
+            if not higher:
+                return None
+            k += (higher & -higher).bit_length()
+            word = self.low[k]
+            room = (k << 10) + (word & -word).bit_length() - 1
+        ids = self.ids[room]
+        j = heapq.heappop(ids)
+        if not ids:
+            del self.ids[room]
+            k = room >> 10
+            self.low[k] &= ~(1 << (room & 1023))
+            if not self.low[k]:
+                self.high &= ~(1 << k)
+        return room, j
 
 
-def _best_fit_decreasing(order: Sequence[int], n_bins: int, B: int, L: Sequence[int]) -> Optional[list[list[int]]]:
-    """Best-fit decreasing by tokens (into the fullest micro-batch with room): the fallback when the fill is tight."""
-    groups: list[list[int]] = []
-    rooms: list[tuple[int, int]] = []  # (room, micro-batch), sorted
-    for i in sorted(order, key=lambda i: (-L[i], i)):
-        at = bisect.bisect_left(rooms, (L[i], -1))
-        if at < len(rooms):
-            room, j = rooms.pop(at)
-            groups[j].append(i)
-            bisect.insort(rooms, (room - L[i], j))
-        elif len(groups) < n_bins:
-            groups.append([i])
-            bisect.insort(rooms, (B - L[i], len(groups) - 1))
-        else:
-            return None
-    return groups + [[] for _ in range(n_bins - len(groups))]
+class _Packer:
+    """Packed micro-batches built on the histogram of lengths: micro-batches that hold the same lengths move as one group.
+
+    Sequences of one length are interchangeable, and so are micro-batches that
+    hold the same lengths, so both packers below place a length's sequences
+    into whole groups of micro-batches at a time (a group splits when only
+    part of it takes one more). Groups number at most a few per distinct
+    length, so a million short sequences take thousands of steps, not millions.
+    """
+
+    def __init__(self, hist: Sequence[tuple[int, int]], budget: int, cap: float, seq_cost: dict):
+        self.hist, self.B, self.cap, self.seq_cost = hist, budget, cap, seq_cost
+        # per group: tokens, sequences, micro-batches, cost and the lengths it holds as [(length, count)]
+        self.tok: list[int] = []
+        self.cnt: list[int] = []
+        self.nb: list[int] = []
+        self.cost: list[float] = []
+        self.pattern: list[list[tuple[int, int]]] = []
+
+    def group(self, nb: int, tok: int = 0, cnt: int = 0, cost: float = 0.0, pattern=()) -> int:
+        self.tok.append(tok)
+        self.cnt.append(cnt)
+        self.nb.append(nb)
+        self.cost.append(cost)
+        self.pattern.append(list(pattern))
+        return len(self.nb) - 1
+
+    def grow(self, g: int, length: int, t: int) -> None:
+        """Every micro-batch of group g takes t more sequences of ``length``."""
+        self.tok[g] += t * length
+        self.cnt[g] += t
+        c, cost = self.seq_cost[length], self.cost[g]
+        for _ in range(t):  # one by one, as a sum over the micro-batch's sequences adds them (the same float)
+            cost += c
+        self.cost[g] = cost
+        self.pattern[g].append((length, t))
+
+    def split(self, g: int, nb: int) -> int:
+        """``nb`` micro-batches of group g as a group of their own (same contents)."""
+        self.nb[g] -= nb
+        return self.group(nb, self.tok[g], self.cnt[g], self.cost[g], self.pattern[g])
+
+    def lpt(self, n_bins: int, n_heavy: int) -> bool:
+        """Longest-processing-time first with a token capacity (each sequence into the cheapest micro-batch it fits).
+
+        False when some sequence fits nowhere. Micro-batches of rank 0 (the
+        first ``n_heavy``) take what fits first, the rest fill evenly.
+        """
+        B, cap = self.B, self.cap
+        heap = []  # (rank, cost, group)
+        for rank, nb in ((0, n_heavy), (1, n_bins - n_heavy)):
+            if nb > 0:
+                heap.append((rank, 0.0, self.group(nb)))
+        parked: list[tuple[int, int, float, int]] = []  # (-room, rank, cost, group): too full for the current length
+        for length, k in self.hist:
+            c = self.seq_cost[length]
+            while parked and -parked[0][0] >= length:
+                _, rank, cost, g = heapq.heappop(parked)
+                heapq.heappush(heap, (rank, cost, g))
+            while k > 0:
+                if not heap:
+                    return False
+                rank, cost, g = heap[0]
+                room = B - self.tok[g]
+                if room < length:
+                    heapq.heappop(heap)
+                    heapq.heappush(parked, (-room, rank, cost, g))
+                    continue
+                nb = self.nb[g]
+                if k < nb:  # the last of this length: k of the group's micro-batches take one each
+                    g2 = self.split(g, k)
+                    self.grow(g2, length, 1)
+                    self._requeue(heap, rank, g2)
+                    break
+                t = min(room // length, k // nb, cap - self.cnt[g])
+                if len(heap) > 1:  # the next cheapest micro-batches: rounds while this group is no costlier
+                    rank2, cost2, _ = min(heap[1:3])
+                    if rank2 == rank and c > 0:
+                        t = min(t, int((cost2 - cost) // c) + 1)
+                t = max(1, t)
+                self.grow(g, length, t)
+                k -= t * nb
+                heapq.heappop(heap)
+                self._requeue(heap, rank, g)
+        return True
+
+    def _requeue(self, heap: list, rank: int, g: int) -> None:
+        if self.cnt[g] < self.cap and self.tok[g] < self.B:
+            heapq.heappush(heap, (rank, self.cost[g], g))
+
+    def bfd(self) -> None:
+        """Best-fit decreasing (each sequence, longest first, into the fullest micro-batch with room): as many as it needs."""
+        B, cap = self.B, self.cap
+        rooms = _Rooms(B)
+        for length, k in self.hist:
+            while k > 0:
+                found = rooms.take_at_least(length)
+                if found is None:  # new micro-batches, each as full as the budget and the cap allow
+                    q = int(min(B // length, cap))
+                    full, rest = divmod(k, q)
+                    if full:
+                        g = self.group(full)
+                        self.grow(g, length, q)
+                        self._add_room(rooms, g)
+                    if rest:
+                        g = self.group(1)
+                        self.grow(g, length, rest)
+                        self._add_room(rooms, g)
+                    break
+                room, g = found
+                q = int(min(room // length, cap - self.cnt[g]))
+                nb = self.nb[g]
+                full = min(nb, k // q)
+                rest = k - full * q if full < nb else 0
+                if full < nb:
+                    if rest:
+                        g_rest = self.split(g, 1)
+                        self.grow(g_rest, length, rest)
+                        self._add_room(rooms, g_rest)
+                    if full:
+                        g_full = self.split(g, full)
+                        self.grow(g_full, length, q)
+                        self._add_room(rooms, g_full)
+                    if self.nb[g]:
+                        self._add_room(rooms, g)
+                    break
+                self.grow(g, length, q)
+                self._add_room(rooms, g)
+                k -= full * q
+
+    def _add_room(self, rooms: "_Rooms", g: int) -> None:
+        room = self.B - self.tok[g]
+        if room > 0 and self.cnt[g] < self.cap:
+            rooms.add(room, g)
+
+    def n_bins(self) -> int:
+        return sum(self.nb)
+
+    def values(self) -> list[tuple[int, float]]:
+        """Every micro-batch's (tokens, cost), in the order of ``groups``."""
+        out: list[tuple[int, float]] = []
+        for g, nb in enumerate(self.nb):
+            out += [(self.tok[g], self.cost[g])] * nb
+        return out
+
+    def groups(self, pools: dict) -> list[list[int]]:
+        """Every micro-batch's sequences (longest first, ties by index), ``pools[length]`` giving the indices of each length."""
+        taken = {length: 0 for length in pools}
+        out: list[list[int]] = []
+        for g, nb in enumerate(self.nb):
+            pattern = self.pattern[g]
+            if nb > 1 and all(t == 1 for _, t in pattern):  # one of each length: a column per length, zipped in C
+                columns = []
+                for length, _ in pattern:
+                    at = taken[length]
+                    columns.append(pools[length][at : at + nb])
+                    taken[length] = at + nb
+                out += map(list, zip(*columns)) if columns else ([] for _ in range(nb))
+                continue
+            for _ in range(nb):
+                items: list[int] = []
+                for length, t in pattern:
+                    at = taken[length]
+                    items += pools[length][at : at + t]
+                    taken[length] = at + t
+                out.append(items)
+        return out
 
 
-def fewest_padded_microbatches(lengths: Sequence[int], budget: int) -> list[list[int]]:
-    """Greedy ``count * longest <= budget`` over the globally sorted lengths: the fewest padded micro-batches.
+def fewest_padded_microbatches(lengths: Sequence[int], budget: int, max_seqs: Optional[int] = None) -> list[list[int]]:
+    """Greedy ``count * longest <= budget`` (and ``count <= max_seqs``) over the globally sorted lengths: the fewest padded micro-batches.
 
     Optimal: some optimal plan holds the longest sequences together in one
     micro-batch (swapping a shorter one in never raises another's longest).
     """
-    groups: list[list[int]] = []
-    current: list[int] = []
-    longest = 0
-    for i in sort_by_length(lengths):
-        if current and (len(current) + 1) * max(longest, lengths[i]) > budget:
-            groups.append(current)
-            current, longest = [], 0
-        current.append(i)
-        longest = max(longest, lengths[i])
-    if current:
-        groups.append(current)
-    return groups
+    runs = _Runs(lengths, [0.0] * len(lengths), budget, max_seqs).cut(math.inf, len(lengths))
+    return runs.groups()
 
 
-def _capped_runs(order: Sequence[int], lengths: Sequence[int], costs: Sequence[float], budget: int, cap: float,
-                 limit: int) -> Optional[list[tuple[int, int]]]:
-    """Contiguous runs of ``order`` (longest first), each within the budget and ``count * cost(longest) <= cap``.
+class _Runs:
+    """Contiguous runs of the lengths sorted longest first, each within the budget, the cap on sequences and a cost cap.
 
-    None as soon as more than ``limit`` runs are needed. A run's longest is its
-    first sequence, so each run is sized in O(1).
+    A run's longest is its first sequence, so the runs that start among equal
+    lengths all have the same size: runs are counted per distinct length,
+    O(distinct lengths) per cut, not O(runs).
     """
-    runs: list[tuple[int, int]] = []
-    p, n = 0, len(order)
-    while p < n:
-        if len(runs) == limit:
-            return None
-        first = order[p]
-        k = budget // lengths[first]
-        if cap < math.inf and costs[first] > 0:
-            k = min(k, int(cap // costs[first]))
-        k = max(1, k)
-        runs.append((p, min(n, p + k)))
-        p += k
-    return runs
+
+    def __init__(self, lengths: Sequence[int], costs: Sequence[float], budget: int, max_seqs: Optional[int]):
+        self.order = sort_by_length(lengths)
+        self.n, self.B, self.max_seqs = len(self.order), budget, max_seqs or len(self.order)
+        # blocks of equal length in the sorted order: [end position, length, cost of one]
+        self.blocks: list[list] = []
+        for p, i in enumerate(self.order):
+            if not self.blocks or self.blocks[-1][1] != lengths[i]:
+                if self.blocks:
+                    self.blocks[-1][0] = p
+                self.blocks.append([0, lengths[i], costs[i]])
+        if self.blocks:
+            self.blocks[-1][0] = self.n
+        self.spans: list[tuple[int, int, int]] = []  # of the last cut: (first position, run size, runs)
+
+    def size(self, length: int, cost: float, cap: float) -> int:
+        k = min(self.B // length, self.max_seqs)
+        if cap < math.inf and cost > 0:
+            k = min(k, int(cap // cost))
+        return max(1, k)
+
+    def cut(self, cap: float, limit: int) -> Optional["_Runs"]:
+        """Runs with ``count * cost(longest) <= cap``; None as soon as more than ``limit`` are needed."""
+        spans: list[tuple[int, int, int]] = []
+        p, count, b = 0, 0, 0
+        while p < self.n:
+            while self.blocks[b][0] <= p:
+                b += 1
+            end, length, cost = self.blocks[b]
+            k = self.size(length, cost, cap)
+            runs = -(-(end - p) // k)
+            count += runs
+            if count > limit:
+                return None
+            spans.append((p, k, runs))
+            p = min(self.n, p + runs * k)
+        self.spans = spans
+        return self
+
+    def count(self) -> int:
+        return sum(r for _, _, r in self.spans)
+
+    def costliest(self, costs: Sequence[float]) -> float:
+        """The costliest run's ``count * cost(first)`` of the last cut."""
+        best = 0.0
+        for p, k, runs in self.spans:
+            last = p + (runs - 1) * k
+            best = max(best, min(k, self.n - last) * costs[self.order[last]], k * costs[self.order[p]] if runs > 1 else 0.0)
+        return best
+
+    def groups(self) -> list[list[int]]:
+        order, out = self.order, []
+        for p, k, runs in self.spans:
+            for q in range(p, min(self.n, p + runs * k), k):
+                out.append(order[q : min(self.n, q + k)])
+        return out
 
 
-def _padded_groups(lengths: Sequence[int], costs: Sequence[float], budget: int, n_bins: int) -> list[list[int]]:
+def _padded_groups(lengths: Sequence[int], costs: Sequence[float], budget: int, n_bins: int,
+                   max_seqs: Optional[int] = None) -> list[list[int]]:
     """At most ``n_bins`` contiguous runs of the sorted lengths with the smallest costliest run (bisection on the cap)."""
-    order = sort_by_length(lengths)
+    runs = _Runs(lengths, costs, budget, max_seqs)
     lo = max(costs)  # no run can cost less than the costliest sequence alone
     # The budget alone (no cap) gives the fewest runs, no more than n_bins; its costliest run bounds the cap.
-    best = _capped_runs(order, lengths, costs, budget, math.inf, len(order))
-    assert best is not None and len(best) <= n_bins
-    hi = max(lo, max((b - a) * costs[order[a]] for a, b in best))
+    assert runs.cut(math.inf, n_bins) is not None
+    best = list(runs.spans)
+    hi = max(lo, runs.costliest(costs))
     for _ in range(60):
         if hi - lo <= 1e-4 * hi:
             break
         mid = (lo + hi) / 2
-        runs = _capped_runs(order, lengths, costs, budget, mid, n_bins)
-        if runs is None:
+        if runs.cut(mid, n_bins) is None:
             lo = mid
         else:
-            hi, best = mid, runs
-    return [order[a:b] for a, b in best]
+            hi, best = mid, list(runs.spans)
+    runs.spans = best
+    return runs.groups()
 
 
 class _Grid:
@@ -258,7 +469,9 @@ class _Grid:
     def regroup(self) -> None:
         """Sorted by cost, W at a time: for fixed micro-batches no grouping has a smaller sum of maxima."""
         b = self.bins
-        order = sorted(range(len(b.items)), key=lambda j: (-b.cost[j], b.items[j][0] if b.items[j] else math.inf))
+        # costliest first, ties by first sequence (empty last): two stable sorts with keys in C
+        first = [items[0] if items else math.inf for items in b.items]
+        order = sorted(sorted(range(len(b.items)), key=first.__getitem__), key=b.cost.__getitem__, reverse=True)
         for s in range(self.S):
             self.members[s] = order[s * self.W : (s + 1) * self.W]
             for j in self.members[s]:
@@ -273,8 +486,13 @@ class _Grid:
     def top(self, s: int) -> tuple[float, int, float]:
         """(cost of the costliest micro-batch, which one, cost of the next costliest) of step s."""
         cost = self.bins.cost
-        members = sorted(self.members[s], key=lambda j: (-cost[j], j))
-        return cost[members[0]], members[0], (cost[members[1]] if len(members) > 1 else 0.0)
+        members = self.members[s]
+        if len(members) == 1:
+            return cost[members[0]], members[0], 0.0
+        costs = [cost[j] for j in members]
+        mx = max(costs)
+        j = min(j for j, c in zip(members, costs) if c == mx)
+        return mx, j, heapq.nlargest(2, costs)[1]
 
     def improve(self, work: int) -> int:
         """Move or swap sequences out of each step's costliest micro-batch while the sum of step maxima drops.
@@ -286,6 +504,7 @@ class _Grid:
         eps = 1e-9 * max(1.0, max(b.cost, default=1.0))
         window = S if S * W <= 1024 else 2
         while work > 0:
+            work -= S  # a round's bookkeeping (tops of every step, regrouping) is work too: large plans stay linear
             tops = [self.top(s) for s in range(S)]
             mean = sum(b.cost) / W
             if sum(t[0] for t in tops) <= (1 + 1e-6) * mean:
@@ -393,6 +612,8 @@ def _assign_ranks(grid: _Grid, work: int) -> list[list[int]]:
     step never changes the step's maximum, so this cannot lengthen the critical path.
     """
     b, W, S = grid.bins, grid.W, grid.S
+    if W == 1:
+        return [list(grid.members[s]) for s in range(S)]
     totals = [0.0] * W
     slots: list[list[int]] = [[-1] * W for _ in range(S)]
 
@@ -401,8 +622,8 @@ def _assign_ranks(grid: _Grid, work: int) -> list[list[int]]:
         return max(costs) - min(costs)
 
     for s in sorted(range(S), key=lambda s: (-spread(s), s)):
-        ranks = sorted(range(W), key=lambda r: (totals[r], r))
-        for r, j in zip(ranks, sorted(grid.members[s], key=lambda j: (-b.cost[j], j))):
+        ranks = sorted(range(W), key=totals.__getitem__)  # stable: ties by rank
+        for r, j in zip(ranks, sorted(sorted(grid.members[s]), key=b.cost.__getitem__, reverse=True)):
             slots[s][r] = j
             totals[r] += b.cost[j]
     if W == 1:
@@ -457,60 +678,110 @@ def _assign_ranks(grid: _Grid, work: int) -> list[list[int]]:
     return slots
 
 
+def _sequence_order(lengths: Sequence[int], costs: Sequence[float], a: float, b: float) -> list[int]:
+    """Costliest first, ties longest then by index. With a, b >= 0 cost grows with length: a sort by length in C."""
+    if a >= 0 and b >= 0:
+        return sort_by_length(lengths)
+    return sorted(range(len(lengths)), key=lambda i: (-costs[i], -lengths[i], i))
+
+
+def _packed_groups(order: Sequence[int], lengths: Sequence[int], costs: Sequence[float], B: int, W: int,
+                   cost_model: CostModel, max_seqs: Optional[int], seq_cost: dict) -> tuple[_Bins, int]:
+    """Steps 1-2 packed: the micro-batches of the fewest steps this planner reaches, and that step count.
+
+    Longest-processing-time first (even costs) at the lower bound; where the
+    fill is too tight for it, best-fit decreasing says how many micro-batches
+    are enough, and LPT is tried once more with that many (BFD's own, with a
+    few empty ones, when LPT still fails). Both work on the histogram of
+    lengths (``_Packer``): at most four packings, each about O(distinct lengths).
+    """
+    n_lone = sum(n > B for n in lengths)
+    if all(lengths[i] > B for i in order[:n_lone]):  # longest first (as a rule): the over-long ones are a prefix
+        lone, rest = order[:n_lone], order[n_lone:]
+    else:
+        lone, rest = [i for i in order if lengths[i] > B], [i for i in order if lengths[i] <= B]
+    pools = {length: list(ids) for length, ids in itertools.groupby(rest, key=lengths.__getitem__)}
+    hist = [(length, len(ids)) for length, ids in pools.items()]  # longest first, as ``rest`` is
+    cap = max_seqs or math.inf
+    bound = math.ceil(lower_bound_bins(lengths, B, max_seqs=max_seqs) / W)
+
+    def lpt(n_steps: int) -> Optional[_Packer]:
+        packer = _Packer(hist, B, cap, seq_cost)
+        n_rest = n_steps * W - len(lone)
+        if n_rest <= 0:
+            return None if rest else packer
+        # over-long sequences fill whole steps, costliest first; the last one may have free slots
+        n_heavy = min(n_rest, (-len(lone)) % W)
+        return packer if packer.lpt(n_rest, n_heavy) else None
+
+    n_steps, packer = bound, lpt(bound)
+    if packer is None:
+        bfd = _Packer(hist, B, cap, seq_cost)
+        bfd.bfd()
+        enough = math.ceil((len(lone) + bfd.n_bins()) / W)
+        for n_steps in sorted({bound + 1, enough}) if enough > bound else ():
+            packer = lpt(n_steps)
+            if packer is not None:
+                break
+        if packer is None:  # BFD's micro-batches, and a few empty ones the refinement below can fill
+            n_steps, packer = max(bound, enough), bfd
+    bins = _Bins(lengths, costs, B, "packed", cost_model, max_seqs)
+    for i in lone:
+        bins.add_bin([i], presorted=True)
+    groups = packer.groups(pools)
+    empty = n_steps * W - len(lone) - len(groups)
+    bins.add_bins(groups + [[] for _ in range(empty)], packer.values() + [(0, 0.0)] * empty)
+    return bins, n_steps
+
+
 def balanced_schedules(
-    lengths: Sequence[int], world_size: int, max_tokens: int, layout: str, cost_model: CostModel
+    lengths: Sequence[int], world_size: int, max_tokens: int, layout: str, cost_model: CostModel,
+    max_seqs: Optional[int] = None,
 ) -> list[Schedule]:
-    """Per rank, S micro-batches (``None`` for an empty slot): see the module docstring."""
+    """Per rank, S micro-batches (``None`` for an empty slot): see the module docstring.
+
+    ``max_seqs`` caps the sequences of a micro-batch (None: no cap).
+    """
     n, W, B = len(lengths), world_size, max_tokens
     if n == 0:
         return [[] for _ in range(W)]
-    costs = [cost_model.sequence(x) for x in lengths]
+    seq_cost = {x: cost_model.sequence(x) for x in set(lengths)}
+    costs = list(map(seq_cost.__getitem__, lengths))
     work = min(_MAX_WORK, max(_MIN_WORK, _WORK_PER_ITEM * n))
-    order = sorted(range(n), key=lambda i: (-costs[i], -lengths[i], i))
+    order = _sequence_order(lengths, costs, cost_model.a, cost_model.b)
     if layout == "packed":
-        n_steps = math.ceil(lower_bound_bins(lengths, B) / W)
-        lone = [i for i in order if lengths[i] > B]
-        rest = [i for i in order if lengths[i] <= B]
-        while True:
-            bins = _Bins(lengths, costs, B, layout, cost_model)
-            n_rest = n_steps * W - len(lone)
-            # over-long sequences fill whole steps, costliest first; the last one may have free slots
-            n_heavy = min(n_rest, (-len(lone)) % W)
-            groups = _pack_packed(rest, n_rest, n_heavy, bins)
-            if groups is None:
-                groups = _best_fit_decreasing(rest, n_rest, B, lengths)
-            if groups is not None:
-                break
-            n_steps += 1  # the bound is not reachable for this input: one step more
-        for i in lone:
-            bins.add_bin([i])
-        for g in groups:
-            bins.add_bin(g)
+        bins, n_steps = _packed_groups(order, lengths, costs, B, W, cost_model, max_seqs, seq_cost)
         grid = _Grid(bins, n_steps, W)
-        work = grid.improve(work // 2) + work // 2
+        if W > 1:  # one rank has nothing to even out: its steps are its micro-batches, costliest first
+            work = grid.improve(work // 2) + work // 2
         slots = _assign_ranks(grid, work)
     else:
-        fewest = fewest_padded_microbatches(lengths, B)
+        fewest = fewest_padded_microbatches(lengths, B, max_seqs)
         n_steps = math.ceil(len(fewest) / W)
         if W == 1:  # one rank has nothing to balance: the fewest micro-batches, filled greedily, pad least
-            bins, grid, slots = _padded_attempt(lengths, costs, B, W, cost_model, n_steps, fewest, work)
+            bins, grid, slots = _padded_attempt(lengths, costs, B, W, cost_model, n_steps, fewest, work, max_seqs)
         else:
-            bins, grid, slots = _padded_plan(lengths, costs, B, W, cost_model, n_steps, len(fewest), work)
-    step_order = sorted(range(grid.S), key=lambda s: (-grid.step_max(s), s))
+            bins, grid, slots = _padded_plan(lengths, costs, B, W, cost_model, n_steps, len(fewest), work, max_seqs)
+    maxima = [grid.step_max(s) for s in range(grid.S)]
+    step_order = sorted(range(grid.S), key=maxima.__getitem__, reverse=True)  # costliest first, ties by step
+    items = bins.items  # handed over as they are: the bins are not used after this
+    if W == 1:
+        return [[items[slots[s][0]] or None for s in step_order if items[slots[s][0]]]]
     schedules: list[Schedule] = [[] for _ in range(W)]
     for s in step_order:
-        if not any(bins.items[slots[s][r]] for r in range(W)):
+        row = [items[j] for j in slots[s]]
+        if not any(row):
             continue  # a step with nothing to run (more steps than micro-batches need) is left out
         for r in range(W):
-            items = bins.items[slots[s][r]]
-            schedules[r].append(list(items) if items else None)
+            schedules[r].append(row[r] or None)
     return schedules
 
 
 def _padded_attempt(lengths: Sequence[int], costs: Sequence[float], B: int, W: int, cost_model: CostModel,
-                    n_steps: int, groups: Sequence[Sequence[int]], work: int) -> tuple[_Bins, _Grid, list[list[int]]]:
+                    n_steps: int, groups: Sequence[Sequence[int]], work: int,
+                    max_seqs: Optional[int] = None) -> tuple[_Bins, _Grid, list[list[int]]]:
     """Steps 3-5 of the module docstring for padded micro-batches ``groups`` over ``n_steps`` steps."""
-    bins = _Bins(lengths, costs, B, "padded", cost_model)
+    bins = _Bins(lengths, costs, B, "padded", cost_model, max_seqs)
     for g in groups:
         bins.add_bin(g)
     grid = _Grid(bins, n_steps, W)
@@ -519,7 +790,8 @@ def _padded_attempt(lengths: Sequence[int], costs: Sequence[float], B: int, W: i
 
 
 def _padded_plan(lengths: Sequence[int], costs: Sequence[float], B: int, W: int, cost_model: CostModel,
-                 n_steps: int, n_fewest: int, work: int) -> tuple[_Bins, _Grid, list[list[int]]]:
+                 n_steps: int, n_fewest: int, work: int,
+                 max_seqs: Optional[int] = None) -> tuple[_Bins, _Grid, list[list[int]]]:
     """Padded over several ranks: the fewest steps whose plan has ranks within ``_PADDED_IMBALANCE`` of each other.
 
     With a few micro-batches per rank, padded ones are too coarse to even out
@@ -530,7 +802,7 @@ def _padded_plan(lengths: Sequence[int], costs: Sequence[float], B: int, W: int,
     path), then one step more, and so on up to the original greedy planner's step count (no
     plan may take more). If none is within the target, the most even plan wins.
     """
-    greedy_steps = max(len(_greedy_token_budget(d, lengths, B)) for d in deal_to_ranks(sort_by_length(lengths), W))
+    greedy_steps = max(len(_greedy_token_budget(d, lengths, B, max_seqs)) for d in deal_to_ranks(sort_by_length(lengths), W))
     last = min(max(n_steps, greedy_steps), n_steps + _PADDED_RETRIES)
     best, best_key = None, None
     for steps in range(n_steps, last + 1):
@@ -538,7 +810,7 @@ def _padded_plan(lengths: Sequence[int], costs: Sequence[float], B: int, W: int,
         counts = [steps * W, *range(steps * W - 1, max(n_fewest, (steps - 1) * W + 1) - 1, -1)]
         for n_bins in counts:
             attempt = _padded_attempt(lengths, costs, B, W, cost_model, steps,
-                                      _padded_groups(lengths, costs, B, n_bins), work)
+                                      _padded_groups(lengths, costs, B, n_bins, max_seqs), work, max_seqs)
             _, grid, slots = attempt
             totals = [sum(grid.bins.cost[slots[s][r]] for s in range(grid.S)) for r in range(W)]
             mean = sum(totals) / W

@@ -17,16 +17,21 @@ def sort_by_length(lengths: Sequence[int]) -> list[int]:
     Longest first puts the largest micro-batch at the start of a pass, so a
     budget that does not fit fails on the first step rather than the last.
     """
-    return sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    if not isinstance(lengths, list):
+        lengths = list(lengths)
+    # reverse=True keeps equal keys in their original (index) order: the same as key (-length, index), in C
+    return sorted(range(len(lengths)), key=lengths.__getitem__, reverse=True)
 
 
-def _greedy_token_budget(order: Sequence[int], lengths: Sequence[int], max_tokens: int) -> list[MicroBatch]:
+def _greedy_token_budget(order: Sequence[int], lengths: Sequence[int], max_tokens: int,
+                         max_seqs: Optional[int] = None) -> list[MicroBatch]:
+    cap = max_seqs or len(order) + 1
     batches: list[MicroBatch] = []
     current: MicroBatch = []
     current_max = 0
     for idx in order:
         n = lengths[idx]
-        if current and (len(current) + 1) * max(current_max, n) > max_tokens:
+        if current and ((len(current) + 1) * max(current_max, n) > max_tokens or len(current) == cap):
             batches.append(current)
             current, current_max = [], 0
         current.append(idx)
@@ -51,10 +56,13 @@ def make_token_balanced_microbatches(
     return _greedy_token_budget(sorted_indices, lengths, max_tokens)
 
 
-def make_fixed_size_microbatches(sorted_indices: Sequence[int], micro_batch_size: int) -> list[MicroBatch]:
-    """Consecutive slices of ``micro_batch_size`` examples (the last may be shorter)."""
+def make_fixed_size_microbatches(sorted_indices: Sequence[int], micro_batch_size: int,
+                                 max_seqs: Optional[int] = None) -> list[MicroBatch]:
+    """Consecutive slices of ``micro_batch_size`` examples, at most ``max_seqs`` (the last may be shorter)."""
     if micro_batch_size <= 0:
         raise ValueError(f"micro_batch_size must be a positive integer, got {micro_batch_size}")
+    if max_seqs is not None:
+        micro_batch_size = min(micro_batch_size, max_seqs)
     order = list(sorted_indices)
     return [order[i : i + micro_batch_size] for i in range(0, len(order), micro_batch_size)]
 
@@ -83,21 +91,24 @@ def microbatches_for_rank(
     max_tokens: Optional[int],
     micro_batch_size: int,
     layout: str = "padded",
+    max_seqs: Optional[int] = None,
 ) -> list[MicroBatch]:
     """One rank's micro-batches: token budget when ``max_tokens`` is set, else fixed size.
 
     ``layout="packed"`` bounds the sum of lengths instead of ``count * longest``.
+    ``max_seqs`` (None: no cap) also starts a new micro-batch once one holds that many sequences.
     """
     if max_tokens is None:
-        return make_fixed_size_microbatches(rank_indices, micro_batch_size)
+        return make_fixed_size_microbatches(rank_indices, micro_batch_size, max_seqs)
     if max_tokens <= 0:
         raise ValueError(f"max_tokens must be a positive integer, got {max_tokens}")
     if layout == "packed":
-        return greedy_packed_microbatches(rank_indices, lengths, max_tokens)
-    return _greedy_token_budget(rank_indices, lengths, max_tokens)
+        return greedy_packed_microbatches(rank_indices, lengths, max_tokens, max_seqs)
+    return _greedy_token_budget(rank_indices, lengths, max_tokens, max_seqs)
 
 
-def greedy_packed_microbatches(order: Sequence[int], lengths: Sequence[int], max_tokens: int) -> list[MicroBatch]:
+def greedy_packed_microbatches(order: Sequence[int], lengths: Sequence[int], max_tokens: int,
+                               max_seqs: Optional[int] = None) -> list[MicroBatch]:
     """Greedy over ``order`` for packed micro-batches: a new one starts when the sum of lengths would pass ``max_tokens``.
 
     Sequences are laid end to end with no padding, so the budget bounds the sum,
@@ -105,12 +116,13 @@ def greedy_packed_microbatches(order: Sequence[int], lengths: Sequence[int], max
     """
     if max_tokens <= 0:
         raise ValueError(f"max_tokens must be a positive integer, got {max_tokens}")
+    cap = max_seqs or len(order) + 1
     batches: list[MicroBatch] = []
     current: MicroBatch = []
     total = 0
     for idx in order:
         n = lengths[idx]
-        if current and total + n > max_tokens:
+        if current and (total + n > max_tokens or len(current) == cap):
             batches.append(current)
             current, total = [], 0
         current.append(idx)

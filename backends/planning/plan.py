@@ -28,13 +28,14 @@ class Plan:
     cost_model: CostModel = field(default_factory=CostModel.tokens)
     lengths: list[int] = field(default_factory=list, repr=False)
     lockstep: bool = False
+    max_seqs_per_microbatch: Optional[int] = None  # at most this many sequences per micro-batch (None: no cap)
 
     def to_json(self, **extra) -> dict:
         """The plan.json document; ``extra`` adds keys such as ``backend``.
 
         Keys: ``version``, ``world_size``, ``lockstep`` (step s of every rank runs
         together), ``planner``, ``layout``, ``max_tokens_per_microbatch``,
-        ``micro_batch_size``, ``cost_model`` ({a, b, source}: a sequence of
+        ``micro_batch_size``, ``max_seqs_per_microbatch`` (null: no cap), ``cost_model`` ({a, b, source}: a sequence of
         length L costs a*L + b*L**2), ``lengths`` (per example) and
         ``schedules``: per rank, per step, a list of example indices or null
         (a dummy step of zero loss weight).
@@ -47,6 +48,7 @@ class Plan:
             "layout": self.layout,
             "max_tokens_per_microbatch": self.max_tokens_per_microbatch,
             "micro_batch_size": self.micro_batch_size,
+            "max_seqs_per_microbatch": self.max_seqs_per_microbatch,
             "cost_model": self.cost_model.as_dict(),
             "lengths": list(self.lengths),
             "schedules": [[None if b is None else list(b) for b in s] for s in self.schedules],
@@ -86,6 +88,9 @@ def check_plan_json(doc) -> None:
                 raise ValueError(f"schedules[{r}][{s}] must be null or a non-empty list of indices into 'lengths'")
     if doc.get("lockstep", True) and len({len(s) for s in schedules}) > 1:
         raise ValueError("'lockstep' is true but the ranks' schedules differ in length")
+    cap = doc.get("max_seqs_per_microbatch")
+    if cap is not None and not (type(cap) is int and cap > 0):
+        raise ValueError("'max_seqs_per_microbatch' must be null or a positive integer")
     cm = doc.get("cost_model")
     if cm is not None and not (isinstance(cm, dict) and all(isinstance(cm.get(k), (int, float)) for k in ("a", "b"))):
         raise ValueError("'cost_model' must be {\"a\": number, \"b\": number, \"source\": text}")
@@ -105,6 +110,7 @@ def plan_batch(
     layout: str = "padded",
     planner: str = "greedy",
     cost_model: Optional[CostModel] = None,
+    max_seqs_per_microbatch: Optional[int] = None,
 ) -> Plan:
     """Plan one pass over ``lengths`` for ``world_size`` ranks.
 
@@ -116,11 +122,17 @@ def plan_batch(
     it needs a budget. With ``align=False`` (ranks run independently) its
     empty slots are dropped. The FSDP backend agrees on the step count with a
     collective; computing it here from the same inputs gives the same answer.
+    ``max_seqs_per_microbatch`` caps the sequences of every micro-batch, for
+    both planners and layouts (None: no cap; with it unset the greedy planner
+    is the original, bit for bit).
     """
     check_choice("layout", layout, LAYOUTS)
     check_choice("planner", planner, PLANNERS)
     if world_size <= 0:
         raise ValueError(f"world_size must be a positive integer, got {world_size}")
+    cap = max_seqs_per_microbatch
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap <= 0):
+        raise ValueError(f"max_seqs_per_microbatch must be a positive integer or None, got {cap!r}")
     lengths = [int(n) for n in lengths]
     if cost_model is None:
         cost_model = CostModel.tokens()
@@ -129,12 +141,12 @@ def plan_batch(
             raise ValueError("planner 'balanced' needs max_tokens_per_microbatch (fixed-size slices have no budget to balance)")
         if max_tokens_per_microbatch <= 0:
             raise ValueError(f"max_tokens must be a positive integer, got {max_tokens_per_microbatch}")
-        grid = balanced_schedules(lengths, world_size, max_tokens_per_microbatch, layout, cost_model)
+        grid = balanced_schedules(lengths, world_size, max_tokens_per_microbatch, layout, cost_model, cap)
         schedules = grid if align else [[b for b in s if b is not None] for s in grid]
     else:
         order = sort_by_length(lengths)
         per_rank = [
-            microbatches_for_rank(indices, lengths, max_tokens_per_microbatch, micro_batch_size, layout)
+            microbatches_for_rank(indices, lengths, max_tokens_per_microbatch, micro_batch_size, layout, cap)
             for indices in deal_to_ranks(order, world_size)
         ]
         schedules = align_schedules(per_rank) if align else [list(s) for s in per_rank]
@@ -147,6 +159,7 @@ def plan_batch(
         micro_batch_size=micro_batch_size,
         lockstep=align,
         planner=planner,
+        max_seqs=cap,
     )
     return Plan(
         schedules=schedules,
@@ -158,4 +171,5 @@ def plan_batch(
         cost_model=cost_model,
         lengths=lengths,
         lockstep=align,
+        max_seqs_per_microbatch=cap,
     )

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from backends.planning.cost import CostModel, microbatch_cost, microbatch_tokens
+from backends.planning.cost import CostModel
 from backends.planning.greedy import MicroBatch, Schedule
 
 
@@ -17,28 +17,37 @@ def padded_tokens(batch: Optional[MicroBatch], lengths: Sequence[int]) -> int:
     return len(batch) * max(lengths[i] for i in batch)
 
 
-def lower_bound_bins(lengths: Sequence[int], max_tokens: Optional[int], micro_batch_size: int = 1) -> int:
+def lower_bound_bins(lengths: Sequence[int], max_tokens: Optional[int], micro_batch_size: int = 1,
+                     max_seqs: Optional[int] = None) -> int:
     """The fewest micro-batches any plan can have.
 
     With a budget B: every sequence longer than B sits alone, the rest need
-    at least (their sum / B) micro-batches, and no two of those longer than
-    B/2 can share one. Without a budget: ``micro_batch_size`` sequences each.
+    at least (their sum / B) micro-batches, no two of those longer than B/2
+    can share one, and with a cap of ``max_seqs`` sequences per micro-batch
+    at least (their count / max_seqs). Without a budget: ``micro_batch_size``
+    sequences each (no more than ``max_seqs``).
     """
     if not lengths:
         return 0
     if max_tokens is None:
-        return math.ceil(len(lengths) / micro_batch_size)
-    over = sum(1 for n in lengths if n > max_tokens)
-    rest = [n for n in lengths if n <= max_tokens]
-    halves = sum(1 for n in rest if 2 * n > max_tokens)
-    return over + max(math.ceil(sum(rest) / max_tokens), halves)
+        return math.ceil(len(lengths) / min(micro_batch_size, max_seqs or micro_batch_size))
+    over = rest_sum = rest_n = halves = 0
+    for n in lengths:
+        if n > max_tokens:
+            over += 1
+        else:
+            rest_sum += n
+            rest_n += 1
+            halves += 2 * n > max_tokens
+    return over + max(math.ceil(rest_sum / max_tokens), halves, math.ceil(rest_n / max_seqs) if max_seqs else 0)
 
 
 def lower_bound_steps(
-    lengths: Sequence[int], world_size: int, max_tokens: Optional[int], micro_batch_size: int = 1
+    lengths: Sequence[int], world_size: int, max_tokens: Optional[int], micro_batch_size: int = 1,
+    max_seqs: Optional[int] = None,
 ) -> int:
     """The fewest lock-step steps any plan can have: the fewest micro-batches spread over ``world_size`` ranks."""
-    return math.ceil(lower_bound_bins(lengths, max_tokens, micro_batch_size) / world_size)
+    return math.ceil(lower_bound_bins(lengths, max_tokens, micro_batch_size, max_seqs) / world_size)
 
 
 def critical_path_lower_bound(
@@ -124,30 +133,51 @@ def plan_stats(
     micro_batch_size: int = 1,
     lockstep: bool = False,
     planner: str = "greedy",
+    max_seqs: Optional[int] = None,
 ) -> PlanStats:
     """Statistics of per-rank schedules (``None`` entries count as dummies).
 
     ``lockstep`` says step s of every rank runs together (FSDP2): the critical
     path is then the sum over steps of the costliest rank's micro-batch; ranks
     that run independently wait only for the busiest rank (max / mean).
+    One pass over the sequences (each length's cost computed once).
     """
     cost_model = cost_model or CostModel.tokens()
+    packed = layout == "packed"
+    seq_cost: dict[int, float] = {}
+    for n in set(lengths):
+        seq_cost[n] = cost_model.sequence(n)
+    index_cost = list(map(seq_cost.__getitem__, lengths))
     real_per_rank, padded_per_rank, n_mb, n_dummy, cost_per_rank = [], [], [], [], []
+    batch_costs: list[list[float]] = []  # per rank, per step (0 for a dummy)
     max_padded, max_size, over = 0, 0, 0
     for schedule in schedules:
         real = padded = mb = dummy = 0
         cost = 0.0
+        mine = []
         for batch in schedule:
             if batch is None:
                 dummy += 1
+                mine.append(0.0)
                 continue
             mb += 1
-            real += sum(lengths[i] for i in batch)
-            tokens = microbatch_tokens(batch, lengths, layout)
+            if not batch:
+                mine.append(0.0)
+                continue
+            total = sum(map(lengths.__getitem__, batch))
+            real += total
+            if packed:
+                tokens, c = total, sum(map(index_cost.__getitem__, batch))
+            else:
+                longest = max(map(lengths.__getitem__, batch))
+                tokens, c = len(batch) * longest, len(batch) * seq_cost[longest]
             padded += tokens
-            cost += microbatch_cost(batch, lengths, layout, cost_model)
-            max_padded = max(max_padded, tokens)
-            max_size = max(max_size, len(batch))
+            cost += c
+            mine.append(c)
+            if tokens > max_padded:
+                max_padded = tokens
+            if len(batch) > max_size:
+                max_size = len(batch)
             if max_tokens is not None and tokens > max_tokens:
                 over += 1
         real_per_rank.append(real)
@@ -155,16 +185,14 @@ def plan_stats(
         n_mb.append(mb)
         n_dummy.append(dummy)
         cost_per_rank.append(cost)
+        batch_costs.append(mine)
     real_total, padded_total = sum(real_per_rank), sum(padded_per_rank)
     world = max(1, len(schedules))
     mean_cost = sum(cost_per_rank) / world
     imbalance = max(cost_per_rank) / mean_cost if mean_cost > 0 else 1.0
     steps = max((len(s) for s in schedules), default=0)
     if lockstep and mean_cost > 0:
-        per_step = [
-            max(microbatch_cost(s[k], lengths, layout, cost_model) if k < len(s) else 0.0 for s in schedules)
-            for k in range(steps)
-        ]
+        per_step = [max(c[k] if k < len(c) else 0.0 for c in batch_costs) for k in range(steps)]
         critical = sum(per_step) / mean_cost
     else:
         critical = imbalance
@@ -181,7 +209,7 @@ def plan_stats(
         layout=layout,
         planner=planner,
         steps=steps,
-        lower_bound_steps=lower_bound_steps(lengths, world, max_tokens, micro_batch_size),
+        lower_bound_steps=lower_bound_steps(lengths, world, max_tokens, micro_batch_size, max_seqs),
         over_budget=over,
         cost_per_rank=cost_per_rank,
         cost_imbalance=imbalance,
