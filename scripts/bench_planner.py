@@ -1,14 +1,25 @@
-"""Planner benchmark (a script, not a test): greedy and balanced x padded and packed on the published workload.
+"""Planner benchmark (a script, not a test): the published workload's plans, and how planning time grows with the corpus.
 
-    PYTHONPATH=. python scripts/bench_planner.py [--large N] [--out reports/planner_benchmark.md]
+    PYTHONPATH=. python scripts/bench_planner.py [--out reports/planner_benchmark.md]
+    PYTHONPATH=. python scripts/bench_planner.py --sizes 10000,100000 --ranks 1,8   # a quicker look
 
-Prints, per planner, layout, ranks and budget: lock-step steps against the
-lower bound, pad efficiency, per-rank modeled cost max/mean, the critical path
-(sum over steps of the costliest rank's micro-batch / mean per-rank cost) and,
+Part 1 (the published workload, as every earlier version of this file printed
+it): per planner, layout, ranks and budget, lock-step steps against the lower
+bound, pad efficiency, per-rank modeled cost max/mean, the critical path (sum
+over steps of the costliest rank's micro-batch / mean per-rank cost) and,
 packed, the critical path no plan can beat (``critical_path_lower_bound``),
-micro-batches over budget and planning time; then the large case (the original workload
-generator with N lengths, 8 ranks). Cost model: Qwen3.5-35B-A3B's shipped config.
-Timings are wall-clock on whatever machine runs it: upper bounds on a busy one.
+micro-batches over budget and planning time; then the large case (the
+original workload generator with N lengths, 8 ranks). Cost model:
+Qwen3.5-35B-A3B's shipped config.
+
+Part 2 (scaling): ``DISTRIBUTIONS`` x budgets x ranks x sizes, each planner and
+layout: planning time (``plan_batch``, statistics included: what a pass pays)
+at every size, its growth per x10 sequences, and at the largest size the steps
+against their lower bound, packing efficiency (real tokens / (micro-batches x
+budget), over all ranks) as a share of the bound's, and the per-rank cost
+max/mean. Timings are wall-clock on whatever machine runs it: upper bounds on
+a busy one. Part 2 uses the token cost model (cost = tokens), so it measures
+the planner, not a model.
 """
 
 from __future__ import annotations
@@ -18,15 +29,52 @@ import platform
 import sys
 import time
 from pathlib import Path
+from typing import Callable
+
+import numpy as np
 
 from backends.model.configs import cost_model_for
-from backends.planning import critical_path_lower_bound, plan_batch
+from backends.planning import critical_path_lower_bound, lower_bound_bins, plan_batch
 from backends.specs import ModelSpec
 from harness.workload import mixed_lengths
 
 BUDGETS = (16384, 32768, 65536, 131072)
 RANKS = (1, 4, 8)
 CASES = [("greedy", "padded"), ("greedy", "packed"), ("balanced", "padded"), ("balanced", "packed")]
+
+SCALE_BUDGETS = (256, 512, 2048, 8192, 32768, 131072)
+SCALE_RANKS = (1, 8, 64)
+SCALE_SIZES = (10_000, 100_000, 1_000_000)
+
+
+def short_lengths(n: int, seed: int = 0) -> list[int]:
+    """A BERT-style pre-training corpus, 1-512 tokens: a fifth of the documents fill the 512 cap, the rest log-normal around 160."""
+    rng = np.random.default_rng(seed)
+    lengths = np.clip(np.round(rng.lognormal(np.log(160), 0.9, n)), 1, 511).astype(np.int64)
+    lengths[rng.random(n) < 0.2] = 512
+    return lengths.tolist()
+
+
+def qa_lengths(n: int, seed: int = 0) -> list[int]:
+    """A question-answering fine-tuning set, 32-384 tokens around 170: about two per micro-batch at budget 384."""
+    rng = np.random.default_rng(seed)
+    return np.clip(np.round(rng.normal(170, 60, n)), 32, 384).astype(np.int64).tolist()
+
+
+def heavy_tailed_lengths(n: int, seed: int = 0) -> list[int]:
+    """Log-normal with a long tail (median 400, sigma 1.4, up to 262,144): chat logs with the odd huge document."""
+    rng = np.random.default_rng(seed)
+    return np.clip(np.round(rng.lognormal(np.log(400), 1.4, n)), 1, 262_144).astype(np.int64).tolist()
+
+
+DISTRIBUTIONS: dict[str, tuple[Callable[[int], list[int]], str]] = {
+    "mixed": (lambda n: mixed_lengths(n, 64, 32768, 42), "the published generator (64-32,768, seed 42)"),
+    "short": (short_lengths, short_lengths.__doc__),
+    "qa": (qa_lengths, qa_lengths.__doc__),
+    "heavy": (heavy_tailed_lengths, heavy_tailed_lengths.__doc__),
+    "equal": (lambda n: [300] * n, "every sequence 300 tokens"),
+    "ones": (lambda n: [1] * n, "every sequence 1 token"),
+}
 
 
 def row(lengths, planner, layout, world, budget, cost_model) -> list[str]:
@@ -55,24 +103,92 @@ def table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def timed_plan(lengths, world, budget, planner, layout):
+    t0 = time.perf_counter()
+    plan = plan_batch(lengths, world, budget, 1, align=True, layout=layout, planner=planner)
+    return time.perf_counter() - t0, plan
+
+
+def scaling_rows(name: str, sizes, budgets, ranks, cases, log) -> tuple[list[list[str]], list[float]]:
+    """One distribution's rows, and every growth ratio t(10x) / t(x) it measured."""
+    make = DISTRIBUTIONS[name][0]
+    corpora = {n: make(n) for n in sizes}
+    rows, ratios = [], []
+    for budget in budgets:
+        for world in ranks:
+            for planner, layout in cases:
+                times, plan = [], None
+                for n in sizes:
+                    elapsed, plan = timed_plan(corpora[n], world, budget, planner, layout)
+                    times.append(elapsed)
+                growth = [b / a if a > 0 else float("nan") for a, b in zip(times, times[1:])]
+                ratios += growth
+                st, lengths = plan.stats, corpora[sizes[-1]]
+                n_mb = sum(st.n_microbatches)
+                bound_bins = lower_bound_bins(lengths, budget)
+                # a sequence over the budget sits alone: its micro-batch holds what it holds
+                capacity = budget * n_mb + sum(n - budget for n in lengths if n > budget)
+                efficiency = st.real_tokens / capacity if n_mb else 1.0
+                rows.append([
+                    planner, layout, str(world), f"{budget:,}",
+                    *(f"{1000 * t:,.0f}" for t in times),
+                    *(f"×{g:.1f}" for g in growth),
+                    f"{st.steps:,} / {st.lower_bound_steps:,}",
+                    f"{efficiency:.4f}",
+                    f"{bound_bins / n_mb:.4%}" if n_mb else "—",
+                    f"{st.cost_imbalance:.4f}",
+                ])
+                log(name + " | " + " | ".join(rows[-1]))
+    return rows, ratios
+
+
+def parse_ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--large", type=int, default=100_000, help="lengths in the large case (0 skips it)")
+    ap.add_argument("--large", type=int, default=100_000, help="lengths in part 1's large case (0 skips it)")
     ap.add_argument("--out", type=Path, default=None, help="also write the markdown here")
+    ap.add_argument("--sizes", type=parse_ints, default=SCALE_SIZES, help="part 2's corpus sizes, ascending (none: skip part 2)")
+    ap.add_argument("--budgets", type=parse_ints, default=SCALE_BUDGETS, help="part 2's budgets")
+    ap.add_argument("--ranks", type=parse_ints, default=SCALE_RANKS, help="part 2's rank counts")
+    ap.add_argument("--distributions", default=",".join(DISTRIBUTIONS), help="part 2's distributions: " + ", ".join(DISTRIBUTIONS))
+    ap.add_argument("--no-published", action="store_true", help="skip part 1")
     args = ap.parse_args(argv)
+    unknown = [d for d in args.distributions.split(",") if d not in DISTRIBUTIONS]
+    if unknown:
+        print(f"--distributions: unknown {', '.join(unknown)} (valid: {', '.join(DISTRIBUTIONS)})", file=sys.stderr)
+        return 2
+    command = "PYTHONPATH=. python scripts/bench_planner.py" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
+    out = [
+        "# Planner benchmark",
+        "",
+        f"`{command}` on {platform.processor() or platform.machine()}, Python {platform.python_version()}. "
+        "Lock-step plans (as FSDP2 runs them). Planning times are wall-clock on a shared machine: upper bounds.",
+    ]
+    if not args.no_published:
+        out += published(args.large)
+    if args.sizes:
+        out += scaling(args)
+    text = "\n".join(out) + "\n"
+    if args.out:
+        args.out.write_text(text)
+    return 0
+
+
+def published(large: int) -> list[str]:
     cost_model = cost_model_for(ModelSpec(name="qwen3_5_35b_a3b", path="/nonexistent/Qwen3.5-35B-A3B"))
     header = ["planner", "layout", "ranks", "budget", "steps / lower bound", "pad eff.", "cost max/mean",
               "critical path", "critical path ≥", "over budget", "plan ms"]
     lengths = mixed_lengths(128, 64, 32768, 42)
     out = [
-        "# Planner benchmark",
         "",
-        f"`PYTHONPATH=. python scripts/bench_planner.py --large {args.large}` on {platform.processor() or platform.machine()}, "
-        f"Python {platform.python_version()}. Lock-step plans (as FSDP2 runs them). Cost model: "
-        f"a = {cost_model.a:.4g} FLOPs/token, b = {cost_model.b:.4g} FLOPs/token² ({cost_model.source}). "
-        "Planning times are wall-clock on a shared machine: upper bounds.",
+        "## Part 1: the published workload",
         "",
-        f"## seed_mixed_128 ({len(lengths)} examples, {sum(lengths):,} tokens)",
+        f"Cost model: a = {cost_model.a:.4g} FLOPs/token, b = {cost_model.b:.4g} FLOPs/token² ({cost_model.source}).",
+        "",
+        f"### seed_mixed_128 ({len(lengths)} examples, {sum(lengths):,} tokens)",
         "",
     ]
     rows = []
@@ -82,19 +198,44 @@ def main(argv=None) -> int:
                 rows.append(row(lengths, planner, layout, world, budget, cost_model))
                 print(" | ".join(rows[-1]), flush=True)
     out.append(table(header, rows))
-    if args.large:
-        big = mixed_lengths(args.large, 64, 32768, 42)
-        out += ["", f"## {args.large:,} lengths (the original workload generator, seed 42), 8 ranks, {sum(big):,} tokens", ""]
+    if large:
+        big = mixed_lengths(large, 64, 32768, 42)
+        out += ["", f"### {large:,} lengths (the original workload generator, seed 42), 8 ranks, {sum(big):,} tokens", ""]
         big_rows = []
         for planner, layout in CASES:
             for budget in BUDGETS:
                 big_rows.append(row(big, planner, layout, 8, budget, cost_model))
                 print(" | ".join(big_rows[-1]), flush=True)
         out.append(table(header, big_rows))
-    text = "\n".join(out) + "\n"
-    if args.out:
-        args.out.write_text(text)
-    return 0
+    return out
+
+
+def scaling(args) -> list[str]:
+    sizes = tuple(sorted(args.sizes))
+    names = args.distributions.split(",")
+    header = ["planner", "layout", "ranks", "budget", *(f"ms at {n:,}" for n in sizes),
+              *(f"growth ×10 ({a:,}→{b:,})" if b == 10 * a else f"growth {a:,}→{b:,}" for a, b in zip(sizes, sizes[1:])),
+              f"steps / bound at {sizes[-1]:,}", "packing eff.", "of the bound's", "cost max/mean"]
+    out = [
+        "",
+        "## Part 2: planning time against corpus size",
+        "",
+        "Growth is t(larger) / t(smaller): about ×10 per ×10 sequences is linear, ×100 quadratic. "
+        "Packing efficiency is real tokens / (micro-batches × budget) over all ranks at the largest size "
+        "(a sequence over the budget, alone in its micro-batch, counts as full); "
+        "*of the bound's* is the lower bound's micro-batches / the plan's (100% is the bound). "
+        "Cost model: tokens (a sequence costs its length).",
+    ]
+    all_ratios: dict[str, list[float]] = {}
+    for name in names:
+        rows, ratios = scaling_rows(name, sizes, args.budgets, args.ranks, CASES, lambda line: print(line, flush=True))
+        all_ratios[name] = ratios
+        out += ["", f"### {name}: {DISTRIBUTIONS[name][1].rstrip('.')}", "", table(header, rows)]
+    if len(sizes) > 1:
+        out += ["", "### Largest growth per distribution", ""]
+        worst = [[name, f"×{max(r):.1f}" if r else "—"] for name, r in all_ratios.items()]
+        out.append(table(["distribution", "largest t(larger) / t(smaller), any planner, layout, budget, ranks"], worst))
+    return out
 
 
 if __name__ == "__main__":

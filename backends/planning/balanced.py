@@ -1,20 +1,27 @@
 """The balanced planner: the fewest lock-step steps, about equal modeled cost in every step and on every rank.
 
-How it plans (B = the budget, W = ranks, S = steps):
+How it plans (B = the budget, W = ranks, S = steps, n = sequences):
 
-1. Steps. Packed: S is the lower bound (see ``stats.lower_bound_bins``), one
-   more only when the micro-batches do not fit in S x W slots. Padded: S is
-   what the fewest padded micro-batches (greedy over the globally sorted
-   lengths, which is optimal for ``count * longest <= B``) need over W ranks,
-   never more than the original dealt greedy. With few micro-batches per rank
-   padded ones are too coarse to even out the ranks: when the ranks end more
-   than 0.5% apart, other micro-batch counts and then more steps (up to the
-   greedy's) are tried, and the first step count within 0.5% is kept.
+1. Steps. Packed: S is the lower bound (see ``stats.lower_bound_bins``), more
+   only when the micro-batches do not fit in S x W slots: then best-fit
+   decreasing says how many are enough. Padded: S is what the fewest padded
+   micro-batches (greedy over the globally sorted lengths, which is optimal
+   for ``count * longest <= B``) need over W ranks, never more than the
+   original dealt greedy. With few micro-batches per rank padded ones are too
+   coarse to even out the ranks: when the ranks end more than 0.5% apart,
+   other micro-batch counts and then more steps (up to the greedy's) are
+   tried, within a bounded amount of work, and the first step count within
+   0.5% is kept.
 2. Micro-batches, S x W of them (fewer when there are fewer sequences).
    Packed: every sequence longer than B alone, the rest longest-processing-
    time first into the cheapest micro-batch that has room, so they come out
-   of about equal cost. Padded: contiguous runs of the sorted lengths (that
-   keeps padding low), the costliest split until there are S x W.
+   of about equal cost (best-fit decreasing's own when the fill is too tight
+   for that). Both packers work on the histogram of lengths (``_Packer``):
+   sequences of one length, and micro-batches holding the same lengths, are
+   interchangeable, so a length's sequences go into whole groups of
+   micro-batches at once. Padded: contiguous runs of the sorted lengths (that
+   keeps padding low), the costliest split until there are S x W, counted
+   per distinct length (``_Runs``).
 3. Steps from micro-batches: sorted by cost and grouped W at a time, which
    minimises the sum over steps of each step's costliest micro-batch (what a
    lock-step backend waits for) for a given set of micro-batches.
@@ -27,7 +34,10 @@ How it plans (B = the budget, W = ranks, S = steps):
    below their step's maximum, to even out the per-rank totals.
 6. Order: the costliest step first, so an out-of-memory shows at once.
 
-Everything is deterministic: ties break on example indices.
+``max_seqs`` caps the sequences of every micro-batch in every step above.
+Steps 1-3 and 6 take O(n log n) (sorts) plus about O(distinct lengths);
+steps 4-5 a fixed budget of candidate evaluations, each round's bookkeeping
+counted in it. Everything is deterministic: ties break on example indices.
 """
 
 from __future__ import annotations
@@ -47,8 +57,10 @@ _WORK_PER_ITEM = 400
 _MIN_WORK = 400_000
 _MAX_WORK = 400_000
 _CANDIDATES = 24  # sequences of one micro-batch considered for a move or swap
+_MIN_CALL = 50_000  # evaluations one search for a transfer between two ranks may always use
 _PADDED_IMBALANCE = 1.005  # padded: per-rank cost max/mean worth a step more (issue 10)
 _PADDED_RETRIES = 8  # padded: at most this many steps more than the fewest, each a whole planning pass
+_PADDED_SEARCH = 8  # padded: the retries together use at most this many times one plan's refinement work
 
 
 class _Bins:
@@ -573,21 +585,30 @@ class _Grid:
         return max(cost_j, cost_k, rest) - mx_s
 
 
-def _best_transfer(b: _Bins, slots: list[list[int]], maxima: list[float], totals: list[float], hi: int, lo: int):
+def _best_transfer(b: _Bins, slots: list[list[int]], maxima: list[float], totals: list[float], hi: int, lo: int,
+                   budget: int):
     """The move (or swap) of a sequence from rank ``hi`` to rank ``lo`` that lowers the larger of their totals most.
 
     Returns (gain, (i, i2 or None, step of i, step of the target, change of hi, change of lo), evaluations).
-    No micro-batch grows past its step's maximum or the budget.
+    No micro-batch grows past its step's maximum or the budget. Stops after
+    about ``budget`` evaluations; where all pairs of steps would cost more
+    than that, the likeliest ones come first.
     """
     S = len(slots)
     sources, targets = range(S), range(S)
-    if S > 256:  # look only where a transfer is likeliest to help
-        sources = sorted(range(S), key=lambda s: (b.cost[slots[s][lo]] - b.cost[slots[s][hi]], s))[:16]
-        targets = sorted(range(S), key=lambda t: (b.cost[slots[t][lo]] - maxima[t], t))[:16]
+    if S > 256 or S * S * min(_CANDIDATES, 1 + len(b.items[slots[0][hi]])) ** 2 > budget:
+        # look first (with many steps, only) where a transfer is likeliest to help
+        keep = 16 if S > 256 else S
+        sources = sorted(range(S), key=lambda s: (b.cost[slots[s][lo]] - b.cost[slots[s][hi]], s))[:keep]
+        targets = sorted(range(S), key=lambda t: (b.cost[slots[t][lo]] - maxima[t], t))[:keep]
     best_gain, best, used = 0.0, None, 0
     for s in sources:
+        if used >= budget:
+            break
         j = slots[s][hi]
         for i in b.candidates(j):
+            if used >= budget:
+                break
             for t in targets:
                 k = slots[t][lo]
                 for i2 in [None, *b.candidates(k)]:  # None: move i; else swap it with i2
@@ -605,15 +626,15 @@ def _best_transfer(b: _Bins, slots: list[list[int]], maxima: list[float], totals
     return best_gain, best, used
 
 
-def _assign_ranks(grid: _Grid, work: int) -> list[list[int]]:
+def _assign_ranks(grid: _Grid, work: int) -> tuple[list[list[int]], int]:
     """Per step, which rank runs which micro-batch: rank totals as even as the steps allow.
 
-    Returns ``slots[s][r]`` = micro-batch id. Swapping micro-batches within a
+    Returns ``slots[s][r]`` = micro-batch id, and the work left. Swapping micro-batches within a
     step never changes the step's maximum, so this cannot lengthen the critical path.
     """
     b, W, S = grid.bins, grid.W, grid.S
     if W == 1:
-        return [list(grid.members[s]) for s in range(S)]
+        return [list(grid.members[s]) for s in range(S)], work
     totals = [0.0] * W
     slots: list[list[int]] = [[-1] * W for _ in range(S)]
 
@@ -627,13 +648,13 @@ def _assign_ranks(grid: _Grid, work: int) -> list[list[int]]:
             slots[s][r] = j
             totals[r] += b.cost[j]
     if W == 1:
-        return slots
+        return slots, work
     tol = 1e-5 * sum(totals) / W  # closer than this is level
     # Swaps within steps between the busiest rank and another one.
     while work > 0:
         hi = max(range(W), key=lambda r: (totals[r], -r))
         if totals[hi] - min(totals) <= tol:
-            return slots
+            return slots, work
         gain_best, best = tol, None
         for lo in range(W):
             gap = totals[hi] - totals[lo]
@@ -660,7 +681,7 @@ def _assign_ranks(grid: _Grid, work: int) -> list[list[int]]:
         for lo in sorted(range(W), key=lambda r: (totals[r], r)):
             if totals[hi] - totals[lo] <= tol:
                 break
-            gain, transfer, used = _best_transfer(b, slots, maxima, totals, hi, lo)
+            gain, transfer, used = _best_transfer(b, slots, maxima, totals, hi, lo, max(work, _MIN_CALL))
             work -= used
             if gain > best_gain:
                 best_gain, best = gain, (lo, transfer)
@@ -675,7 +696,7 @@ def _assign_ranks(grid: _Grid, work: int) -> list[list[int]]:
         totals[lo] += d_lo
         for u in {s, t}:
             maxima[u] = grid.step_max(u)
-    return slots
+    return slots, work
 
 
 def _sequence_order(lengths: Sequence[int], costs: Sequence[float], a: float, b: float) -> list[int]:
@@ -754,12 +775,12 @@ def balanced_schedules(
         grid = _Grid(bins, n_steps, W)
         if W > 1:  # one rank has nothing to even out: its steps are its micro-batches, costliest first
             work = grid.improve(work // 2) + work // 2
-        slots = _assign_ranks(grid, work)
+        slots, _ = _assign_ranks(grid, work)
     else:
         fewest = fewest_padded_microbatches(lengths, B, max_seqs)
         n_steps = math.ceil(len(fewest) / W)
         if W == 1:  # one rank has nothing to balance: the fewest micro-batches, filled greedily, pad least
-            bins, grid, slots = _padded_attempt(lengths, costs, B, W, cost_model, n_steps, fewest, work, max_seqs)
+            bins, grid, slots, _ = _padded_attempt(lengths, costs, B, W, cost_model, n_steps, fewest, work, max_seqs)
         else:
             bins, grid, slots = _padded_plan(lengths, costs, B, W, cost_model, n_steps, len(fewest), work, max_seqs)
     maxima = [grid.step_max(s) for s in range(grid.S)]
@@ -779,14 +800,15 @@ def balanced_schedules(
 
 def _padded_attempt(lengths: Sequence[int], costs: Sequence[float], B: int, W: int, cost_model: CostModel,
                     n_steps: int, groups: Sequence[Sequence[int]], work: int,
-                    max_seqs: Optional[int] = None) -> tuple[_Bins, _Grid, list[list[int]]]:
-    """Steps 3-5 of the module docstring for padded micro-batches ``groups`` over ``n_steps`` steps."""
+                    max_seqs: Optional[int] = None) -> tuple[_Bins, _Grid, list[list[int]], int]:
+    """Steps 3-5 of the module docstring for padded micro-batches ``groups`` over ``n_steps`` steps; the last item is the work used."""
     bins = _Bins(lengths, costs, B, "padded", cost_model, max_seqs)
     for g in groups:
-        bins.add_bin(g)
+        bins.add_bin(g, presorted=True)
     grid = _Grid(bins, n_steps, W)
-    work = grid.improve(work // 2) + work // 2
-    return bins, grid, _assign_ranks(grid, work)
+    left = grid.improve(work // 2) + work // 2
+    slots, left = _assign_ranks(grid, left)
+    return bins, grid, slots, work - left
 
 
 def _padded_plan(lengths: Sequence[int], costs: Sequence[float], B: int, W: int, cost_model: CostModel,
@@ -801,16 +823,21 @@ def _padded_plan(lengths: Sequence[int], costs: Sequence[float], B: int, W: int,
     tried (the most even within the target wins, ties: the shorter critical
     path), then one step more, and so on up to the original greedy planner's step count (no
     plan may take more). If none is within the target, the most even plan wins.
+    The search stops once its attempts have used ``_PADDED_SEARCH`` times one
+    plan's refinement work, so many ranks over few steps still plan in seconds.
     """
     greedy_steps = max(len(_greedy_token_budget(d, lengths, B, max_seqs)) for d in deal_to_ranks(sort_by_length(lengths), W))
     last = min(max(n_steps, greedy_steps), n_steps + _PADDED_RETRIES)
-    best, best_key = None, None
+    best, best_key, spent = None, None, 0
     for steps in range(n_steps, last + 1):
         # S x W first (what suits the critical path best as a rule), then fewer, down to one over the last step
         counts = [steps * W, *range(steps * W - 1, max(n_fewest, (steps - 1) * W + 1) - 1, -1)]
         for n_bins in counts:
-            attempt = _padded_attempt(lengths, costs, B, W, cost_model, steps,
-                                      _padded_groups(lengths, costs, B, n_bins, max_seqs), work, max_seqs)
+            if spent > _PADDED_SEARCH * work:
+                break
+            *attempt, used = _padded_attempt(lengths, costs, B, W, cost_model, steps,
+                                             _padded_groups(lengths, costs, B, n_bins, max_seqs), work, max_seqs)
+            spent += used
             _, grid, slots = attempt
             totals = [sum(grid.bins.cost[slots[s][r]] for s in range(grid.S)) for r in range(W)]
             mean = sum(totals) / W
@@ -821,6 +848,6 @@ def _padded_plan(lengths: Sequence[int], costs: Sequence[float], B: int, W: int,
                 best, best_key = attempt, key
             if n_bins == steps * W and imbalance <= _PADDED_IMBALANCE:
                 break  # the usual case: the first cut is even enough
-        if best_key[0] == 0.0:
+        if best_key[0] == 0.0 or spent > _PADDED_SEARCH * work:
             break
-    return best
+    return tuple(best)

@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+import numpy as np
+
 from backends.planning.cost import CostModel
 from backends.planning.greedy import MicroBatch, Schedule
 
@@ -21,25 +23,27 @@ def lower_bound_bins(lengths: Sequence[int], max_tokens: Optional[int], micro_ba
                      max_seqs: Optional[int] = None) -> int:
     """The fewest micro-batches any plan can have.
 
-    With a budget B: every sequence longer than B sits alone, the rest need
-    at least (their sum / B) micro-batches, no two of those longer than B/2
-    can share one, and with a cap of ``max_seqs`` sequences per micro-batch
-    at least (their count / max_seqs). Without a budget: ``micro_batch_size``
-    sequences each (no more than ``max_seqs``).
+    With a budget B: every sequence longer than B sits alone, and the rest
+    need at least (their sum / B) micro-batches; no two of those longer than
+    B/2 can share one; and none holds more sequences than the shortest ones
+    that fit in B together, nor more than ``max_seqs``. Without a budget:
+    ``micro_batch_size`` sequences each (no more than ``max_seqs``).
     """
-    if not lengths:
+    if not len(lengths):
         return 0
     if max_tokens is None:
         return math.ceil(len(lengths) / min(micro_batch_size, max_seqs or micro_batch_size))
-    over = rest_sum = rest_n = halves = 0
-    for n in lengths:
-        if n > max_tokens:
-            over += 1
-        else:
-            rest_sum += n
-            rest_n += 1
-            halves += 2 * n > max_tokens
-    return over + max(math.ceil(rest_sum / max_tokens), halves, math.ceil(rest_n / max_seqs) if max_seqs else 0)
+    arr = np.asarray(lengths, dtype=np.int64)
+    rest = arr[arr <= max_tokens]
+    over = len(arr) - len(rest)
+    if not len(rest):
+        return over
+    # the most sequences one micro-batch can hold: the shortest ones, while their sum fits
+    most = max(1, int(np.searchsorted(np.cumsum(np.sort(rest)), max_tokens, side="right")))
+    if max_seqs:
+        most = min(most, max_seqs)
+    halves = int(np.count_nonzero(2 * rest > max_tokens))
+    return over + max(-(-int(rest.sum()) // max_tokens), halves, -(-len(rest) // most))
 
 
 def lower_bound_steps(

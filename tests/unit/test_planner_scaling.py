@@ -1,0 +1,138 @@
+"""The planner at corpus scale (issue 23): a cap on sequences per micro-batch, the histogram packers, packing efficiency, growth."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from backends.planning import lower_bound_bins, plan_batch
+from backends.planning.balanced import _Packer
+from backends.planning.greedy import sort_by_length
+
+_SPEC = importlib.util.spec_from_file_location("bench_planner", Path(__file__).resolve().parents[2] / "scripts" / "bench_planner.py")
+bench = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(bench)
+
+CASES = [("greedy", "padded"), ("greedy", "packed"), ("balanced", "padded"), ("balanced", "packed")]
+
+
+@st.composite
+def capped_cases(draw):
+    lengths = draw(st.lists(st.integers(1, 600), min_size=1, max_size=80))
+    budget = draw(st.sampled_from([max(lengths), 2 * max(lengths), 512, 1000, 3000]))
+    return lengths, draw(st.integers(1, 8)), budget, draw(st.integers(1, 6)), draw(st.sampled_from(CASES))
+
+
+@settings(max_examples=150, deadline=None)
+@given(capped_cases(), st.booleans())
+def test_the_cap_holds_in_both_planners_and_layouts(case, align):
+    lengths, world, budget, cap, (planner, layout) = case
+    plan = plan_batch(lengths, world, budget, 1, align=align, layout=layout, planner=planner, max_seqs_per_microbatch=cap)
+    batches = [b for s in plan.schedules for b in s if b]
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))  # every example once
+    assert max(len(b) for b in batches) <= cap == plan.max_seqs_per_microbatch
+    for b in batches:  # the budget still holds (a sequence over it alone)
+        tokens = sum(lengths[i] for i in b) if layout == "packed" else len(b) * max(lengths[i] for i in b)
+        assert len(b) == 1 or tokens <= budget
+    assert plan.stats.lower_bound_steps == math.ceil(lower_bound_bins(lengths, budget, max_seqs=cap) / world)
+    assert plan.stats.steps >= plan.stats.lower_bound_steps
+    assert lower_bound_bins(lengths, budget, max_seqs=cap) >= math.ceil(sum(n <= budget for n in lengths) / cap)
+
+
+def test_the_cap_is_part_of_the_lower_bound_and_the_balanced_planner_reaches_it():
+    lengths = [10] * 100  # 1,000 tokens: one micro-batch of 1,024, or 25 of at most 4 sequences
+    assert lower_bound_bins(lengths, 1024) == 1
+    assert lower_bound_bins(lengths, 1024, max_seqs=4) == 25
+    for layout in ("packed", "padded"):
+        plan = plan_batch(lengths, 5, 1024, planner="balanced", layout=layout, align=True, max_seqs_per_microbatch=4)
+        assert plan.stats.steps == plan.stats.lower_bound_steps == 5
+        assert plan.stats.max_microbatch_size == 4
+
+
+def test_without_a_budget_the_cap_limits_the_fixed_slices():
+    plan = plan_batch([5] * 10, 1, None, 4, max_seqs_per_microbatch=3)
+    assert [len(b) for b in plan.schedules[0]] == [3, 3, 3, 1]
+    assert plan.stats.lower_bound_steps == 4
+
+
+@pytest.mark.parametrize("planner,layout", [("greedy", "padded"), ("greedy", "packed")])
+def test_a_cap_no_micro_batch_reaches_leaves_the_greedy_planner_as_it_was(planner, layout):
+    lengths = bench.DISTRIBUTIONS["mixed"][0](500)
+    for world in (1, 3, 8):
+        plain = plan_batch(lengths, world, 65536, layout=layout, planner=planner, align=True)
+        capped = plan_batch(lengths, world, 65536, layout=layout, planner=planner, align=True, max_seqs_per_microbatch=10**6)
+        assert capped.schedules == plain.schedules
+
+
+def test_bad_caps_are_refused():
+    for bad in (0, -1, True, 2.5, "3"):
+        with pytest.raises(ValueError, match="max_seqs_per_microbatch"):
+            plan_batch([1, 2], 1, 10, max_seqs_per_microbatch=bad)
+
+
+def _item_bfd(lengths, budget, cap):
+    """Best-fit decreasing one sequence at a time (the textbook form): the histogram packer must match its count."""
+    rooms = []  # (room, count) per micro-batch
+    for n in sorted(lengths, reverse=True):
+        fits = [j for j, (room, count) in enumerate(rooms) if room >= n and count < cap]
+        if fits:
+            j = min(fits, key=lambda j: rooms[j][0])
+            rooms[j] = (rooms[j][0] - n, rooms[j][1] + 1)
+        else:
+            rooms.append((budget - n, 1))
+    return len(rooms)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 100), min_size=1, max_size=120), st.integers(100, 400), st.sampled_from([None, 1, 2, 3, 7]))
+def test_histogram_best_fit_decreasing_packs_as_the_one_at_a_time_form(lengths, budget, cap):
+    order = sort_by_length(lengths)
+    pools: dict[int, list[int]] = {}
+    for i in order:
+        pools.setdefault(lengths[i], []).append(i)
+    packer = _Packer([(n, len(ids)) for n, ids in pools.items()], budget, cap or math.inf, {n: float(n) for n in pools})
+    packer.bfd()
+    groups = packer.groups(pools)
+    assert packer.n_bins() == len(groups) == _item_bfd(lengths, budget, cap or math.inf)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in g) <= budget and len(g) <= (cap or len(g)) for g in groups)
+    for g in groups:  # longest first, ties by index: what the rest of the planner expects
+        assert g == sorted(g, key=lambda i: (-lengths[i], i))
+
+
+def test_short_sequences_pack_within_a_tenth_of_a_percent_of_the_bound():
+    lengths = bench.short_lengths(100_000)
+    plan = plan_batch(lengths, 1, 512, planner="balanced", layout="packed", align=True)
+    bound = lower_bound_bins(lengths, 512)
+    efficiency = sum(lengths) / (sum(plan.stats.n_microbatches) * 512)
+    assert efficiency >= 0.999 * sum(lengths) / (bound * 512), (sum(plan.stats.n_microbatches), bound)
+
+
+def _cpu_seconds(lengths, world, budget, planner, layout) -> float:
+    best = math.inf
+    for _ in range(2):
+        t0 = time.process_time()
+        plan_batch(lengths, world, budget, planner=planner, layout=layout, align=True)
+        best = min(best, time.process_time() - t0)
+    return best
+
+
+@pytest.mark.parametrize("name,budget,world", [("short", 512, 1), ("short", 512, 8), ("qa", 384, 8),
+                                               ("mixed", 32768, 8), ("ones", 131072, 8), ("equal", 2048, 8)])
+def test_planning_time_grows_about_linearly(name, budget, world):
+    """Ratios, not seconds: x10 the sequences may cost about x10 the CPU time, never the x100 of a quadratic planner.
+
+    The bound (x25) leaves room for n log n, caches and a busy machine; the
+    planner this replaced took x79 on the first of these (issue 23).
+    """
+    make = bench.DISTRIBUTIONS[name][0]
+    small, large = make(3_000), make(30_000)
+    for planner, layout in (("balanced", "packed"), ("balanced", "padded")):
+        ratio = _cpu_seconds(large, world, budget, planner, layout) / max(_cpu_seconds(small, world, budget, planner, layout), 1e-3)
+        assert ratio <= 25, f"{planner} {layout}: t(30k) / t(3k) = {ratio:.1f}"
