@@ -20,6 +20,11 @@ budget), over all ranks) as a share of the bound's, and the per-rank cost
 max/mean. Timings are wall-clock on whatever machine runs it: upper bounds on
 a busy one. Part 2 uses the token cost model (cost = tokens), so it measures
 the planner, not a model.
+
+Part 3 (a million): each distribution at its usual budget (``MILLION_CASES``)
+with 1,000,000 sequences on 1 and 8 ranks, every planner and layout, and the
+growth from 100,000 (the full grid at a million is ``--sizes
+10000,100000,1000000``: hours on 2 cores).
 """
 
 from __future__ import annotations
@@ -44,7 +49,11 @@ CASES = [("greedy", "padded"), ("greedy", "packed"), ("balanced", "padded"), ("b
 
 SCALE_BUDGETS = (256, 512, 2048, 8192, 32768, 131072)
 SCALE_RANKS = (1, 8, 64)
-SCALE_SIZES = (10_000, 100_000, 1_000_000)
+SCALE_SIZES = (10_000, 100_000)
+MILLION = 1_000_000
+# Part 3: a million sequences of each distribution at the budget it is usually trained with
+MILLION_CASES = (("short", 512), ("qa", 384), ("mixed", 32768), ("heavy", 8192), ("equal", 2048), ("ones", 131072))
+MILLION_RANKS = (1, 8)
 
 
 def short_lengths(n: int, seed: int = 0) -> list[int]:
@@ -134,8 +143,8 @@ def scaling_rows(name: str, sizes, budgets, ranks, cases, log) -> tuple[list[lis
                     *(f"{1000 * t:,.0f}" for t in times),
                     *(f"×{g:.1f}" for g in growth),
                     f"{st.steps:,} / {st.lower_bound_steps:,}",
-                    f"{efficiency:.4f}",
-                    f"{bound_bins / n_mb:.4%}" if n_mb else "—",
+                    f"{efficiency:.4f}" if world == 1 else "—",
+                    f"{bound_bins / n_mb:.3%}" if n_mb and world == 1 else "—",
                     f"{st.cost_imbalance:.4f}",
                 ])
                 log(name + " | " + " | ".join(rows[-1]))
@@ -155,6 +164,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ranks", type=parse_ints, default=SCALE_RANKS, help="part 2's rank counts")
     ap.add_argument("--distributions", default=",".join(DISTRIBUTIONS), help="part 2's distributions: " + ", ".join(DISTRIBUTIONS))
     ap.add_argument("--no-published", action="store_true", help="skip part 1")
+    ap.add_argument("--no-million", action="store_true", help="skip part 3")
     args = ap.parse_args(argv)
     unknown = [d for d in args.distributions.split(",") if d not in DISTRIBUTIONS]
     if unknown:
@@ -171,6 +181,8 @@ def main(argv=None) -> int:
         out += published(args.large)
     if args.sizes:
         out += scaling(args)
+    if not args.no_million:
+        out += million()
     text = "\n".join(out) + "\n"
     if args.out:
         args.out.write_text(text)
@@ -221,7 +233,8 @@ def scaling(args) -> list[str]:
         "## Part 2: planning time against corpus size",
         "",
         "Growth is t(larger) / t(smaller): about ×10 per ×10 sequences is linear, ×100 quadratic. "
-        "Packing efficiency is real tokens / (micro-batches × budget) over all ranks at the largest size "
+        "Packing efficiency (1 rank; with more, the balanced planner spreads the work over every slot of its steps) "
+        "is real tokens / (micro-batches × budget) at the largest size "
         "(a sequence over the budget, alone in its micro-batch, counts as full); "
         "*of the bound's* is the lower bound's micro-batches / the plan's (100% is the bound). "
         "Cost model: tokens (a sequence costs its length).",
@@ -235,6 +248,19 @@ def scaling(args) -> list[str]:
         out += ["", "### Largest growth per distribution", ""]
         worst = [[name, f"×{max(r):.1f}" if r else "—"] for name, r in all_ratios.items()]
         out.append(table(["distribution", "largest t(larger) / t(smaller), any planner, layout, budget, ranks"], worst))
+    return out
+
+
+def million() -> list[str]:
+    header = ["distribution", "budget", "planner", "layout", "ranks", "ms at 100,000", f"ms at {MILLION:,}", "growth ×10",
+              "steps / bound", "packing eff.", "of the bound's", "cost max/mean"]
+    out = ["", f"## Part 3: {MILLION:,} sequences", "",
+           "Each distribution at the budget it is usually trained with; cost model: tokens.", ""]
+    rows = []
+    for name, budget in MILLION_CASES:
+        part, _ = scaling_rows(name, (100_000, MILLION), (budget,), MILLION_RANKS, CASES, lambda line: print(line, flush=True))
+        rows += [[name, r[3], r[0], r[1], r[2], *r[4:]] for r in part]
+    out.append(table(header, rows))
     return out
 
 
