@@ -81,6 +81,7 @@ def base_document(cfg: DictConfig, overrides: Sequence[str]) -> dict[str, Any]:
         "mbs": get("mbs"),
         "layout": get("layout"),
         "planner": get("planner"),
+        "max_seqs_per_microbatch": get("max_seqs_per_microbatch"),  # null: no cap on sequences per micro-batch
         "gc": get("gc"),
         "bench": {"warmup": get("bench.warmup"), "repeat": get("bench.repeat")},
         "workload": {"name": get("workload.name")},
