@@ -155,6 +155,8 @@ def _one_error_line(proc) -> str:
         ("layout=zigzag", "layout", "valid: padded, packed"),
         ("planner=magic", "planner", "valid: greedy, balanced"),
         ("planner=balanced", "planner", "mtpm"),  # mtpm is null here: fixed slices have no budget to balance
+        ("max_seqs_per_microbatch=0", "max_seqs_per_microbatch", "positive integer or null"),
+        ("max_seqs_per_microbatch=true", "max_seqs_per_microbatch", "Integer"),  # a bool is not a count
         ("seed=-1", "seed", ">= 0"),
         ("workload.seed=-1", "workload.seed", "0..4294967295"),
         ("backend.logprob_chunk_tokens=0", "backend.logprob_chunk_tokens", "positive integer or null"),
@@ -264,6 +266,33 @@ def test_dry_runs_plan_every_planner_and_layout_and_write_plan_json(workdir):
             assert p["steps"] == 13 and p["critical_path"] <= 1.02
     assert seen == {("greedy", "padded"), ("greedy", "packed"), ("balanced", "padded"), ("balanced", "packed")}
     assert "critical path" in proc.stdout
+
+
+@pytest.mark.parametrize("planner, layout", [("balanced", "packed"), ("greedy", "padded")])
+def test_a_cap_on_sequences_per_micro_batch_holds_in_every_plan_and_in_its_bound(workdir, planner, layout):
+    """Issue 23: max_seqs_per_microbatch=3 reaches the plan, plan.json, results.json and the lower bound; on the
+    smoke workload (16 short sequences, a few thousand tokens in all) it is what bounds the steps, not the budget."""
+    from backends.planning import lower_bound_steps
+
+    sweep = workdir / "sweep"
+    proc = run_harness("-m", "dry_run=true", f"planner={planner}", f"layout={layout}", "mtpm=4096",
+                       "max_seqs_per_microbatch=3", "workload=cpu_mixed,smoke", f"hydra.sweep.dir={sweep}", cwd=workdir)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "at most 3 sequences per micro-batch" in proc.stdout + proc.stderr
+    points = sorted(p for p in sweep.iterdir() if (p / "results.json").exists())
+    assert len(points) == 2
+    for point in points:
+        res, plan = load_json(point / "results.json"), load_json(point / "plan.json")
+        assert res["status"] == "planned" and res["max_seqs_per_microbatch"] == plan["max_seqs_per_microbatch"] == 3
+        assert (res["planner"], res["layout"]) == (planner, layout)
+        batches = [b for s in plan["schedules"] for b in s if b is not None]
+        assert max(len(b) for b in batches) == res["plan"]["max_microbatch_size"] == 3
+        assert sorted(i for b in batches for i in b) == list(range(len(plan["lengths"])))
+        lengths, world = plan["lengths"], plan["world_size"]
+        bound = lower_bound_steps(lengths, world, 4096, 1, max_seqs=3)
+        assert res["plan"]["lower_bound_steps"] == bound <= res["plan"]["steps"]
+        if res["workload"]["name"] == "smoke":
+            assert bound == math.ceil(math.ceil(16 / 3) / world) > lower_bound_steps(lengths, world, 4096, 1)
 
 
 def test_a_real_run_writes_the_plan_it_ran(workdir):
