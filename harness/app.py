@@ -29,7 +29,7 @@ from harness.results import (OUTPUTS_FILE, RESULTS_FILE, PointResults, base_docu
 from harness.roles import follow, leads, tell_launcher
 from harness.state import EXIT_FAILED, EXIT_OK, EXIT_USER_ERROR, STATE
 from harness.tracking import Tracker, run_name, sweep_group
-from harness.workload import make_examples, workload_lengths
+from harness.workload import Workload, load_workload, make_examples
 
 log = logging.getLogger("harness")
 
@@ -161,7 +161,8 @@ class Point:
         b = spec.backend
         self.label = _label(b.name, b.max_tokens_per_microbatch, b.micro_batch_size)
         launcher_sets_world_size(b, self.hydra_run.overrides)
-        lengths = workload_lengths(spec.workload)
+        workload = load_workload(spec.workload)
+        lengths = workload.lengths
         if spec.dry_run:
             backend, setup = None, Setup.dry_run(spec)
         else:
@@ -169,7 +170,7 @@ class Point:
             setup = Setup.of_backend(spec, backend)
             self.label = _label(setup.name, setup.mtpm, setup.mbs)
         plan = self._plan(spec, lengths, setup)
-        self.results.update(**_setup_fields(spec, lengths, setup, plan))
+        self.results.update(**_setup_fields(spec, workload, setup, plan))
         _log_plan(self.label, plan.stats, len(lengths), setup.max_seqs_per_microbatch)
         if spec.dry_run:
             self.results.mark("planned")
@@ -300,7 +301,7 @@ class Point:
         self.results.record_pass(pass_type, {**record.as_dict(), **flops})
 
 
-def _setup_fields(spec: HarnessConfig, lengths: list[int], setup: Setup, plan) -> dict[str, Any]:
+def _setup_fields(spec: HarnessConfig, workload: Workload, setup: Setup, plan) -> dict[str, Any]:
     """results.json's record of what the point runs: the backend, its ranks and device, the model, workload and plan."""
     from backends.runtime.job import launch_record
 
@@ -315,7 +316,7 @@ def _setup_fields(spec: HarnessConfig, lengths: list[int], setup: Setup, plan) -
         max_seqs_per_microbatch=setup.max_seqs_per_microbatch,
         device=setup.device,
         model=model_record(spec.model, setup.built),
-        workload=workload_record(spec.workload, lengths),
+        workload=workload_record(spec.workload, workload.lengths, workload.file),
         plan=plan.stats.as_dict(),
         # what the backend built runs in (params, adapters, compute, reduce); a dry run builds nothing
         precision=setup.precision,
