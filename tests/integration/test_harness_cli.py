@@ -199,6 +199,26 @@ def test_lengths_files_as_editors_and_tools_write_them(workdir):
         assert "workload.path" in line and str(path) in line and needle in line, line
 
 
+def test_a_histogram_lengths_file_plans_a_drawn_batch_and_says_what_it_read(workdir):
+    """Issue 23: length,count lines, 5,000 sequences drawn from them by count; results.json says what was read."""
+    hist = workdir / "lengths.csv"
+    hist.write_text("length,count\n# a corpus of 1,000,000 sequences in 4 lines\n48,500000\n200, 300000\n"
+                    "450 ,150000\n2000,50000\n")
+    run = workdir / "run"
+    proc = run_harness("dry_run=true", "workload=lengths_file", f"workload.path={hist}", "workload.n_examples=5000",
+                       "planner=balanced", "layout=packed", "mtpm=512", f"hydra.run.dir={run}", cwd=workdir)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    res, plan = load_json(run / "results.json"), load_json(run / "plan.json")
+    assert res["status"] == "planned"
+    wl = res["workload"]
+    assert wl["name"] == "lengths_file" and wl["n_examples"] == 5000 and len(plan["lengths"]) == 5000
+    assert wl["file"] == {"path": str(hist), "format": "histogram", "distinct_lengths": 4, "sequences": 1_000_000,
+                          "sampled": 5000, "order": "sampled"}
+    assert set(plan["lengths"]) == {48, 200, 450, 2000} and wl["total_tokens"] == sum(plan["lengths"])
+    assert 0.45 < plan["lengths"].count(48) / 5000 < 0.55  # drawn by count: half the corpus is 48 tokens long
+    assert res["plan"]["over_budget"] == plan["lengths"].count(2000)  # only the sequences longer than the budget
+
+
 def test_missing_checkpoint_is_one_line_naming_the_path(workdir):
     proc = run_harness("model=qwen3_5_35b_a3b", "model.path=/no/such/ckpt", *FAST, f"hydra.run.dir={workdir / 'run'}", cwd=workdir)
     assert proc.returncode == 2
