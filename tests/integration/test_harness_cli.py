@@ -311,8 +311,8 @@ def test_a_cap_on_sequences_per_micro_batch_holds_in_every_plan_and_in_its_bound
         lengths, world = plan["lengths"], plan["world_size"]
         bound = lower_bound_steps(lengths, world, 4096, 1, max_seqs=3)
         assert res["plan"]["lower_bound_steps"] == bound <= res["plan"]["steps"]
-        if res["workload"]["name"] == "smoke":
-            assert bound == math.ceil(math.ceil(16 / 3) / world) > lower_bound_steps(lengths, world, 4096, 1)
+        if res["workload"]["name"] == "smoke":  # 16 sequences, 3 at a time: at least 6 micro-batches over the ranks
+            assert bound >= math.ceil(math.ceil(16 / 3) / world) > lower_bound_steps(lengths, world, 4096, 1)
 
 
 def test_a_real_run_writes_the_plan_it_ran(workdir):
