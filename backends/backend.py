@@ -51,6 +51,7 @@ class Backend:
             **result.plan,
             "max_tokens_per_microbatch": command.max_tokens_per_microbatch,
             "micro_batch_size": command.micro_batch_size,
+            "max_seqs_per_microbatch": command.max_seqs_per_microbatch,
         }
         return result
 

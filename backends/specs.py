@@ -15,6 +15,7 @@ class BackendSpec:
     micro_batch_size: int = 1
     layout: str = "padded"  # padded (count x longest) or packed (sequences end to end)
     planner: str = "greedy"  # greedy (the original greedy planner) or balanced
+    max_seqs_per_microbatch: Optional[int] = None  # at most this many sequences per micro-batch; None = no cap
     gradient_checkpointing: bool = False
     world_size: Optional[int] = None  # None = one per visible GPU, else 2 CPU ranks (1 for pytorch)
     device: str = "auto"  # auto, cpu or cuda

@@ -29,7 +29,7 @@ from harness.results import (OUTPUTS_FILE, RESULTS_FILE, PointResults, base_docu
 from harness.roles import follow, leads, tell_launcher
 from harness.state import EXIT_FAILED, EXIT_OK, EXIT_USER_ERROR, STATE
 from harness.tracking import Tracker, run_name, sweep_group
-from harness.workload import make_examples, workload_lengths
+from harness.workload import Workload, load_workload, make_examples
 
 log = logging.getLogger("harness")
 
@@ -70,6 +70,7 @@ class Setup:
     layout: str
     planner: str
     cost_model: CostModel  # the planner's cost model, from the model's config (a server's: the one it plans with)
+    max_seqs_per_microbatch: Optional[int] = None  # the cap on sequences per micro-batch (a server's: its own)
     built: Optional[dict] = None
     precision: Optional[dict] = None
     load: Optional[dict] = None
@@ -84,24 +85,36 @@ class Setup:
         device = resolve_device(b.device)
         world_size = resolve_world_size(b.name, b.world_size, device.type)
         return cls(b.name, world_size, device_description(device, world_size),
-                   b.max_tokens_per_microbatch, b.micro_batch_size, b.layout, b.planner, cost_model_for(spec.model))
+                   b.max_tokens_per_microbatch, b.micro_batch_size, b.layout, b.planner, cost_model_for(spec.model),
+                   max_seqs_per_microbatch=b.max_seqs_per_microbatch)
 
     @classmethod
     def of_backend(cls, spec: HarnessConfig, backend) -> "Setup":
         """What a started backend reports; a server's batching and planning are authoritative (its plan is what runs)."""
         b = spec.backend
         mtpm, mbs, layout, planner = b.max_tokens_per_microbatch, b.micro_batch_size, b.layout, b.planner
+        cap = b.max_seqs_per_microbatch
         served_cost = None
         if spec.target.url:
             mtpm, mbs = backend.batching
             layout, planner = backend.layout or layout, backend.planner or planner
-            if (layout, planner) != (b.layout, b.planner):
-                log.warning("the server at %s plans with planner=%s layout=%s (fixed for its life): this run records "
-                            "those, not planner=%s layout=%s", spec.target.url, planner, layout, b.planner, b.layout)
+            # None is a cap of its own ("none"): a server too old to report one plans without it.
+            cap = backend.max_seqs_per_microbatch
+            if (layout, planner, cap) != (b.layout, b.planner, b.max_seqs_per_microbatch):
+                log.warning("the server at %s plans with planner=%s layout=%s max_seqs_per_microbatch=%s (fixed for its "
+                            "life): this run records those, not planner=%s layout=%s max_seqs_per_microbatch=%s",
+                            spec.target.url, planner, layout, _null(cap), b.planner, b.layout,
+                            _null(b.max_seqs_per_microbatch))
             served_cost = backend.cost_model
         cost_model = CostModel.from_dict(served_cost) if served_cost else cost_model_for(spec.model)
         return cls(backend.name, backend.world_size, backend.describe_device(), mtpm, mbs, layout, planner,
-                   cost_model, built=backend.model_info, precision=backend.precision, load=backend.load_info)
+                   cost_model, max_seqs_per_microbatch=cap, built=backend.model_info, precision=backend.precision,
+                   load=backend.load_info)
+
+
+def _null(value: Optional[int]) -> str:
+    """A knob's value as the command line spells it (None is null)."""
+    return "null" if value is None else str(value)
 
 
 def _label(name: str, mtpm: Optional[int], mbs: int) -> str:
@@ -148,7 +161,8 @@ class Point:
         b = spec.backend
         self.label = _label(b.name, b.max_tokens_per_microbatch, b.micro_batch_size)
         launcher_sets_world_size(b, self.hydra_run.overrides)
-        lengths = workload_lengths(spec.workload)
+        workload = load_workload(spec.workload)
+        lengths = workload.lengths
         if spec.dry_run:
             backend, setup = None, Setup.dry_run(spec)
         else:
@@ -156,8 +170,8 @@ class Point:
             setup = Setup.of_backend(spec, backend)
             self.label = _label(setup.name, setup.mtpm, setup.mbs)
         plan = self._plan(spec, lengths, setup)
-        self.results.update(**_setup_fields(spec, lengths, setup, plan))
-        _log_plan(self.label, plan.stats, len(lengths))
+        self.results.update(**_setup_fields(spec, workload, setup, plan))
+        _log_plan(self.label, plan.stats, len(lengths), setup.max_seqs_per_microbatch)
         if spec.dry_run:
             self.results.mark("planned")
             return
@@ -234,7 +248,8 @@ class Point:
         """The workload planned for the backend's ranks, written to plan.json."""
         self.cost_model = setup.cost_model
         plan = plan_batch(lengths, setup.world_size, setup.mtpm, setup.mbs, align=setup.name in LOCKSTEP_BACKENDS,
-                          layout=setup.layout, planner=setup.planner, cost_model=self.cost_model)
+                          layout=setup.layout, planner=setup.planner, cost_model=self.cost_model,
+                          max_seqs_per_microbatch=setup.max_seqs_per_microbatch)
         self.schedules = plan.schedules  # the micro-batches each rank runs: hardware FLOPs are counted from them
         write_plan_json(self.out_dir / PLAN_FILE, plan.to_json(backend=setup.name))
         return plan
@@ -251,7 +266,8 @@ class Point:
         outputs: dict[str, Any] = {}
         command_for = default_command_for(
             examples, b.max_tokens_per_microbatch, b.micro_batch_size, layout=b.layout, planner=b.planner,
-            cost_model=self.cost_model.as_dict(), progress_every_s=spec.bench.progress_every_s,
+            cost_model=self.cost_model.as_dict(), max_seqs_per_microbatch=b.max_seqs_per_microbatch,
+            progress_every_s=spec.bench.progress_every_s,
             timeout_s=spec.bench.pass_timeout_s,
         )
         doc = self.results.doc
@@ -285,7 +301,7 @@ class Point:
         self.results.record_pass(pass_type, {**record.as_dict(), **flops})
 
 
-def _setup_fields(spec: HarnessConfig, lengths: list[int], setup: Setup, plan) -> dict[str, Any]:
+def _setup_fields(spec: HarnessConfig, workload: Workload, setup: Setup, plan) -> dict[str, Any]:
     """results.json's record of what the point runs: the backend, its ranks and device, the model, workload and plan."""
     from backends.runtime.job import launch_record
 
@@ -297,9 +313,10 @@ def _setup_fields(spec: HarnessConfig, lengths: list[int], setup: Setup, plan) -
         mbs=setup.mbs,
         layout=setup.layout,  # a client's are the server's: what ran
         planner=setup.planner,
+        max_seqs_per_microbatch=setup.max_seqs_per_microbatch,
         device=setup.device,
         model=model_record(spec.model, setup.built),
-        workload=workload_record(spec.workload, lengths),
+        workload=workload_record(spec.workload, workload.lengths, workload.file),
         plan=plan.stats.as_dict(),
         # what the backend built runs in (params, adapters, compute, reduce); a dry run builds nothing
         precision=setup.precision,
@@ -315,7 +332,8 @@ def _start_tracker(cfg: DictConfig, out_dir: Path, group: Optional[str], doc: di
         OmegaConf.to_container(cfg.logger, resolve=True) if cfg.get("logger") else None,
         out_dir,
         OmegaConf.to_container(cfg, resolve=True),
-        run_name(doc["backend"], doc["mtpm"], doc["mbs"], doc["planner"], doc["layout"]),  # what runs (a server's)
+        # what runs (a server's)
+        run_name(doc["backend"], doc["mtpm"], doc["mbs"], doc["planner"], doc["layout"], doc.get("max_seqs_per_microbatch")),
         group,
     )
 
@@ -341,13 +359,14 @@ def _log_ok(label: str, doc: dict[str, Any]) -> None:
     )
 
 
-def _log_plan(label: str, st, n_examples: int) -> None:
+def _log_plan(label: str, st, n_examples: int, max_seqs: Optional[int] = None) -> None:
     """Two lines on what the plan is: tokens and padding, then steps and the modeled cost."""
     log.info(
-        "%splan (%s, %s): %d examples, %s real / %s padded tokens, pad efficiency %.3f, micro-batches per rank %s, dummies %s",
+        "%splan (%s, %s%s): %d examples, %s real / %s padded tokens, pad efficiency %.3f, micro-batches per rank %s, dummies %s",
         label,
         st.planner,
         st.layout,
+        "" if max_seqs is None else f", at most {max_seqs} sequences per micro-batch",
         n_examples,
         f"{st.real_tokens:,}",
         f"{st.padded_tokens:,}",

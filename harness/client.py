@@ -46,6 +46,8 @@ class RemoteBackend(Backend):
         # How the server plans every pass (fixed for its life); None from a server that does not say.
         self.layout: Optional[str] = self.info.get("layout")
         self.planner: Optional[str] = self.info.get("planner")
+        # None is "no cap" (also from a server that does not say: it predates the cap and plans without one).
+        self.max_seqs_per_microbatch: Optional[int] = self.info.get("max_seqs_per_microbatch")
         self.cost_model: Optional[dict] = self.info.get("cost_model")
         # (max_tokens_per_microbatch, micro_batch_size) every pass of this run must report in its plan
         self.batching: Optional[tuple[Optional[int], int]] = None

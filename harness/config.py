@@ -70,6 +70,7 @@ class HarnessConfig:
     mbs: int = 1  # micro-batch size (sequences) when mtpm is null
     layout: str = "padded"  # padded or packed (see backends/planning)
     planner: str = "greedy"  # greedy or balanced
+    max_seqs_per_microbatch: Optional[int] = None  # cap on sequences per micro-batch; null = none
     gc: bool = False  # gradient checkpointing
     seed: int = 0  # token ids of the workload
     world_size: Optional[int] = None  # ranks; null = one per GPU, else 2 CPU ranks (1 for pytorch)
@@ -137,6 +138,8 @@ def validate(cfg: HarnessConfig) -> None:
         raise UserError(f"planner: '{cfg.backend.planner}' is not a planner (valid: {', '.join(PLANNERS)})")
     if cfg.backend.planner == "balanced" and cfg.backend.max_tokens_per_microbatch is None:
         raise UserError("planner: balanced needs a budget (set mtpm=<tokens>; with mtpm=null use planner=greedy: fixed-size slices have nothing to balance)")
+    # Named as the user types it: backend.max_seqs_per_microbatch interpolates the top-level knob.
+    _positive_int("max_seqs_per_microbatch", cfg.backend.max_seqs_per_microbatch, allow_none=True)
     check_model_spec(cfg.model, cfg.backend.layout)  # model.vocab_size with a checkpoint; packed on an unsupported model
     # numpy's generators take no negative seed, and the published length generator (RandomState) none above 2**32-1.
     if cfg.seed < 0:

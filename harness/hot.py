@@ -23,8 +23,9 @@ class HotBackends:
 
     def get(self, spec: BackendSpec, model: ModelSpec):
         # The batching knobs do not change what is loaded: mtpm and mbs go through the control
-        # file, layout and planner ride in every pass's command.
-        key = repr((replace(spec, max_tokens_per_microbatch=None, micro_batch_size=1, layout="padded", planner="greedy"), model))
+        # file; layout, planner and the cap on sequences per micro-batch ride in every pass's command.
+        key = repr((replace(spec, max_tokens_per_microbatch=None, micro_batch_size=1, layout="padded", planner="greedy",
+                            max_seqs_per_microbatch=None), model))
         if key != self.key:
             self.close()
             from backends.start import make_backend

@@ -162,7 +162,8 @@ def _max_per_rank(
 def default_command_for(
     examples: Sequence[Example], mtpm: Optional[int], mbs: int, **options
 ) -> Callable[[str], PassCommand]:
-    """Commands with a fixed budget; ``options`` are make_command's (layout, planner, progress interval, time-out)."""
+    """Commands with a fixed budget; ``options`` are make_command's (layout, planner, the cap on sequences per
+    micro-batch, progress interval, time-out)."""
     return lambda pass_type: make_command(pass_type, examples, mtpm, mbs, **options)
 
 

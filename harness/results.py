@@ -81,6 +81,7 @@ def base_document(cfg: DictConfig, overrides: Sequence[str]) -> dict[str, Any]:
         "mbs": get("mbs"),
         "layout": get("layout"),
         "planner": get("planner"),
+        "max_seqs_per_microbatch": get("max_seqs_per_microbatch"),  # null: no cap on sequences per micro-batch
         "gc": get("gc"),
         "bench": {"warmup": get("bench.warmup"), "repeat": get("bench.repeat")},
         "workload": {"name": get("workload.name")},
@@ -116,9 +117,13 @@ def model_record(model, built: Optional[dict]) -> dict[str, Any]:
     }
 
 
-def workload_record(workload, lengths: Sequence[int]) -> dict[str, Any]:
-    """results.json's ``workload``: its name and seed (harness.workload.WorkloadSpec) and the lengths it made."""
-    return {
+def workload_record(workload, lengths: Sequence[int], file: Optional[dict] = None) -> dict[str, Any]:
+    """results.json's ``workload``: its name and seed (harness.workload.WorkloadSpec) and the lengths it made.
+
+    From a lengths file, ``file`` says what was read and drawn (harness.workload.file_lengths): path, format
+    (lengths or histogram), distinct lengths, sequences in the file, how many were sampled (null: all), order.
+    """
+    record = {
         "name": workload.name,
         "n_examples": len(lengths),
         "total_tokens": sum(lengths),
@@ -126,6 +131,9 @@ def workload_record(workload, lengths: Sequence[int]) -> dict[str, Any]:
         "max_len": max(lengths),
         "seed": workload.seed,
     }
+    if file is not None:
+        record["file"] = dict(file)
+    return record
 
 
 class PointResults:

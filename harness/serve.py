@@ -195,6 +195,7 @@ class ServerState:
             # how every pass is planned, fixed for the server's life: a client records these, not its own
             "layout": self.plan_options.get("layout", "padded"),
             "planner": self.plan_options.get("planner", "greedy"),
+            "max_seqs_per_microbatch": self.plan_options.get("max_seqs_per_microbatch"),  # null: no cap
             "cost_model": self.plan_options.get("cost_model"),
         }
 
@@ -294,7 +295,7 @@ def build_app(
 ):
     """The FastAPI app around a started backend and its control file: the routes, each one call of ServerState.
 
-    ``plan_options`` (layout, planner, cost_model; see backends.messages.make_command)
+    ``plan_options`` (layout, planner, max_seqs_per_microbatch, cost_model; see backends.messages.make_command)
     are fixed for the server's life; only the budget and mbs change live.
     """
     from fastapi import FastAPI
@@ -420,7 +421,8 @@ def _serve_backend(spec, token: Optional[str], sock: socket.socket, control) -> 
     try:
         vocab = model_vocab_size(spec.model)
         served = ServedBackend(start_backend)
-        plan_options = {"layout": b.layout, "planner": b.planner, "cost_model": cost_model_for(spec.model).as_dict()}
+        plan_options = {"layout": b.layout, "planner": b.planner, "max_seqs_per_microbatch": b.max_seqs_per_microbatch,
+                        "cost_model": cost_model_for(spec.model).as_dict()}
         app = build_app(served, control, vocab, server, token, b.micro_batch_size, plan_options)
         backend = served.backend
         log.info(

@@ -36,11 +36,13 @@ def summary_metrics(doc: dict) -> dict:
 
 
 def run_name(
-    backend: Optional[str], mtpm: Optional[int], mbs: Optional[int], planner: str = "greedy", layout: str = "padded"
+    backend: Optional[str], mtpm: Optional[int], mbs: Optional[int], planner: str = "greedy", layout: str = "padded",
+    max_seqs: Optional[int] = None,
 ) -> str:
     name = f"{backend}-mtpm{mtpm}" if mtpm is not None else f"{backend}-mbs{mbs}"
-    # the original greedy padded defaults keep the names runs always had
-    return name + "".join(f"-{v}" for v, default in ((planner, "greedy"), (layout, "padded")) if v != default)
+    # the original greedy padded defaults, with no cap on sequences, keep the names runs always had
+    name += "".join(f"-{v}" for v, default in ((planner, "greedy"), (layout, "padded")) if v != default)
+    return name + (f"-seqs{max_seqs}" if max_seqs is not None else "")
 
 
 def sweep_group(sweep_dir: Optional[str]) -> Optional[str]:

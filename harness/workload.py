@@ -1,4 +1,4 @@
-"""Workload generation: sequence lengths (the published generator or a lengths file) and examples."""
+"""Workload generation: sequence lengths (the published generator, or a lengths file: plain or a histogram) and examples."""
 
 from __future__ import annotations
 
@@ -38,50 +38,146 @@ def mixed_lengths(n_examples: int, min_len: int, max_len: int, seed: int) -> lis
     return [int(n) for n in lengths[:n_examples]]
 
 
-# A length is plain ASCII digits, with an optional sign: int() alone also takes 1_000 and
+# A length (or a count) is plain ASCII digits, with an optional sign: int() alone also takes 1_000 and
 # full-width or other Unicode digits, which a lengths file written by a script never means.
 _LENGTH = re.compile(r"[+-]?[0-9]+")
+# The optional first line of a histogram file, as a spreadsheet or pandas writes it.
+_HEADER = re.compile(r"length\s*,\s*count", re.IGNORECASE)
+PLAIN, HISTOGRAM = "lengths", "histogram"  # LengthsFile.format: one length per line, or length,count lines
+_FORMAT_WORDS = {PLAIN: "one length per line", HISTOGRAM: "length,count lines"}
 
 
-def read_lengths_file(path: str) -> list[int]:
-    """Sequence lengths from a UTF-8 text file, one positive integer per line (blank lines and # comments skipped).
+@dataclass(frozen=True)
+class LengthsFile:
+    """What a lengths file holds: each line's length and how many sequences have it (1 on every line of a plain file).
 
-    A byte-order mark at the start (what some editors write) is skipped.
+    A histogram keeps its lines as they are (a corpus of millions of sequences
+    is a few hundred of them); nothing is expanded until a workload is drawn.
     """
-    p = Path(path).expanduser()
+
+    path: str
+    format: str  # PLAIN (one length per line) or HISTOGRAM (length,count lines)
+    lengths: np.ndarray  # int64, one per data line, in file order
+    counts: np.ndarray  # int64, one per data line: how many sequences have that length
+
+    @property
+    def sequences(self) -> int:
+        """Sequences in the file: the sum of the counts."""
+        return int(self.counts.sum())
+
+    @property
+    def distinct_lengths(self) -> int:
+        return int(np.unique(self.lengths).size)
+
+    def expanded(self) -> np.ndarray:
+        """Every sequence's length, in file order (a histogram's line repeated count times)."""
+        return np.repeat(self.lengths, self.counts)
+
+    def sample(self, n: int, seed: int) -> np.ndarray:
+        """``n`` lengths drawn with replacement, each line weighted by its count: numpy's default_rng(``seed``).
+
+        Integer draws over the cumulative counts rather than float probabilities,
+        so a weight is exact for any total and the draw is the same on every machine.
+        """
+        rng = np.random.default_rng(seed)
+        ends = np.cumsum(self.counts)
+        return self.lengths[np.searchsorted(ends, rng.integers(0, int(ends[-1]), size=n), side="right")]
+
+    def shuffled(self, seed: int) -> np.ndarray:
+        """Every sequence once, in an order drawn with default_rng(``seed``) (not the sorted order a histogram lists)."""
+        return np.random.default_rng(seed).permutation(self.expanded())
+
+
+def _file_text(p: Path) -> str:
+    """The file's text, or a UserError naming the path: a folder, no file, unreadable, not UTF-8 (a BOM is skipped)."""
+    expected = "expected a text file with one sequence length per line, or length,count lines"
     if p.is_dir():
-        raise UserError(f"workload.path: '{p}' is a folder, not a file (expected a text file with one sequence length per line)")
+        raise UserError(f"workload.path: '{p}' is a folder, not a file ({expected})")
     if not p.is_file():
-        raise UserError(f"workload.path: no such file '{p}' (expected a text file with one sequence length per line)")
+        raise UserError(f"workload.path: no such file '{p}' ({expected})")
     try:
         data = p.read_bytes()
     except OSError as exc:
         raise UserError(f"workload.path: cannot read '{p}' ({exc.strerror or exc})") from None
     try:
-        text = data.decode("utf-8-sig")
+        return data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         lineno = data.count(b"\n", 0, exc.start) + 1
         raise UserError(
             f"workload.path: {p} is not UTF-8 text (byte 0x{data[exc.start]:02x} on line {lineno}; "
-            "expected a text file with one sequence length per line, in ASCII digits)"
+            "expected a text file with one sequence length per line, or length,count lines, in ASCII digits)"
         ) from None
-    lengths = []
+
+
+def _positive(where: str, what: str, text: str, needs: str) -> int:
+    """``text`` as a positive integer, or a UserError: ``where`` (path:line), ``what`` (length, count), ``needs`` (why > 0)."""
+    if not _LENGTH.fullmatch(text):
+        raise UserError(f"workload.path: {where}: {what} {text!r} is not an integer "
+                        "(expected length,count lines of two positive integers, in ASCII digits 0-9)")
+    n = int(text)
+    if n <= 0:
+        raise UserError(f"workload.path: {where}: {what} {n} is not positive ({needs})")
+    return n
+
+
+def load_lengths_file(path: str) -> LengthsFile:
+    """A lengths file: UTF-8 text, either one positive length per line or ``length,count`` lines (a histogram).
+
+    Blank lines and ``#`` comments are skipped, spaces around a value or the comma
+    are fine, and a histogram may start with the header ``length,count``. The
+    first data line decides the format; a line of the other format, or of
+    neither, is a UserError naming the path, the line and what the file is read as.
+    """
+    p = Path(path).expanduser()
+    text = _file_text(p)
+    fmt: Optional[str] = None
+    decided = ""  # what decided the format, for the message of a line that does not fit it
+    lengths: list[int] = []
+    counts: list[int] = []
     for lineno, raw in enumerate(text.splitlines(), start=1):
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue
-        if not _LENGTH.fullmatch(line):
+        where = f"{p}:{lineno}"
+        if fmt is None and _HEADER.fullmatch(line):
+            fmt, decided = HISTOGRAM, f"its header on line {lineno} says"
+            continue
+        kind = HISTOGRAM if "," in line else PLAIN
+        if fmt is None:
+            fmt, decided = kind, f"line {lineno} is"
+        elif kind != fmt:
+            found = "has a comma (length,count)" if kind == HISTOGRAM else "has no count (length,count)"
             raise UserError(
-                f"workload.path: {p}:{lineno}: {line!r} is not an integer "
-                "(expected one positive length per line, in ASCII digits 0-9)"
+                f"workload.path: {where}: {line!r} {found} in a file of {_FORMAT_WORDS[fmt]} (as {decided}); "
+                "a file is all one length per line or all length,count lines"
             )
-        n = int(line)
-        if n <= 0:
-            raise UserError(f"workload.path: {p}:{lineno}: length {n} is not positive (every sequence needs at least 1 token)")
-        lengths.append(n)
+        if kind == PLAIN:
+            if not _LENGTH.fullmatch(line):
+                expected = ("one positive length per line, in ASCII digits 0-9, or length,count lines"
+                            if decided == f"line {lineno} is"  # the first data line: either format would do
+                            else f"a positive length in ASCII digits 0-9: this file is one length per line, as {decided}")
+                raise UserError(f"workload.path: {where}: {line!r} is not an integer (expected {expected})")
+            n = int(line)
+            if n <= 0:
+                raise UserError(f"workload.path: {where}: length {n} is not positive (every sequence needs at least 1 token)")
+            lengths.append(n)
+            continue
+        fields = [f.strip() for f in line.split(",")]
+        if len(fields) != 2:
+            raise UserError(f"workload.path: {where}: {line!r} has {len(fields)} fields (expected length,count: "
+                            "two positive integers)")
+        lengths.append(_positive(where, "length", fields[0], "every sequence needs at least 1 token"))
+        counts.append(_positive(where, "count", fields[1], "a count says how many sequences have that length: at least 1"))
     if not lengths:
-        raise UserError(f"workload.path: {p} holds no lengths (expected one positive integer per line)")
-    return lengths
+        raise UserError(f"workload.path: {p} holds no lengths (expected one positive integer per line, or length,count lines)")
+    ones = np.ones(len(lengths), dtype=np.int64)
+    return LengthsFile(str(p), fmt, np.asarray(lengths, dtype=np.int64),
+                       np.asarray(counts, dtype=np.int64) if fmt == HISTOGRAM else ones)
+
+
+def read_lengths_file(path: str) -> list[int]:
+    """Every sequence length a lengths file holds, in file order (a histogram's lines expanded as listed)."""
+    return load_lengths_file(path).expanded().tolist()
 
 
 @dataclass
@@ -90,25 +186,54 @@ class WorkloadSpec:
 
     name: str
     kind: str = "mixed"  # "mixed" (the published generator) or "lengths_file"
-    n_examples: int = 128
+    # mixed: how many to generate. lengths_file: how many to draw from the file (0 or null: every sequence in it).
+    n_examples: Optional[int] = 128
     min_len: int = 64
     max_len: int = 32768
     seed: int = 42
     path: Optional[str] = None
 
 
-def workload_lengths(spec: WorkloadSpec) -> list[int]:
-    """The workload's sequence lengths, in request order."""
+@dataclass
+class Workload:
+    """A workload's lengths in request order and, for a lengths file, what was read and how the batch was drawn."""
+
+    lengths: list[int]
+    file: Optional[dict] = None  # results.json's workload.file (see file_lengths)
+
+
+def file_lengths(spec: WorkloadSpec) -> Workload:
+    """A lengths file's batch: ``n_examples`` > 0 draws that many (with replacement, weighted by count, ``seed``);
+    0 or null takes every sequence, a plain file in its own order and a histogram shuffled with ``seed``
+    (a histogram lists lengths sorted, and requests in sorted order are no workload)."""
+    if not spec.path:
+        raise UserError("workload.path: not set (give a text file with one sequence length per line, or length,count lines)")
+    n = spec.n_examples or 0
+    if n < 0:
+        raise UserError(f"workload.n_examples: must be >= 0 or null for a lengths file (0 or null: every sequence in "
+                        f"the file; more: that many drawn from it), got {n}")
+    table = load_lengths_file(spec.path)
+    if n > 0:
+        lengths, order = table.sample(n, spec.seed), "sampled"
+    elif table.format == HISTOGRAM:
+        lengths, order = table.shuffled(spec.seed), "shuffled"
+    else:
+        lengths, order = table.lengths, "file order"
+    record = {"path": table.path, "format": table.format, "distinct_lengths": table.distinct_lengths,
+              "sequences": table.sequences, "sampled": n or None, "order": order}
+    return Workload(lengths.tolist(), record)
+
+
+def load_workload(spec: WorkloadSpec) -> Workload:
+    """The workload's lengths in request order (and, from a lengths file, what was read)."""
     if spec.kind == "lengths_file":
-        if not spec.path:
-            raise UserError("workload.path: not set (give a text file with one sequence length per line)")
-        return read_lengths_file(spec.path)
+        return file_lengths(spec)
     if spec.kind != "mixed":
         raise UserError(f"workload.kind: '{spec.kind}' is not a workload kind (valid: mixed, lengths_file)")
     for key in ("n_examples", "min_len"):
         value = getattr(spec, key)
-        if value <= 0:
-            raise UserError(f"workload.{key}: must be a positive integer, got {value}")
+        if value is None or value <= 0:
+            raise UserError(f"workload.{key}: must be a positive integer, got {'null' if value is None else value}")
     if spec.max_len < spec.min_len:
         raise UserError(f"workload.max_len: must be >= workload.min_len ({spec.min_len}), got {spec.max_len}")
     # The generator's three bands: [min_len, 256], [257, 3/4 max_len), [3/4 max_len, max_len].
@@ -117,7 +242,12 @@ def workload_lengths(spec: WorkloadSpec) -> list[int]:
     n_mid = spec.n_examples - 2 * max(1, int(0.15 * spec.n_examples))
     if n_mid > 0 and max(spec.min_len, 3 * spec.max_len // 4) <= 257:
         raise UserError(f"workload.max_len: the mixed generator's middle band 257..3/4 max_len needs max_len >= 344, got {spec.max_len}")
-    return mixed_lengths(spec.n_examples, spec.min_len, spec.max_len, spec.seed)
+    return Workload(mixed_lengths(spec.n_examples, spec.min_len, spec.max_len, spec.seed))
+
+
+def workload_lengths(spec: WorkloadSpec) -> list[int]:
+    """The workload's sequence lengths, in request order."""
+    return load_workload(spec).lengths
 
 
 def make_examples(lengths: list[int], vocab_size: int, seed: int) -> list[Example]:

@@ -124,6 +124,12 @@ def _kernels(passes: dict) -> Optional[str]:
     return ", ".join(f"{op}={'+'.join(impls)}" for op, impls in record.items())
 
 
+def _cap(doc: dict, plan: dict) -> Optional[int]:
+    """The cap on sequences per micro-batch that ran (the plan a backend reports), else the one recorded; None: no cap."""
+    cap = plan.get("max_seqs_per_microbatch")
+    return cap if cap is not None else doc.get("max_seqs_per_microbatch")
+
+
 def row_of(path: Path, doc: dict) -> dict:
     plan = doc.get("plan") or {}
     passes = doc.get("passes") or {}
@@ -139,6 +145,8 @@ def row_of(path: Path, doc: dict) -> dict:
         # (an unreadable file records no run at all: nothing to default)
         "planner": plan.get("planner") or doc.get("planner") or (None if unreadable else "greedy"),
         "layout": plan.get("layout") or doc.get("layout") or (None if unreadable else "padded"),
+        # at most this many sequences per micro-batch; results written before the cap had none (null)
+        "max_seqs_per_microbatch": _cap(doc, plan),
         "status": doc.get("status"),
         "error": doc.get("error"),
         "pad_efficiency": plan.get("pad_efficiency"),
@@ -183,9 +191,9 @@ _JSON_TYPE = {dict: "an object", list: "an array", str: "a string", bool: "true 
 _KINDS = {"object": (dict,), "number": (int, float), "string": (str,), "list": (list,)}
 _SHAPE = {
     "object": ("device", "model", "workload", "bench", "plan", "passes", "precision"),
-    "number": ("mtpm", "mbs", "world_size", "workload.n_examples", "workload.total_tokens", "workload.min_len",
-               "workload.max_len", "plan.pad_efficiency", "plan.critical_path", "plan.cost_imbalance", "plan.steps",
-               "plan.lower_bound_steps", "plan.max_microbatch_padded_tokens"),
+    "number": ("mtpm", "mbs", "max_seqs_per_microbatch", "world_size", "workload.n_examples", "workload.total_tokens",
+               "workload.min_len", "workload.max_len", "plan.pad_efficiency", "plan.critical_path", "plan.cost_imbalance",
+               "plan.steps", "plan.lower_bound_steps", "plan.max_microbatch_padded_tokens", "plan.max_seqs_per_microbatch"),
     "string": ("status", "backend", "planner", "layout", "started_at", "plan.planner", "plan.layout"),
     "list": ("overrides", "plan.n_microbatches", "plan.n_dummy"),
 }
@@ -257,7 +265,8 @@ def collect(dirs: Iterable[Path]) -> pd.DataFrame:
 
 
 def sort_rows(df: pd.DataFrame) -> pd.DataFrame:
-    """Per backend: fixed-mbs rows first (by mbs), then mtpm ascending; greedy before balanced, padded before packed."""
+    """Per backend: fixed-mbs rows first (by mbs), then mtpm ascending; greedy before balanced, padded before packed,
+    no cap on sequences per micro-batch before the caps (ascending)."""
     key = pd.DataFrame(
         {
             "unrecorded": df["setting"] == "",  # rows whose results.json records no setting: their table last
@@ -268,10 +277,11 @@ def sort_rows(df: pd.DataFrame) -> pd.DataFrame:
             "mbs": df["mbs"].fillna(0),
             "planner": df["planner"].map(lambda p: PLANNER_ORDER.get(p, 9)),
             "layout": df["layout"].map(lambda x: LAYOUT_ORDER.get(x, 9)),
+            "max_seqs": df["max_seqs_per_microbatch"].fillna(0),  # no cap first, then caps ascending
             "started": df["started_at"].fillna(""),
         }
     )
-    columns = ["unrecorded", "setting", "backend", "budget", "mtpm", "mbs", "planner", "layout", "started"]
+    columns = ["unrecorded", "setting", "backend", "budget", "mtpm", "mbs", "planner", "layout", "max_seqs", "started"]
     order = key.sort_values(columns, kind="stable").index
     return df.loc[order].reset_index(drop=True)
 

@@ -50,6 +50,7 @@ class PlanBlocks:
     rank_cost: list[float] = field(default_factory=list)
     rank_real_tokens: list[int] = field(default_factory=list)
     rank_padded_tokens: list[int] = field(default_factory=list)
+    max_seqs_per_microbatch: Optional[int] = None  # the plan's cap on sequences per micro-batch (None: none)
 
     @property
     def world_size(self) -> int:
@@ -157,6 +158,7 @@ def plan_blocks(doc: dict) -> PlanBlocks:
         rank_cost=[sum(b.cost for b in row) for row in blocks],
         rank_real_tokens=[sum(b.real_tokens for b in row) for row in blocks],
         rank_padded_tokens=[sum(b.real_tokens + b.padding_tokens for b in row) for row in blocks],
+        max_seqs_per_microbatch=doc.get("max_seqs_per_microbatch"),  # absent from plans written before the cap
     )
 
 

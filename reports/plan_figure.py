@@ -29,6 +29,8 @@ def describe(pb: PlanBlocks, workload: Optional[str] = None) -> tuple[list[str],
     else:
         budget = f"fixed {pb.micro_batch_size or 1} sequence(s) / micro-batch"
     title = [f"{pb.backend or 'backend ?'}", f"{pb.planner or 'planner ?'} planner", f"{pb.layout} layout", budget]
+    if pb.max_seqs_per_microbatch is not None:
+        title.append(f"≤ {pb.max_seqs_per_microbatch} sequences / micro-batch")
     what = f"{pb.n_sequences:,} sequences" + (f" of {workload}" if workload else "") + f", {pb.real_tokens:,} tokens"
     ranks = f"{pb.world_size} rank{'s' if pb.world_size != 1 else ''}"
     if pb.lockstep:

@@ -1,4 +1,4 @@
-"""Plots: tok/s against mtpm per backend, pass, planner and layout (fixed-mbs runs as reference lines), pad efficiency against mtpm."""
+"""Plots: tok/s against mtpm per backend, pass, planner, layout and cap (fixed-mbs runs as reference lines), pad efficiency against mtpm."""
 
 from __future__ import annotations
 
@@ -11,6 +11,16 @@ from reports.collect import BACKEND_LABEL, PASSES
 PLOT_FILES = ("tok_per_s.png", "pad_efficiency.png")
 MARKERS = ("o", "s", "^", "D")
 PASS_TITLE = {"forward": "forward", "forward_backward": "forward + backward"}
+
+
+def _lines(frame: pd.DataFrame):
+    """One line per planner, layout and cap on sequences per micro-batch: (its label, its points), in that order.
+
+    No cap (every run before the cap existed) is a group of its own, labelled as lines always were.
+    """
+    cap = frame["max_seqs_per_microbatch"] if "max_seqs_per_microbatch" in frame else float("nan")
+    for (planner, layout, n), pts in frame.assign(cap=cap).groupby(["planner", "layout", "cap"], sort=True, dropna=False):
+        yield f"{planner} {layout}" + ("" if pd.isna(n) else f" ≤{int(n)} seqs"), pts
 
 
 def plot_paths(out_dir: Path) -> list[Path]:
@@ -38,11 +48,11 @@ def write_plots(df: pd.DataFrame, out_dir: Path) -> list[Path]:
             color = colors[i % len(colors)]
             label = f"{BACKEND_LABEL.get(backend, backend)}, {devices}"
             mine = budget[(budget["backend"] == backend) & (budget["devices"] == devices)]
-            # one line per planner and layout: the original greedy padded solid, the others dashed/dotted
-            for k, ((planner, layout), pts) in enumerate(mine.groupby(["planner", "layout"], sort=True)):
+            # one line per planner and layout (and cap): the original greedy padded solid, the others dashed/dotted
+            for k, (batching, pts) in enumerate(_lines(mine)):
                 pts = pts.sort_values("mtpm")
                 ax.plot(pts["mtpm"], pts[col], marker=MARKERS[k % len(MARKERS)], color=color,
-                        linestyle=("-", "--", "-.", ":")[k % 4], label=f"{label}, {planner} {layout}")
+                        linestyle=("-", "--", "-.", ":")[k % 4], label=f"{label}, {batching}")
             base = fixed[(fixed["backend"] == backend) & (fixed["devices"] == devices)]
             for j, r in enumerate(base.itertuples(index=False)):
                 ax.axhline(getattr(r, col), color=color, linestyle=("--", ":", "-.")[j % 3], linewidth=1,
@@ -63,11 +73,11 @@ def write_plots(df: pd.DataFrame, out_dir: Path) -> list[Path]:
     planned = df[df["mtpm"].notna() & df["pad_efficiency"].notna()]
     for i, (backend, devices) in enumerate(dict.fromkeys(zip(planned["backend"], planned["devices"]))):
         mine = planned[(planned["backend"] == backend) & (planned["devices"] == devices)]
-        for k, ((planner, layout), pts) in enumerate(mine.groupby(["planner", "layout"], sort=True)):
+        for k, (batching, pts) in enumerate(_lines(mine)):
             pts = pts.sort_values("mtpm")
             ax.plot(pts["mtpm"], 100 * pts["pad_efficiency"], marker=MARKERS[k % len(MARKERS)],
                     color=colors[i % len(colors)], linestyle=("-", "--", "-.", ":")[k % 4],
-                    label=f"{BACKEND_LABEL.get(backend, backend)}, {devices}, {planner} {layout}")
+                    label=f"{BACKEND_LABEL.get(backend, backend)}, {devices}, {batching}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("max tokens per micro-batch (mtpm)")
     ax.set_ylabel("pad efficiency (real / padded tokens), %")

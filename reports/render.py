@@ -102,10 +102,18 @@ def speedups(df: pd.DataFrame) -> list[Optional[float]]:
     return out
 
 
+def _cap(r) -> Optional[int]:
+    """A row's cap on sequences per micro-batch; None: no cap (every result written before the cap existed)."""
+    cap = getattr(r, "max_seqs_per_microbatch", None)
+    return None if _missing(cap) else int(cap)
+
+
 def _describe_batching(r) -> str:
+    cap = _cap(r)
+    seqs = "" if cap is None else f" ≤{cap} seqs"
     if _missing(r.mtpm):
-        return f"fixed mbs={int(r.mbs)}"
-    return f"{r.planner} {r.layout} mtpm={int(r.mtpm):,}"
+        return f"fixed mbs={int(r.mbs)}{seqs}"
+    return f"{r.planner} {r.layout} mtpm={int(r.mtpm):,}{seqs}"
 
 
 def fastest_lines(df: pd.DataFrame) -> list[str]:
@@ -132,6 +140,7 @@ def table_frame(df: pd.DataFrame, base: Optional[Path] = None) -> pd.DataFrame:
 
     A ``plan_png`` column (set where runs left a plan.json) adds a "plan" column
     linking each row's plan figure, relative to ``base`` (the markdown file's folder).
+    A "max seqs" column after the layout is there only when a row capped its sequences per micro-batch.
     """
     rows = []
     for r, speedup in zip(df.itertuples(index=False), speedups(df)):
@@ -159,6 +168,9 @@ def table_frame(df: pd.DataFrame, base: Optional[Path] = None) -> pd.DataFrame:
             ]
         )
     frame = pd.DataFrame(rows, columns=COLUMNS)
+    caps = [_cap(r) for r in df.itertuples(index=False)]
+    if any(c is not None for c in caps):  # only where a row has a cap: tables of uncapped runs read as they always did
+        frame.insert(COLUMNS.index("layout") + 1, "max seqs", ["—" if c is None else str(c) for c in caps])
     if "plan_png" in df and df["plan_png"].notna().any():
         frame["plan"] = [_plan_link(png, base) for png in df["plan_png"]]
     return frame

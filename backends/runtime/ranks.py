@@ -199,6 +199,7 @@ def run_command(
             micro_batch_size=command.micro_batch_size,
             lockstep=lockstep,
             planner=command.planner,
+            max_seqs=command.max_seqs_per_microbatch,  # the lower bound counts the cap, as the controller's plan does
         ).as_dict(),
         grad_norm=grad_norm,
         mem_peak_bytes=max(peaks) if peaks else None,

@@ -203,6 +203,27 @@ def test_fsdp2_a_short_rank_runs_a_dummy_step_and_the_gradient_is_the_oracles():
     assert math.isclose(result.grad_norm, oracle(examples)["grad_norm"], rel_tol=1e-4)
 
 
+@pytest.mark.parametrize("name", ["fsdp2", "megatron_ddp"])
+def test_every_rank_plans_with_the_cap_and_the_gradient_is_the_oracles(name):
+    """Issue 23: the cap on sequences per micro-batch rides in each rank's command and every rank plans its row with
+    it: rows of 3 become rows of at most 2 on both ranks, the gathered plan's lower bound counts the cap (1 step
+    without it), and the answer is still the hand-computed one."""
+    from backends.planning import lower_bound_steps
+
+    examples = tiny_examples()
+    lengths = [len(e) for e in examples]
+    with make_backend(BackendSpec(name=name, world_size=2, device="cpu"), ModelSpec()) as backend:
+        result = backend.run_pass(make_command("forward_backward", examples, 30, 1, planner="balanced", layout="packed",
+                                               max_seqs_per_microbatch=2))
+    plan = result.plan
+    assert plan["max_microbatch_size"] == 2 and plan["n_microbatches"] == [2, 2] and plan["max_seqs_per_microbatch"] == 2
+    assert plan["lower_bound_steps"] == lower_bound_steps(lengths, 2, 30, 1, max_seqs=2) == 2
+    expected = oracle(examples)
+    for i, out in enumerate(result.outputs):
+        assert math.isclose(out.loss, expected["losses"][i], rel_tol=1e-4)
+    assert math.isclose(result.grad_norm, expected["grad_norm"], rel_tol=1e-4), (name, result.grad_norm)
+
+
 def test_a_step_count_mismatch_is_a_clear_error_in_seconds():
     """A rank that would skip its dummy steps: named with both counts before any step, not a crash or a hang."""
     before = _pids(worker_children())

@@ -155,6 +155,8 @@ def _one_error_line(proc) -> str:
         ("layout=zigzag", "layout", "valid: padded, packed"),
         ("planner=magic", "planner", "valid: greedy, balanced"),
         ("planner=balanced", "planner", "mtpm"),  # mtpm is null here: fixed slices have no budget to balance
+        ("max_seqs_per_microbatch=0", "max_seqs_per_microbatch", "positive integer or null"),
+        ("max_seqs_per_microbatch=true", "max_seqs_per_microbatch", "Integer"),  # a bool is not a count
         ("seed=-1", "seed", ">= 0"),
         ("workload.seed=-1", "workload.seed", "0..4294967295"),
         ("backend.logprob_chunk_tokens=0", "backend.logprob_chunk_tokens", "positive integer or null"),
@@ -195,6 +197,26 @@ def test_lengths_files_as_editors_and_tools_write_them(workdir):
         assert proc.returncode == 2, proc.stdout + proc.stderr
         line = _one_error_line(proc)
         assert "workload.path" in line and str(path) in line and needle in line, line
+
+
+def test_a_histogram_lengths_file_plans_a_drawn_batch_and_says_what_it_read(workdir):
+    """Issue 23: length,count lines, 5,000 sequences drawn from them by count; results.json says what was read."""
+    hist = workdir / "lengths.csv"
+    hist.write_text("length,count\n# a corpus of 1,000,000 sequences in 4 lines\n48,500000\n200, 300000\n"
+                    "450 ,150000\n2000,50000\n")
+    run = workdir / "run"
+    proc = run_harness("dry_run=true", "workload=lengths_file", f"workload.path={hist}", "workload.n_examples=5000",
+                       "planner=balanced", "layout=packed", "mtpm=512", f"hydra.run.dir={run}", cwd=workdir)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    res, plan = load_json(run / "results.json"), load_json(run / "plan.json")
+    assert res["status"] == "planned"
+    wl = res["workload"]
+    assert wl["name"] == "lengths_file" and wl["n_examples"] == 5000 and len(plan["lengths"]) == 5000
+    assert wl["file"] == {"path": str(hist), "format": "histogram", "distinct_lengths": 4, "sequences": 1_000_000,
+                          "sampled": 5000, "order": "sampled"}
+    assert set(plan["lengths"]) == {48, 200, 450, 2000} and wl["total_tokens"] == sum(plan["lengths"])
+    assert 0.45 < plan["lengths"].count(48) / 5000 < 0.55  # drawn by count: half the corpus is 48 tokens long
+    assert res["plan"]["over_budget"] == plan["lengths"].count(2000)  # only the sequences longer than the budget
 
 
 def test_missing_checkpoint_is_one_line_naming_the_path(workdir):
@@ -264,6 +286,33 @@ def test_dry_runs_plan_every_planner_and_layout_and_write_plan_json(workdir):
             assert p["steps"] == 13 and p["critical_path"] <= 1.02
     assert seen == {("greedy", "padded"), ("greedy", "packed"), ("balanced", "padded"), ("balanced", "packed")}
     assert "critical path" in proc.stdout
+
+
+@pytest.mark.parametrize("planner, layout", [("balanced", "packed"), ("greedy", "padded")])
+def test_a_cap_on_sequences_per_micro_batch_holds_in_every_plan_and_in_its_bound(workdir, planner, layout):
+    """Issue 23: max_seqs_per_microbatch=3 reaches the plan, plan.json, results.json and the lower bound; on the
+    smoke workload (16 short sequences, a few thousand tokens in all) it is what bounds the steps, not the budget."""
+    from backends.planning import lower_bound_steps
+
+    sweep = workdir / "sweep"
+    proc = run_harness("-m", "dry_run=true", f"planner={planner}", f"layout={layout}", "mtpm=4096",
+                       "max_seqs_per_microbatch=3", "workload=cpu_mixed,smoke", f"hydra.sweep.dir={sweep}", cwd=workdir)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "at most 3 sequences per micro-batch" in proc.stdout + proc.stderr
+    points = sorted(p for p in sweep.iterdir() if (p / "results.json").exists())
+    assert len(points) == 2
+    for point in points:
+        res, plan = load_json(point / "results.json"), load_json(point / "plan.json")
+        assert res["status"] == "planned" and res["max_seqs_per_microbatch"] == plan["max_seqs_per_microbatch"] == 3
+        assert (res["planner"], res["layout"]) == (planner, layout)
+        batches = [b for s in plan["schedules"] for b in s if b is not None]
+        assert max(len(b) for b in batches) == res["plan"]["max_microbatch_size"] == 3
+        assert sorted(i for b in batches for i in b) == list(range(len(plan["lengths"])))
+        lengths, world = plan["lengths"], plan["world_size"]
+        bound = lower_bound_steps(lengths, world, 4096, 1, max_seqs=3)
+        assert res["plan"]["lower_bound_steps"] == bound <= res["plan"]["steps"]
+        if res["workload"]["name"] == "smoke":  # 16 sequences, 3 at a time: at least 6 micro-batches over the ranks
+            assert bound >= math.ceil(math.ceil(16 / 3) / world) > lower_bound_steps(lengths, world, 4096, 1)
 
 
 def test_a_real_run_writes_the_plan_it_ran(workdir):

@@ -424,24 +424,30 @@ def test_a_restart_that_fails_keeps_the_server_down_with_the_first_cause():
 
 def test_a_packed_server_is_recorded_as_it_runs_by_its_client_and_keeps_its_budget(tmp_path):
     """Issue 22 (1, 6): a client of a balanced packed server recorded its own greedy padded planner and plan.json;
-    "unset" written into the server's control file made every pass a 500 and stuck as the last good budget."""
-    s = start_server(tmp_path, "backend=pytorch", "workload=smoke", "layout=packed", "planner=balanced", "mtpm=4096")
+    "unset" written into the server's control file made every pass a 500 and stuck as the last good budget.
+    Issue 23: its cap on sequences per micro-batch is fixed for its life and recorded by its client the same way."""
+    s = start_server(tmp_path, "backend=pytorch", "workload=smoke", "layout=packed", "planner=balanced", "mtpm=4096",
+                     "max_seqs_per_microbatch=2")
     try:
         health = s.call("GET", "/healthz", token=None)[1]
         assert (health["layout"], health["planner"]) == ("packed", "balanced") and health["cost_model"]["a"] > 0
+        assert health["max_seqs_per_microbatch"] == 2
         run = tmp_path / "client"
         proc = run_harness(f"target.url={s.url}", "mtpm=4096", "workload=smoke", "workload.n_examples=6",
                            "bench.warmup=0", "bench.repeat=1", "logger=none", f"hydra.run.dir={run}",
                            cwd=tmp_path, env=_no_token_env())
         assert proc.returncode == 0, proc.stdout + proc.stderr
-        assert "plans with planner=balanced layout=packed" in proc.stdout + proc.stderr  # it says it records the server's
+        # it says it records the server's
+        assert "plans with planner=balanced layout=packed max_seqs_per_microbatch=2" in proc.stdout + proc.stderr
         res, plan = load_json(run / "results.json"), load_json(run / "plan.json")
-        assert (res["planner"], res["layout"]) == ("balanced", "packed")
+        assert (res["planner"], res["layout"], res["max_seqs_per_microbatch"]) == ("balanced", "packed", 2)
+        assert res["plan"]["max_seqs_per_microbatch"] == plan["max_seqs_per_microbatch"] == 2
         assert (res["plan"]["planner"], res["plan"]["layout"], res["plan"]["pad_efficiency"]) == ("balanced", "packed", 1.0)
         # plan.json is the plan the server ran: the same planner, layout, cost model and micro-batch count
         assert (plan["planner"], plan["layout"], plan["cost_model"]) == ("balanced", "packed", health["cost_model"])
         ran = [b for s_ in plan["schedules"] for b in s_ if b is not None]
         assert len(ran) == sum(res["plan"]["n_microbatches"])
+        assert max(len(b) for b in ran) == res["plan"]["max_microbatch_size"] == 2  # the server's cap is what ran
 
         s.control.write_text('{"max_tokens_per_microbatch": "unset", "micro_batch_size": 1}')
         for _ in range(2):

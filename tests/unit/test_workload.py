@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from backends.errors import UserError
-from harness.workload import WorkloadSpec, make_examples, mixed_lengths, read_lengths_file, workload_lengths
+from harness.workload import (WorkloadSpec, load_lengths_file, load_workload, make_examples, mixed_lengths, read_lengths_file,
+                              workload_lengths)
 
 
 def test_seed_workload_is_the_published_one():
@@ -51,8 +52,9 @@ def test_lengths_file(tmp_path):
     f = tmp_path / "lengths.txt"
     f.write_text("# my data\n12\n\n700  # a long one\n3\n")
     assert read_lengths_file(str(f)) == [12, 700, 3]
-    spec = WorkloadSpec(name="lengths_file", kind="lengths_file", path=str(f))
+    spec = WorkloadSpec(name="lengths_file", kind="lengths_file", path=str(f), n_examples=0)  # as the preset has it
     assert workload_lengths(spec) == [12, 700, 3]
+    assert workload_lengths(WorkloadSpec(name="lengths_file", kind="lengths_file", path=str(f), n_examples=None)) == [12, 700, 3]
 
 
 @pytest.mark.parametrize(
@@ -122,3 +124,110 @@ def test_signs_and_spaces_around_a_length(tmp_path):
     f.write_text("12\n-3\n")
     with pytest.raises(UserError, match=r"lengths.txt:2: length -3 is not positive"):
         read_lengths_file(str(f))
+
+
+# --- histograms: length,count lines (issue 23) ----------------------------------------------------------------------
+
+HISTOGRAM = "# my corpus\nlength, count\n64 , 10\n\n128,5  # a comment\n4096,1\n"
+
+
+def _file_spec(path, n_examples=0, seed=42) -> WorkloadSpec:
+    return WorkloadSpec(name="lengths_file", kind="lengths_file", path=str(path), n_examples=n_examples, seed=seed)
+
+
+def test_a_histogram_is_read_as_its_lines(tmp_path):
+    f = tmp_path / "lengths.csv"
+    f.write_text(HISTOGRAM)
+    table = load_lengths_file(str(f))
+    assert table.format == "histogram" and table.lengths.tolist() == [64, 128, 4096] and table.counts.tolist() == [10, 5, 1]
+    assert (table.sequences, table.distinct_lengths) == (16, 3)
+    assert read_lengths_file(str(f)) == [64] * 10 + [128] * 5 + [4096]  # expanded as listed
+    f.write_text("100,2\n100,3\n")  # a length listed twice counts twice
+    assert load_lengths_file(str(f)).sequences == 5 and load_lengths_file(str(f)).distinct_lengths == 1
+    plain = tmp_path / "plain.txt"
+    plain.write_text("5\n5\n7\n")
+    table = load_lengths_file(str(plain))
+    assert (table.format, table.sequences, table.distinct_lengths, table.counts.tolist()) == ("lengths", 3, 2, [1, 1, 1])
+
+
+def test_the_whole_histogram_is_every_sequence_once_in_a_seeded_shuffle(tmp_path):
+    f = tmp_path / "lengths.csv"
+    f.write_text(HISTOGRAM)
+    workload = load_workload(_file_spec(f))
+    assert sorted(workload.lengths) == sorted(read_lengths_file(str(f)))  # every sequence, once
+    assert workload.lengths != sorted(workload.lengths)  # not the sorted order the file lists
+    assert workload.lengths == load_workload(_file_spec(f, n_examples=None)).lengths  # null is 0: the whole file
+    assert workload.lengths == load_workload(_file_spec(f)).lengths  # the same seed, the same order
+    assert workload.lengths != load_workload(_file_spec(f, seed=7)).lengths
+    assert workload.file == {"path": str(f), "format": "histogram", "distinct_lengths": 3, "sequences": 16,
+                             "sampled": None, "order": "shuffled"}
+
+
+@pytest.mark.parametrize("content", [HISTOGRAM, "64\n128\n4096\n64\n"], ids=["histogram", "plain"])
+def test_n_examples_draws_from_the_file_by_count_with_the_seed(tmp_path, content):
+    f = tmp_path / "lengths.csv"
+    f.write_text(content)
+    drawn = load_workload(_file_spec(f, n_examples=5000))
+    assert len(drawn.lengths) == 5000 and set(drawn.lengths) <= {64, 128, 4096}
+    assert drawn.lengths == load_workload(_file_spec(f, n_examples=5000)).lengths  # deterministic
+    assert drawn.lengths != load_workload(_file_spec(f, n_examples=5000, seed=1)).lengths
+    table = load_lengths_file(str(f))
+    weights = {int(n): int(table.counts[table.lengths == n].sum()) / table.sequences for n in set(table.lengths.tolist())}
+    for n, p in weights.items():  # weighted by count: 5000 draws land within a few standard deviations
+        assert abs(drawn.lengths.count(n) / 5000 - p) < 4 * (p * (1 - p) / 5000) ** 0.5 + 1e-9, (n, p)
+    assert drawn.file["sampled"] == 5000 and drawn.file["order"] == "sampled"
+    assert drawn.file["format"] == ("histogram" if "," in content else "lengths")
+
+
+def test_a_million_sequence_histogram_loads_and_draws_in_well_under_a_second(tmp_path):
+    import time
+
+    counts = np.full(400, 2500)  # 400 lines, 1,000,000 sequences
+    f = tmp_path / "big.csv"
+    f.write_text("length,count\n" + "".join(f"{64 + 80 * i},{c}\n" for i, c in enumerate(counts)))
+    started = time.perf_counter()
+    whole = load_workload(_file_spec(f))
+    drawn = load_workload(_file_spec(f, n_examples=100_000))
+    elapsed = time.perf_counter() - started
+    assert len(whole.lengths) == 1_000_000 and whole.file["sequences"] == 1_000_000 and len(drawn.lengths) == 100_000
+    assert elapsed < 1.0, elapsed  # numpy repeat and permutation, never a Python loop per sequence
+
+
+@pytest.mark.parametrize(
+    "content, line, needle",
+    [
+        ("100,3\n200,0\n", 2, "count 0 is not positive"),
+        ("100,3\n200,-4\n", 2, "count -4 is not positive"),
+        ("100,3\n200,1.5\n", 2, "count '1.5' is not an integer"),
+        ("100,3\n200,x\n", 2, "count 'x' is not an integer"),
+        ("length,count\n0,3\n", 2, "length 0 is not positive"),
+        ("100,3\n1_000,2\n", 2, "length '1_000' is not an integer"),
+        ("100,3\n200,1,7\n", 2, "'200,1,7' has 3 fields (expected length,count"),
+        ("100,3\n# fine\n200,\n", 3, "count '' is not an integer"),
+        ("100,3\n200\n", 2, "'200' has no count (length,count) in a file of length,count lines (as line 1 is)"),
+        ("length,count\n200\n", 2, "in a file of length,count lines (as its header on line 1 says)"),
+        ("100\n200,3\n", 2, "'200,3' has a comma (length,count) in a file of one length per line (as line 1 is)"),
+        ("100\nabc\n", 2, "'abc' is not an integer (expected a positive length in ASCII digits 0-9: this file is one"),
+        ("abc\n", 1, "'abc' is not an integer (expected one positive length per line, in ASCII digits 0-9, or length,count"),
+        ("length,count\n", None, "holds no lengths"),
+    ],
+)
+def test_a_bad_line_of_a_histogram_is_one_line_naming_it(tmp_path, content, line, needle):
+    f = tmp_path / "lengths.csv"
+    f.write_text(content)
+    with pytest.raises(UserError) as info:
+        load_lengths_file(str(f))
+    message = str(info.value)
+    assert message.startswith(f"workload.path: {f}" + (f":{line}: " if line else " ")) and "\n" not in message, message
+    assert needle in message, message
+    if "fields" in needle or "comma" in needle or "no count" in needle:
+        assert "length,count" in message  # what is valid
+
+
+def test_a_negative_n_examples_for_a_lengths_file_names_the_key(tmp_path):
+    f = tmp_path / "lengths.txt"
+    f.write_text("100\n")
+    with pytest.raises(UserError, match=r"^workload.n_examples: must be >= 0 or null for a lengths file .* got -3$"):
+        load_workload(_file_spec(f, n_examples=-3))
+    with pytest.raises(UserError, match=r"^workload.n_examples: must be a positive integer, got null$"):
+        load_workload(WorkloadSpec(name="x", n_examples=None))
