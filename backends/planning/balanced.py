@@ -58,6 +58,7 @@ _MIN_WORK = 400_000
 _MAX_WORK = 400_000
 _CANDIDATES = 24  # sequences of one micro-batch considered for a move or swap
 _MIN_CALL = 50_000  # evaluations one search for a transfer between two ranks may always use
+_OVERRUN = 200_000  # the last round of transfers may finish its searches this far past the budget
 _PADDED_IMBALANCE = 1.005  # padded: per-rank cost max/mean worth a step more (issue 10)
 _PADDED_RETRIES = 8  # padded: at most this many steps more than the fewest, each a whole planning pass
 _PADDED_SEARCH = 8  # padded: the retries together use at most this many times one plan's refinement work
@@ -679,7 +680,7 @@ def _assign_ranks(grid: _Grid, work: int) -> tuple[list[list[int]], int]:
         hi = max(range(W), key=lambda r: (totals[r], -r))
         best_gain, best = tol, None
         for lo in sorted(range(W), key=lambda r: (totals[r], r)):
-            if totals[hi] - totals[lo] <= tol:
+            if totals[hi] - totals[lo] <= tol or work <= -_OVERRUN:
                 break
             gain, transfer, used = _best_transfer(b, slots, maxima, totals, hi, lo, max(work, _MIN_CALL))
             work -= used

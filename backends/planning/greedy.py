@@ -28,14 +28,16 @@ def _greedy_token_budget(order: Sequence[int], lengths: Sequence[int], max_token
     cap = max_seqs or len(order) + 1
     batches: list[MicroBatch] = []
     current: MicroBatch = []
-    current_max = 0
+    current_max = count = 0
     for idx in order:
         n = lengths[idx]
-        if current and ((len(current) + 1) * max(current_max, n) > max_tokens or len(current) == cap):
+        longest = n if n > current_max else current_max
+        if count and ((count + 1) * longest > max_tokens or count == cap):
             batches.append(current)
-            current, current_max = [], 0
-        current.append(idx)
-        current_max = max(current_max, n)
+            current, current_max, count = [idx], n, 1
+        else:
+            current.append(idx)
+            current_max, count = longest, count + 1
     if current:
         batches.append(current)
     return batches
@@ -119,14 +121,15 @@ def greedy_packed_microbatches(order: Sequence[int], lengths: Sequence[int], max
     cap = max_seqs or len(order) + 1
     batches: list[MicroBatch] = []
     current: MicroBatch = []
-    total = 0
+    total = count = 0
     for idx in order:
         n = lengths[idx]
-        if current and (total + n > max_tokens or len(current) == cap):
+        if count and (total + n > max_tokens or count == cap):
             batches.append(current)
-            current, total = [], 0
-        current.append(idx)
-        total += n
+            current, total, count = [idx], n, 1
+        else:
+            current.append(idx)
+            total, count = total + n, count + 1
     if current:
         batches.append(current)
     return batches

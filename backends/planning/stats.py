@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -144,60 +145,50 @@ def plan_stats(
     ``lockstep`` says step s of every rank runs together (FSDP2): the critical
     path is then the sum over steps of the costliest rank's micro-batch; ranks
     that run independently wait only for the busiest rank (max / mean).
-    One pass over the sequences (each length's cost computed once).
+    Vectorised over the sequences (each distinct length's cost computed once).
     """
     cost_model = cost_model or CostModel.tokens()
     packed = layout == "packed"
-    seq_cost: dict[int, float] = {}
-    for n in set(lengths):
-        seq_cost[n] = cost_model.sequence(n)
-    index_cost = list(map(seq_cost.__getitem__, lengths))
+    L = np.asarray(lengths, dtype=np.int64)
+    uniq, inv = np.unique(L, return_inverse=True)  # each distinct length's cost, computed once
+    ucost = np.array([cost_model.sequence(int(n)) for n in uniq], dtype=np.float64)
     real_per_rank, padded_per_rank, n_mb, n_dummy, cost_per_rank = [], [], [], [], []
-    batch_costs: list[list[float]] = []  # per rank, per step (0 for a dummy)
+    step_costs = np.zeros((len(schedules), max((len(s) for s in schedules), default=0)))  # rank x step, 0 for a dummy
     max_padded, max_size, over = 0, 0, 0
-    for schedule in schedules:
-        real = padded = mb = dummy = 0
-        cost = 0.0
-        mine = []
-        for batch in schedule:
-            if batch is None:
-                dummy += 1
-                mine.append(0.0)
-                continue
-            mb += 1
-            if not batch:
-                mine.append(0.0)
-                continue
-            total = sum(map(lengths.__getitem__, batch))
-            real += total
-            if packed:
-                tokens, c = total, sum(map(index_cost.__getitem__, batch))
-            else:
-                longest = max(map(lengths.__getitem__, batch))
-                tokens, c = len(batch) * longest, len(batch) * seq_cost[longest]
-            padded += tokens
-            cost += c
-            mine.append(c)
-            if tokens > max_padded:
-                max_padded = tokens
-            if len(batch) > max_size:
-                max_size = len(batch)
-            if max_tokens is not None and tokens > max_tokens:
-                over += 1
-        real_per_rank.append(real)
-        padded_per_rank.append(padded)
-        n_mb.append(mb)
-        n_dummy.append(dummy)
-        cost_per_rank.append(cost)
-        batch_costs.append(mine)
+    for r, schedule in enumerate(schedules):
+        at = [k for k, batch in enumerate(schedule) if batch]
+        n_mb.append(sum(1 for batch in schedule if batch is not None))
+        n_dummy.append(len(schedule) - n_mb[-1])
+        if not at:
+            real_per_rank.append(0)
+            padded_per_rank.append(0)
+            cost_per_rank.append(0.0)
+            continue
+        sizes = np.fromiter((len(schedule[k]) for k in at), dtype=np.int64, count=len(at))
+        flat = np.fromiter(itertools.chain.from_iterable(schedule[k] for k in at), dtype=np.int64, count=int(sizes.sum()))
+        starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+        lens = L[flat]
+        real = np.add.reduceat(lens, starts)
+        if packed:
+            tokens, costs = real, np.add.reduceat(ucost[inv[flat]], starts)
+        else:
+            longest = np.maximum.reduceat(lens, starts)
+            tokens, costs = sizes * longest, sizes * ucost[np.searchsorted(uniq, longest)]
+        step_costs[r, at] = costs
+        real_per_rank.append(int(real.sum()))
+        padded_per_rank.append(int(tokens.sum()))
+        cost_per_rank.append(float(costs.sum()))
+        max_padded = max(max_padded, int(tokens.max()))
+        max_size = max(max_size, int(sizes.max()))
+        if max_tokens is not None:
+            over += int(np.count_nonzero(tokens > max_tokens))
     real_total, padded_total = sum(real_per_rank), sum(padded_per_rank)
     world = max(1, len(schedules))
     mean_cost = sum(cost_per_rank) / world
     imbalance = max(cost_per_rank) / mean_cost if mean_cost > 0 else 1.0
-    steps = max((len(s) for s in schedules), default=0)
+    steps = step_costs.shape[1]
     if lockstep and mean_cost > 0:
-        per_step = [max(c[k] if k < len(c) else 0.0 for c in batch_costs) for k in range(steps)]
-        critical = sum(per_step) / mean_cost
+        critical = float(step_costs.max(axis=0).sum()) / mean_cost
     else:
         critical = imbalance
     return PlanStats(
