@@ -48,9 +48,30 @@ MUTATIONS = (
     Mutation(
         "greedy closes a micro-batch at the budget (> becomes >=)",
         "backends/planning/greedy.py",
-        "if current and (len(current) + 1) * max(current_max, n) > max_tokens:",
-        "if current and (len(current) + 1) * max(current_max, n) >= max_tokens:",
+        "if count and ((count + 1) * longest > max_tokens or count == cap):",
+        "if count and ((count + 1) * longest >= max_tokens or count == cap):",
         ("tests/unit/test_microbatch.py::test_greedy_closes_a_batch_only_when_the_next_sequence_does_not_fit",),
+    ),
+    Mutation(
+        "the histogram packer's best fit forgets the cap on sequences per micro-batch",
+        "backends/planning/balanced.py",
+        "q = int(min(room // length, cap - self.cnt[g]))",
+        "q = int(room // length)",
+        ("tests/unit/test_planner_scaling.py::test_histogram_best_fit_decreasing_packs_as_the_one_at_a_time_form",),
+    ),
+    Mutation(
+        "the balanced planner's LPT keeps filling a micro-batch past the cap",
+        "backends/planning/balanced.py",
+        "                if len(group) >= cap:\n",
+        "                if False:\n",
+        ("tests/unit/test_planner_scaling.py::test_the_cap_is_part_of_the_lower_bound_and_the_balanced_planner_reaches_it",),
+    ),
+    Mutation(
+        "the lower bound leaves out the cap on sequences",
+        "backends/planning/stats.py",
+        "    if max_seqs:\n        most = min(most, max_seqs)\n",
+        "",
+        ("tests/unit/test_planner_scaling.py::test_the_cap_is_part_of_the_lower_bound_and_the_balanced_planner_reaches_it",),
     ),
     Mutation(
         "FSDP2 drops its dummy steps",

@@ -48,6 +48,8 @@ import itertools
 import math
 from typing import Optional, Sequence
 
+import numpy as np
+
 from backends.planning.cost import CostModel
 from backends.planning.greedy import Schedule, _greedy_token_budget, deal_to_ranks, sort_by_length
 from backends.planning.stats import lower_bound_bins
@@ -391,17 +393,15 @@ class _Runs:
     """
 
     def __init__(self, lengths: Sequence[int], costs: Sequence[float], budget: int, max_seqs: Optional[int]):
-        self.order = sort_by_length(lengths)
+        L = np.asarray(lengths, dtype=np.int64)
+        by_length = np.argsort(-L, kind="stable")  # sort_by_length
+        self.order = by_length.tolist()
         self.n, self.B, self.max_seqs = len(self.order), budget, max_seqs or len(self.order)
         # blocks of equal length in the sorted order: [end position, length, cost of one]
-        self.blocks: list[list] = []
-        for p, i in enumerate(self.order):
-            if not self.blocks or self.blocks[-1][1] != lengths[i]:
-                if self.blocks:
-                    self.blocks[-1][0] = p
-                self.blocks.append([0, lengths[i], costs[i]])
-        if self.blocks:
-            self.blocks[-1][0] = self.n
+        ordered = L[by_length]
+        starts = [0, *(np.flatnonzero(np.diff(ordered)) + 1).tolist()] if self.n else []
+        ends = starts[1:] + [self.n]
+        self.blocks: list[list] = [[end, int(ordered[a]), costs[self.order[a]]] for a, end in zip(starts, ends)]
         self.spans: list[tuple[int, int, int]] = []  # of the last cut: (first position, run size, runs)
 
     def size(self, length: int, cost: float, cap: float) -> int:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Optional, Sequence, Sized
 
+import numpy as np
+
 # A schedule is one rank's ordered list of micro-batches. A micro-batch is a
 # list of example indices into the whole request; ``None`` is a dummy entry
 # that only exists so all ranks call the model the same number of times.
@@ -17,20 +19,18 @@ def sort_by_length(lengths: Sequence[int]) -> list[int]:
     Longest first puts the largest micro-batch at the start of a pass, so a
     budget that does not fit fails on the first step rather than the last.
     """
-    if not isinstance(lengths, list):
-        lengths = list(lengths)
-    # reverse=True keeps equal keys in their original (index) order: the same as key (-length, index), in C
-    return sorted(range(len(lengths)), key=lengths.__getitem__, reverse=True)
+    # a stable sort of the negated lengths keeps equal ones in index order: key (-length, index), in numpy
+    return np.argsort(-np.asarray(lengths, dtype=np.int64), kind="stable").tolist()
 
 
 def _greedy_token_budget(order: Sequence[int], lengths: Sequence[int], max_tokens: int,
-                         max_seqs: Optional[int] = None) -> list[MicroBatch]:
+                         max_seqs: Optional[int] = None, order_lengths: Optional[Sequence[int]] = None) -> list[MicroBatch]:
+    """``order_lengths``: the lengths of ``order``'s examples, in that order, where the caller has them (read in sequence)."""
     cap = max_seqs or len(order) + 1
     batches: list[MicroBatch] = []
     current: MicroBatch = []
     current_max = count = 0
-    for idx in order:
-        n = lengths[idx]
+    for idx, n in zip(order, order_lengths if order_lengths is not None else map(lengths.__getitem__, order)):
         longest = n if n > current_max else current_max
         if count and ((count + 1) * longest > max_tokens or count == cap):
             batches.append(current)
@@ -94,23 +94,26 @@ def microbatches_for_rank(
     micro_batch_size: int,
     layout: str = "padded",
     max_seqs: Optional[int] = None,
+    order_lengths: Optional[Sequence[int]] = None,
 ) -> list[MicroBatch]:
     """One rank's micro-batches: token budget when ``max_tokens`` is set, else fixed size.
 
     ``layout="packed"`` bounds the sum of lengths instead of ``count * longest``.
     ``max_seqs`` (None: no cap) also starts a new micro-batch once one holds that many sequences.
+    ``order_lengths``: the lengths of ``rank_indices`` in order, where the caller has them.
     """
     if max_tokens is None:
         return make_fixed_size_microbatches(rank_indices, micro_batch_size, max_seqs)
     if max_tokens <= 0:
         raise ValueError(f"max_tokens must be a positive integer, got {max_tokens}")
     if layout == "packed":
-        return greedy_packed_microbatches(rank_indices, lengths, max_tokens, max_seqs)
-    return _greedy_token_budget(rank_indices, lengths, max_tokens, max_seqs)
+        return greedy_packed_microbatches(rank_indices, lengths, max_tokens, max_seqs, order_lengths)
+    return _greedy_token_budget(rank_indices, lengths, max_tokens, max_seqs, order_lengths)
 
 
 def greedy_packed_microbatches(order: Sequence[int], lengths: Sequence[int], max_tokens: int,
-                               max_seqs: Optional[int] = None) -> list[MicroBatch]:
+                               max_seqs: Optional[int] = None,
+                               order_lengths: Optional[Sequence[int]] = None) -> list[MicroBatch]:
     """Greedy over ``order`` for packed micro-batches: a new one starts when the sum of lengths would pass ``max_tokens``.
 
     Sequences are laid end to end with no padding, so the budget bounds the sum,
@@ -122,8 +125,7 @@ def greedy_packed_microbatches(order: Sequence[int], lengths: Sequence[int], max
     batches: list[MicroBatch] = []
     current: MicroBatch = []
     total = count = 0
-    for idx in order:
-        n = lengths[idx]
+    for idx, n in zip(order, order_lengths if order_lengths is not None else map(lengths.__getitem__, order)):
         if count and (total + n > max_tokens or count == cap):
             batches.append(current)
             current, total, count = [idx], n, 1

@@ -5,9 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+import numpy as np
+
 from backends.planning.balanced import balanced_schedules
 from backends.planning.cost import LAYOUTS, CostModel
-from backends.planning.greedy import Schedule, align_schedules, deal_to_ranks, microbatches_for_rank, sort_by_length
+from backends.planning.greedy import Schedule, align_schedules, deal_to_ranks, microbatches_for_rank
 from backends.planning.stats import PlanStats, plan_stats
 
 PLANNERS = ("greedy", "balanced")
@@ -144,10 +146,14 @@ def plan_batch(
         grid = balanced_schedules(lengths, world_size, max_tokens_per_microbatch, layout, cost_model, cap)
         schedules = grid if align else [[b for b in s if b is not None] for s in grid]
     else:
-        order = sort_by_length(lengths)
+        L = np.asarray(lengths, dtype=np.int64)
+        by_length = np.argsort(-L, kind="stable")  # sort_by_length, with the sorted lengths read off in one gather
+        order, sorted_lengths = by_length.tolist(), L[by_length].tolist()
+        dealt = deal_to_ranks(order, world_size)
         per_rank = [
-            microbatches_for_rank(indices, lengths, max_tokens_per_microbatch, micro_batch_size, layout, cap)
-            for indices in deal_to_ranks(order, world_size)
+            microbatches_for_rank(indices, lengths, max_tokens_per_microbatch, micro_batch_size, layout, cap,
+                                  order_lengths=sorted_lengths[r::world_size])  # deal_to_ranks's cards, r, r+W, ...
+            for r, indices in enumerate(dealt)
         ]
         schedules = align_schedules(per_rank) if align else [list(s) for s in per_rank]
     stats = plan_stats(
