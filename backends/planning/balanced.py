@@ -63,6 +63,7 @@ _MIN_CALL = 50_000  # evaluations one search for a transfer between two ranks ma
 _OVERRUN = 200_000  # the last round of transfers may finish its searches this far past the budget
 _PADDED_IMBALANCE = 1.005  # padded: per-rank cost max/mean worth a step more (issue 10)
 _PADDED_RETRIES = 8  # padded: at most this many steps more than the fewest, each a whole planning pass
+_PADDED_FEW_STEPS = 64  # padded: only plans of at most this many steps try other cuts and more steps
 _PADDED_SEARCH = 8  # padded: the retries together use at most this many times one plan's refinement work
 
 
@@ -817,28 +818,33 @@ def _padded_plan(lengths: Sequence[int], costs: Sequence[float], B: int, W: int,
                  max_seqs: Optional[int] = None) -> tuple[_Bins, _Grid, list[list[int]]]:
     """Padded over several ranks: the fewest steps whose plan has ranks within ``_PADDED_IMBALANCE`` of each other.
 
-    With a few micro-batches per rank, padded ones are too coarse to even out
-    the ranks. Other counts of micro-batches cut the sorted lengths elsewhere,
+    With a few micro-batches per rank (``_PADDED_FEW_STEPS`` steps or fewer),
+    padded ones are too coarse to even out the ranks. Other counts of micro-batches cut the sorted lengths elsewhere,
     and more steps make them finer. So when S x W micro-batches over the fewest
     steps S leave the ranks uneven, every other count that fills those steps is
     tried (the most even within the target wins, ties: the shorter critical
     path), then one step more, and so on up to the original greedy planner's step count (no
     plan may take more). If none is within the target, the most even plan wins.
     The search stops once its attempts have used ``_PADDED_SEARCH`` times one
-    plan's refinement work, so many ranks over few steps still plan in seconds.
+    plan's refinement work (each attempt also counting its n sequences), so
+    many ranks over few steps, or many sequences, still plan in seconds.
     """
     greedy_steps = max(len(_greedy_token_budget(d, lengths, B, max_seqs)) for d in deal_to_ranks(sort_by_length(lengths), W))
     last = min(max(n_steps, greedy_steps), n_steps + _PADDED_RETRIES)
+    if n_steps > _PADDED_FEW_STEPS:
+        last = n_steps  # many micro-batches per rank are fine enough: what is left uneven, another cut will not fix
     best, best_key, spent = None, None, 0
     for steps in range(n_steps, last + 1):
         # S x W first (what suits the critical path best as a rule), then fewer, down to one over the last step
         counts = [steps * W, *range(steps * W - 1, max(n_fewest, (steps - 1) * W + 1) - 1, -1)]
+        if n_steps > _PADDED_FEW_STEPS:
+            counts = counts[:1]
         for n_bins in counts:
             if spent > _PADDED_SEARCH * work:
                 break
             *attempt, used = _padded_attempt(lengths, costs, B, W, cost_model, steps,
                                              _padded_groups(lengths, costs, B, n_bins, max_seqs), work, max_seqs)
-            spent += used
+            spent += used + len(lengths)  # an attempt's cutting, dealing and statistics are O(n) work too
             _, grid, slots = attempt
             totals = [sum(grid.bins.cost[slots[s][r]] for s in range(grid.S)) for r in range(W)]
             mean = sum(totals) / W
