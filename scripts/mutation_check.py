@@ -62,9 +62,9 @@ MUTATIONS = (
     Mutation(
         "the balanced planner's LPT keeps filling a micro-batch past the cap",
         "backends/planning/balanced.py",
-        "                if len(group) >= cap:\n",
-        "                if False:\n",
-        ("tests/unit/test_planner_scaling.py::test_the_cap_is_part_of_the_lower_bound_and_the_balanced_planner_reaches_it",),
+        "t = min(room // length, k // nb, cap - self.cnt[g])",
+        "t = min(room // length, k // nb)",
+        ("tests/unit/test_planner_scaling.py::test_the_cap_holds_where_a_few_cheap_micro_batches_take_many_short_sequences",),
     ),
     Mutation(
         "the lower bound leaves out the cap on sequences",

@@ -136,3 +136,11 @@ def test_planning_time_grows_about_linearly(name, budget, world):
     for planner, layout in (("balanced", "packed"), ("balanced", "padded")):
         ratio = _cpu_seconds(large, world, budget, planner, layout) / max(_cpu_seconds(small, world, budget, planner, layout), 1e-3)
         assert ratio <= 25, f"{planner} {layout}: t(30k) / t(3k) = {ratio:.1f}"
+
+
+def test_the_cap_holds_where_a_few_cheap_micro_batches_take_many_short_sequences():
+    """Two long sequences leave two of the four micro-batches empty and cheapest; ten short ones must still go three at most."""
+    lengths = [100, 100] + [1] * 10
+    plan = plan_batch(lengths, 1, 1000, planner="balanced", layout="packed", align=True, max_seqs_per_microbatch=3)
+    assert plan.stats.lower_bound_steps == plan.stats.steps == 4
+    assert plan.stats.max_microbatch_size == 3
