@@ -206,7 +206,7 @@ MUTATIONS = (
     Mutation(
         "a client records its own planner and layout, not the server's",
         "harness/app.py",
-        "layout, planner = backend.layout or b.layout, backend.planner or b.planner",
+        "layout, planner = backend.layout or layout, backend.planner or planner",
         "layout, planner = b.layout, b.planner",
         ("tests/integration/test_serve.py::test_a_packed_server_is_recorded_as_it_runs_by_its_client_and_keeps_its_budget",),
     ),
