@@ -51,7 +51,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from backends.planning.cost import CostModel
-from backends.planning.greedy import Schedule, _greedy_token_budget, deal_to_ranks, sort_by_length
+from backends.planning.greedy import Schedule, _greedy_token_budget, deal_to_ranks, length_order, sort_by_length
 from backends.planning.stats import lower_bound_bins
 
 # Bounds on refinement work (candidate evaluations), so huge inputs still plan in seconds.
@@ -394,12 +394,9 @@ class _Runs:
     """
 
     def __init__(self, lengths: Sequence[int], costs: Sequence[float], budget: int, max_seqs: Optional[int]):
-        L = np.asarray(lengths, dtype=np.int64)
-        by_length = np.argsort(-L, kind="stable")  # sort_by_length
-        self.order = by_length.tolist()
+        self.order, ordered = length_order(lengths)
         self.n, self.B, self.max_seqs = len(self.order), budget, max_seqs or len(self.order)
         # blocks of equal length in the sorted order: [end position, length, cost of one]
-        ordered = L[by_length]
         starts = [0, *(np.flatnonzero(np.diff(ordered)) + 1).tolist()] if self.n else []
         ends = starts[1:] + [self.n]
         self.blocks: list[list] = [[end, int(ordered[a]), costs[self.order[a]]] for a, end in zip(starts, ends)]
@@ -428,9 +425,6 @@ class _Runs:
             p = min(self.n, p + runs * k)
         self.spans = spans
         return self
-
-    def count(self) -> int:
-        return sum(r for _, _, r in self.spans)
 
     def costliest(self, costs: Sequence[float]) -> float:
         """The costliest run's ``count * cost(first)`` of the last cut."""

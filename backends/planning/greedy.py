@@ -19,8 +19,15 @@ def sort_by_length(lengths: Sequence[int]) -> list[int]:
     Longest first puts the largest micro-batch at the start of a pass, so a
     budget that does not fit fails on the first step rather than the last.
     """
+    return length_order(lengths)[0]
+
+
+def length_order(lengths: Sequence[int]) -> tuple[list[int], np.ndarray]:
+    """``sort_by_length``'s order, and the lengths in that order (one gather, for callers that read them in sequence)."""
+    L = np.asarray(lengths, dtype=np.int64)
     # a stable sort of the negated lengths keeps equal ones in index order: key (-length, index), in numpy
-    return np.argsort(-np.asarray(lengths, dtype=np.int64), kind="stable").tolist()
+    by_length = np.argsort(-L, kind="stable")
+    return by_length.tolist(), L[by_length]
 
 
 def _greedy_token_budget(order: Sequence[int], lengths: Sequence[int], max_tokens: int,

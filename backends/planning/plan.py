@@ -5,11 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-import numpy as np
-
 from backends.planning.balanced import balanced_schedules
 from backends.planning.cost import LAYOUTS, CostModel
-from backends.planning.greedy import Schedule, align_schedules, deal_to_ranks, microbatches_for_rank
+from backends.planning.greedy import Schedule, align_schedules, deal_to_ranks, length_order, microbatches_for_rank
 from backends.planning.stats import PlanStats, plan_stats
 
 PLANNERS = ("greedy", "balanced")
@@ -146,9 +144,8 @@ def plan_batch(
         grid = balanced_schedules(lengths, world_size, max_tokens_per_microbatch, layout, cost_model, cap)
         schedules = grid if align else [[b for b in s if b is not None] for s in grid]
     else:
-        L = np.asarray(lengths, dtype=np.int64)
-        by_length = np.argsort(-L, kind="stable")  # sort_by_length, with the sorted lengths read off in one gather
-        order, sorted_lengths = by_length.tolist(), L[by_length].tolist()
+        order, sorted_lengths = length_order(lengths)
+        sorted_lengths = sorted_lengths.tolist()
         dealt = deal_to_ranks(order, world_size)
         per_rank = [
             microbatches_for_rank(indices, lengths, max_tokens_per_microbatch, micro_batch_size, layout, cap,
