@@ -13,8 +13,11 @@ class BackendSpec:
     name: str = "pytorch"
     max_tokens_per_microbatch: Optional[int] = None
     micro_batch_size: int = 1
-    layout: str = "padded"  # padded (count x longest) or packed (sequences end to end)
-    planner: str = "greedy"  # greedy (the original greedy planner) or balanced
+    # padded (count x longest) or packed (sequences end to end); the harness config's null resolves by budget
+    # (harness.config.resolve_config: packed with a token budget, padded for fixed mbs slices)
+    layout: Optional[str] = "padded"
+    # greedy (the original greedy planner) or balanced; null resolves by budget (balanced with one, greedy without)
+    planner: Optional[str] = "greedy"
     max_seqs_per_microbatch: Optional[int] = None  # at most this many sequences per micro-batch; None = no cap
     gradient_checkpointing: bool = False
     world_size: Optional[int] = None  # None = one per visible GPU, else 2 CPU ranks (1 for pytorch)

@@ -9,11 +9,12 @@ config it reads is resolved by harness/config.py.
 
 from __future__ import annotations
 
+import json
 import logging
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -23,7 +24,7 @@ from backends.planning import CostModel, plan_batch
 from backends.planning.plan import PLAN_FILE
 from backends.registry import LOCKSTEP_BACKENDS
 from backends.runtime.job import resolve_world_size
-from harness.config import HarnessConfig, launcher_sets_world_size, resolve_config
+from harness.config import AUTO, HarnessConfig, launcher_sets_world_size, resolve_config, without_auto
 from harness.results import (OUTPUTS_FILE, RESULTS_FILE, PointResults, base_document, model_record,
                              workload_record, write_json_atomic, write_plan_json)
 from harness.roles import follow, leads, tell_launcher
@@ -42,6 +43,7 @@ class HydraRun:
     overrides: list[str]
     folder_key: str  # the config key that names the folder: hydra.run.dir, or hydra.sweep.dir in a multirun
     group: Optional[str]  # the sweep's W&B group (None for a single run)
+    sweep_dir: Optional[Path] = None  # a multirun's folder (None for a single run)
 
     @classmethod
     def current(cls) -> "HydraRun":
@@ -55,6 +57,7 @@ class HydraRun:
             overrides=list(hc.overrides.task),
             folder_key="hydra.sweep.dir" if multirun else "hydra.run.dir",
             group=sweep_group(hc.sweep.dir) if multirun else None,
+            sweep_dir=Path(hc.sweep.dir) if multirun else None,
         )
 
 
@@ -112,6 +115,14 @@ class Setup:
                    load=backend.load_info)
 
 
+def plan_for(lengths: Sequence[int], setup: Setup, mtpm: Any = "setup"):
+    """The workload planned as ``setup``'s backend runs it (``mtpm``: another budget than the setup's)."""
+    budget = setup.mtpm if mtpm == "setup" else mtpm
+    return plan_batch(lengths, setup.world_size, budget, setup.mbs, align=setup.name in LOCKSTEP_BACKENDS,
+                      layout=setup.layout, planner=setup.planner, cost_model=setup.cost_model,
+                      max_seqs_per_microbatch=setup.max_seqs_per_microbatch)
+
+
 def _null(value: Optional[int]) -> str:
     """A knob's value as the command line spells it (None is null)."""
     return "null" if value is None else str(value)
@@ -137,6 +148,7 @@ class Point:
         self.tracker = None
         self.cost_model = None  # the planner's cost model (backends.planning.CostModel), from the model's config
         self.schedules = None  # the plan's micro-batches per rank
+        self.measurement_key = None  # what its measurement depends on (a multirun shares identical plans by it)
 
     # -- the point from start to end ------------------------------------------------------------
     def run(self) -> int:
@@ -163,19 +175,189 @@ class Point:
         launcher_sets_world_size(b, self.hydra_run.overrides)
         workload = load_workload(spec.workload)
         lengths = workload.lengths
+        if spec.mtpm == AUTO:
+            self._run_auto(spec, workload)
+            return
+        shared = None
         if spec.dry_run:
             backend, setup = None, Setup.dry_run(spec)
         else:
-            backend = self._start_backend(spec)
-            setup = Setup.of_backend(spec, backend)
-            self.label = _label(setup.name, setup.mtpm, setup.mbs)
+            shared = self._shared_measurement(spec, lengths)
+            if shared is not None:
+                backend, setup = None, Setup.dry_run(spec)
+            else:
+                backend = self._start_backend(spec)
+                setup = Setup.of_backend(spec, backend)
+                self.label = _label(setup.name, setup.mtpm, setup.mbs)
         plan = self._plan(spec, lengths, setup)
         self.results.update(**_setup_fields(spec, workload, setup, plan))
         _log_plan(self.label, plan.stats, len(lengths), setup.max_seqs_per_microbatch)
         if spec.dry_run:
             self.results.mark("planned")
             return
+        self.results.update(measurement_key=self.measurement_key)
+        if shared is not None:
+            self._share(shared)
+            return
         self._measure(spec, lengths, backend)
+
+    # -- mtpm=auto: the fastest budget that fits (harness/auto.py) --------------------------------------
+    def _run_auto(self, spec: HarnessConfig, workload: Workload) -> None:
+        """Search the budgets on one loaded backend; the point's record is then the chosen budget's, with ``auto``."""
+        from harness.auto import candidates_of, memory_limit, power_of_two_budgets, search
+
+        if spec.target.url:
+            raise UserError("mtpm: auto searches on a backend it starts itself; against a server (target.url) set "
+                            "mtpm to a number, or run the search without target.url")
+        self.label = f"[{spec.backend.name} mtpm=auto] "
+        lengths = workload.lengths
+        setup = Setup.dry_run(spec) if spec.dry_run else None
+        if setup is None:
+            backend = self._start_own_backend(spec)
+            setup = Setup.of_backend(spec, backend)
+        self.cost_model = setup.cost_model
+        budgets = power_of_two_budgets(lengths, setup.world_size, setup.layout)
+        cands = candidates_of(lengths, budgets, lambda m: plan_for(lengths, setup, m), setup.layout)
+        limit, source = memory_limit(spec.bench.memory_limit_gb, setup.device or {}, setup.world_size,
+                                     spec.bench.memory_headroom)
+        headroom = None if spec.bench.memory_limit_gb is not None else spec.bench.memory_headroom
+        log.info("%smtpm=auto: %d distinct plans (%s) on %s, %s; limit %.2f GiB per rank (%s)", self.label, len(cands),
+                 ", ".join(str(c.mtpm) for c in cands), setup.name, f"{setup.planner} {setup.layout}", limit / 2**30,
+                 source)
+        auto: dict[str, Any] = {"candidates": [c.as_dict() for c in cands], "memory_model": None, "headroom": headroom,
+                                "limit_bytes": limit, "limit_source": source, "baseline": None, "chosen": None}
+        self.results.update(backend=setup.name, world_size=setup.world_size, device=setup.device,
+                            planner=setup.planner, layout=setup.layout,
+                            workload=workload_record(spec.workload, lengths, workload.file), auto=auto)
+        if spec.dry_run:
+            self.results.mark("planned")
+            return
+        examples = make_examples(lengths, self.vocab_size, spec.seed)
+        runs: dict[Optional[int], tuple] = {}  # what each measured budget gave (None: the mbs=1 baseline)
+
+        def save() -> None:
+            auto["candidates"] = [c.as_dict() for c in cands]
+            self.results.save()
+
+        def measure(mtpm: Optional[int]):
+            from harness.auto import Measured
+            from harness.measure import measure_pass
+
+            layout, planner = (setup.layout, setup.planner) if mtpm is not None else ("padded", "greedy")
+            command_for = self._command_for(spec, examples, mtpm, 1, layout, planner)
+            try:
+                record, result = measure_pass(self.backend, examples, "forward_backward", spec.bench.warmup, 1,
+                                              command_for, spec.bench.util_sample_s, label=_label(setup.name, mtpm, 1))
+            except BackendError as exc:
+                if exc.status != "oom":
+                    raise
+                log.info("%sout of memory: a result; the search goes on below it", _label(setup.name, mtpm, 1))
+                if self.backend.failure() is not None:  # its ranks are gone: a fresh backend for the next candidate
+                    self.backend.close()
+                    self.backend = None
+                    self._start_own_backend(spec)
+                return Measured("oom", error=str(exc))
+            runs[mtpm] = (record, result)
+            peaks = [p for p in record.mem_peak_bytes or [] if p is not None]
+            return Measured("ok", record.tok_per_s, max(peaks) if peaks else None)
+
+        base = measure(None)
+        auto["baseline"] = {"mbs": 1, "planner": "greedy", "layout": "padded", "status": base.status,
+                            "tok_per_s": base.tok_per_s, "peak_bytes": base.peak_bytes, "error": base.error}
+        save()
+        kernels = runs[None][1].kernels if None in runs else None
+        quadratic = "eager" in ((kernels or {}).get("attention") or {})  # scores materialised: memory ~ length^2
+        longest = max(lengths)
+        found = search(cands, lambda c: measure(c.mtpm), limit, quadratic=quadratic,
+                       baseline_point=(longest, longest * longest, base.peak_bytes) if base.peak_bytes else None,
+                       on_candidate=lambda c: (save(), _log_candidate(self.label, c, limit)))
+        auto.update(found.as_dict(headroom, source), baseline=auto["baseline"])
+        chosen = found.chosen
+        if chosen is None:
+            smallest = cands[0] if cands else None
+            save()
+            raise BackendError(
+                f"mtpm=auto: no budget fits in {limit / 2**30:.2f} GiB per rank ({source})"
+                + (f"; the smallest, mtpm={smallest.mtpm}, ended {smallest.status}" if smallest else ""), status="oom")
+        self._record_auto_choice(spec, workload, setup, chosen, examples, runs)
+        _log_answer(self.label, self.results.doc)
+
+    def _record_auto_choice(self, spec: HarnessConfig, workload: Workload, setup: Setup, chosen, examples, runs) -> None:
+        """The chosen budget's record, as any point's: its plan, its fwd+bwd topped up to ``bench.repeat`` timed
+        runs (after the one the search made), and its forward pass."""
+        from harness.measure import measure_pass, merge_records
+
+        setup.mtpm = spec.backend.max_tokens_per_microbatch = chosen.mtpm
+        self.label = _label(setup.name, setup.mtpm, setup.mbs)
+        plan = self._plan(spec, lengths := workload.lengths, setup)
+        self.results.update(**_setup_fields(spec, workload, setup, plan))
+        command_for = self._command_for(spec, examples, chosen.mtpm, 1, setup.layout, setup.planner)
+        record, result = runs[chosen.mtpm]
+        if spec.bench.repeat > len(record.elapsed_s):
+            more, result = measure_pass(self.backend, examples, "forward_backward", 0,
+                                        spec.bench.repeat - len(record.elapsed_s), command_for,
+                                        spec.bench.util_sample_s, label=self.label, release_first=False)
+            record = merge_records(record, more)
+        self._measure(spec, lengths, self.backend, examples, command_for, measured={"forward_backward": (record, result)})
+
+    def _start_own_backend(self, spec: HarnessConfig):
+        """A backend for this point alone (mtpm=auto sets each candidate's budget in its commands, not a control file)."""
+        from backends.model.build import model_vocab_size
+        from backends.start import make_backend
+
+        self.vocab_size = model_vocab_size(spec.model)
+        log.info("%sstarting %s", self.label, spec.backend.name)
+        self.backend = make_backend(spec.backend, spec.model)
+        return self.backend
+
+    # -- a plan measured earlier in the sweep ----------------------------------------------------------
+    def _shared_measurement(self, spec: HarnessConfig, lengths: list[int]) -> Optional[tuple[Path, dict]]:
+        """An earlier point of this sweep that measured the same plan in the same setting: (its folder, its results).
+
+        The key is the plan's micro-batches and layout with everything else the point runs (model, workload, ranks,
+        precision, bench protocol): two budgets that plan identically run the same steps, so the second one shares
+        the first's measurement (bench.share_plans=false measures it again). Client runs (a server's plan) and
+        launched jobs measure every point.
+        """
+        self.measurement_key = None
+        if self.hydra_run.sweep_dir is None or spec.target.url:
+            return None
+        from backends.runtime.job import launched_job
+
+        if launched_job() is not None:
+            return None
+        plan = plan_for(lengths, Setup.dry_run(spec))
+        self.measurement_key = measurement_key(self.cfg, plan)
+        if not spec.bench.share_plans:
+            return None
+        from harness.points import read_result, result_files
+
+        for path in result_files(self.hydra_run.sweep_dir):
+            if path.parent == self.out_dir:
+                continue
+            doc = read_result(path.parent)
+            if doc and doc.get("status") == "ok" and doc.get("measurement_key") == self.measurement_key \
+                    and not doc.get("shares"):
+                return path.parent, doc
+        return None
+
+    def _share(self, shared: tuple[Path, dict]) -> None:
+        """This point's record takes the measurements of ``shared`` (same plan, same setting); ``shares`` says whose."""
+        folder, doc = shared
+        for key in ("device", "precision", "load", "peak", "launch", "passes"):
+            if key in doc:
+                self.results.update(**{key: doc[key]})
+        self.results.update(model={**self.results.doc["model"], "built": (doc.get("model") or {}).get("built")})
+        self.results.update(shares={"folder": folder.name, "mtpm": doc.get("mtpm"), "mbs": doc.get("mbs"),
+                                    "planner": doc.get("planner"), "layout": doc.get("layout"),
+                                    "max_seqs_per_microbatch": doc.get("max_seqs_per_microbatch")})
+        if (folder / OUTPUTS_FILE).is_file() and self.cfg.bench.save_outputs:  # the same steps: the same outputs
+            write_json_atomic(self.out_dir / OUTPUTS_FILE, json.loads((folder / OUTPUTS_FILE).read_text()))
+        log.info("%splans exactly as %s (mtpm=%s): shares its measurement (bench.share_plans=false measures it again)",
+                 self.label, folder, doc.get("mtpm"))
+        self.tracker = _start_tracker(self.cfg, self.out_dir, self.hydra_run.group, self.results.doc)
+        self.results.mark("ok")
+        _log_ok(self.label, self.results.doc)
 
     # -- how a point fails: one line on the console, the status and the message in results.json --------
     def _user_error(self, exc: UserError) -> int:
@@ -247,29 +429,43 @@ class Point:
     def _plan(self, spec: HarnessConfig, lengths: list[int], setup: Setup):
         """The workload planned for the backend's ranks, written to plan.json."""
         self.cost_model = setup.cost_model
-        plan = plan_batch(lengths, setup.world_size, setup.mtpm, setup.mbs, align=setup.name in LOCKSTEP_BACKENDS,
-                          layout=setup.layout, planner=setup.planner, cost_model=self.cost_model,
-                          max_seqs_per_microbatch=setup.max_seqs_per_microbatch)
+        plan = plan_for(lengths, setup)
         self.schedules = plan.schedules  # the micro-batches each rank runs: hardware FLOPs are counted from them
         write_plan_json(self.out_dir / PLAN_FILE, plan.to_json(backend=setup.name))
         return plan
 
-    def _measure(self, spec: HarnessConfig, lengths: list[int], backend) -> None:
-        """Every pass type, warm-up and timed repeats (harness/measure.py), each recorded as it finishes."""
-        from harness.flops import device_peak, training_flops_for
-        from harness.measure import PASS_TYPES, default_command_for, measure_pass
+    def _command_for(self, spec: HarnessConfig, examples, mtpm: Optional[int], mbs: int, layout: str, planner: str):
+        """The pass commands of one batching (the point's own, or a candidate's of mtpm=auto)."""
+        from harness.measure import default_command_for
 
         b = spec.backend
-        examples = make_examples(lengths, self.vocab_size, spec.seed)
-        self.results.save()
-        self.tracker = _start_tracker(self.cfg, self.out_dir, self.hydra_run.group, self.results.doc)
-        outputs: dict[str, Any] = {}
-        command_for = default_command_for(
-            examples, b.max_tokens_per_microbatch, b.micro_batch_size, layout=b.layout, planner=b.planner,
+        return default_command_for(
+            examples, mtpm, mbs, layout=layout, planner=planner,
             cost_model=self.cost_model.as_dict(), max_seqs_per_microbatch=b.max_seqs_per_microbatch,
             progress_every_s=spec.bench.progress_every_s,
             timeout_s=spec.bench.pass_timeout_s,
         )
+
+    def _measure(self, spec: HarnessConfig, lengths: list[int], backend, examples=None, command_for=None,
+                 measured: Optional[dict] = None) -> None:
+        """Every pass type, warm-up and timed repeats (harness/measure.py), each recorded as it finishes.
+
+        ``measured`` maps a pass type to a (record, result) already measured with these commands (mtpm=auto's
+        chosen fwd+bwd, with its ``bench.repeat`` timed runs): recorded, not measured again.
+        """
+        from harness.flops import device_peak, training_flops_for
+        from harness.measure import PASS_TYPES, measure_pass
+
+        b = spec.backend
+        if examples is None:
+            examples = make_examples(lengths, self.vocab_size, spec.seed)
+        self.results.save()
+        if self.tracker is None:
+            self.tracker = _start_tracker(self.cfg, self.out_dir, self.hydra_run.group, self.results.doc)
+        outputs: dict[str, Any] = {}
+        if command_for is None:
+            command_for = self._command_for(spec, examples, b.max_tokens_per_microbatch, b.micro_batch_size,
+                                            b.layout, b.planner)
         doc = self.results.doc
         # The device's peak for MFU: a data-sheet figure on GPUs, measured once per process on CPUs.
         doc["peak"] = device_peak(doc["device"] or {}, backend.world_size,
@@ -277,9 +473,12 @@ class Point:
         # FLOPs of a training pass: the config's matmuls, LoRA adapters and what backward computes for them.
         training = training_flops_for(spec.model, chunked_logprobs=b.logprob_chunk_tokens is not None)
         for pass_type in PASS_TYPES:
-            record, result = measure_pass(backend, examples, pass_type, spec.bench.warmup, spec.bench.repeat,
-                                          command_for, spec.bench.util_sample_s, label=self.label,
-                                          on_repeat=self.tracker.log_repeat)
+            if pass_type in (measured or {}):
+                record, result = measured[pass_type]
+            else:
+                record, result = measure_pass(backend, examples, pass_type, spec.bench.warmup, spec.bench.repeat,
+                                              command_for, spec.bench.util_sample_s, label=self.label,
+                                              on_repeat=self.tracker.log_repeat)
             self._record_pass(spec, lengths, training, backend.world_size, pass_type, record, result)
             if spec.bench.save_outputs:
                 outputs[pass_type] = _example_outputs(result)
@@ -299,6 +498,24 @@ class Point:
                              record.elapsed_s, world_size, self.results.doc["peak"], cost_model=self.cost_model,
                              schedules=self.schedules)
         self.results.record_pass(pass_type, {**record.as_dict(), **flops})
+
+
+# What a point's config says of its batching, or of how it is run and logged: not part of what it measures.
+_NOT_MEASURED = ("mtpm", "mbs", "planner", "layout", "max_seqs_per_microbatch", "hydra", "logger", "resume",
+                 "dry_run", "hot")
+_NOT_MEASURED_BACKEND = ("max_tokens_per_microbatch", "micro_batch_size", "planner", "layout", "max_seqs_per_microbatch")
+
+
+def measurement_key(cfg: DictConfig, plan) -> str:
+    """What a measurement depends on: the config less its batching knobs, and the plan's micro-batches and layout."""
+    import hashlib
+
+    conf = OmegaConf.to_container(without_auto(cfg), resolve=True, throw_on_missing=False)
+    conf = {k: v for k, v in conf.items() if k not in _NOT_MEASURED}
+    conf["backend"] = {k: v for k, v in (conf.get("backend") or {}).items() if k not in _NOT_MEASURED_BACKEND}
+    conf["bench"] = {k: v for k, v in (conf.get("bench") or {}).items() if k not in ("baseline", "share_plans")}
+    what = {"config": conf, "layout": plan.stats.layout, "schedules": plan.schedules}
+    return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def _setup_fields(spec: HarnessConfig, workload: Workload, setup: Setup, plan) -> dict[str, Any]:
@@ -331,9 +548,10 @@ def _start_tracker(cfg: DictConfig, out_dir: Path, group: Optional[str], doc: di
     return Tracker(
         OmegaConf.to_container(cfg.logger, resolve=True) if cfg.get("logger") else None,
         out_dir,
-        OmegaConf.to_container(cfg, resolve=True),
+        OmegaConf.to_container(without_auto(cfg), resolve=True),
         # what runs (a server's)
-        run_name(doc["backend"], doc["mtpm"], doc["mbs"], doc["planner"], doc["layout"], doc.get("max_seqs_per_microbatch")),
+        run_name(doc["backend"], doc["mtpm"], doc["mbs"], doc["planner"], doc["layout"], doc.get("max_seqs_per_microbatch"))
+        + ("-auto" if doc.get("auto") else ""),
         group,
     )
 
@@ -357,6 +575,28 @@ def _log_ok(label: str, doc: dict[str, Any]) -> None:
         doc["plan"]["pad_efficiency"],
         "—" if fb["mfu_pct"] is None else f"{fb['mfu_pct']:.2f}%",
     )
+
+
+def _log_candidate(label: str, c, limit: int) -> None:
+    """mtpm=auto's progress: one line per candidate as the search settles it."""
+    gib = lambda n: "—" if n is None else f"{n / 2**30:.2f} GiB"  # noqa: E731
+    speed = f", {c.tok_per_s:,.0f} tok/s fwd+bwd" if c.tok_per_s else ""
+    predicted = f" (predicted {gib(c.predicted_peak_bytes)}, {c.prediction})" if c.predicted_peak_bytes else ""
+    peak = f", peak {gib(c.measured_peak_bytes)}{predicted}" if c.measured_peak_bytes else predicted
+    why = f": {c.reason}" if c.reason and c.status != "ok" else ""
+    log.info("%smtpm=auto: mtpm=%d %s%s%s, limit %s%s", label, c.mtpm, c.status, speed, peak, gib(limit), why)
+
+
+def _log_answer(label: str, doc: dict[str, Any]) -> None:
+    """mtpm=auto's last line: the answer, as the report's first line says it."""
+    auto = doc["auto"]
+    fb = doc["passes"]["forward_backward"]
+    base = (auto.get("baseline") or {}).get("tok_per_s")
+    peaks = [p for p in fb.get("mem_peak_bytes") or [] if p is not None]
+    log.info("%s%s: set mtpm=%d (%s, %s): %s tok/s fwd+bwd, %s, peak %s of %.1f GiB", label, doc["backend"],
+             doc["mtpm"], doc["planner"], doc["layout"], f"{fb['tok_per_s']:,.0f}",
+             f"{fb['tok_per_s'] / base:.2f}× mbs=1" if base else "no mbs=1 run",
+             f"{max(peaks) / 2**30:.1f} GiB" if peaks else "unknown", auto["limit_bytes"] / 2**30)
 
 
 def _log_plan(label: str, st, n_examples: int, max_seqs: Optional[int] = None) -> None:

@@ -7,6 +7,7 @@ UserError naming the key when it cannot); ``config_error_line`` and
 
 from __future__ import annotations
 
+import copy
 import os
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
@@ -33,6 +34,13 @@ class BenchConfig:
     util_sample_s: float = 0.1  # device utilisation / memory sampling interval
     memory_limit_gb: Optional[float] = None  # cap each worker's memory (see README: out of memory is a result)
     pass_timeout_s: Optional[float] = None  # a pass running longer ends the point with status "timeout"
+    # A multirun with no mbs=1 point for a backend (and setting) measures one, the speedup column's reference.
+    baseline: bool = True
+    # A multirun point whose plan is one an earlier point of the sweep measured (same micro-batches, same
+    # setting) shares that measurement instead of repeating it; its results.json says whose.
+    share_plans: bool = True
+    # mtpm=auto: the budget must fit in the device's memory less this fraction (or in bench.memory_limit_gb).
+    memory_headroom: float = 0.1
 
 
 @dataclass
@@ -66,10 +74,11 @@ class HarnessConfig:
     bench: BenchConfig = field(default_factory=BenchConfig)
     logger: Any = None  # logger/ group (W&B); free-form, read by harness.tracking
     # The knobs a user types; backend.* interpolates them.
-    mtpm: Optional[int] = None  # max tokens per micro-batch; null = fixed mbs slices
+    # max tokens per micro-batch; null = fixed mbs slices; "auto" = search for the fastest that fits (harness/auto.py)
+    mtpm: Any = None
     mbs: int = 1  # micro-batch size (sequences) when mtpm is null
-    layout: str = "padded"  # padded or packed (see backends/planning)
-    planner: str = "greedy"  # greedy or balanced
+    layout: Optional[str] = None  # padded or packed (see backends/planning); null: packed with mtpm, padded without
+    planner: Optional[str] = None  # greedy or balanced; null: balanced with mtpm, greedy without
     max_seqs_per_microbatch: Optional[int] = None  # cap on sequences per micro-batch; null = none
     gc: bool = False  # gradient checkpointing
     seed: int = 0  # token ids of the workload
@@ -126,9 +135,50 @@ def _override_in(message: str) -> str:
     return ""
 
 
+AUTO = "auto"
+
+
+def check_mtpm(value: Any) -> None:
+    """mtpm is a positive integer, null or auto (the schema takes any value so that "auto" composes)."""
+    if value is None or value == AUTO:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise UserError(f"mtpm: must be a positive integer, null (fixed mbs slices) or auto (search), got {value!r}")
+
+
+def batching_by_budget(has_budget: bool) -> tuple[str, str]:
+    """The planner and layout a null knob means: the balanced planner's packed rows with a token budget, the
+    original greedy padded slices without one (mbs=1 rows read as they always did)."""
+    return ("balanced", "packed") if has_budget else ("greedy", "padded")
+
+
+def fill_batching_defaults(spec: HarnessConfig) -> None:
+    """planner / layout left null take their value by budget (mtpm=auto has one); what is set stays."""
+    b = spec.backend
+    has_budget = b.max_tokens_per_microbatch is not None or spec.mtpm == AUTO
+    planner, layout = batching_by_budget(has_budget)
+    if b.planner is None:
+        b.planner = planner
+    if b.layout is None:
+        b.layout = layout
+        if layout == "packed" and not _packs(spec.model):
+            b.layout = "padded"  # an architecture packing would mix up (a Llama checkpoint): its rows are padded
+    spec.planner, spec.layout = b.planner, b.layout
+
+
+def _packs(model: ModelSpec) -> bool:
+    """Whether ``layout=packed`` runs on ``model`` (what check_model_spec says of it)."""
+    try:
+        check_model_spec(model, "packed")
+    except UserError as exc:
+        return "layout: packed" not in str(exc)  # refused for another reason: that one is reported by validate
+    return True
+
+
 def validate(cfg: HarnessConfig) -> None:
     """Checks of values (types are checked by Hydra against the schema)."""
     backend_entry(cfg.backend.name)  # "backend.name: '...' is not a backend (valid: ...)"
+    check_mtpm(cfg.mtpm)
     _positive_int("mtpm", cfg.backend.max_tokens_per_microbatch, allow_none=True)
     _positive_int("mbs", cfg.backend.micro_batch_size)
     _positive_int("world_size", cfg.backend.world_size, allow_none=True)
@@ -136,7 +186,7 @@ def validate(cfg: HarnessConfig) -> None:
         raise UserError(f"layout: '{cfg.backend.layout}' is not a layout (valid: {', '.join(LAYOUTS)})")
     if cfg.backend.planner not in PLANNERS:
         raise UserError(f"planner: '{cfg.backend.planner}' is not a planner (valid: {', '.join(PLANNERS)})")
-    if cfg.backend.planner == "balanced" and cfg.backend.max_tokens_per_microbatch is None:
+    if cfg.backend.planner == "balanced" and cfg.backend.max_tokens_per_microbatch is None and cfg.mtpm != AUTO:
         raise UserError("planner: balanced needs a budget (set mtpm=<tokens>; with mtpm=null use planner=greedy: fixed-size slices have nothing to balance)")
     # Named as the user types it: backend.max_seqs_per_microbatch interpolates the top-level knob.
     _positive_int("max_seqs_per_microbatch", cfg.backend.max_seqs_per_microbatch, allow_none=True)
@@ -154,15 +204,29 @@ def validate(cfg: HarnessConfig) -> None:
         value = getattr(cfg.bench, key)
         if value is not None and value <= 0:
             raise UserError(f"bench.{key}: must be a positive number or null, got {value}")
+    if not 0 <= cfg.bench.memory_headroom < 1:
+        raise UserError(f"bench.memory_headroom: must be a fraction in [0, 1), got {cfg.bench.memory_headroom}")
+
+
+def without_auto(cfg: DictConfig) -> DictConfig:
+    """``cfg`` as it resolves: with mtpm=auto, backend.max_tokens_per_microbatch (which interpolates it) is null,
+    the search setting it per candidate (harness/auto.py); any other config is returned as is."""
+    if OmegaConf.select(cfg, "mtpm", throw_on_resolution_failure=False) != AUTO:
+        return cfg
+    cfg = copy.deepcopy(cfg)
+    OmegaConf.update(cfg, "backend.max_tokens_per_microbatch", None, force_add=False)
+    return cfg
 
 
 def resolve_config(cfg: DictConfig) -> HarnessConfig:
     """Hydra's composed config as a checked HarnessConfig; a UserError with one line when it is not valid."""
     try:
-        spec = OmegaConf.to_object(cfg)
+        check_mtpm(OmegaConf.select(cfg, "mtpm", throw_on_resolution_failure=False))
+        spec = OmegaConf.to_object(without_auto(cfg))
     except OmegaConfBaseException as exc:
         raise UserError(config_error_line(exc)) from None
     assert isinstance(spec, HarnessConfig)
+    fill_batching_defaults(spec)
     validate(spec)
     return spec
 

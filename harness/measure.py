@@ -70,8 +70,12 @@ def measure_pass(
     sample_interval_s: float = 0.1,
     label: str = "",
     on_repeat: Optional[Callable[[str, int, float, float, Optional[float]], None]] = None,
+    release_first: bool = True,
 ) -> tuple[PassRecord, PassResult]:
-    """Warm-up runs, then ``repeat`` timed runs of one pass type; returns the record and the last result."""
+    """Warm-up runs, then ``repeat`` timed runs of one pass type; returns the record and the last result.
+
+    ``release_first=False`` keeps what the pass type's earlier runs left cached (more repeats of a pass measured
+    just before: harness/auto.py tops up the chosen budget's)."""
     result: Optional[PassResult] = None
     real_tokens = sum(len(e) for e in examples)
     runs = 0
@@ -82,7 +86,7 @@ def measure_pass(
         # before every timed repeat would time the allocator's (and the kernel's) cold start each time.
         nonlocal runs
         runs += 1
-        return command_for(pass_type).replace(release_memory=runs == 1)
+        return command_for(pass_type).replace(release_memory=runs == 1 and release_first)
 
     for i in range(warmup):
         t0 = time.perf_counter()
@@ -149,6 +153,28 @@ def measure_pass(
     return record, result
 
 
+def merge_records(first: PassRecord, more: PassRecord) -> PassRecord:
+    """One pass type's record over the timed repeats of both (``more`` ran after ``first``, same commands)."""
+    elapsed = first.elapsed_s + more.elapsed_s
+    utils = [(r.util_pct, len(r.elapsed_s)) for r in (first, more) if r.util_pct is not None]
+    mems = [m for m in (first.mem_pct, more.mem_pct) if m is not None]
+    return PassRecord(
+        elapsed_s=elapsed,
+        tok_per_s=first.real_tokens / (sum(elapsed) / len(elapsed)),
+        util_pct=sum(u * n for u, n in utils) / sum(n for _, n in utils) if utils else None,
+        mem_pct=max(mems) if mems else None,
+        real_tokens=first.real_tokens,
+        grad_norm=more.grad_norm,
+        mem_peak_bytes=_max_per_rank(first.mem_peak_bytes, more.mem_peak_bytes),
+        mem_peak_allocated_bytes=_max_per_rank(first.mem_peak_allocated_bytes, more.mem_peak_allocated_bytes),
+        mem_peak_reserved_bytes=_max_per_rank(first.mem_peak_reserved_bytes, more.mem_peak_reserved_bytes),
+        device_mem_used_bytes=_max_per_rank(first.device_mem_used_bytes, more.device_mem_used_bytes),
+        pass_wall_s=(first.pass_wall_s or []) + (more.pass_wall_s or []),
+        host_s=(first.host_s or []) + (more.host_s or []),
+        kernels=more.kernels,
+    )
+
+
 def _max_per_rank(
     so_far: Optional[list[Optional[int]]], new: Optional[list[Optional[int]]]
 ) -> Optional[list[Optional[int]]]:
@@ -167,4 +193,4 @@ def default_command_for(
     return lambda pass_type: make_command(pass_type, examples, mtpm, mbs, **options)
 
 
-__all__ = ["PASS_TYPES", "PassRecord", "measure_pass", "default_command_for"]
+__all__ = ["PASS_TYPES", "PassRecord", "measure_pass", "merge_records", "default_command_for"]

@@ -6,7 +6,7 @@ import json
 import logging
 import tempfile
 from pathlib import Path
-from typing import Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 from backends.errors import UserError
 from harness.results import RESULTS_FILE
@@ -14,7 +14,12 @@ from harness.results import RESULTS_FILE
 log = logging.getLogger(__name__)
 
 # Keys that say how a point is run, not what it measures.
-NOT_IDENTITY = ("resume", "dry_run")
+NOT_IDENTITY = ("resume", "dry_run", "bench.baseline", "bench.share_plans")
+# Keys that say how a point batches: a sweep's points that differ only in these share a setting (and a baseline).
+BATCHING_KEYS = ("mtpm", "mbs", "planner", "layout", "max_seqs_per_microbatch", "batching",
+                 "backend.max_tokens_per_microbatch", "backend.micro_batch_size", "backend.planner", "backend.layout",
+                 "backend.max_seqs_per_microbatch")
+BASELINE = ("mtpm=null", "mbs=1")
 
 
 def override_key(override: str) -> str:
@@ -90,6 +95,57 @@ def dedupe(jobs: Sequence[Sequence[str]]) -> list[list[str]]:
         if count > 1:
             log.warning("sweep: %s is listed %d times; it is measured once", " ".join(key) or "the default point", count)
     return out
+
+
+def setting_of(job: Sequence[str]) -> tuple[str, ...]:
+    """A point's overrides less its batching: the points of a sweep with the same setting compare with one baseline."""
+    return tuple(o for o in identity(job) if override_key(o) not in BATCHING_KEYS)
+
+
+def add_baselines(jobs: Sequence[Sequence[str]], compose: Callable[[Sequence[str]], Any]) -> list[list[str]]:
+    """``jobs`` with an mbs=1 point ahead of each setting's first point where the setting has none.
+
+    ``compose`` gives a job's composed config (the sweeper's config loader): whether a point is mbs=1 is what
+    its config says (``batching=fixed_mbs1``, ``mtpm=null``, an experiment's defaults), not how it is spelled.
+    Nothing is added for a setting whose config says ``bench.baseline=false``, for dry runs and runs against a
+    server (``target.url``), nor for a setting whose every point is ``mtpm=auto`` (the search measures its own).
+    """
+    groups: dict[tuple[str, ...], list[Sequence[str]]] = {}
+    for job in jobs:
+        groups.setdefault(setting_of(job), []).append(job)
+    first_of = {key: members[0] for key, members in groups.items()}
+    added: dict[tuple[str, ...], list[str]] = {}
+    for key, members in groups.items():
+        configs = [compose(job) for job in members]
+        if any(c is None for c in configs):  # a point that does not compose reports that itself
+            continue
+        head = configs[0]
+        if not _select(head, "bench.baseline", True) or _select(head, "dry_run", False) or _select(head, "target.url"):
+            continue
+        if any(_select(c, "mtpm") is None and _select(c, "mbs") == 1 for c in configs):
+            continue
+        if all(_select(c, "mtpm") == "auto" for c in configs):
+            continue
+        baseline = [o for o in members[0] if override_key(o) not in BATCHING_KEYS] + list(BASELINE)
+        added[key] = baseline
+        log.info("sweep: %s has no mbs=1 point; measuring one (%s) as its speedup baseline (bench.baseline=false: none)",
+                 " ".join(key) or "the default setting", " ".join(BASELINE))
+    out: list[list[str]] = []
+    for job in jobs:
+        key = setting_of(job)
+        if key in added and job is first_of[key]:
+            out.append(added[key])
+        out.append(list(job))
+    return out
+
+
+def _select(cfg: Any, key: str, default: Any = None) -> Any:
+    from omegaconf import OmegaConf
+
+    try:
+        return OmegaConf.select(cfg, key, default=default, throw_on_resolution_failure=False)
+    except Exception:  # noqa: BLE001 - a config that does not resolve decides nothing here (the point reports it)
+        return default
 
 
 def _numbered_folders(sweep_dir: Path) -> list[Path]:

@@ -77,7 +77,7 @@ def base_document(cfg: DictConfig, overrides: Sequence[str]) -> dict[str, Any]:
         "world_size": get("backend.world_size"),
         "device": None,
         "model": {"name": get("model.name"), "path": get("model.path"), "lora_rank": get("model.lora_rank")},
-        "mtpm": get("mtpm"),
+        "mtpm": None if get("mtpm") == "auto" else get("mtpm"),  # mtpm=auto: the chosen budget, once chosen
         "mbs": get("mbs"),
         "layout": get("layout"),
         "planner": get("planner"),

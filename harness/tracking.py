@@ -31,6 +31,12 @@ def summary_metrics(doc: dict) -> dict:
     _flatten("plan", doc.get("plan") or {}, out)
     _flatten("workload", doc.get("workload") or {}, out)
     _flatten("precision", doc.get("precision") or {}, out)  # params, adapters, compute, reduce, grads
+    auto = doc.get("auto")
+    if isinstance(auto, dict):  # mtpm=auto: the answer, the limit, the model and each candidate by its budget
+        _flatten("auto", {k: v for k, v in auto.items() if k != "candidates"}, out)
+        _flatten("auto/candidates", {str(c.get("mtpm")): c for c in auto.get("candidates") or []}, out)
+    if isinstance(doc.get("shares"), dict):  # this point's plan was measured by another point of the sweep
+        _flatten("shares", doc["shares"], out)
     out["wall_s"] = doc.get("wall_s")
     return out
 

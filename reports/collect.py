@@ -130,6 +130,21 @@ def _cap(doc: dict, plan: dict) -> Optional[int]:
     return cap if cap is not None else doc.get("max_seqs_per_microbatch")
 
 
+def _shares(doc: dict) -> Optional[str]:
+    """Whose measurement a shared row shows, as the table names that row ("mtpm=65,536"); None: measured itself."""
+    shares = doc.get("shares")
+    if not isinstance(shares, dict):
+        return None
+    if shares.get("mtpm") is not None:
+        return f"mtpm={shares['mtpm']:,}" if isinstance(shares["mtpm"], int) else f"mtpm={shares['mtpm']}"
+    return f"mbs={shares.get('mbs')}"
+
+
+def _auto(doc: dict) -> Optional[dict]:
+    auto = doc.get("auto")
+    return auto if isinstance(auto, dict) else None
+
+
 def row_of(path: Path, doc: dict) -> dict:
     plan = doc.get("plan") or {}
     passes = doc.get("passes") or {}
@@ -161,6 +176,9 @@ def row_of(path: Path, doc: dict) -> dict:
         "kernels": _kernels(passes),
         "started_at": doc.get("started_at"),
         "overrides": " ".join(_overrides(path, doc)),
+        # the point planned exactly as an earlier one of its sweep and shares that measurement (its budget, or None)
+        "shares_mtpm": _shares(doc),
+        "auto": _auto(doc),  # mtpm=auto: the search's summary (harness/auto.py), else None
     }
     mems = []
     rank_peaks: list = []
@@ -190,7 +208,7 @@ _JSON_TYPE = {dict: "an object", list: "an array", str: "a string", bool: "true 
 # The keys the report reads, by what each must be (or null): a results.json with another shape is unreadable.
 _KINDS = {"object": (dict,), "number": (int, float), "string": (str,), "list": (list,)}
 _SHAPE = {
-    "object": ("device", "model", "workload", "bench", "plan", "passes", "precision"),
+    "object": ("device", "model", "workload", "bench", "plan", "passes", "precision", "shares", "auto"),
     "number": ("mtpm", "mbs", "max_seqs_per_microbatch", "world_size", "workload.n_examples", "workload.total_tokens",
                "workload.min_len", "workload.max_len", "plan.pad_efficiency", "plan.critical_path", "plan.cost_imbalance",
                "plan.steps", "plan.lower_bound_steps", "plan.max_microbatch_padded_tokens", "plan.max_seqs_per_microbatch"),

@@ -73,7 +73,11 @@ def _status(r, base: Optional[Path]) -> str:
     if r.status == "unreadable":
         shown = Path(os.path.relpath(r.path, base)) if base is not None else Path(r.path)
         return f"unreadable: {shown.as_posix()}"
-    return STATUS_LABEL.get(r.status, str(r.status))
+    label = STATUS_LABEL.get(r.status, str(r.status))
+    shares = getattr(r, "shares_mtpm", None)
+    if r.status == "ok" and not _missing(shares):
+        return f"{label} (shares {shares}'s measurement: same plan)"
+    return label
 
 
 def _plan_link(png, base: Optional[Path]) -> str:
@@ -88,12 +92,27 @@ def _is_baseline(r) -> bool:
     return _missing(r.mtpm) and not _missing(r.mbs) and int(r.mbs) == 1 and r.status == "ok"
 
 
-def speedups(df: pd.DataFrame) -> list[Optional[float]]:
-    """fwd+bwd tok/s of each row ÷ that of the same setting's and backend's mbs=1 row (None without one)."""
+def _auto_of(r) -> Optional[dict]:
+    auto = getattr(r, "auto", None)
+    return auto if isinstance(auto, dict) else None
+
+
+def baselines(df: pd.DataFrame) -> dict:
+    """(setting, backend) → the fwd+bwd tok/s of its mbs=1 row; else of the mbs=1 run an mtpm=auto search measured."""
     base = {}
     for r in df.itertuples(index=False):
         if _is_baseline(r) and not _missing(r.forward_backward_tok_per_s):
             base.setdefault((r.setting, r.backend), r.forward_backward_tok_per_s)
+    for r in df.itertuples(index=False):
+        searched = (_auto_of(r) or {}).get("baseline") or {}
+        if searched.get("status") == "ok" and searched.get("tok_per_s"):
+            base.setdefault((r.setting, r.backend), searched["tok_per_s"])
+    return base
+
+
+def speedups(df: pd.DataFrame) -> list[Optional[float]]:
+    """fwd+bwd tok/s of each row ÷ that of the same setting's and backend's mbs=1 row (None without one)."""
+    base = baselines(df)
     out = []
     for r in df.itertuples(index=False):
         ref = base.get((r.setting, r.backend))
@@ -108,16 +127,41 @@ def _cap(r) -> Optional[int]:
     return None if _missing(cap) else int(cap)
 
 
-def _describe_batching(r) -> str:
+def _gib(n) -> str:
+    return f"{n / 1024**3:.1f} GiB"
+
+
+def _setting_phrase(r) -> str:
+    """What to set: "mtpm=32,768 (balanced, packed)", "mbs=1"; a cap on sequences per micro-batch after it."""
     cap = _cap(r)
-    seqs = "" if cap is None else f" ≤{cap} seqs"
+    seqs = "" if cap is None else f" max_seqs_per_microbatch={cap}"
     if _missing(r.mtpm):
-        return f"fixed mbs={int(r.mbs)}{seqs}"
-    return f"{r.planner} {r.layout} mtpm={int(r.mtpm):,}{seqs}"
+        return f"mbs={int(r.mbs)}{seqs}"
+    return f"mtpm={int(r.mtpm):,}{seqs} ({r.planner}, {r.layout})"
+
+
+def _answer(r, speedup: Optional[float], n_measured: int) -> str:
+    """A backend's answer: what to set, how fast it ran, against mbs=1, and its memory (of the limit, for auto)."""
+    parts = [f"{r.forward_backward_tok_per_s:,.0f} tok/s fwd+bwd"]
+    parts.append("no mbs=1 run to compare with" if _missing(speedup) else
+                 "the mbs=1 baseline" if _is_baseline(r) else f"{speedup:.2f}× mbs=1")
+    peaks = [p for p in (r.peak_mem_bytes_per_rank or []) if p is not None] if isinstance(
+        r.peak_mem_bytes_per_rank, (list, tuple)) else []
+    auto = _auto_of(r)
+    limit = (auto or {}).get("limit_bytes")
+    if peaks:
+        parts.append(f"peak {_gib(max(peaks))}" + (f" of {_gib(limit)}" if limit else " per rank"))
+    if auto:
+        tried = [c for c in auto.get("candidates") or [] if c.get("status") in ("ok", "oom")]
+        how = f"mtpm=auto: the fastest of {len(tried)} budgets measured, of {len(auto.get('candidates') or [])} distinct plans"
+    else:
+        how = f"the fastest of {n_measured} settings measured"
+    return f"{BACKEND_LABEL.get(r.backend, str(r.backend))}: set {_setting_phrase(r)}: {', '.join(parts)} ({how})"
 
 
 def fastest_lines(df: pd.DataFrame) -> list[str]:
-    """One line per backend (and setting): its fastest fwd+bwd setting and the speedup over its mbs=1 row."""
+    """The answer, one line per backend (and setting): what to set, from its mtpm=auto row when there is one, else
+    the fastest fwd+bwd row; its speed against mbs=1 and its peak memory."""
     if df.empty:
         return []
     df = df.assign(speedup=speedups(df))
@@ -126,12 +170,10 @@ def fastest_lines(df: pd.DataFrame) -> list[str]:
         ok = sub[(sub["status"] == "ok") & sub["forward_backward_tok_per_s"].notna()]
         if ok.empty:
             continue
-        best = ok.loc[ok["forward_backward_tok_per_s"].idxmax()]
-        speed = "no mbs=1 row to compare with" if _missing(best.speedup) else f"{best.speedup:.2f}× its mbs=1 row"
-        lines.append(
-            f"{BACKEND_LABEL.get(backend, str(backend))}: fastest fwd+bwd is {_describe_batching(best)} "
-            f"({best.forward_backward_tok_per_s:,.0f} tok/s, {speed})"
-        )
+        searched = ok[ok["auto"].map(lambda a: isinstance(a, dict))] if "auto" in ok else ok.iloc[:0]
+        pool = searched if not searched.empty else ok
+        best = pool.loc[pool["forward_backward_tok_per_s"].idxmax()]
+        lines.append(_answer(best, best.speedup, len(ok)))
     return lines
 
 
@@ -157,7 +199,7 @@ def table_frame(df: pd.DataFrame, base: Optional[Path] = None) -> pd.DataFrame:
                 _pct(r.forward_util_pct),
                 _int(r.forward_backward_tok_per_s),
                 _pct(r.forward_backward_util_pct),
-                "—" if _missing(speedup) else f"{speedup:.2f}×",
+                "—" if _missing(speedup) else "1.00× (baseline)" if _is_baseline(r) else f"{speedup:.2f}×",
                 _pct(getattr(r, "forward_backward_mfu_pct", None), 2),
                 _pct(r.peak_mem_pct, 1),
                 _gib_per_rank(r.peak_mem_bytes_per_rank),
@@ -184,10 +226,9 @@ def markdown_tables(df: pd.DataFrame, base: Optional[Path] = None) -> str:
     for setting in settings_of(df):
         sub = df[df["setting"] == setting]
         label = f"Measured on {setting}." if setting else "Setting not recorded."  # unreadable results.json
-        text = f"{label}\n\n" + table_frame(sub, base).to_markdown(index=False, disable_numparse=True)
-        fastest = fastest_lines(sub)
-        if fastest:
-            text += "\n\n" + "\n".join(f"- {line}" for line in fastest)
+        answers = fastest_lines(sub)  # the answer first: what to set per backend, then the table it comes from
+        text = "".join(f"- {line}\n" for line in answers) + ("\n" if answers else "")
+        text += f"{label}\n\n" + table_frame(sub, base).to_markdown(index=False, disable_numparse=True)
         parts.append(text)
     return "\n\n".join(parts)
 
@@ -247,6 +288,10 @@ def portable_path(path, base: Path) -> str:
 def write_csv(df: pd.DataFrame, path: Path, base: Optional[Path] = None) -> None:
     """The frame as CSV; ``path`` relative to ``base`` (default: the CSV's folder), so another clone writes the same file."""
     out = df.drop(columns=["plan_png"], errors="ignore")  # a figure's path on this machine, not a measurement
+    if "auto" in out:  # the search's summary as JSON (results.json has it whole)
+        import json
+
+        out["auto"] = out["auto"].map(lambda a: json.dumps(a, sort_keys=True) if isinstance(a, dict) else None)
     base = Path(path).parent if base is None else base
     out["path"] = out["path"].map(lambda p: p if _missing(p) else portable_path(p, base))
     for col in ("n_microbatches", "n_dummy", "forward_mem_peak_bytes", "forward_backward_mem_peak_bytes",

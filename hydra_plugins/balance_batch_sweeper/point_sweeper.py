@@ -1,4 +1,4 @@
-"""Hydra's basic sweeper, plus: each point once, and a point's folder found by its overrides (see harness/points.py)."""
+"""Hydra's basic sweeper, plus: each point once, an mbs=1 baseline per setting, and a point's folder found by its overrides (see harness/points.py)."""
 
 from __future__ import annotations
 
@@ -32,14 +32,24 @@ def keep_earlier_sweep_config(sweep_dir: Path) -> Optional[Path]:
     return kept
 
 
+def _compose(loader, config, job):
+    """A job's composed config, or None when it does not compose (the point itself reports why)."""
+    try:
+        return loader.load_sweep_config(config, list(job))
+    except Exception:  # noqa: BLE001
+        return None
+
+
 class PointSweeper(BasicSweeper):
     """Expands the sweep like BasicSweeper, then de-duplicates it and places each point before anything is written."""
 
     def split_arguments(self, overrides: List[Override], max_batch_size: Optional[int]) -> List[List[List[str]]]:
-        from harness.points import check_writable, dedupe, place_points
+        from harness.points import add_baselines, check_writable, dedupe, place_points
 
-        assert self.config is not None
+        assert self.config is not None and self.hydra_context is not None
         jobs = dedupe(BasicSweeper.split_arguments(overrides, None)[0])
+        loader = self.hydra_context.config_loader
+        jobs = add_baselines(jobs, lambda job: _compose(loader, self.config, job))
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         check_writable("hydra.sweep.dir", sweep_dir)
         resume = bool(OmegaConf.select(self.config, "resume", default=False))

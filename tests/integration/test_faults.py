@@ -51,7 +51,7 @@ def test_out_of_memory_is_a_result_and_the_sweep_goes_on(workdir):
     """The issue's check: under a 2 GB cap the 4096 budget fits, a budget holding everything does not."""
     sweep = workdir / "sweep"
     proc = start_harness(
-        "-m", "mtpm=4096,100000000", "backend=fsdp2", "world_size=2", "workload=cpu_mixed", "workload.n_examples=64",
+        "-m", "mtpm=4096,100000000", "planner=greedy", "layout=padded", "bench.baseline=false", "backend=fsdp2", "world_size=2", "workload=cpu_mixed", "workload.n_examples=64",
         "workload.max_len=4096", "bench.warmup=0", "bench.repeat=1", "bench.memory_limit_gb=2",
         f"hydra.sweep.dir={sweep}", cwd=workdir, log=workdir / "log.txt",
     )
@@ -71,7 +71,7 @@ def test_pytorch_backend_recovers_after_an_oom_point(workdir):
     """In-process OOM: memory is released, the next point runs; each point's W&B run is finished with its status."""
     sweep = workdir / "sweep"
     proc = run_harness(
-        "-m", "mtpm=100000000,2048", "backend=pytorch", "workload=cpu_mixed", "workload.n_examples=16",
+        "-m", "mtpm=100000000,2048", "planner=greedy", "layout=padded", "bench.baseline=false", "backend=pytorch", "workload=cpu_mixed", "workload.n_examples=16",
         "bench.warmup=0", "bench.repeat=1", "bench.memory_limit_gb=3", f"hydra.sweep.dir={sweep}", cwd=workdir,
         env=harness_env(WANDB_MODE="offline"),
     )
@@ -117,7 +117,7 @@ def test_a_hung_worker_times_out(workdir):
 
 def test_an_interrupted_sweep_resumes_where_it_stopped(workdir):
     sweep = workdir / "sweep"
-    args = ["-m", "mtpm=600,5000,100000", "backend=fsdp2", "workload=cpu_mixed", "workload.n_examples=8",
+    args = ["-m", "mtpm=600,5000,100000", "bench.baseline=false", "backend=fsdp2", "workload=cpu_mixed", "workload.n_examples=8",
             "bench.warmup=0", "bench.repeat=1", f"hydra.sweep.dir={sweep}"]
     proc = start_harness(*args, cwd=workdir, log=workdir / "log.txt")
     _wait_for(lambda: (sweep / "1" / "results.json").exists(), 180, "the second point")

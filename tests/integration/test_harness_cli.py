@@ -18,7 +18,9 @@ FAST = ["workload=smoke", "backend=pytorch", "bench.warmup=0", "bench.repeat=2"]
 
 def test_single_run_writes_results_json(workdir):
     run_dir = workdir / "run"
-    proc = run_harness(*FAST, "mtpm=600", "bench.save_outputs=true", f"hydra.run.dir={run_dir}", cwd=workdir)
+    # the original greedy padded planner: what a padded run records (its pads' FLOPs, the batch's SDPA)
+    proc = run_harness(*FAST, "mtpm=600", "planner=greedy", "layout=padded", "bench.save_outputs=true",
+                       f"hydra.run.dir={run_dir}", cwd=workdir)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     res = load_json(run_dir / "results.json")
     assert res["status"] == "ok" and res["error"] is None
@@ -39,6 +41,7 @@ def test_single_run_writes_results_json(workdir):
     assert res["workload"]["n_examples"] == 16
     assert res["workload"]["total_tokens"] == sum(lengths)
     assert (res["workload"]["min_len"], res["workload"]["max_len"]) == (min(lengths), max(lengths))
+    assert (res["planner"], res["layout"]) == ("greedy", "padded")
     expected = plan_batch(lengths, 1, 600, 1, cost_model=cost_model_for(ModelSpec())).stats
     assert res["plan"]["n_microbatches"] == expected.n_microbatches
     assert res["plan"]["padded_tokens"] == expected.padded_tokens
@@ -94,7 +97,8 @@ def test_dry_run_of_the_seed_workload_plans_every_point(workdir):
     for r, budget in zip(results, budgets):
         assert r["status"] == "planned"
         assert r["workload"]["total_tokens"] == 1_669_550
-        assert r["plan"] == plan_batch(lengths, 1, budget, 1, cost_model=cost_model_for(ModelSpec())).stats.as_dict()
+        assert r["plan"] == plan_batch(lengths, 1, budget, 1, layout="packed", planner="balanced",
+                                       cost_model=cost_model_for(ModelSpec())).stats.as_dict()
         assert r["passes"] == {}
     effs = [r["plan"]["pad_efficiency"] for r in results]
     assert effs == sorted(effs, reverse=True)  # bigger budgets pad more on this workload
@@ -113,6 +117,7 @@ def test_multirun_outputs_agree_across_mbs_and_mtpm(workdir):
         "bench.warmup=0",
         "bench.repeat=1",
         "mtpm=null,600,100000",
+        "bench.share_plans=false",  # mbs is ignored with a budget: measure each grouping, do not share the plan
         "mbs=1,3",
         f"hydra.sweep.dir={sweep}",
         cwd=workdir,
@@ -142,10 +147,10 @@ def _one_error_line(proc) -> str:
 @pytest.mark.parametrize(
     "override, key, valid",
     [
-        ("mtpm=-1", "mtpm", "positive integer or null"),
-        ("mtpm=0", "mtpm", "positive integer or null"),
-        ("mtpm=1.5", "mtpm", "Integer"),
-        ("mtpm=abc", "mtpm", "Integer"),
+        ("mtpm=-1", "mtpm", "positive integer, null (fixed mbs slices) or auto"),
+        ("mtpm=0", "mtpm", "positive integer, null (fixed mbs slices) or auto"),
+        ("mtpm=1.5", "mtpm", "positive integer, null (fixed mbs slices) or auto (search), got 1.5"),
+        ("mtpm=abc", "mtpm", "positive integer, null (fixed mbs slices) or auto (search), got 'abc'"),
         ("mbs=0", "mbs", "positive integer"),
         ("backend=nccl_magic", "backend", "pytorch"),
         ("model=gpt5", "model", "tiny"),
@@ -397,7 +402,7 @@ def test_resume_keeps_finished_results_and_finds_points_by_their_overrides(workd
 
     sweep = workdir / "sweep"
     common = ["backend=pytorch", "workload=smoke", "workload.n_examples=4", "bench.warmup=0", "bench.repeat=1",
-              "logger=none", f"hydra.sweep.dir={sweep}"]
+              "logger=none", "bench.baseline=false", f"hydra.sweep.dir={sweep}"]
     first = run_harness("-m", "mtpm=512,100000", *common, cwd=workdir)
     assert first.returncode == 0, first.stdout + first.stderr
     done = digests(sweep)

@@ -24,7 +24,7 @@ def sweep(tmp_path_factory) -> Path:
     sweep = root / "sweep"
     proc = run_harness(
         "-m", "mtpm=600,100000", "backend=pytorch", "workload=smoke", "bench.warmup=0", "bench.repeat=1",
-        f"hydra.sweep.dir={sweep}", cwd=root,
+        "bench.baseline=false", f"hydra.sweep.dir={sweep}", cwd=root,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return sweep

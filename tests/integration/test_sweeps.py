@@ -58,7 +58,7 @@ def test_seed_b200_preset_plans_the_published_setting_on_this_machine(tmp_path):
 def test_two_points_through_the_local_submitit_launcher(tmp_path):
     sweep = tmp_path / "sweep"
     proc = run_harness(
-        "-m", "hydra/launcher=local", "mtpm=600,100000", "backend=pytorch", "workload=smoke", "bench.warmup=0",
+        "-m", "hydra/launcher=local", "mtpm=600,100000", "bench.baseline=false", "backend=pytorch", "workload=smoke", "bench.warmup=0",
         "bench.repeat=1", f"hydra.sweep.dir={sweep}", cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -16,7 +16,7 @@ def offline_sweep(tmp_path_factory):
     sweep = root / "sweep"
     proc = run_harness(
         "-m", "mtpm=600,100000", "backend=pytorch", "workload=smoke", "bench.warmup=0", "bench.repeat=2",
-        f"hydra.sweep.dir={sweep}", cwd=root, env=harness_env(WANDB_MODE="offline"),
+        "bench.baseline=false", f"hydra.sweep.dir={sweep}", cwd=root, env=harness_env(WANDB_MODE="offline"),
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return sweep
@@ -27,7 +27,8 @@ def test_two_points_leave_two_offline_runs_in_their_folders(offline_sweep):
     assert [f.relative_to(offline_sweep).parts[0] for f in files] == ["0", "1"]
     runs = [run_contents(f) for f in files]
     results = sweep_results(offline_sweep)
-    assert [r["name"] for r in runs] == ["pytorch-mtpm600", "pytorch-mtpm100000"]
+    # the planner and layout that ran, in the name where they are not the original greedy padded ones
+    assert [r["name"] for r in runs] == ["pytorch-mtpm600-balanced-packed", "pytorch-mtpm100000-balanced-packed"]
     assert runs[0]["group"] == runs[1]["group"] == "wandb0_sweep"  # the sweep's folder names the group
     for run, res in zip(runs, results):
         assert run["config"]["mtpm"] == res["mtpm"]

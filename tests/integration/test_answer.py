@@ -1,0 +1,92 @@
+"""The answer on real backends: a sweep measures its own mbs=1 baseline and shares identical plans, and
+mtpm=auto searches real budgets on one loaded backend, in float32 and in bf16."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import load_json, run_harness, sweep_results
+
+QUICK = ("workload=smoke", "logger=none", "bench.warmup=0", "bench.repeat=1")
+
+
+def test_a_sweep_measures_its_baseline_shares_identical_plans_and_answers_first(tmp_path):
+    sweep = tmp_path / "sweep"
+    # On one rank the 16 smoke sequences (4,540 tokens) fit one micro-batch at 16,384 and at 32,768: one plan.
+    proc = run_harness("-m", "backend=pytorch", "mtpm=16384,32768", *QUICK, f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    base, first, second = sweep_results(sweep)
+    assert (base["mtpm"], base["mbs"], base["planner"], base["layout"]) == (None, 1, "greedy", "padded")
+    assert base["status"] == first["status"] == second["status"] == "ok"
+    assert (first["planner"], first["layout"]) == ("balanced", "packed")  # the default with a budget
+    assert "shares" not in first and second["shares"]["mtpm"] == 16384 and second["mtpm"] == 32768
+    assert second["passes"] == first["passes"] and second["measurement_key"] == first["measurement_key"]
+    assert (sweep / "2" / "plan.json").is_file()  # its own plan, which is the measured one's
+    report = (sweep / "report.md").read_text()
+    # the answer first: whichever ran fastest (on 16 short sequences mbs=1 may), against the baseline
+    assert report.startswith("- PyTorch: set ") and " tok/s fwd+bwd, " in report.splitlines()[0], report[:300]
+    assert "1.00× (baseline)" in report and "shares mtpm=16,384's measurement" in report
+    assert "no mbs=1" not in report
+
+    # Measured again when asked, and the baseline not added when turned off.
+    again = tmp_path / "again"
+    proc = run_harness("-m", "backend=pytorch", "mtpm=16384,32768", *QUICK, "bench.share_plans=false",
+                       "bench.baseline=false", f"hydra.sweep.dir={again}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    first, second = sweep_results(again)
+    assert "shares" not in second and second["passes"] != first["passes"]
+
+
+def _auto_checks(doc: dict) -> dict:
+    """What any mtpm=auto result must hold: a chosen budget that ran ok, under the limit, the fastest measured."""
+    auto = doc["auto"]
+    assert doc["status"] == "ok", doc.get("error")
+    chosen = {c["mtpm"]: c for c in auto["candidates"]}[auto["chosen"]]
+    assert doc["mtpm"] == auto["chosen"] and chosen["status"] == "ok"
+    assert chosen["measured_peak_bytes"] <= auto["limit_bytes"]
+    measured = [c for c in auto["candidates"] if c["status"] == "ok"]
+    assert chosen["tok_per_s"] == max(c["tok_per_s"] for c in measured)
+    assert set(doc["passes"]) == {"forward", "forward_backward"}
+    assert len(doc["passes"]["forward_backward"]["elapsed_s"]) == doc["bench"]["repeat"]
+    assert auto["baseline"]["status"] == "ok" and auto["baseline"]["tok_per_s"] > 0
+    for c in auto["candidates"]:
+        assert c["status"] in ("ok", "oom", "over_limit"), c
+        if c["status"] == "over_limit" and c["measured_peak_bytes"] is None:
+            assert c["predicted_peak_bytes"] > auto["limit_bytes"] or "ran out of memory" in c["reason"]
+    return chosen
+
+
+def test_auto_searches_under_a_memory_limit_and_records_the_answer(tmp_path):
+    """pytorch, a 2 GiB cap: the larger plans are predicted (or found) over it, the chosen one fits."""
+    run = tmp_path / "run"
+    proc = run_harness("mtpm=auto", "backend=pytorch", "workload=cpu_mixed",
+                       "bench.memory_limit_gb=2", "bench.warmup=0", "bench.repeat=2", "logger=none",
+                       f"hydra.run.dir={run}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = load_json(run / "results.json")
+    chosen = _auto_checks(doc)
+    auto = doc["auto"]
+    assert auto["limit_source"] == "bench.memory_limit_gb" and auto["limit_bytes"] == 2 * 1024**3
+    assert any(c["status"] != "ok" for c in auto["candidates"]), auto["candidates"]  # the cap bit
+    assert auto["memory_model"]["points"] >= 3
+    # Predicted before it ran, or (a probe) by the model fitted without it: extrapolated, so looser.
+    tolerance = 0.15 if chosen["prediction"] == "ahead" else 0.25
+    assert chosen["predicted_peak_bytes"] == pytest.approx(chosen["measured_peak_bytes"], rel=tolerance)
+    assert f"set mtpm={doc['mtpm']} (balanced, packed)" in proc.stderr + proc.stdout
+
+
+def test_auto_on_fsdp2_in_bf16_over_backends_in_one_multirun(tmp_path):
+    """The published precision on the lock-step backend and the independent one, no baseline point added."""
+    sweep = tmp_path / "sweep"
+    proc = run_harness("-m", "mtpm=auto", "backend=fsdp2,megatron_ddp", "model.dtype=bfloat16", *QUICK,
+                       f"hydra.sweep.dir={sweep}", cwd=tmp_path, timeout=1200)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    docs = sweep_results(sweep)
+    assert [d["backend"] for d in docs] == ["fsdp2", "megatron_ddp"]  # the search measures mbs=1 itself
+    for doc in docs:
+        _auto_checks(doc)
+        assert doc["precision"]["compute"] == "bfloat16"
+        assert "host memory / 2 rank(s)" in doc["auto"]["limit_source"]
+    report = (sweep / "report.md").read_text()
+    assert report.startswith("- FSDP2: set mtpm=") and "Megatron DDP: set mtpm=" in report
+    assert "× mbs=1" in report

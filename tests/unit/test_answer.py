@@ -1,0 +1,264 @@
+"""The answer instead of a table: defaults by budget, a baseline in every sweep, shared plans, mtpm=auto's search.
+
+In-process: the search is driven by a fake device here (its memory and speed are formulas, so what the search
+must choose is known); tests/integration/test_answer.py runs it on a real backend.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from backends.errors import UserError
+from backends.planning import plan_batch
+from harness.auto import (Candidate, Measured, candidates_of, fit_memory_model, memory_limit, power_of_two_budgets,
+                          search)
+from harness.config import composition_error_line, register_configs, resolve_config
+from harness.workload import WorkloadSpec, load_workload
+from tests.conftest import REPO
+
+GiB = 1024**3
+COMMITTED = REPO / "reports" / "results" / "cpu-2rank-tiny"
+
+
+def _compose(*overrides: str):
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        try:
+            return compose("config", overrides=list(overrides))
+        except HydraException as exc:
+            raise UserError(composition_error_line(exc)) from None
+
+
+# -- the default is the best planner ------------------------------------------------------------------
+@pytest.mark.parametrize("overrides, planner, layout", [
+    (["mtpm=16384"], "balanced", "packed"),
+    (["mtpm=auto"], "balanced", "packed"),
+    ([], "greedy", "padded"),  # fixed mbs slices: the original, as the mbs=1 rows always were
+    (["mtpm=16384", "planner=greedy", "layout=padded"], "greedy", "padded"),
+    (["batching=mtpm16384"], "greedy", "padded"),  # the original procedure's presets stay the original
+    (["mtpm=32768", "batching=greedy_padded"], "greedy", "padded"),
+    (["mtpm=32768", "layout=padded"], "balanced", "padded"),  # what is set stays set
+])
+def test_a_budget_defaults_to_the_balanced_packed_planner_and_the_presets_keep_the_original(overrides, planner, layout):
+    spec = resolve_config(_compose("dry_run=true", *overrides))
+    assert (spec.backend.planner, spec.backend.layout) == (planner, layout)
+
+
+def test_the_original_presets_plan_bit_exactly_as_the_greedy_planner():
+    spec = resolve_config(_compose("batching=mtpm32768"))
+    lengths = load_workload(spec.workload).lengths
+    via_preset = plan_batch(lengths, 2, spec.backend.max_tokens_per_microbatch, layout=spec.backend.layout,
+                            planner=spec.backend.planner, align=True)
+    original = plan_batch(lengths, 2, 32768, align=True)  # plan_batch's own defaults: greedy, padded
+    assert via_preset.schedules == original.schedules
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-5", "true", "1.5"])
+def test_a_bad_budget_is_one_line_naming_mtpm_and_what_is_valid(value):
+    with pytest.raises(UserError) as info:
+        resolve_config(_compose("dry_run=true", f"mtpm={value}"))
+    message = str(info.value)
+    assert message.startswith("mtpm: must be a positive integer, null (fixed mbs slices) or auto"), message
+    assert "\n" not in message
+
+
+def test_auto_resolves_with_no_budget_for_the_backend_and_the_record_says_none_yet():
+    from harness.results import base_document
+
+    cfg = _compose("mtpm=auto")
+    spec = resolve_config(cfg)
+    assert spec.mtpm == "auto" and spec.backend.max_tokens_per_microbatch is None
+    doc = base_document(cfg, ["mtpm=auto"])
+    assert doc["mtpm"] is None  # a number once chosen; "auto" would make the row unreadable
+
+
+# -- every sweep carries its baseline -----------------------------------------------------------------
+def _with_baselines(jobs):
+    from harness.points import add_baselines
+
+    return add_baselines(jobs, lambda job: _compose(*job))
+
+
+def test_a_sweep_without_mbs1_gets_one_ahead_of_each_setting_and_one_that_has_it_gets_none():
+    jobs = [["backend=fsdp2", "mtpm=16384"], ["backend=fsdp2", "mtpm=32768"],
+            ["backend=megatron_ddp", "mtpm=16384"], ["backend=megatron_ddp", "mtpm=32768"]]
+    out = _with_baselines(jobs)
+    assert out == [["backend=fsdp2", "mtpm=null", "mbs=1"], *jobs[:2],
+                   ["backend=megatron_ddp", "mtpm=null", "mbs=1"], *jobs[2:]]
+    # mbs=1 spelled as a preset, or left to the defaults, is a baseline already
+    for has in (["backend=fsdp2", "batching=fixed_mbs1"], ["backend=fsdp2"]):
+        assert _with_baselines([has, ["backend=fsdp2", "mtpm=16384"]]) == [has, ["backend=fsdp2", "mtpm=16384"]]
+
+
+def test_the_baseline_drops_batching_keys_and_keeps_the_setting():
+    jobs = [["model.dtype=bfloat16", "mtpm=16384", "planner=greedy", "layout=padded", "max_seqs_per_microbatch=4"]]
+    assert _with_baselines(jobs)[0] == ["model.dtype=bfloat16", "mtpm=null", "mbs=1"]
+
+
+@pytest.mark.parametrize("jobs", [
+    [["mtpm=16384", "bench.baseline=false"]],  # turned off
+    [["mtpm=16384", "dry_run=true"]],  # a dry run times nothing
+    [["mtpm=auto", "backend=fsdp2"]],  # the search measures mbs=1 itself
+])
+def test_no_baseline_is_added_where_it_is_off_or_not_wanted(jobs):
+    assert _with_baselines(jobs) == jobs
+
+
+def test_the_baseline_switch_and_share_switch_are_not_part_of_a_points_identity():
+    from harness.points import identity
+
+    assert identity(["mtpm=1", "bench.baseline=false", "bench.share_plans=false"]) == identity(["mtpm=1"])
+
+
+# -- the search ------------------------------------------------------------------------------------
+def test_the_memory_model_fits_a_line_and_a_square_and_never_predicts_less_for_more():
+    line = [(t, 0, int(1 * GiB + 50_000 * t)) for t in (1000, 4000, 9000)]
+    model = fit_memory_model(line)
+    assert model.predict(20_000, 0) == pytest.approx(1 * GiB + 50_000 * 20_000, rel=1e-6)
+    square = [(t, t * t, int(GiB + 10_000 * t + 3 * t * t)) for t in (1000, 2000, 4000, 8000)]
+    model = fit_memory_model(square, quadratic=True)
+    assert model.quadratic and model.predict(16_000, 16_000**2) == pytest.approx(GiB + 160e6 + 3 * 16_000**2, rel=1e-6)
+    noisy = [(1000, 0, 2 * GiB), (1100, 0, int(1.9 * GiB))]  # a smaller peak at a larger size: noise, not a law
+    assert fit_memory_model(noisy).per_token == 0
+    assert fit_memory_model([(1000, 0, GiB), (1000, 0, GiB)]) is None  # one size: no slope
+
+
+class FakeDevice:
+    """Peak = 1 GiB + 200 kB per token; tok/s grows with the micro-batch; out of memory above ``oom_tokens``."""
+
+    def __init__(self, oom_tokens: float = float("inf")):
+        self.oom_tokens = oom_tokens
+        self.ran: list[int] = []
+
+    def peak(self, tokens: int) -> int:
+        return int(GiB + 200_000 * tokens)
+
+    def measure(self, c: Candidate) -> Measured:
+        self.ran.append(c.mtpm)
+        if c.tokens > self.oom_tokens:
+            return Measured("oom", error="out of memory")
+        return Measured("ok", tok_per_s=1000 + c.tokens / 10 - c.steps, peak_bytes=self.peak(c.tokens))
+
+
+def _cands(sizes):
+    return [Candidate(mtpm=t, tokens=t, square=0, steps=100_000 // t) for t in sizes]
+
+
+def test_the_search_runs_what_fits_skips_what_is_predicted_over_and_chooses_the_fastest():
+    device = FakeDevice()
+    cands = _cands([2048, 4096, 8192, 16384, 32768, 65536])
+    limit = device.peak(20_000)  # 16384 fits, 32768 does not
+    found = search(cands, device.measure, limit)
+    status = {c.mtpm: c.status for c in found.candidates}
+    assert status == {2048: "ok", 4096: "ok", 8192: "ok", 16384: "ok", 32768: "over_limit", 65536: "over_limit"}
+    assert 32768 not in device.ran and 65536 not in device.ran  # predicted over: never run
+    assert found.chosen.mtpm == 16384
+    for c in found.candidates:
+        assert c.predicted_peak_bytes == pytest.approx(device.peak(c.tokens), rel=1e-3)
+        if c.status == "ok":
+            assert c.prediction in ("ahead", "held_out") and c.measured_peak_bytes <= limit
+
+
+def test_an_out_of_memory_probe_is_a_result_and_the_search_goes_on_below_it():
+    device = FakeDevice(oom_tokens=10_000)  # the memory says yes, the device says no above 10k tokens
+    cands = _cands([2048, 4096, 8192, 16384, 32768, 65536])
+    found = search(cands, device.measure, limit_bytes=100 * GiB)
+    status = {c.mtpm: c.status for c in found.candidates}
+    assert status[2048] == status[4096] == status[8192] == "ok"
+    assert status[16384] == "oom" and status[32768] == status[65536] == "over_limit"
+    assert 65536 not in device.ran  # nothing above an out-of-memory budget is run
+    assert found.chosen.mtpm == 8192
+
+
+def test_nothing_fits_is_no_choice_and_a_measured_peak_over_the_limit_is_not_chosen():
+    device = FakeDevice(oom_tokens=100)
+    found = search(_cands([2048, 4096]), device.measure, limit_bytes=100 * GiB)
+    assert found.chosen is None and [c.status for c in found.candidates] == ["oom", "over_limit"]
+    device = FakeDevice()
+    found = search(_cands([2048, 4096]), device.measure, limit_bytes=device.peak(3000))
+    assert [c.status for c in found.candidates] == ["ok", "over_limit"] and found.chosen.mtpm == 2048
+
+
+def test_candidates_are_distinct_plans_the_smallest_budget_naming_each():
+    lengths = load_workload(WorkloadSpec(name="cpu_mixed", kind="mixed", n_examples=24, min_len=64, max_len=4096,
+                                         seed=42)).lengths
+    budgets = power_of_two_budgets(lengths, 2, "padded")
+    # half the longest (3,531) up to the budget holding a rank's 12 sequences padded to the longest (42,372)
+    assert budgets == [2048, 4096, 8192, 16384, 32768, 65536]
+    published = candidates_of(lengths, [16384, 32768, 65536, 131072],
+                              lambda b: plan_batch(lengths, 2, b, align=True), "padded")
+    assert [(c.mtpm, c.same_plan) for c in published] == [(16384, []), (32768, []), (65536, [131072])]
+    cands = candidates_of(lengths, budgets, lambda b: plan_batch(lengths, 2, b, align=True), "padded")
+    assert len({json.dumps(plan_batch(lengths, 2, c.mtpm, align=True).schedules) for c in cands}) == len(cands)
+    assert all(a.tokens <= b.tokens for a, b in zip(cands, cands[1:]))
+
+
+def test_the_limit_is_the_given_cap_or_the_device_less_headroom_shared_by_cpu_ranks():
+    assert memory_limit(3, {"type": "cpu", "memory_bytes": 24 * GiB}, 2, 0.1) == (3 * GiB, "bench.memory_limit_gb")
+    limit, source = memory_limit(None, {"type": "cpu", "memory_bytes": 24 * GiB}, 2, 0.1)
+    assert limit == int(24 * GiB * 0.9 / 2) and "2 rank" in source
+    limit, _ = memory_limit(None, {"type": "cuda", "memory_bytes": 80 * GiB}, 4, 0.1)
+    assert limit == int(80 * GiB * 0.9)
+
+
+# -- the report's answer ----------------------------------------------------------------------------
+def _frame(tmp_path: Path, docs: dict):
+    from reports.collect import collect
+
+    for name, doc in docs.items():
+        (tmp_path / name).mkdir(parents=True)
+        (tmp_path / name / "results.json").write_text(json.dumps(doc))
+    return collect([tmp_path])
+
+
+def test_an_auto_row_is_the_answer_first_with_its_speedup_over_the_searched_baseline(tmp_path):
+    from reports.render import markdown_tables
+
+    doc = json.loads((COMMITTED / "6" / "results.json").read_text())  # fsdp2, balanced packed 16,384
+    fb = doc["passes"]["forward_backward"]
+    doc["auto"] = {"candidates": [{"mtpm": doc["mtpm"], "status": "ok"}, {"mtpm": 65536, "status": "over_limit"}],
+                   "limit_bytes": 3 * GiB, "baseline": {"status": "ok", "tok_per_s": fb["tok_per_s"] / 2}, "chosen":
+                   doc["mtpm"]}
+    text = markdown_tables(_frame(tmp_path, {"0": doc}))
+    first = text.splitlines()[0]
+    assert first.startswith(f"- FSDP2: set mtpm={doc['mtpm']:,} (balanced, packed): {fb['tok_per_s']:,.0f} tok/s "
+                            "fwd+bwd, 2.00× mbs=1, peak "), first
+    assert "of 3.0 GiB" in first and "mtpm=auto" in first
+
+
+def test_a_shared_row_says_whose_measurement_it_shows(tmp_path):
+    from reports.render import table_frame
+
+    doc = json.loads((COMMITTED / "0" / "results.json").read_text())
+    shared = {**doc, "mtpm": 131072, "shares": {"folder": "3", "mtpm": 65536, "mbs": 1}}
+    frame = table_frame(_frame(tmp_path, {"0": doc, "1": shared}))
+    assert list(frame["status"]) == ["ok", "ok (shares mtpm=65,536's measurement: same plan)"]
+    assert frame["speedup (fwd+bwd vs mbs 1)"][0] == "1.00× (baseline)"
+
+
+def test_two_budgets_share_a_measurement_only_when_the_plan_and_everything_else_match():
+    from harness.app import measurement_key
+
+    def key(*overrides):
+        cfg = _compose(*overrides)
+        spec = resolve_config(cfg)
+        b = spec.backend
+        lengths = load_workload(spec.workload).lengths
+        plan = plan_batch(lengths, 2, b.max_tokens_per_microbatch, b.micro_batch_size, align=True, layout=b.layout,
+                          planner=b.planner)
+        return measurement_key(cfg, plan)
+
+    greedy = ("planner=greedy", "layout=padded")
+    assert key("mtpm=65536", *greedy) == key("mtpm=131072", *greedy)  # one plan
+    assert key("mtpm=65536", *greedy, "logger=none", "bench.share_plans=false") == key("mtpm=131072", *greedy)
+    assert key("mtpm=32768", *greedy) != key("mtpm=65536", *greedy)  # another plan
+    assert key("mtpm=65536", *greedy) != key("mtpm=131072", *greedy, "model.dtype=bfloat16")  # another setting
+    assert key("mtpm=65536", *greedy) != key("mtpm=131072", *greedy, "bench.repeat=5")  # another protocol
+    assert key("mtpm=32768") == key("mtpm=65536")  # balanced packed: one micro-batch per rank at both
+    assert key("mtpm=32768") != key("mtpm=32768", "layout=padded")
