@@ -220,7 +220,7 @@ class Point:
         cands = candidates_of(lengths, budgets, lambda m: plan_for(lengths, setup, m), setup.layout)
         limit, source = memory_limit(spec.bench.memory_limit_gb, setup.device or {}, setup.world_size,
                                      spec.bench.memory_headroom)
-        headroom = None if spec.bench.memory_limit_gb is not None else spec.bench.memory_headroom
+        headroom = spec.bench.memory_headroom  # applied to the device's memory; limit_source says which limit ruled
         log.info("%smtpm=auto: %d distinct plans (%s) on %s, %s; limit %.2f GiB per rank (%s)", self.label, len(cands),
                  ", ".join(str(c.mtpm) for c in cands), setup.name, f"{setup.planner} {setup.layout}", limit / 2**30,
                  source)
@@ -583,7 +583,8 @@ def _log_candidate(label: str, c, limit: int) -> None:
     speed = f", {c.tok_per_s:,.0f} tok/s fwd+bwd" if c.tok_per_s else ""
     predicted = f" (predicted {gib(c.predicted_peak_bytes)}, {c.prediction})" if c.predicted_peak_bytes else ""
     peak = f", peak {gib(c.measured_peak_bytes)}{predicted}" if c.measured_peak_bytes else predicted
-    why = f": {c.reason}" if c.reason and c.status != "ok" else ""
+    shown = c.status == "ok" or (c.status == "over_limit" and c.reason and c.reason.startswith("predicted"))
+    why = f" ({c.reason})" if c.reason and not shown else ""
     log.info("%smtpm=auto: mtpm=%d %s%s%s, limit %s%s", label, c.mtpm, c.status, speed, peak, gib(limit), why)
 
 
@@ -593,10 +594,11 @@ def _log_answer(label: str, doc: dict[str, Any]) -> None:
     fb = doc["passes"]["forward_backward"]
     base = (auto.get("baseline") or {}).get("tok_per_s")
     peaks = [p for p in fb.get("mem_peak_bytes") or [] if p is not None]
-    log.info("%s%s: set mtpm=%d (%s, %s): %s tok/s fwd+bwd, %s, peak %s of %.1f GiB", label, doc["backend"],
+    log.info("%s%s: set mtpm=%d (%s, %s): %s tok/s fwd+bwd, %s, peak %s of %.1f GiB%s", label, doc["backend"],
              doc["mtpm"], doc["planner"], doc["layout"], f"{fb['tok_per_s']:,.0f}",
              f"{fb['tok_per_s'] / base:.2f}× mbs=1" if base else "no mbs=1 run",
-             f"{max(peaks) / 2**30:.1f} GiB" if peaks else "unknown", auto["limit_bytes"] / 2**30)
+             f"{max(peaks) / 2**30:.1f} GiB" if peaks else "unknown", auto["limit_bytes"] / 2**30,
+             f"; mbs=1 ran faster ({base:,.0f} tok/s): no budget pays here" if base and base > fb["tok_per_s"] else "")
 
 
 def _log_plan(label: str, st, n_examples: int, max_seqs: Optional[int] = None) -> None:

@@ -222,7 +222,7 @@ def search(
             note(c)
             return True
         if got.peak_bytes is not None and got.peak_bytes > limit_bytes:
-            c.status, c.reason = "over_limit", f"measured peak {got.peak_bytes:,} B over the limit {limit_bytes:,} B"
+            c.status, c.reason = "over_limit", f"measured peak {_gib(got.peak_bytes)} over the limit {_gib(limit_bytes)}"
         else:
             c.status = "ok"
         if got.peak_bytes is not None:
@@ -254,7 +254,7 @@ def search(
             _predict(c, model, "ahead")
             if c.predicted_peak_bytes > limit_bytes:
                 c.status = "over_limit"
-                c.reason = f"predicted peak {c.predicted_peak_bytes:,} B over the limit {limit_bytes:,} B"
+                c.reason = f"predicted peak {_gib(c.predicted_peak_bytes)} over the limit {_gib(limit_bytes)}"
                 note(c)
                 continue
         run(i)
@@ -262,6 +262,10 @@ def search(
     fitting = [c for c in cands if c.status == "ok" and c.tok_per_s is not None]
     chosen = max(fitting, key=lambda c: c.tok_per_s) if fitting else None
     return SearchResult(cands, model, limit_bytes, chosen)
+
+
+def _gib(n: int) -> str:
+    return f"{n / 1024**3:.2f} GiB"
 
 
 def _predict(c: Candidate, model: MemoryModel, how: str) -> None:

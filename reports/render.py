@@ -151,11 +151,13 @@ def _answer(r, speedup: Optional[float], n_measured: int) -> str:
     limit = (auto or {}).get("limit_bytes")
     if peaks:
         parts.append(f"peak {_gib(max(peaks))}" + (f" of {_gib(limit)}" if limit else " per rank"))
+    if not _missing(speedup) and speedup < 1 and not _is_baseline(r):
+        parts.append("mbs=1 ran faster: no budget pays here")
     if auto:
         tried = [c for c in auto.get("candidates") or [] if c.get("status") in ("ok", "oom")]
         how = f"mtpm=auto: the fastest of {len(tried)} budgets measured, of {len(auto.get('candidates') or [])} distinct plans"
     else:
-        how = f"the fastest of {n_measured} settings measured"
+        how = f"the fastest of {n_measured} measured settings"
     return f"{BACKEND_LABEL.get(r.backend, str(r.backend))}: set {_setting_phrase(r)}: {', '.join(parts)} ({how})"
 
 
@@ -173,7 +175,8 @@ def fastest_lines(df: pd.DataFrame) -> list[str]:
         searched = ok[ok["auto"].map(lambda a: isinstance(a, dict))] if "auto" in ok else ok.iloc[:0]
         pool = searched if not searched.empty else ok
         best = pool.loc[pool["forward_backward_tok_per_s"].idxmax()]
-        lines.append(_answer(best, best.speedup, len(ok)))
+        measured = ok["shares_mtpm"].isna().sum() if "shares_mtpm" in ok else len(ok)  # shared rows measured nothing
+        lines.append(_answer(best, best.speedup, int(measured)))
     return lines
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import load_json, run_harness, sweep_results
+from tests.conftest import harness_env, load_json, run_harness, sweep_results
+from tests.wandb_records import run_contents
 
 QUICK = ("workload=smoke", "logger=none", "bench.warmup=0", "bench.repeat=1")
 
@@ -60,8 +61,8 @@ def test_auto_searches_under_a_memory_limit_and_records_the_answer(tmp_path):
     """pytorch, a 2 GiB cap: the larger plans are predicted (or found) over it, the chosen one fits."""
     run = tmp_path / "run"
     proc = run_harness("mtpm=auto", "backend=pytorch", "workload=cpu_mixed",
-                       "bench.memory_limit_gb=2", "bench.warmup=0", "bench.repeat=2", "logger=none",
-                       f"hydra.run.dir={run}", cwd=tmp_path)
+                       "bench.memory_limit_gb=2", "bench.warmup=0", "bench.repeat=2",
+                       f"hydra.run.dir={run}", cwd=tmp_path, env=harness_env(WANDB_MODE="offline"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = load_json(run / "results.json")
     chosen = _auto_checks(doc)
@@ -73,6 +74,14 @@ def test_auto_searches_under_a_memory_limit_and_records_the_answer(tmp_path):
     tolerance = 0.15 if chosen["prediction"] == "ahead" else 0.25
     assert chosen["predicted_peak_bytes"] == pytest.approx(chosen["measured_peak_bytes"], rel=tolerance)
     assert f"set mtpm={doc['mtpm']} (balanced, packed)" in proc.stderr + proc.stdout
+    # W&B: the answer in the run's summary, the run named for what ran and how it was found
+    (record,) = run.glob("wandb/offline-run-*/run-*.wandb")
+    wandb_run = run_contents(record)
+    assert wandb_run["name"] == f"pytorch-mtpm{doc['mtpm']}-balanced-packed-auto"
+    summary = wandb_run["summary"]
+    assert summary["auto/chosen"] == doc["mtpm"] and summary["auto/limit_bytes"] == auto["limit_bytes"]
+    assert summary[f"auto/candidates/{doc['mtpm']}/status"] == "ok"
+    assert summary["passes/forward_backward/tok_per_s"] == pytest.approx(doc["passes"]["forward_backward"]["tok_per_s"])
 
 
 def test_auto_on_fsdp2_in_bf16_over_backends_in_one_multirun(tmp_path):
