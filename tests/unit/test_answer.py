@@ -7,7 +7,6 @@ must choose is known); tests/integration/test_answer.py runs it on a real backen
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -18,6 +17,7 @@ from harness.auto import (Candidate, Measured, candidates_of, fit_memory_model, 
 from harness.config import composition_error_line, register_configs, resolve_config
 from harness.workload import WorkloadSpec, load_workload
 from tests.conftest import REPO
+from tests.unit.test_max_seqs import _frame  # results.json documents in folders, collected as the report reads them
 
 GiB = 1024**3
 COMMITTED = REPO / "reports" / "results" / "cpu-2rank-tiny"
@@ -208,15 +208,6 @@ def test_the_limit_is_the_given_cap_or_the_device_less_headroom_shared_by_cpu_ra
 
 
 # -- the report's answer ----------------------------------------------------------------------------
-def _frame(tmp_path: Path, docs: dict):
-    from reports.collect import collect
-
-    for name, doc in docs.items():
-        (tmp_path / name).mkdir(parents=True)
-        (tmp_path / name / "results.json").write_text(json.dumps(doc))
-    return collect([tmp_path])
-
-
 def test_an_auto_row_is_the_answer_first_with_its_speedup_over_the_searched_baseline(tmp_path):
     from reports.render import markdown_tables
 
