@@ -1,11 +1,12 @@
 # make run: set up and run the main sweep on the embedded CPU default: the mbs=1 baseline (added by the sweep),
-# the original greedy padded budgets and the default balanced packed ones, budgets that plan alike measured once.
+# the original greedy padded budgets and the default balanced packed ones, budgets that plan alike measured once,
+# on one backend loaded for the whole sweep (hot=true).
 # make test: set up and run the whole test suite, tests/unit and tests/integration (what CI runs).
 # make test-fast: set up and run tests/unit only: in-process, no CLI runs, servers or ranks.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-SWEEP ?= mtpm=16384,32768,65536,131072 batching=greedy_padded,default
+SWEEP ?= mtpm=16384,32768,65536,131072 batching=greedy_padded,default hot=true
 
 .PHONY: setup run test test-fast clean
 
