@@ -184,12 +184,12 @@ class Point:
         else:
             shared = self._shared_measurement(spec, lengths)
             if shared is not None:
-                backend, setup = None, Setup.dry_run(spec)
+                backend, setup = None, shared[2]  # the plan is the one the shared point ran: no backend to ask
             else:
                 backend = self._start_backend(spec)
                 setup = Setup.of_backend(spec, backend)
                 self.label = _label(setup.name, setup.mtpm, setup.mbs)
-        plan = self._plan(spec, lengths, setup)
+        plan = self._plan(spec, lengths, setup, planned=shared[3] if shared is not None else None)
         self.results.update(**_setup_fields(spec, workload, setup, plan))
         _log_plan(self.label, plan.stats, len(lengths), setup.max_seqs_per_microbatch)
         if spec.dry_run:
@@ -311,8 +311,9 @@ class Point:
         return self.backend
 
     # -- a plan measured earlier in the sweep ----------------------------------------------------------
-    def _shared_measurement(self, spec: HarnessConfig, lengths: list[int]) -> Optional[tuple[Path, dict]]:
-        """An earlier point of this sweep that measured the same plan in the same setting: (its folder, its results).
+    def _shared_measurement(self, spec: HarnessConfig, lengths: list[int]) -> Optional[tuple[Path, dict, Setup, Any]]:
+        """An earlier point of this sweep that measured the same plan in the same setting: (its folder, its results,
+        and this point's dry-run setup and plan, so the point does not plan twice).
 
         The key is the plan's micro-batches and layout with everything else the point runs (model, workload, ranks,
         precision, bench protocol): two budgets that plan identically run the same steps, so the second one shares
@@ -326,7 +327,8 @@ class Point:
 
         if launched_job() is not None:
             return None
-        plan = plan_for(lengths, Setup.dry_run(spec))
+        setup = Setup.dry_run(spec)
+        plan = plan_for(lengths, setup)
         self.measurement_key = measurement_key(self.cfg, plan)
         if not spec.bench.share_plans:
             return None
@@ -338,12 +340,12 @@ class Point:
             doc = read_result(path.parent)
             if doc and doc.get("status") == "ok" and doc.get("measurement_key") == self.measurement_key \
                     and not doc.get("shares"):
-                return path.parent, doc
+                return path.parent, doc, setup, plan
         return None
 
-    def _share(self, shared: tuple[Path, dict]) -> None:
+    def _share(self, shared: tuple[Path, dict, Setup, Any]) -> None:
         """This point's record takes the measurements of ``shared`` (same plan, same setting); ``shares`` says whose."""
-        folder, doc = shared
+        folder, doc = shared[:2]
         for key in ("device", "precision", "load", "peak", "launch", "passes"):
             if key in doc:
                 self.results.update(**{key: doc[key]})
@@ -426,10 +428,10 @@ class Point:
         self.backend = backend = make_backend(b, spec.model)
         return backend
 
-    def _plan(self, spec: HarnessConfig, lengths: list[int], setup: Setup):
-        """The workload planned for the backend's ranks, written to plan.json."""
+    def _plan(self, spec: HarnessConfig, lengths: list[int], setup: Setup, planned=None):
+        """The workload planned for the backend's ranks (``planned``: already planned for ``setup``), written to plan.json."""
         self.cost_model = setup.cost_model
-        plan = plan_for(lengths, setup)
+        plan = planned if planned is not None else plan_for(lengths, setup)
         self.schedules = plan.schedules  # the micro-batches each rank runs: hardware FLOPs are counted from them
         write_plan_json(self.out_dir / PLAN_FILE, plan.to_json(backend=setup.name))
         return plan
