@@ -30,7 +30,7 @@ from harness.results import (OUTPUTS_FILE, RESULTS_FILE, PointResults, base_docu
 from harness.roles import follow, leads, tell_launcher
 from harness.state import EXIT_FAILED, EXIT_OK, EXIT_USER_ERROR, STATE
 from harness.tracking import Tracker, run_name, sweep_group
-from harness.workload import Workload, load_workload, make_examples
+from harness.workload import Workload, load_workload
 
 log = logging.getLogger("harness")
 
@@ -145,6 +145,7 @@ class Point:
         self.backend = None  # closed at the end of the point (not a hot sweep's shared one)
         self.hot = False
         self.vocab_size = 0
+        self.workload: Optional[Workload] = None  # the point's lengths and, from a dataset, its real examples
         self.tracker = None
         self.cost_model = None  # the planner's cost model (backends.planning.CostModel), from the model's config
         self.schedules = None  # the plan's micro-batches per rank
@@ -173,7 +174,8 @@ class Point:
         b = spec.backend
         self.label = _label(b.name, b.max_tokens_per_microbatch, b.micro_batch_size)
         launcher_sets_world_size(b, self.hydra_run.overrides)
-        workload = load_workload(spec.workload)
+        # A server's vocabulary is checked once it answers (self._examples), not against this config's model.
+        self.workload = workload = load_workload(spec.workload, spec.model, check_vocabulary=not spec.target.url)
         lengths = workload.lengths
         if spec.mtpm == AUTO:
             self._run_auto(spec, workload)
@@ -228,11 +230,11 @@ class Point:
                                 "limit_bytes": limit, "limit_source": source, "baseline": None, "chosen": None}
         self.results.update(backend=setup.name, world_size=setup.world_size, device=setup.device,
                             planner=setup.planner, layout=setup.layout,
-                            workload=workload_record(spec.workload, lengths, workload.file), auto=auto)
+                            workload=workload_record(spec.workload, lengths, workload.file, workload.dataset), auto=auto)
         if spec.dry_run:
             self.results.mark("planned")
             return
-        examples = make_examples(lengths, self.vocab_size, spec.seed)
+        examples = self._examples(spec)
         runs: dict[Optional[int], tuple] = {}  # what each measured budget gave (None: the mbs=1 baseline)
 
         def save() -> None:
@@ -436,6 +438,11 @@ class Point:
         write_plan_json(self.out_dir / PLAN_FILE, plan.to_json(backend=setup.name))
         return plan
 
+    def _examples(self, spec: HarnessConfig) -> list:
+        """The point's examples: a dataset's real ids (checked against the vocabulary the backend has), else random ids."""
+        owner = f"the server at {spec.target.url}" if spec.target.url else f"model {spec.model.name}"
+        return self.workload.examples(self.vocab_size, spec.seed, owner)
+
     def _command_for(self, spec: HarnessConfig, examples, mtpm: Optional[int], mbs: int, layout: str, planner: str):
         """The pass commands of one batching (the point's own, or a candidate's of mtpm=auto)."""
         from harness.measure import default_command_for
@@ -460,7 +467,7 @@ class Point:
 
         b = spec.backend
         if examples is None:
-            examples = make_examples(lengths, self.vocab_size, spec.seed)
+            examples = self._examples(spec)
         self.results.save()
         if self.tracker is None:
             self.tracker = _start_tracker(self.cfg, self.out_dir, self.hydra_run.group, self.results.doc)
@@ -535,7 +542,7 @@ def _setup_fields(spec: HarnessConfig, workload: Workload, setup: Setup, plan) -
         max_seqs_per_microbatch=setup.max_seqs_per_microbatch,
         device=setup.device,
         model=model_record(spec.model, setup.built),
-        workload=workload_record(spec.workload, workload.lengths, workload.file),
+        workload=workload_record(spec.workload, workload.lengths, workload.file, workload.dataset),
         plan=plan.stats.as_dict(),
         # what the backend built runs in (params, adapters, compute, reduce); a dry run builds nothing
         precision=setup.precision,

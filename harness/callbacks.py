@@ -72,13 +72,14 @@ class ReportCallback(Callback):
         try:
             from reports.collect import collect
             from reports.plan_figure import write_plan_figures
-            from reports.plots import write_plots
+            from reports.plots import write_length_histograms, write_plots
             from reports.render import markdown_tables, write_csv
 
             df = collect([sweep_dir])
             if df.empty:
                 return
             df["plan_png"] = write_plan_figures(df, sweep_dir)  # plots/plan-<point>.png, one linked per row
+            df["lengths_png"] = write_length_histograms(df, sweep_dir)  # plots/lengths-<point>.png, one per setting
             table = markdown_tables(df, sweep_dir)
             (sweep_dir / "report.md").write_text(table + "\n")
             write_csv(df, sweep_dir / "results.csv")

@@ -117,22 +117,31 @@ def model_record(model, built: Optional[dict]) -> dict[str, Any]:
     }
 
 
-def workload_record(workload, lengths: Sequence[int], file: Optional[dict] = None) -> dict[str, Any]:
+def workload_record(workload, lengths: Sequence[int], file: Optional[dict] = None, dataset=None) -> dict[str, Any]:
     """results.json's ``workload``: its name and seed (harness.workload.WorkloadSpec) and the lengths it made.
 
     From a lengths file, ``file`` says what was read and drawn (harness.workload.file_lengths): path, format
     (lengths or histogram), distinct lengths, sequences in the file, how many were sampled (null: all), order.
+    From a dataset (harness.dataset.DatasetExamples), ``dataset`` says what was read and tokenized: files, format,
+    tokenizer, rows, truncations, trained tokens, sampling and the cache key.
     """
+    import numpy as np
+
+    q = np.quantile(np.asarray(lengths, dtype=np.float64), [0.5, 0.99], method="lower")
     record = {
         "name": workload.name,
         "n_examples": len(lengths),
         "total_tokens": sum(lengths),
         "min_len": min(lengths),
         "max_len": max(lengths),
+        "median_len": int(q[0]),
+        "p99_len": int(q[1]),
         "seed": workload.seed,
     }
     if file is not None:
         record["file"] = dict(file)
+    if dataset is not None:
+        record["dataset"] = dict(dataset.record)
     return record
 
 

@@ -1,11 +1,12 @@
-"""Workload generation: sequence lengths (the published generator, or a lengths file: plain or a histogram) and examples."""
+"""Workloads: sequence lengths (the published generator, or a lengths file: plain or a histogram) with random token
+ids, or your own data tokenized from a local dataset (harness/dataset.py), and the examples a backend runs."""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -185,13 +186,21 @@ class WorkloadSpec:
     """What the harness needs to know of a workload config (see conf/workload/)."""
 
     name: str
-    kind: str = "mixed"  # "mixed" (the published generator) or "lengths_file"
-    # mixed: how many to generate. lengths_file: how many to draw from the file (0 or null: every sequence in it).
+    kind: str = "mixed"  # "mixed" (the published generator), "lengths_file" or "dataset"
+    # mixed: how many to generate. lengths_file, dataset: how many to draw (0 or null: every sequence in it).
     n_examples: Optional[int] = 128
     min_len: int = 64
-    max_len: int = 32768
+    max_len: Optional[int] = 32768  # dataset: truncate longer examples to it (0 or null: no truncation)
     seed: int = 42
     path: Optional[str] = None
+    # dataset only (harness/dataset.py)
+    format: str = "messages"  # messages (chat template), prompt_completion or text
+    tokenizer: Optional[str] = None  # a local tokenizer folder; null: model.path
+    field: Optional[str] = None  # the row's key for messages / text; null: "messages" / "text"
+    train_on: str = "completion"  # completion (completion / assistant tokens, as trainers mask prompts) or all
+    shuffle: bool = True  # requests in an order drawn with seed (false: file order)
+    cache: bool = True  # read and write the tokenized rows in cache_dir
+    cache_dir: Optional[str] = None  # null: $XDG_CACHE_HOME/balance_batch/tokenized (~/.cache/...)
 
 
 @dataclass
@@ -200,6 +209,17 @@ class Workload:
 
     lengths: list[int]
     file: Optional[dict] = None  # results.json's workload.file (see file_lengths)
+    dataset: Optional[Any] = None  # workload=dataset: harness.dataset.DatasetExamples (real ids, trained tokens)
+
+    def examples(self, vocab_size: int, seed: int, model: str = "the model") -> list[Example]:
+        """What the backend runs: a dataset's own ids and trainer-style weights (checked against the vocabulary
+        the backend built), else random ids in the vocabulary (``make_examples``)."""
+        if self.dataset is None:
+            return make_examples(self.lengths, vocab_size, seed)
+        from harness.dataset import check_vocabulary, dataset_examples
+
+        check_vocabulary(self.dataset.record["largest_id"], vocab_size, model)
+        return dataset_examples(self.dataset)
 
 
 def file_lengths(spec: WorkloadSpec) -> Workload:
@@ -224,12 +244,20 @@ def file_lengths(spec: WorkloadSpec) -> Workload:
     return Workload(lengths.tolist(), record)
 
 
-def load_workload(spec: WorkloadSpec) -> Workload:
-    """The workload's lengths in request order (and, from a lengths file, what was read)."""
+def load_workload(spec: WorkloadSpec, model=None, check_vocabulary: bool = True) -> Workload:
+    """The workload's lengths in request order (and, from a lengths file or a dataset, what was read).
+
+    ``model`` (backends.specs.ModelSpec): a dataset's tokenizer defaults to its folder, and its ids are checked
+    against its vocabulary before anything starts (``check_vocabulary``; a server's is checked when it answers).
+    """
     if spec.kind == "lengths_file":
         return file_lengths(spec)
+    if spec.kind == "dataset":
+        return dataset_workload(spec, model, check_vocabulary)
     if spec.kind != "mixed":
-        raise UserError(f"workload.kind: '{spec.kind}' is not a workload kind (valid: mixed, lengths_file)")
+        raise UserError(f"workload.kind: '{spec.kind}' is not a workload kind (valid: mixed, lengths_file, dataset)")
+    if spec.max_len is None:
+        raise UserError("workload.max_len: must be a positive integer for the mixed generator, got null")
     for key in ("n_examples", "min_len"):
         value = getattr(spec, key)
         if value is None or value <= 0:
@@ -243,6 +271,18 @@ def load_workload(spec: WorkloadSpec) -> Workload:
     if n_mid > 0 and max(spec.min_len, 3 * spec.max_len // 4) <= 257:
         raise UserError(f"workload.max_len: the mixed generator's middle band 257..3/4 max_len needs max_len >= 344, got {spec.max_len}")
     return Workload(mixed_lengths(spec.n_examples, spec.min_len, spec.max_len, spec.seed))
+
+
+def dataset_workload(spec: WorkloadSpec, model=None, check_vocabulary: bool = True) -> Workload:
+    """``workload=dataset``: the dataset's examples (harness/dataset.py), their ids checked against ``model``'s vocabulary."""
+    from harness.dataset import check_vocabulary as check, load_dataset
+
+    data = load_dataset(spec, model.path if model is not None else None)
+    if model is not None and check_vocabulary:
+        from backends.model.build import model_vocab_size
+
+        check(data.record["largest_id"], model_vocab_size(model), f"model {model.name}")
+    return Workload(data.lengths, dataset=data)
 
 
 def workload_lengths(spec: WorkloadSpec) -> list[int]:

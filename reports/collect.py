@@ -86,9 +86,13 @@ def _setting(doc: dict) -> str:
             tuning = ""
         parts.append(f"model `{model['name']}`{tuning}")
     if wl.get("n_examples"):
+        source = (wl.get("dataset") or {}).get("path")  # your own data: the file (or folder) it came from
+        spread = (f", median {wl['median_len']:,}, p99 {wl['p99_len']:,}"
+                  if wl.get("median_len") is not None and wl.get("p99_len") is not None else "")
         parts.append(
-            f"workload `{wl.get('name')}` ({wl['n_examples']} examples, {wl.get('total_tokens', 0):,} tokens, "
-            f"{wl.get('min_len', 0):,}–{wl.get('max_len', 0):,} per sequence)"
+            f"workload `{wl.get('name')}`" + (f" from `{Path(source).name}`" if source else "")
+            + f" ({wl['n_examples']} examples, {wl.get('total_tokens', 0):,} tokens, "
+            f"{wl.get('min_len', 0):,}–{wl.get('max_len', 0):,} per sequence{spread})"
         )
     elif wl.get("name"):
         parts.append(f"workload `{wl['name']}`")

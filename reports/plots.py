@@ -88,3 +88,81 @@ def write_plots(df: pd.DataFrame, out_dir: Path) -> list[Path]:
     fig.savefig(paths[1], dpi=110)
     plt.close(fig)
     return paths
+
+
+def length_histogram_paths(df: pd.DataFrame, out_dir: Path) -> list:
+    """Per row: its setting's length histogram (``out_dir/plots/lengths-<first point>.png``), drawn from the plan.json
+    of the setting's first point that has one; None where no point of the setting has a plan.json."""
+    from reports.collect import settings_of
+    from reports.plan_files import PLAN_FILE, point_name
+
+    first: dict = {}
+    for setting in settings_of(df):
+        for results_path in df.loc[df["setting"] == setting, "path"]:
+            if (Path(results_path).parent / PLAN_FILE).is_file():
+                first[setting] = Path(out_dir) / "plots" / f"lengths-{point_name(Path(results_path), out_dir)}.png"
+                break
+    return [first.get(s) for s in df["setting"]]
+
+
+def write_length_histograms(df: pd.DataFrame, out_dir: Path) -> list:
+    """Draw each setting's length histogram (see ``length_histogram_paths``); per row, the figure drawn or None.
+
+    A histogram that cannot be drawn is a warning: it never stops the report.
+    """
+    import json
+    import logging
+
+    from reports.plan_files import PLAN_FILE
+
+    paths = length_histogram_paths(df, out_dir)
+    drawn: dict = {}
+    for png, results_path in zip(paths, df["path"]):
+        if png is None or png in drawn:
+            continue
+        plan = Path(results_path).parent / PLAN_FILE  # the setting's first point with a plan (length_histogram_paths)
+        drawn[png] = None
+        try:
+            lengths = json.loads(plan.read_text())["lengths"]
+            workload = json.loads((plan.parent / "results.json").read_text()).get("workload") or {}
+            drawn[png] = draw_length_histogram(lengths, png, workload)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            logging.getLogger(__name__).warning("length histogram %s not drawn from %s: %s", png, plan, exc)
+    return [drawn.get(png) if png is not None else None for png in paths]
+
+
+def draw_length_histogram(lengths, png: Path, workload: dict) -> Path:
+    """Two panels over log-spaced length bins: how many sequences, and how many tokens, have each length; the
+    median and p99 marked. Long sequences are few but hold the tokens (and set the budget)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    n = np.asarray(lengths, dtype=np.int64)
+    edges = np.unique(np.geomspace(max(1, n.min()), n.max() + 1, num=min(40, max(2, n.size)) + 1).astype(np.int64))
+    if edges.size < 2:
+        edges = np.array([n.min(), n.min() + 1])
+    median, p99 = np.quantile(n, [0.5, 0.99], method="lower")
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for ax, weights, ylabel in ((axes[0], None, "sequences"), (axes[1], n, "tokens")):
+        ax.hist(n, bins=edges, weights=weights, color="#4c72b0", edgecolor="white", linewidth=0.5)
+        for x, name, style in ((median, "median", "--"), (p99, "p99", ":")):
+            ax.axvline(x, color="#c44e52", linestyle=style, linewidth=1, label=f"{name} {int(x):,}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequence length (tokens)")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    source = (workload.get("dataset") or {}).get("path") or (workload.get("file") or {}).get("path")
+    name = f"workload {workload.get('name')}" + (f" ({Path(source).name})" if source else "") if workload else "workload"
+    data = workload.get("dataset") or {}
+    cut = f", {data['truncated']:,} truncated to {data['max_len']:,}" if data.get("truncated") else ""
+    fig.suptitle(f"{name}: {n.size:,} sequences, {int(n.sum()):,} tokens, {int(n.min()):,}–{int(n.max()):,} per "
+                 f"sequence{cut}", fontsize=10)
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+    return png

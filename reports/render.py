@@ -80,11 +80,15 @@ def _status(r, base: Optional[Path]) -> str:
     return label
 
 
-def _plan_link(png, base: Optional[Path]) -> str:
+def _figure_link(png, base: Optional[Path], text: str) -> str:
     if _missing(png):
         return "—"
     link = Path(os.path.relpath(png, base)) if base is not None else Path("plots") / Path(png).name
-    return f"[plan]({link.as_posix()})"
+    return f"[{text}]({link.as_posix()})"
+
+
+def _plan_link(png, base: Optional[Path]) -> str:
+    return _figure_link(png, base, "plan")
 
 
 def _is_baseline(r) -> bool:
@@ -231,6 +235,9 @@ def markdown_tables(df: pd.DataFrame, base: Optional[Path] = None) -> str:
         label = f"Measured on {setting}." if setting else "Setting not recorded."  # unreadable results.json
         answers = fastest_lines(sub)  # the answer first: what to set per backend, then the table it comes from
         text = "".join(f"- {line}\n" for line in answers) + ("\n" if answers else "")
+        hist = sub["lengths_png"].dropna() if "lengths_png" in sub else ()
+        if len(hist):  # the setting's workload drawn (reports/plots.py: draw_length_histogram)
+            label += f" Sequence lengths: {_figure_link(hist.iloc[0], base, 'histogram')}."
         text += f"{label}\n\n" + table_frame(sub, base).to_markdown(index=False, disable_numparse=True)
         parts.append(text)
     return "\n\n".join(parts)
@@ -290,7 +297,7 @@ def portable_path(path, base: Path) -> str:
 
 def write_csv(df: pd.DataFrame, path: Path, base: Optional[Path] = None) -> None:
     """The frame as CSV; ``path`` relative to ``base`` (default: the CSV's folder), so another clone writes the same file."""
-    out = df.drop(columns=["plan_png"], errors="ignore")  # a figure's path on this machine, not a measurement
+    out = df.drop(columns=["plan_png", "lengths_png"], errors="ignore")  # figures' paths on this machine, not measurements
     if "auto" in out:  # the search's summary as JSON (results.json has it whole)
         import json
 

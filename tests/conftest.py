@@ -115,3 +115,11 @@ def unwritable_dir(tmp_path):
     if immutable:
         subprocess.run(["chattr", "-i", str(folder)], check=True)
     folder.chmod(0o755)
+
+
+@pytest.fixture(scope="session")
+def demo_data(tmp_path_factory) -> dict:
+    """The offline dataset and tokenizer of ``python -m harness.demo_data``: chats, prompt/completion, text, tokenizer."""
+    from harness.demo_data import write
+
+    return write(tmp_path_factory.mktemp("demo_data"))
