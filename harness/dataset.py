@@ -340,6 +340,9 @@ def tokenize_rows(rows: Iterator[tuple[str, Any]], renderer: Renderer, tok, what
 
 # -- the cache ------------------------------------------------------------------------------------------------
 def default_cache_dir() -> Path:
+    """Where tokens are cached when ``workload.cache_dir`` is null: $BALANCE_BATCH_CACHE, else the user's cache folder."""
+    if os.environ.get("BALANCE_BATCH_CACHE"):
+        return Path(os.environ["BALANCE_BATCH_CACHE"]).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or str(Path("~/.cache").expanduser())
     return Path(base) / "balance_batch" / "tokenized"
 

@@ -200,7 +200,7 @@ class WorkloadSpec:
     train_on: str = "completion"  # completion (completion / assistant tokens, as trainers mask prompts) or all
     shuffle: bool = True  # requests in an order drawn with seed (false: file order)
     cache: bool = True  # read and write the tokenized rows in cache_dir
-    cache_dir: Optional[str] = None  # null: $XDG_CACHE_HOME/balance_batch/tokenized (~/.cache/...)
+    cache_dir: Optional[str] = None  # null: $BALANCE_BATCH_CACHE, else $XDG_CACHE_HOME/balance_batch/tokenized
 
 
 @dataclass

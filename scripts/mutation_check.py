@@ -252,6 +252,34 @@ MUTATIONS = (
         '"pad_efficiency": 0.6058749107698851,',
         ("tests/unit/test_reports.py::test_committed_results_are_a_real_sweep_of_this_machine",),
     ),
+    Mutation(
+        "a dataset's loss weights not shifted: position t weighted by its own token, not the one it predicts",
+        "harness/dataset.py",
+        'w[:-1] = 1.0 if train_on == "all" else trained[1:].astype(np.float32)',
+        'w[:-1] = 1.0 if train_on == "all" else trained[:-1].astype(np.float32)',
+        ("tests/unit/test_dataset.py::test_chat_rows_train_on_the_assistant_turns_and_their_end_of_turn",),
+    ),
+    Mutation(
+        "the chat rows' masks train the whole conversation (the assistant spans ignored)",
+        "harness/dataset.py",
+        "trained = [b > a and any(a < e and b > s for s, e in spans) for a, b in offsets]",
+        "trained = [b > a for a, b in offsets]",
+        ("tests/unit/test_dataset.py::test_chat_rows_train_on_the_assistant_turns_and_their_end_of_turn",),
+    ),
+    Mutation(
+        "the token cache key forgets the files' size and modification time",
+        "harness/dataset.py",
+        '"files": [{"path": str(f.resolve()), "size": f.stat().st_size, "mtime_ns": f.stat().st_mtime_ns} for f in files],',
+        '"files": [{"path": str(f.resolve())} for f in files],',
+        ("tests/unit/test_dataset.py::test_the_cache_is_read_on_a_second_run_and_invalidated_by_a_change",),
+    ),
+    Mutation(
+        "a dataset point runs random ids instead of the dataset's",
+        "harness/workload.py",
+        "        return dataset_examples(self.dataset)",
+        "        return make_examples(self.lengths, vocab_size, seed)",
+        ("tests/unit/test_dataset_loss.py",),
+    ),
 )
 
 

@@ -80,7 +80,7 @@ def pasted(tmp_path):
         shim.write_text(text.format(python=sys.executable))
         shim.chmod(0o755)
     env = harness_env(PATH=f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}", PYTHONPATH=str(REPO),
-                      PORT=str(_free_port()))
+                      PORT=str(_free_port()), BALANCE_BATCH_CACHE=str(tmp_path / "tokenized"))
     env.pop("BALANCE_BATCH_ADMIN_TOKEN", None)
 
     def run(block: str) -> subprocess.CompletedProcess:

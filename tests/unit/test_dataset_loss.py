@@ -9,6 +9,7 @@ import pytest
 from backends.messages import make_command
 from backends.pytorch import PyTorchBackend
 from backends.specs import BackendSpec, ModelSpec
+from harness.dataset import example_weights
 from harness.workload import WorkloadSpec, load_workload
 from tests.loss_oracle import oracle, plain_model
 
@@ -33,6 +34,8 @@ def expected(workload):
 def test_dataset_examples_give_the_oracles_losses(workload, expected, dtype):
     examples = workload.examples(2048, 0)
     assert [len(e) for e in examples] == workload.lengths and max(workload.lengths) == 96  # truncated rows among them
+    for e, ids, trained in zip(examples, workload.dataset.ids, workload.dataset.trained):  # the dataset's own tokens
+        assert np.array_equal(e.input_ids, ids) and np.array_equal(e.weights, example_weights(trained, "completion"))
     weights = np.concatenate([e.weights for e in examples])
     assert 0 < (weights > 0).mean() < 1  # prompts masked, replies trained: not the generated half-and-half
     backend = PyTorchBackend(BackendSpec(device="cpu"), ModelSpec(dtype=dtype))
