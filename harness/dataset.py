@@ -36,6 +36,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import numpy as np
 
 from backends.errors import UserError, first_line
+from harness.workload import utf8_text
 
 log = logging.getLogger("harness")
 
@@ -74,21 +75,9 @@ def dataset_files(path: str) -> list[Path]:
     return [p]
 
 
-def _read_bytes(p: Path) -> str:
-    try:
-        data = p.read_bytes()
-    except OSError as exc:
-        raise UserError(f"workload.path: cannot read '{p}' ({exc.strerror or exc})") from None
-    try:
-        return data.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        line = data.count(b"\n", 0, exc.start) + 1
-        raise UserError(f"workload.path: {p}:{line}: not UTF-8 text (byte 0x{data[exc.start]:02x}; JSON rows are UTF-8)") from None
-
-
 def _json_rows(p: Path) -> Iterator[tuple[str, Any]]:
     """A .jsonl file's objects one per line (blank lines skipped); a .json file: one array of rows, or JSON Lines."""
-    text = _read_bytes(p)
+    text = utf8_text(p, "JSON rows are UTF-8")
     if p.suffix.lower() == ".json":
         try:
             doc = json.loads(text)

@@ -89,13 +89,9 @@ class LengthsFile:
         return np.random.default_rng(seed).permutation(self.expanded())
 
 
-def _file_text(p: Path) -> str:
-    """The file's text, or a UserError naming the path: a folder, no file, unreadable, not UTF-8 (a BOM is skipped)."""
-    expected = "expected a text file with one sequence length per line, or length,count lines"
-    if p.is_dir():
-        raise UserError(f"workload.path: '{p}' is a folder, not a file ({expected})")
-    if not p.is_file():
-        raise UserError(f"workload.path: no such file '{p}' ({expected})")
+def utf8_text(p: Path, expected: str) -> str:
+    """A file's text, or a UserError naming the path: unreadable, or not UTF-8 (the byte, its line, ``expected``);
+    a byte-order mark is skipped."""
     try:
         data = p.read_bytes()
     except OSError as exc:
@@ -104,10 +100,18 @@ def _file_text(p: Path) -> str:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         lineno = data.count(b"\n", 0, exc.start) + 1
-        raise UserError(
-            f"workload.path: {p} is not UTF-8 text (byte 0x{data[exc.start]:02x} on line {lineno}; "
-            "expected a text file with one sequence length per line, or length,count lines, in ASCII digits)"
-        ) from None
+        raise UserError(f"workload.path: {p} is not UTF-8 text (byte 0x{data[exc.start]:02x} on line {lineno}; "
+                        f"{expected})") from None
+
+
+def _file_text(p: Path) -> str:
+    """The file's text, or a UserError naming the path: a folder, no file, unreadable, not UTF-8 (a BOM is skipped)."""
+    expected = "expected a text file with one sequence length per line, or length,count lines"
+    if p.is_dir():
+        raise UserError(f"workload.path: '{p}' is a folder, not a file ({expected})")
+    if not p.is_file():
+        raise UserError(f"workload.path: no such file '{p}' ({expected})")
+    return utf8_text(p, f"{expected}, in ASCII digits")
 
 
 def _positive(where: str, what: str, text: str, needs: str) -> int:

@@ -4,7 +4,6 @@ the cache, and one line for every bad input (harness/dataset.py)."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -179,6 +178,7 @@ def _one_line(exc) -> str:
     ("not_parquet", r"workload.path: .*fake.parquet is not a readable Parquet file"),
     ("array", r"holds a JSON dict, not an array of rows"),
     ("pc_missing", r"pc.jsonl:1: no 'completion' key"),
+    ("latin1", r"workload.path: .*latin1.jsonl is not UTF-8 text \(byte 0xe9 on line 2; JSON rows are UTF-8\)"),
 ])
 def test_bad_data_is_one_line_naming_the_file_and_row(tmp_path, demo_data, case, match):
     fmt = "prompt_completion" if case == "pc_missing" else "messages"
@@ -193,7 +193,9 @@ def test_bad_data_is_one_line_naming_the_file_and_row(tmp_path, demo_data, case,
         "not_parquet": tmp_path / "fake.parquet",
         "array": tmp_path / "obj.json",
         "pc_missing": write_jsonl(tmp_path / "pc.jsonl", [{"prompt": "x"}]),
+        "latin1": tmp_path / "latin1.jsonl",
     }[case]
+    (tmp_path / "latin1.jsonl").write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
     (tmp_path / "rows.csv").write_text("a,b\n")
     (tmp_path / "empty").mkdir(exist_ok=True)
     (tmp_path / "bad.jsonl").write_text(json.dumps({"messages": CHAT}) + "\n{not json\n")
