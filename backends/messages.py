@@ -64,6 +64,8 @@ class PassCommand:
     timeout_s: Optional[float] = None  # the pass is stopped past this (bench.pass_timeout_s)
     progress_every_s: float = 10.0  # rank 0 logs its progress this often
     release_memory: bool = True  # hand cached memory back before the pass (a pass type's first run)
+    # Run the pass under torch.profiler, each rank writing <profile_dir>/<pass>-rank<r>.json.gz (bench.profile)
+    profile_dir: Optional[str] = None
 
     def replace(self, **changes) -> "PassCommand":
         return dataclasses.replace(self, **changes)
@@ -141,6 +143,8 @@ class PassResult:
     step_s: Optional[float] = None
     # What ran: {op: {implementation: calls}} summed over ranks (backends/model/kernels.py); None where unknown.
     kernels: Optional[dict] = None
+    # A profiled pass (PassCommand.profile_dir): per rank, {"trace": path, "breakdown": ...} (backends/runtime/profiling.py)
+    profile: Optional[list] = None
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready: outputs as lists (non-finite losses as None), every other field as it is."""

@@ -26,6 +26,7 @@ from backends.model.step import (
 )
 from backends.runtime.devices import resolve_device
 from backends.runtime.job import resolve_world_size
+from backends.runtime.profiling import profiled
 from backends.runtime.memory import (
     is_out_of_memory,
     limit_memory,
@@ -70,8 +71,29 @@ class PyTorchBackend(Backend):
         progress = ProgressLogger(
             log.info, f"pytorch {pass_type}", plan.stats.real_tokens, command.progress_every_s
         )
-        timeout_s = command.timeout_s
         total_weight = total_loss_weight(examples)
+        with profiled(command.profile_dir, pass_type, 0, self.device) as profile:
+            pending, grad_norm, step_s = self._timed_steps(command, plan, progress, total_weight)
+        mem = peak_memory(self.device)
+        ran = kernels.snapshot()
+        by_index = outputs_to_host(pending, examples)
+        del pending
+        return PassResult(
+            outputs=[by_index[i] for i in range(len(examples))],
+            plan=plan.stats.as_dict(),
+            grad_norm=grad_norm,
+            mem_peak_bytes=mem["peak_bytes"],
+            mem_peak_bytes_per_rank=[mem["peak_bytes"]],
+            mem_peak_allocated_bytes_per_rank=None if mem["allocated_bytes"] is None else [mem["allocated_bytes"]],
+            mem_peak_reserved_bytes_per_rank=None if mem["reserved_bytes"] is None else [mem["reserved_bytes"]],
+            step_s=step_s,
+            kernels=ran,
+            profile=[profile] if profile else None,
+        )
+
+    def _timed_steps(self, command: PassCommand, plan, progress, total_weight):
+        """The timed region: the steps, the gradient norm, the device synchronized (an out of memory raised after)."""
+        examples, pass_type, timeout_s = command.examples, command.pass_type, command.timeout_s
         oom = None
         t0 = time.perf_counter()
         try:
@@ -102,22 +124,7 @@ class PyTorchBackend(Backend):
             raise BackendError(oom, status="oom")
         grad_norm = math.sqrt(grad_norm_local_sq(self.model)) if pass_type == "forward_backward" else None
         synchronize(self.device)
-        step_s = time.perf_counter() - t0  # the timed region; copying the outputs to the host comes after
-        mem = peak_memory(self.device)
-        ran = kernels.snapshot()
-        by_index = outputs_to_host(pending, examples)
-        del pending
-        return PassResult(
-            outputs=[by_index[i] for i in range(len(examples))],
-            plan=plan.stats.as_dict(),
-            grad_norm=grad_norm,
-            mem_peak_bytes=mem["peak_bytes"],
-            mem_peak_bytes_per_rank=[mem["peak_bytes"]],
-            mem_peak_allocated_bytes_per_rank=None if mem["allocated_bytes"] is None else [mem["allocated_bytes"]],
-            mem_peak_reserved_bytes_per_rank=None if mem["reserved_bytes"] is None else [mem["reserved_bytes"]],
-            step_s=step_s,
-            kernels=ran,
-        )
+        return pending, grad_norm, time.perf_counter() - t0  # copying the outputs to the host comes after
 
     def close(self) -> None:
         # Release the model, then hand its memory back (gc, the CUDA cache, glibc's heap), so a later

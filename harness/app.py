@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -351,6 +352,10 @@ class Point:
         for key in ("device", "precision", "load", "peak", "launch", "passes"):
             if key in doc:
                 self.results.update(**{key: doc[key]})
+        for measured in (self.results.doc.get("passes") or {}).values():  # bench.profile: the traces stay in its folder
+            if isinstance(measured, dict) and isinstance(measured.get("profile"), dict):
+                measured["profile"] = {**measured["profile"], "traces": [
+                    os.path.relpath(folder / t, self.out_dir) for t in measured["profile"]["traces"]]}
         self.results.update(model={**self.results.doc["model"], "built": (doc.get("model") or {}).get("built")})
         self.results.update(shares={"folder": folder.name, "mtpm": doc.get("mtpm"), "mbs": doc.get("mbs"),
                                     "planner": doc.get("planner"), "layout": doc.get("layout"),
@@ -463,7 +468,7 @@ class Point:
         chosen fwd+bwd, with its ``bench.repeat`` timed runs): recorded, not measured again.
         """
         from harness.flops import device_peak, training_flops_for
-        from harness.measure import PASS_TYPES, measure_pass
+        from harness.measure import PASS_TYPES, measure_pass, profile_pass
 
         b = spec.backend
         if examples is None:
@@ -489,6 +494,10 @@ class Point:
                                               command_for, spec.bench.util_sample_s, label=self.label,
                                               on_repeat=self.tracker.log_repeat)
             self._record_pass(spec, lengths, training, backend.world_size, pass_type, record, result)
+            if spec.bench.profile:  # one more run under the profiler, after the timed ones: not in tok/s
+                self.results.doc["passes"][pass_type]["profile"] = profile_pass(
+                    backend, pass_type, command_for, self.out_dir, label=self.label)
+                self.results.save()
             if spec.bench.save_outputs:
                 outputs[pass_type] = _example_outputs(result)
                 write_json_atomic(self.out_dir / OUTPUTS_FILE, outputs)

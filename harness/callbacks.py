@@ -72,7 +72,7 @@ class ReportCallback(Callback):
         try:
             from reports.collect import collect
             from reports.plan_figure import write_plan_figures
-            from reports.plots import write_length_histograms, write_plots
+            from reports.plots import write_length_histograms, write_plots, write_profile_figures
             from reports.render import markdown_tables, write_csv
 
             df = collect([sweep_dir])
@@ -80,6 +80,7 @@ class ReportCallback(Callback):
                 return
             df["plan_png"] = write_plan_figures(df, sweep_dir)  # plots/plan-<point>.png, one linked per row
             df["lengths_png"] = write_length_histograms(df, sweep_dir)  # plots/lengths-<point>.png, one per setting
+            df["profile_png"] = write_profile_figures(df, sweep_dir)  # plots/profile-<point>.png (bench.profile)
             table = markdown_tables(df, sweep_dir)
             (sweep_dir / "report.md").write_text(table + "\n")
             write_csv(df, sweep_dir / "results.csv")

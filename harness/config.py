@@ -41,6 +41,9 @@ class BenchConfig:
     share_plans: bool = True
     # mtpm=auto: the budget must fit in the device's memory less this fraction (or in bench.memory_limit_gb).
     memory_headroom: float = 0.1
+    # One more run of each pass type after the timed ones, not counted in tok/s, under torch.profiler: a trace per
+    # rank (profile/<pass>-rank<r>.json.gz) and where the time went (passes.<type>.profile).
+    profile: bool = False
 
 
 @dataclass
@@ -206,6 +209,9 @@ def validate(cfg: HarnessConfig) -> None:
             raise UserError(f"bench.{key}: must be a positive number or null, got {value}")
     if not 0 <= cfg.bench.memory_headroom < 1:
         raise UserError(f"bench.memory_headroom: must be a fraction in [0, 1), got {cfg.bench.memory_headroom}")
+    if cfg.bench.profile and cfg.target.url:
+        raise UserError("bench.profile: profiles the ranks of a backend this run starts; a server (target.url) runs "
+                        "its ranks elsewhere: drop target.url, or bench.profile")
 
 
 def without_auto(cfg: DictConfig) -> DictConfig:

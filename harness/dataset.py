@@ -29,7 +29,8 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass, field as dataclass_field
+from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence
 

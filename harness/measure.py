@@ -6,6 +6,7 @@ What samples the devices during a repeat is in harness/samplers.py.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
@@ -175,6 +176,38 @@ def merge_records(first: PassRecord, more: PassRecord) -> PassRecord:
     )
 
 
+PROFILE_DIR = "profile"  # in the point's folder: <pass>-rank<r>.json.gz
+
+
+def profile_pass(backend: Backend, pass_type: str, command_for: Callable[[str], PassCommand], out_dir,
+                 label: str = "") -> dict:
+    """One more run of ``pass_type`` under torch.profiler, after its timed repeats (not counted in tok/s).
+
+    Returns ``passes.<type>.profile``: the traces (relative to ``out_dir``), the profiled pass's seconds and
+    its breakdown's shares per rank, the shares averaged over ranks (they sum to 1) and each rank's top ops.
+    """
+    from pathlib import Path
+
+    out_dir = Path(out_dir).resolve()  # every rank writes there, whatever its working folder
+    t0 = time.perf_counter()
+    result = backend.run_pass(command_for(pass_type).replace(profile_dir=str(out_dir / PROFILE_DIR), release_memory=False))
+    ranks = result.profile or []
+    if not ranks or any(r is None for r in ranks):
+        raise RuntimeError(f"{pass_type}: the backend ran the profiled pass but returned no profile for every rank")
+    shares = {k: sum(r["breakdown"]["shares"][k] for r in ranks) / len(ranks) for k in ranks[0]["breakdown"]["shares"]}
+    record = {
+        # beside results.json (a rank on another node wrote its trace there, on its own disk)
+        "traces": [os.path.relpath(r["trace"], out_dir) for r in ranks],
+        "elapsed_s": result.step_s,
+        "shares": shares,
+        "per_rank": [{"rank": i, **r["breakdown"]} for i, r in enumerate(ranks)],
+    }
+    top = sorted(shares.items(), key=lambda kv: -kv[1])[:3]
+    log.info("%s%s profiled (%.1f s with the trace): %s; traces in %s", label, pass_type, time.perf_counter() - t0,
+             ", ".join(f"{k} {100 * v:.0f}%" for k, v in top), out_dir / PROFILE_DIR)
+    return record
+
+
 def _max_per_rank(
     so_far: Optional[list[Optional[int]]], new: Optional[list[Optional[int]]]
 ) -> Optional[list[Optional[int]]]:
@@ -193,4 +226,4 @@ def default_command_for(
     return lambda pass_type: make_command(pass_type, examples, mtpm, mbs, **options)
 
 
-__all__ = ["PASS_TYPES", "PassRecord", "measure_pass", "merge_records", "default_command_for"]
+__all__ = ["PASS_TYPES", "PassRecord", "measure_pass", "merge_records", "default_command_for", "profile_pass"]

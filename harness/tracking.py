@@ -108,6 +108,7 @@ class Tracker:
             return
         run, self.run = self.run, None
         self._safe(self._log_plan, run)
+        self._safe(self._log_profile, run)
         self._safe(run.summary.update, summary_metrics(doc))
         self._safe(run.finish, exit_code=0 if doc.get("status") in ("ok", "planned") else 1)
 
@@ -122,6 +123,20 @@ class Tracker:
 
         png = draw_plan_file(plan, self.out_dir / "plan.png")
         run.log({"plan/figure": wandb.Image(str(png))})  # beside the plan/* numbers in W&B's plan section
+
+    def _log_profile(self, run) -> None:
+        """bench.profile's traces (profile/<pass>-rank<r>.json.gz) as the run's artifact of type "profile"."""
+        folder = self.out_dir / "profile"
+        traces = sorted(folder.glob("*.json.gz")) if folder.is_dir() else []
+        if not traces:
+            return
+        import wandb
+
+        artifact = wandb.Artifact(f"profile-{run.id}", type="profile",
+                                  description="torch.profiler traces, one per pass type and rank (ui.perfetto.dev)")
+        for trace in traces:
+            artifact.add_file(str(trace), name=trace.name)
+        run.log_artifact(artifact)
 
     @staticmethod
     def _safe(fn, *args, **kwargs) -> None:

@@ -14,7 +14,8 @@ from pathlib import Path
 from reports.collect import collect
 from reports.plan_figure import draw_plan_file, draw_side_by_side, readme_plan_lines, write_plan_figures
 from reports.plan_files import plan_figure_paths, published_plans
-from reports.plots import length_histogram_paths, plot_paths, write_length_histograms, write_plots
+from reports.plots import (length_histogram_paths, plot_paths, profile_figure_paths, write_length_histograms,
+                           write_plots, write_profile_figures)
 from reports.render import current_block, markdown_tables, no_block_message, readme_block, replace_block, write_csv
 
 PACKAGE = Path(__file__).resolve().parent
@@ -112,6 +113,7 @@ def report(args: argparse.Namespace) -> int:
     if not df.empty:
         df["plan_png"] = plan_figure_paths(df, out_dir)
         df["lengths_png"] = length_histogram_paths(df, out_dir)  # each setting's workload, drawn below
+        df["profile_png"] = profile_figure_paths(df, out_dir)  # bench.profile's breakdowns, drawn below
     plans = published_plans(PLANS) if readme is not None else []
     plan_pngs = [PACKAGE / "plots" / f"plan-{p.parent.name}.png" for p in plans]
     plan_lines = readme_plan_lines(plan_pngs, plans, readme.parent if readme else REPO)
@@ -133,6 +135,7 @@ def report(args: argparse.Namespace) -> int:
     _write(plots[0], lambda: write_plots(df, out_dir), here)
     write_plan_figures(df, out_dir)  # a figure it cannot write is a warning
     write_length_histograms(df, out_dir)  # each setting's workload: sequences and tokens by length
+    write_profile_figures(df, out_dir)  # each profiled point: seconds per category, per pass type and rank
     if committed:  # the README's plan figures are committed files: only the committed run redraws them
         _write(plan_pngs[0] if plan_pngs else PACKAGE, lambda: draw_side_by_side(plans, plan_pngs), here)
     _write(csv, lambda: write_csv(df, csv), "give --csv a path in a writable folder" if args.csv else here)

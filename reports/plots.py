@@ -166,3 +166,70 @@ def draw_length_histogram(lengths, png: Path, workload: dict) -> Path:
     fig.savefig(png, dpi=100)
     plt.close(fig)
     return png
+
+
+def _profiles(results_path) -> dict:
+    """``{pass type: passes.<type>.profile}`` of a results.json (empty without bench.profile)."""
+    import json
+
+    try:
+        passes = json.loads(Path(results_path).read_text()).get("passes") or {}
+    except (OSError, ValueError):
+        return {}
+    return {t: p["profile"] for t, p in passes.items() if isinstance(p, dict) and isinstance(p.get("profile"), dict)}
+
+
+def profile_figure_paths(df: pd.DataFrame, out_dir: Path) -> list:
+    """Per row: ``out_dir/plots/profile-<point>.png`` where its results.json has a profiled pass, else None."""
+    from reports.plan_files import point_name
+
+    return [Path(out_dir) / "plots" / f"profile-{point_name(Path(p), out_dir)}.png" if _profiles(p) else None
+            for p in df["path"]]
+
+
+def write_profile_figures(df: pd.DataFrame, out_dir: Path) -> list:
+    """Draw each profiled point's breakdown (see ``profile_figure_paths``); per row, the figure or None."""
+    import logging
+
+    out = []
+    for png, results_path in zip(profile_figure_paths(df, out_dir), df["path"]):
+        try:
+            out.append(draw_profile(_profiles(results_path), png) if png is not None else None)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            logging.getLogger(__name__).warning("profile figure %s not drawn: %s", png, exc)
+            out.append(None)
+    return out
+
+
+def draw_profile(profiles: dict, png: Path) -> Path:
+    """One stacked bar per pass type and rank: the profiled pass's seconds by category (backends/runtime/profiling.py)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from backends.runtime.profiling import CATEGORIES
+
+    rows = [(f"{PASS_TITLE.get(t, t)}, rank {r['rank']}", r) for t, p in profiles.items() for r in p["per_rank"]]
+    colors = plt.get_cmap("tab10").colors
+    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.45 * len(rows)))
+    for y, (_, r) in enumerate(rows):
+        left = 0.0
+        for k, cat in enumerate(CATEGORIES):
+            width = r["seconds"].get(cat, 0.0)
+            ax.barh(y, width, left=left, color="#d0d0d0" if cat == "idle" else colors[k % len(colors)],
+                    label=cat.replace("_", " ") if y == 0 else None, edgecolor="white", linewidth=0.4)
+            if r["pass_s"] > 0 and width / r["pass_s"] >= 0.08:
+                ax.text(left + width / 2, y, f"{100 * width / r['pass_s']:.0f}%", ha="center", va="center", fontsize=7)
+            left += width
+    ax.set_yticks(range(len(rows)), [label for label, _ in rows], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds of the profiled pass (its host timeline on the thread that ran it)")
+    ax.legend(ncol=len(CATEGORIES), fontsize=7, loc="lower center", bbox_to_anchor=(0.5, 1.0), frameon=False,
+              handlelength=1.2, columnspacing=0.8)
+    ax.grid(True, axis="x", alpha=0.3)
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    return png

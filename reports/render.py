@@ -222,6 +222,8 @@ def table_frame(df: pd.DataFrame, base: Optional[Path] = None) -> pd.DataFrame:
         frame.insert(COLUMNS.index("layout") + 1, "max seqs", ["—" if c is None else str(c) for c in caps])
     if "plan_png" in df and df["plan_png"].notna().any():
         frame["plan"] = [_plan_link(png, base) for png in df["plan_png"]]
+    if "profile_png" in df and df["profile_png"].notna().any():  # bench.profile: where the pass's time went
+        frame["profile"] = [_figure_link(png, base, "profile") for png in df["profile_png"]]
     return frame
 
 
@@ -297,7 +299,7 @@ def portable_path(path, base: Path) -> str:
 
 def write_csv(df: pd.DataFrame, path: Path, base: Optional[Path] = None) -> None:
     """The frame as CSV; ``path`` relative to ``base`` (default: the CSV's folder), so another clone writes the same file."""
-    out = df.drop(columns=["plan_png", "lengths_png"], errors="ignore")  # figures' paths on this machine, not measurements
+    out = df.drop(columns=["plan_png", "lengths_png", "profile_png"], errors="ignore")  # figures' paths on this machine, not measurements
     if "auto" in out:  # the search's summary as JSON (results.json has it whole)
         import json
 

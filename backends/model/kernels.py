@@ -12,6 +12,7 @@ call of one layer (recomputation under gradient checkpointing counts again).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import importlib.util
@@ -43,6 +44,16 @@ def note(op: str, implementation: str) -> None:
     """Count one call of ``op`` run by ``implementation`` in this process."""
     with _lock:
         _calls[(op, implementation)] += 1
+
+
+def span(op: str):
+    """A profiler range ``balance_batch/<op>`` around an operation (a no-op unless torch.profiler is recording):
+    a profiled pass's breakdown counts what runs inside it as ``op`` (backends/runtime/profiling.py)."""
+    import torch
+
+    if not torch.autograd._profiler_enabled():  # no range to open: the timed passes pay nothing
+        return contextlib.nullcontext()
+    return torch.profiler.record_function(f"balance_batch/{op}")
 
 
 def reset() -> None:

@@ -160,10 +160,12 @@ class TokenLogprobHead(nn.Linear):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._request is None:
             kernels.note("logprob_head", "full-logits")
-            return super().forward(hidden)
+            with kernels.span("logprob_head"):
+                return super().forward(hidden)
         targets, chunk_tokens = self._request
         kernels.note("logprob_head", f"chunked-{chunk_tokens}")
-        return chunked_target_logprobs(hidden, self.weight, self.bias, targets, chunk_tokens)
+        with kernels.span("logprob_head"):
+            return chunked_target_logprobs(hidden, self.weight, self.bias, targets, chunk_tokens)
 
     @contextlib.contextmanager
     def target_logprobs(self, targets: torch.Tensor, chunk_tokens: int) -> Iterator[None]:

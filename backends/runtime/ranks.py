@@ -25,6 +25,7 @@ from backends.model.step import ProgressLogger, outputs_to_host, run_steps, sync
 from backends.planning import CostModel, Schedule, plan_stats
 from backends.registry import import_path, is_lockstep
 from backends.runtime.memory import peak_memory, reset_peak_memory
+from backends.runtime.profiling import profiled
 from backends.specs import BackendSpec, ModelSpec
 
 
@@ -151,6 +152,22 @@ def run_command(
     # The whole batch's loss weight, summed over ranks once per pass: every rank divides by it.
     # The collective also lines the ranks up, so the timed region starts together on all of them.
     total_weight = _all_reduce_float(total_loss_weight(examples, mine), dist.ReduceOp.SUM, device)
+    with profiled(command.profile_dir, pass_type, rank, device) as profile:
+        pending, grad_norm, step_s = _timed_steps(command, model, hooks, rank, examples, schedule, mine, lengths,
+                                                  total_weight, device, wlog)
+    mem = peak_memory(device)  # the steps' peak, before the host copies below
+    ran = kernels.snapshot()
+    # Host work after the timed region: log-probs to the host, gathered to rank 0.
+    outputs = outputs_to_host(pending, examples)
+    del pending
+    gathered: list = [None] * world_size
+    dist.all_gather_object(gathered, (outputs, schedule, mem, step_s, ran, profile or None))
+    return _gathered_result(command, gathered, rank, lengths, lockstep, grad_norm)
+
+
+def _timed_steps(command, model, hooks, rank, examples, schedule, mine, lengths, total_weight, device, wlog):
+    """The timed region of one rank's pass: its steps, the gradient norm, the device synchronized."""
+    pass_type = command.pass_type
     t0 = time.perf_counter()
     hooks.start_pass(model, pass_type)
     progress = None
@@ -172,14 +189,11 @@ def run_command(
     hooks.finish_pass(model, pass_type)
     grad_norm = hooks.grad_norm(model) if pass_type == "forward_backward" else None
     synchronize(device)
-    step_s = time.perf_counter() - t0  # the timed region: what a training step does, on this rank
-    mem = peak_memory(device)  # the steps' peak, before the host copies below
-    ran = kernels.snapshot()
-    # Host work after the timed region: log-probs to the host, gathered to rank 0.
-    outputs = outputs_to_host(pending, examples)
-    del pending
-    gathered: list = [None] * world_size
-    dist.all_gather_object(gathered, (outputs, schedule, mem, step_s, ran))
+    return pending, grad_norm, time.perf_counter() - t0  # the timed region: what a training step does, on this rank
+
+
+def _gathered_result(command, gathered: list, rank: int, lengths, lockstep: bool, grad_norm) -> Optional[PassResult]:
+    """Rank 0's PassResult from every rank's (outputs, schedule, memory, step time, kernels, profile)."""
     if rank != 0:
         return None
     merged: dict = {}
@@ -209,6 +223,7 @@ def run_command(
         # The slowest rank's timed region is the pass's: lock-step ranks wait for it, independent ones finish with it.
         step_s=max(g[3] for g in gathered),
         kernels=kernels.merge(g[4] for g in gathered),
+        profile=[g[5] for g in gathered] if any(g[5] for g in gathered) else None,
     )
 
 

@@ -1,0 +1,53 @@
+"""bench.profile's breakdown (backends/runtime/profiling.py), exact on a hand-made trace (real passes' traces:
+tests/integration/test_profile.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from backends.runtime.profiling import CATEGORIES, PASS_RANGE, breakdown, category
+
+pytestmark = pytest.mark.unit
+
+
+def _x(name, ts, dur, tid=1, cat="cpu_op"):
+    return {"ph": "X", "cat": cat, "name": name, "pid": 7, "tid": tid, "ts": ts, "dur": dur}
+
+
+def test_a_hand_made_timeline_is_split_exactly():
+    events = [
+        _x(PASS_RANGE, 0, 1000, cat="user_annotation"),
+        _x("aten::mm", 0, 300), _x("aten::copy_", 100, 50),  # a matmul with a copy inside it
+        _x("balance_batch/delta_rule", 300, 300, cat="user_annotation"), _x("aten::bmm", 320, 180),
+        _x("autograd::engine::evaluate_function: MmBackward0", 600, 300), _x("aten::mm", 610, 190),
+        _x("c10d::allreduce_", 900, 50),
+        _x("aten::mm", 10, 500, tid=2),  # another thread (a gloo worker): not the pass's timeline
+        _x("aten::mm", 1200, 100),  # after the pass
+        {"ph": "i", "name": "marker", "ts": 5},  # not a complete event
+    ]
+    got = breakdown({"traceEvents": events})
+    s = got["seconds"]
+    assert got["pass_s"] == pytest.approx(1e-3)
+    assert s["other_matmuls"] == pytest.approx(250e-6) and s["other"] == pytest.approx(50e-6)
+    assert s["delta_rule"] == pytest.approx(300e-6)  # the range's own 120 µs and its bmm's 180
+    assert s["backward"] == pytest.approx(300e-6) and s["collectives"] == pytest.approx(50e-6)
+    assert s["idle"] == pytest.approx(50e-6)  # 950..1000 and nothing else: no operator covers it
+    assert got["covered_s"] == pytest.approx(got["pass_s"])
+    assert sum(got["shares"].values()) == pytest.approx(1.0) and set(got["shares"]) == set(CATEGORIES)
+    assert got["top_ops"][0]["name"] == "balance_batch/delta_rule" or got["top_ops"][0]["self_s"] >= 180e-6
+    with pytest.raises(ValueError, match="no 'balance_batch/pass' range"):
+        breakdown({"traceEvents": events[1:]})
+
+
+@pytest.mark.parametrize("name, stack, expected", [
+    ("aten::_scaled_dot_product_flash_attention_for_cpu", ["aten::scaled_dot_product_attention"], "attention"),
+    ("aten::mm", ["balance_batch/logprob_head"], "logprob_head"),
+    ("aten::mm", ["autograd::engine::evaluate_function: MmBackward0"], "backward"),
+    ("record_param_comms", ["autograd::engine::evaluate_function: X", "nccl:all_reduce"], "collectives"),
+    ("aten::_grouped_mm", [], "moe_experts"),
+    ("aten::convolution", ["aten::conv1d"], "convolution"),
+    ("aten::addmm", ["aten::linear"], "other_matmuls"),
+    ("aten::mul", [], "other"),
+])
+def test_categories(name, stack, expected):
+    assert category(name, stack) == expected
