@@ -12,6 +12,7 @@ import numpy as np
 
 from backends.errors import UserError
 from backends.messages import Example
+from harness.textfile import utf8_text
 
 
 def mixed_lengths(n_examples: int, min_len: int, max_len: int, seed: int) -> list[int]:
@@ -87,21 +88,6 @@ class LengthsFile:
     def shuffled(self, seed: int) -> np.ndarray:
         """Every sequence once, in an order drawn with default_rng(``seed``) (not the sorted order a histogram lists)."""
         return np.random.default_rng(seed).permutation(self.expanded())
-
-
-def utf8_text(p: Path, expected: str) -> str:
-    """A file's text, or a UserError naming the path: unreadable, or not UTF-8 (the byte, its line, ``expected``);
-    a byte-order mark is skipped."""
-    try:
-        data = p.read_bytes()
-    except OSError as exc:
-        raise UserError(f"workload.path: cannot read '{p}' ({exc.strerror or exc})") from None
-    try:
-        return data.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        lineno = data.count(b"\n", 0, exc.start) + 1
-        raise UserError(f"workload.path: {p} is not UTF-8 text (byte 0x{data[exc.start]:02x} on line {lineno}; "
-                        f"{expected})") from None
 
 
 def _file_text(p: Path) -> str:

@@ -124,7 +124,8 @@ def write_length_histograms(df: pd.DataFrame, out_dir: Path) -> list:
         drawn[png] = None
         try:
             lengths = json.loads(plan.read_text())["lengths"]
-            workload = json.loads((plan.parent / "results.json").read_text()).get("workload") or {}
+            doc = json.loads((plan.parent / "results.json").read_text())
+            workload = (doc.get("workload") if isinstance(doc, dict) else None) or {}
             drawn[png] = draw_length_histogram(lengths, png, workload)
         except (OSError, ValueError, KeyError, TypeError) as exc:
             logging.getLogger(__name__).warning("length histogram %s not drawn from %s: %s", png, plan, exc)
@@ -173,8 +174,11 @@ def _profiles(results_path) -> dict:
     import json
 
     try:
-        passes = json.loads(Path(results_path).read_text()).get("passes") or {}
+        doc = json.loads(Path(results_path).read_text())
     except (OSError, ValueError):
+        return {}
+    passes = doc.get("passes") if isinstance(doc, dict) else None
+    if not isinstance(passes, dict):  # a results.json that is not what the harness writes: no profile to draw
         return {}
     return {t: p["profile"] for t, p in passes.items() if isinstance(p, dict) and isinstance(p.get("profile"), dict)}
 
