@@ -496,7 +496,7 @@ class Point:
             self._record_pass(spec, lengths, training, backend.world_size, pass_type, record, result)
             if spec.bench.profile:  # one more run under the profiler, after the timed ones: not in tok/s
                 self.results.doc["passes"][pass_type]["profile"] = profile_pass(
-                    backend, pass_type, command_for, self.out_dir, label=self.label)
+                    backend, pass_type, command_for, self.out_dir, timed_s=record.elapsed_s, label=self.label)
                 self.results.save()
             if spec.bench.save_outputs:
                 outputs[pass_type] = _example_outputs(result)

@@ -180,11 +180,12 @@ PROFILE_DIR = "profile"  # in the point's folder: <pass>-rank<r>.json.gz
 
 
 def profile_pass(backend: Backend, pass_type: str, command_for: Callable[[str], PassCommand], out_dir,
-                 label: str = "") -> dict:
+                 timed_s: Optional[Sequence[float]] = None, label: str = "") -> dict:
     """One more run of ``pass_type`` under torch.profiler, after its timed repeats (not counted in tok/s).
 
     Returns ``passes.<type>.profile``: the traces (relative to ``out_dir``), the profiled pass's seconds and
-    its breakdown's shares per rank, the shares averaged over ranks (they sum to 1) and each rank's top ops.
+    its breakdown's shares per rank, the shares averaged over ranks (they sum to 1) and each rank's top ops;
+    ``slowdown``: the profiled run's timed region over the mean of ``timed_s`` (the profiler's own cost).
     """
     from pathlib import Path
 
@@ -199,6 +200,7 @@ def profile_pass(backend: Backend, pass_type: str, command_for: Callable[[str], 
         # beside results.json (a rank on another node wrote its trace there, on its own disk)
         "traces": [os.path.relpath(r["trace"], out_dir) for r in ranks],
         "elapsed_s": result.step_s,
+        "slowdown": result.step_s / (sum(timed_s) / len(timed_s)) if timed_s and result.step_s else None,
         "shares": shares,
         "per_rank": [{"rank": i, **r["breakdown"]} for i, r in enumerate(ranks)],
     }

@@ -12,7 +12,8 @@ operator's self time (its duration less its children's) goes to one category,
 and the time no operator covers is ``idle`` (Python between operators, waiting
 outside any operator). The categories, first match wins:
 
-- ``collectives``: all-gather, reduce-scatter, all-reduce, broadcast, their waits (c10d, gloo, NCCL);
+- ``collectives``: all-gather, reduce-scatter, all-reduce, broadcast, their waits (c10d, gloo, NCCL), and FSDP2's
+  ``FSDP::`` ranges around them (unshard, reshard, the post-backward reduce);
 - ``backward``: anything under autograd's backward (the pass has no optimizer step);
 - ``delta_rule``, ``logprob_head``: inside this project's ranges (``balance_batch/delta_rule``, ...);
 - ``attention``: SDPA and flash attention; ``convolution``: the short convolutions;
@@ -40,7 +41,9 @@ CATEGORIES = ("attention", "delta_rule", "convolution", "moe_experts", "other_ma
 # The ranges the model code opens (backends/model/packing.py, logprobs.py): their operators are theirs.
 RANGES = ("delta_rule", "logprob_head")
 _COLLECTIVE = ("all_gather", "allgather", "reduce_scatter", "reducescatter", "all_reduce", "allreduce", "broadcast",
-               "c10d::", "gloo", "nccl", "record_param_comms", "wait_tensor", "fsdp::all_gather", "barrier")
+               "c10d::", "gloo", "nccl", "record_param_comms", "wait_tensor", "barrier",
+               # FSDP2's ranges: unshard (all-gather and its wait, copy-out), reshard, post-backward reduce-scatter
+               "fsdp::")
 _ATTENTION = ("scaled_dot_product", "flash_attn", "flash_attention", "_efficient_attention", "_cudnn_attention")
 _CONVOLUTION = ("conv1d", "convolution", "causal_conv1d")
 _EXPERTS = ("_grouped_mm", "grouped_mm")

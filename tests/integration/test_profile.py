@@ -81,6 +81,7 @@ def test_the_command_line_profiles_every_rank_of_fsdp2_and_megatron(workdir):
                 if pass_type == "forward_backward" or d["backend"] == "fsdp2":  # FSDP2 gathers weights in forward too
                     assert back["seconds"]["collectives"] > 0, (d["backend"], pass_type, rank)
             assert sum(profile["shares"].values()) == pytest.approx(1.0)
+            assert profile["slowdown"] == pytest.approx(profile["elapsed_s"] / passed["elapsed_s"][0])
             assert max(r["pass_s"] for r in profile["per_rank"]) == pytest.approx(profile["elapsed_s"], rel=0.05)
         wandb_file = glob.glob(str(folder / "wandb" / "offline-run-*" / "run-*.wandb"))[0]
         artifacts = [r.artifact for r in records(wandb_file) if r.WhichOneof("record_type") == "artifact"]

@@ -44,6 +44,7 @@ def test_a_hand_made_timeline_is_split_exactly():
     ("aten::mm", ["balance_batch/logprob_head"], "logprob_head"),
     ("aten::mm", ["autograd::engine::evaluate_function: MmBackward0"], "backward"),
     ("record_param_comms", ["autograd::engine::evaluate_function: X", "nccl:all_reduce"], "collectives"),
+    ("aten::copy_", ["autograd::engine::evaluate_function: X", "FSDP::post_backward_reduce (layers.0)"], "collectives"),
     ("aten::_grouped_mm", [], "moe_experts"),
     ("aten::convolution", ["aten::conv1d"], "convolution"),
     ("aten::addmm", ["aten::linear"], "other_matmuls"),
