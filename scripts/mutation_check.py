@@ -280,6 +280,20 @@ MUTATIONS = (
         "        return make_examples(self.lengths, vocab_size, seed)",
         ("tests/unit/test_dataset_loss.py",),
     ),
+    Mutation(
+        "the profile's breakdown charges an operator its whole duration, not its self time",
+        "backends/runtime/profiling.py",
+        'own = max(0.0, e["dur"] - children)',
+        'own = e["dur"]',
+        ("tests/unit/test_profiling.py::test_a_hand_made_timeline_is_split_exactly",),
+    ),
+    Mutation(
+        "the profile's breakdown reads every thread as the pass's",
+        "backends/runtime/profiling.py",
+        'mine = sorted((e for e in events if e.get("tid") == tid and e.get("pid") == pid and e is not region',
+        'mine = sorted((e for e in events if e is not region',
+        ("tests/unit/test_profiling.py::test_a_hand_made_timeline_is_split_exactly",),
+    ),
 )
 
 
