@@ -90,46 +90,46 @@ def write_plots(df: pd.DataFrame, out_dir: Path) -> list[Path]:
     return paths
 
 
-def length_histogram_paths(df: pd.DataFrame, out_dir: Path) -> list:
-    """Per row: its setting's length histogram (``out_dir/plots/lengths-<first point>.png``), drawn from the plan.json
-    of the setting's first point that has one; None where no point of the setting has a plan.json."""
+def _histogram_sources(df: pd.DataFrame, out_dir: Path) -> dict:
+    """Per setting: (its histogram ``out_dir/plots/lengths-<point>.png``, the plan.json it is drawn from), the
+    setting's first point that has a plan.json; a setting with none is absent."""
     from reports.collect import settings_of
     from reports.plan_files import PLAN_FILE, point_name
 
-    first: dict = {}
+    sources: dict = {}
     for setting in settings_of(df):
         for results_path in df.loc[df["setting"] == setting, "path"]:
-            if (Path(results_path).parent / PLAN_FILE).is_file():
-                first[setting] = Path(out_dir) / "plots" / f"lengths-{point_name(Path(results_path), out_dir)}.png"
+            plan = Path(results_path).parent / PLAN_FILE
+            if plan.is_file():
+                sources[setting] = (Path(out_dir) / "plots" / f"lengths-{point_name(Path(results_path), out_dir)}.png", plan)
                 break
-    return [first.get(s) for s in df["setting"]]
+    return sources
+
+
+def length_histogram_paths(df: pd.DataFrame, out_dir: Path) -> list:
+    """Per row: its setting's length histogram (see ``_histogram_sources``); None where no point of it has a plan.json."""
+    sources = _histogram_sources(df, out_dir)
+    return [sources[s][0] if s in sources else None for s in df["setting"]]
 
 
 def write_length_histograms(df: pd.DataFrame, out_dir: Path) -> list:
-    """Draw each setting's length histogram (see ``length_histogram_paths``); per row, the figure drawn or None.
+    """Draw each setting's length histogram (see ``_histogram_sources``); per row, the figure drawn or None.
 
     A histogram that cannot be drawn is a warning: it never stops the report.
     """
     import json
     import logging
 
-    from reports.plan_files import PLAN_FILE
-
-    paths = length_histogram_paths(df, out_dir)
     drawn: dict = {}
-    for png, results_path in zip(paths, df["path"]):
-        if png is None or png in drawn:
-            continue
-        plan = Path(results_path).parent / PLAN_FILE  # the setting's first point with a plan (length_histogram_paths)
-        drawn[png] = None
+    for setting, (png, plan) in _histogram_sources(df, out_dir).items():
         try:
             lengths = json.loads(plan.read_text())["lengths"]
             doc = json.loads((plan.parent / "results.json").read_text())
             workload = (doc.get("workload") if isinstance(doc, dict) else None) or {}
-            drawn[png] = draw_length_histogram(lengths, png, workload)
+            drawn[setting] = draw_length_histogram(lengths, png, workload)
         except (OSError, ValueError, KeyError, TypeError) as exc:
             logging.getLogger(__name__).warning("length histogram %s not drawn from %s: %s", png, plan, exc)
-    return [drawn.get(png) if png is not None else None for png in paths]
+    return [drawn.get(s) for s in df["setting"]]
 
 
 def draw_length_histogram(lengths, png: Path, workload: dict) -> Path:
@@ -183,12 +183,15 @@ def _profiles(results_path) -> dict:
     return {t: p["profile"] for t, p in passes.items() if isinstance(p, dict) and isinstance(p.get("profile"), dict)}
 
 
-def profile_figure_paths(df: pd.DataFrame, out_dir: Path) -> list:
-    """Per row: ``out_dir/plots/profile-<point>.png`` where its results.json has a profiled pass, else None."""
+def _profile_png(results_path, out_dir: Path) -> Path:
     from reports.plan_files import point_name
 
-    return [Path(out_dir) / "plots" / f"profile-{point_name(Path(p), out_dir)}.png" if _profiles(p) else None
-            for p in df["path"]]
+    return Path(out_dir) / "plots" / f"profile-{point_name(Path(results_path), out_dir)}.png"
+
+
+def profile_figure_paths(df: pd.DataFrame, out_dir: Path) -> list:
+    """Per row: ``out_dir/plots/profile-<point>.png`` where its results.json has a profiled pass, else None."""
+    return [_profile_png(p, out_dir) if _profiles(p) else None for p in df["path"]]
 
 
 def write_profile_figures(df: pd.DataFrame, out_dir: Path) -> list:
@@ -196,9 +199,11 @@ def write_profile_figures(df: pd.DataFrame, out_dir: Path) -> list:
     import logging
 
     out = []
-    for png, results_path in zip(profile_figure_paths(df, out_dir), df["path"]):
+    for results_path in df["path"]:
+        profiles = _profiles(results_path)  # each results.json read once
+        png = _profile_png(results_path, out_dir) if profiles else None
         try:
-            out.append(draw_profile(_profiles(results_path), png) if png is not None else None)
+            out.append(draw_profile(profiles, png) if png is not None else None)
         except (OSError, ValueError, KeyError, TypeError) as exc:
             logging.getLogger(__name__).warning("profile figure %s not drawn: %s", png, exc)
             out.append(None)

@@ -239,3 +239,19 @@ def test_a_dry_run_row_says_it_was_not_timed(tmp_path):
     measured, planned = sorted(headers, key=lambda h: "not timed" in h)
     assert "1 warm-up + 3 timed repeats" in measured
     assert "not timed (dry run)" in planned and "timed repeats" not in planned and "warm-up" not in planned
+
+
+def test_a_settings_histogram_is_drawn_from_the_point_that_has_a_plan(tmp_path):
+    """The setting's first point failed before planning (no plan.json): its histogram comes from the next point."""
+    import shutil
+
+    from reports.plots import length_histogram_paths, write_length_histograms
+
+    failed = {**_ok_doc(), "status": "error", "error": "boom"}
+    sweep = _sweep(tmp_path / "sweep", {"0": failed, "1": _ok_doc()})
+    shutil.copy(COMMITTED / "0" / "plan.json", sweep / "1" / "plan.json")
+    df = collect([sweep])
+    assert df["setting"].nunique() == 1
+    expected = sweep / "plots" / "lengths-1.png"
+    assert length_histogram_paths(df, sweep) == [expected, expected]
+    assert write_length_histograms(df, sweep) == [expected, expected] and expected.is_file()
