@@ -125,7 +125,8 @@ def iter_rows(files: Sequence[Path]) -> Iterator[tuple[str, Any]]:
 
 # -- the tokenizer ------------------------------------------------------------------------------------------
 def load_tokenizer(path: Optional[str], model_path: Optional[str]):
-    """A fast Hugging Face tokenizer from a local folder (``workload.tokenizer``, else ``model.path``); nothing is downloaded."""
+    """A fast Hugging Face tokenizer from a local folder (``workload.tokenizer``, else ``model.path``), and that
+    folder; nothing is downloaded."""
     if path is None and model_path is None:
         raise UserError("workload.tokenizer: not set, and the model has no folder to take it from (model.path is null): "
                         "give a local tokenizer folder, e.g. one written by python -m harness.demo_data OUT")
@@ -144,7 +145,7 @@ def load_tokenizer(path: Optional[str], model_path: Optional[str]):
     if not getattr(tok, "is_fast", False):
         raise UserError(f"{key}: '{folder}' loads a slow (Python) tokenizer; loss masks need a fast one's character "
                         "offsets (a tokenizer.json in the folder)")
-    return tok
+    return tok, folder
 
 
 def tokenizer_fingerprint(folder: Path, tok) -> dict[str, Any]:
@@ -337,8 +338,8 @@ def default_cache_dir() -> Path:
     return Path(base) / "balance_batch" / "tokenized"
 
 
-def cache_key(files: Sequence[Path], fmt: str, field: Optional[str], tokenizer: dict, masks: bool = True) -> tuple[str, dict]:
-    """The key of a dataset's tokens, and what it is made of (``masks``: trained spans found, for train_on=completion)."""
+def cache_key(files: Sequence[Path], fmt: str, field: Optional[str], tokenizer: dict, masks: bool = True) -> str:
+    """The key of a dataset's tokens (``masks``: trained spans found, for train_on=completion)."""
     made_of = {
         "version": CACHE_VERSION,
         "masks": masks,
@@ -347,7 +348,7 @@ def cache_key(files: Sequence[Path], fmt: str, field: Optional[str], tokenizer: 
         "field": field,
         "tokenizer": tokenizer,
     }
-    return hashlib.sha256(json.dumps(made_of, sort_keys=True).encode()).hexdigest()[:20], made_of
+    return hashlib.sha256(json.dumps(made_of, sort_keys=True).encode()).hexdigest()[:20]
 
 
 def read_cache(path: Path, key: str) -> Optional[Tokenized]:
@@ -363,7 +364,7 @@ def read_cache(path: Path, key: str) -> Optional[Tokenized]:
         return None
 
 
-def write_cache(path: Path, key: str, tokens: Tokenized) -> bool:
+def write_cache(path: Path, key: str, tokens: Tokenized) -> None:
     """Write atomically (a run killed mid-write leaves no half file); a cache folder that cannot be written is a warning."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
@@ -372,12 +373,10 @@ def write_cache(path: Path, key: str, tokens: Tokenized) -> bool:
         with open(tmp, "wb") as f:
             np.savez(f, key=np.asarray(key), ids=ids, trained=tokens.trained, offsets=tokens.offsets)
         os.replace(tmp, path)
-        return True
     except OSError as exc:
         log.warning("workload.cache_dir: cannot write the tokenized dataset to %s (%s); it is tokenized again next "
                     "run", path, exc.strerror or exc)
         tmp.unlink(missing_ok=True)
-        return False
 
 
 # -- the workload ----------------------------------------------------------------------------------------------
@@ -418,11 +417,10 @@ def load_dataset(spec, model_path: Optional[str]) -> DatasetExamples:
         raise UserError("workload.path: not set (give a local .jsonl, .json or .parquet file, or a folder of them)")
     check_options(spec)
     files = dataset_files(spec.path)
-    tok = load_tokenizer(spec.tokenizer, model_path)
-    tokenizer_folder = Path(spec.tokenizer if spec.tokenizer is not None else model_path).expanduser()
+    tok, tokenizer_folder = load_tokenizer(spec.tokenizer, model_path)
     fingerprint = tokenizer_fingerprint(tokenizer_folder, tok)
     masks = spec.train_on != "all"  # train_on=all trains every token: no spans to find (nor templates to check)
-    key, _ = cache_key(files, spec.format, spec.field, fingerprint, masks)
+    key = cache_key(files, spec.format, spec.field, fingerprint, masks)
     cache_path = Path(spec.cache_dir or default_cache_dir()).expanduser() / f"{key}.npz"
     tokens = read_cache(cache_path, key) if spec.cache else None
     hit = tokens is not None
