@@ -8,20 +8,13 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from backends.model.build import decoder_layers
 from backends.model.loading import LOAD_PROGRESS_EVERY_S, load_sharded, read_source
 from backends.model.step import grad_norm_local_sq
 from backends.planning import Schedule
 from backends.runtime.ranks import RankHooks
 from backends.runtime.spawned import DistributedBackend
 from backends.specs import ModelSpec
-
-
-def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The transformer blocks, found by the class names Hugging Face marks as not to be split."""
-    names: set[str] = set()
-    for module in model.modules():
-        names.update(getattr(module, "_no_split_modules", None) or [])
-    return [m for m in model.modules() if type(m).__name__ in names]
 
 
 def mixed_precision_policy(model: torch.nn.Module):

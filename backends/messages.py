@@ -66,6 +66,9 @@ class PassCommand:
     release_memory: bool = True  # hand cached memory back before the pass (a pass type's first run)
     # Run the pass under torch.profiler, each rank writing <profile_dir>/<pass>-rank<r>.json.gz (bench.profile)
     profile_dir: Optional[str] = None
+    # Record the CUDA allocator's history in this pass; out of memory dumps <dir>/<pass>-rank<r>.pickle
+    # (bench.memory_snapshot, on warm-up runs; backends/runtime/memory.py MemoryHistory)
+    memory_snapshot_dir: Optional[str] = None
 
     def replace(self, **changes) -> "PassCommand":
         return dataclasses.replace(self, **changes)
@@ -145,6 +148,9 @@ class PassResult:
     kernels: Optional[dict] = None
     # A profiled pass (PassCommand.profile_dir): per rank, {"trace": path, "breakdown": ...} (backends/runtime/profiling.py)
     profile: Optional[list] = None
+    # backend.compile: what compiling cost inside this pass, over ranks (backends/model/compiling.py ``merge``:
+    # compilations, recompilations, seconds, graph breaks, what dynamo traced); None when nothing is compiled.
+    compile: Optional[dict] = None
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready: outputs as lists (non-finite losses as None), every other field as it is."""

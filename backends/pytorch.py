@@ -12,7 +12,7 @@ import torch
 from backends.backend import Backend
 from backends.errors import BackendError
 from backends.messages import PassCommand, PassResult
-from backends.model import kernels
+from backends.model import compiling, kernels
 from backends.model.build import build_model, describe_model, describe_precision, load_method
 from backends.model.loading import LoadMeter, merge_load_records
 from backends.model.step import (
@@ -28,6 +28,7 @@ from backends.runtime.devices import resolve_device
 from backends.runtime.job import resolve_world_size
 from backends.runtime.profiling import profiled
 from backends.runtime.memory import (
+    MemoryHistory,
     is_out_of_memory,
     limit_memory,
     oom_message,
@@ -55,6 +56,9 @@ class PyTorchBackend(Backend):
             with LoadMeter(self.device) as meter:
                 self.model = build_model(model, self.device, spec.gradient_checkpointing)
             self.model_info = describe_model(self.model, model)
+            if spec.compile:
+                compiling.compile_decoder_layers(self.model)
+            self.model_info["compile"] = compiling.describe(self.model) if spec.compile else None
             self.precision = describe_precision(self.model, None)  # one process: nothing reduced
             self.load_info = merge_load_records(load_method(model), [meter.as_dict()])
         except BaseException:
@@ -72,7 +76,7 @@ class PyTorchBackend(Backend):
             log.info, f"pytorch {pass_type}", plan.stats.real_tokens, command.progress_every_s
         )
         total_weight = total_loss_weight(examples)
-        with profiled(command.profile_dir, pass_type, 0, self.device) as profile:
+        with profiled(command.profile_dir, pass_type, 0, self.device) as profile, compiling.PassMeter() as compiled:
             pending, grad_norm, step_s = self._timed_steps(command, plan, progress, total_weight)
         mem = peak_memory(self.device)
         ran = kernels.snapshot()
@@ -89,6 +93,7 @@ class PyTorchBackend(Backend):
             step_s=step_s,
             kernels=ran,
             profile=[profile] if profile else None,
+            compile=compiling.merge([compiled.record]),
         )
 
     def _timed_steps(self, command: PassCommand, plan, progress, total_weight):
@@ -97,18 +102,20 @@ class PyTorchBackend(Backend):
         oom = None
         t0 = time.perf_counter()
         try:
-            pending = run_steps(
-                self.model,
-                examples,
-                plan.schedules[0],
-                pass_type,
-                total_weight,
-                self.device,
-                progress=progress,
-                deadline=None if timeout_s is None else time.monotonic() + timeout_s,
-                layout=command.layout,
-                logprob_chunk_tokens=command.chunk_tokens(self.spec.logprob_chunk_tokens),
-            )
+            # an out of memory leaves it with the failed step's tensors still held: the snapshot shows them
+            with MemoryHistory(command.memory_snapshot_dir, pass_type, 0, self.device):
+                pending = run_steps(
+                    self.model,
+                    examples,
+                    plan.schedules[0],
+                    pass_type,
+                    total_weight,
+                    self.device,
+                    progress=progress,
+                    deadline=None if timeout_s is None else time.monotonic() + timeout_s,
+                    layout=command.layout,
+                    logprob_chunk_tokens=command.chunk_tokens(self.spec.logprob_chunk_tokens),
+                )
         except PassTimeout as exc:
             raise BackendError(f"{exc} (bench.pass_timeout_s={timeout_s:g})", status="timeout") from None
         except Exception as exc:

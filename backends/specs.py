@@ -30,6 +30,8 @@ class BackendSpec:
     # is a warning naming what it costs; true makes it an error before anything is loaded.
     require_kernels: bool = False
     hooks: Optional[str] = None  # "module:RankHooks subclass" replacing the backend's own (experiments, fault tests)
+    # torch.compile each decoder layer, dynamic shapes; the warm-up pays for compiling (backends/model/compiling.py)
+    compile: bool = False
 
 
 @dataclass

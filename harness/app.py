@@ -25,6 +25,7 @@ from backends.planning import CostModel, plan_batch
 from backends.planning.plan import PLAN_FILE
 from backends.registry import LOCKSTEP_BACKENDS
 from backends.runtime.job import resolve_world_size
+from backends.runtime.memory import SNAPSHOT_DIR
 from harness.config import AUTO, HarnessConfig, launcher_sets_world_size, resolve_config, without_auto
 from harness.results import (OUTPUTS_FILE, RESULTS_FILE, PointResults, base_document, model_record,
                              workload_record, write_json_atomic, write_plan_json)
@@ -385,6 +386,9 @@ class Point:
             tell_launcher(f"{self.label}{exc}")
         if exc.details:
             (self.out_dir / "error.txt").write_text(exc.details)
+        snapshots = sorted((self.out_dir / SNAPSHOT_DIR).glob("*.pickle"))  # bench.memory_snapshot: what held the memory
+        if snapshots:
+            self.results.update(memory_snapshot=[os.path.relpath(p, self.out_dir) for p in snapshots])
         self.results.fail(exc.status, str(exc))
         # Running out of memory is a measurement (this budget does not fit), not a failure.
         return EXIT_OK if exc.status == "oom" else EXIT_FAILED
@@ -486,13 +490,14 @@ class Point:
                                   (doc.get("precision") or {}).get("compute") or "float32")
         # FLOPs of a training pass: the config's matmuls, LoRA adapters and what backward computes for them.
         training = training_flops_for(spec.model, chunked_logprobs=b.logprob_chunk_tokens is not None)
+        snapshot_dir = str((self.out_dir / SNAPSHOT_DIR).resolve()) if spec.bench.memory_snapshot else None
         for pass_type in PASS_TYPES:
             if pass_type in (measured or {}):
                 record, result = measured[pass_type]
             else:
                 record, result = measure_pass(backend, examples, pass_type, spec.bench.warmup, spec.bench.repeat,
                                               command_for, spec.bench.util_sample_s, label=self.label,
-                                              on_repeat=self.tracker.log_repeat)
+                                              on_repeat=self.tracker.log_repeat, snapshot_dir=snapshot_dir)
             self._record_pass(spec, lengths, training, backend.world_size, pass_type, record, result)
             if spec.bench.profile:  # one more run under the profiler, after the timed ones: not in tok/s
                 self.results.doc["passes"][pass_type]["profile"] = profile_pass(

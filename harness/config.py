@@ -44,6 +44,9 @@ class BenchConfig:
     # One more run of each pass type after the timed ones, not counted in tok/s, under torch.profiler: a trace per
     # rank (profile/<pass>-rank<r>.json.gz) and where the time went (passes.<type>.profile).
     profile: bool = False
+    # On CUDA: the allocator's history recorded during each pass type's warm-up; a pass that runs out of memory
+    # dumps memory/<pass>-rank<r>.pickle (https://pytorch.org/memory_viz) and results.json names it.
+    memory_snapshot: bool = False
 
 
 @dataclass
@@ -209,9 +212,33 @@ def validate(cfg: HarnessConfig) -> None:
             raise UserError(f"bench.{key}: must be a positive number or null, got {value}")
     if not 0 <= cfg.bench.memory_headroom < 1:
         raise UserError(f"bench.memory_headroom: must be a fraction in [0, 1), got {cfg.bench.memory_headroom}")
+    if cfg.backend.compile and cfg.backend.gradient_checkpointing:
+        raise UserError("backend.compile: a layer under gradient checkpointing is not compiled (torch runs the "
+                        "checkpointed layer eagerly), so nothing would be; use gc=false, or backend.compile=false")
+    if cfg.backend.compile and cfg.bench.warmup < 1:
+        raise UserError("backend.compile: needs bench.warmup >= 1 (the warm-up pays for compiling, minutes on a CPU; "
+                        f"with bench.warmup={cfg.bench.warmup} the first timed repeat would time the compiler)")
+    if cfg.bench.memory_snapshot:
+        _check_memory_snapshot(cfg)
     if cfg.bench.profile and cfg.target.url:
         raise UserError("bench.profile: profiles the ranks of a backend this run starts; a server (target.url) runs "
                         "its ranks elsewhere: drop target.url, or bench.profile")
+
+
+def _check_memory_snapshot(cfg: HarnessConfig) -> None:
+    """bench.memory_snapshot records the CUDA allocator during the warm-up, in ranks this run starts."""
+    import torch
+
+    if cfg.target.url:
+        raise UserError("bench.memory_snapshot: records the allocator of ranks this run starts; a server (target.url) "
+                        "runs its ranks elsewhere: drop target.url, or bench.memory_snapshot")
+    if cfg.bench.warmup < 1:
+        raise UserError("bench.memory_snapshot: records during the warm-up (never the timed repeats), so it needs "
+                        f"bench.warmup >= 1, got {cfg.bench.warmup}")
+    if cfg.backend.device == "cpu" or (cfg.backend.device == "auto" and not torch.cuda.is_available()):
+        raise UserError(f"bench.memory_snapshot: records the CUDA allocator's history, and this run's device is cpu "
+                        f"(backend.device={cfg.backend.device}{', no GPU here' if cfg.backend.device == 'auto' else ''}); "
+                        "on a CPU a run out of memory is the OS limit (bench.memory_limit_gb), with no allocator to record")
 
 
 def without_auto(cfg: DictConfig) -> DictConfig:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 from backends.backend import Backend
+from backends.model import compiling
 from backends.messages import PASS_TYPES, Example, PassCommand, PassResult, make_command
 from harness.samplers import make_sampler
 
@@ -42,6 +43,9 @@ class PassRecord:
     host_s: Optional[list[float]] = None
     # What ran in the last timed repeat: {op: {implementation: calls}} over all ranks (backends/model/kernels.py).
     kernels: Optional[dict] = None
+    # backend.compile: what compiling cost, in the warm-up and in the timed repeats (backends/model/compiling.py
+    # ``merge``); None when nothing is compiled. Anything compiled in the timed repeats is in their seconds.
+    compile: Optional[dict] = None
 
     def as_dict(self) -> dict:
         return {
@@ -58,6 +62,7 @@ class PassRecord:
             "real_tokens": self.real_tokens,
             "grad_norm": self.grad_norm,
             "kernels": self.kernels,
+            "compile": self.compile,
         }
 
 
@@ -72,11 +77,13 @@ def measure_pass(
     label: str = "",
     on_repeat: Optional[Callable[[str, int, float, float, Optional[float]], None]] = None,
     release_first: bool = True,
+    snapshot_dir: Optional[str] = None,
 ) -> tuple[PassRecord, PassResult]:
     """Warm-up runs, then ``repeat`` timed runs of one pass type; returns the record and the last result.
 
     ``release_first=False`` keeps what the pass type's earlier runs left cached (more repeats of a pass measured
-    just before: harness/auto.py tops up the chosen budget's)."""
+    just before: harness/auto.py tops up the chosen budget's). ``snapshot_dir`` (bench.memory_snapshot): the warm-up
+    runs record the CUDA allocator's history, and one that runs out of memory leaves its snapshot there."""
     result: Optional[PassResult] = None
     real_tokens = sum(len(e) for e in examples)
     runs = 0
@@ -89,10 +96,13 @@ def measure_pass(
         runs += 1
         return command_for(pass_type).replace(release_memory=runs == 1 and release_first)
 
+    warm_compile = timed_compile = None
     for i in range(warmup):
         t0 = time.perf_counter()
-        result = backend.run_pass(command())
-        log.info("%s%s warm-up %d/%d: %.2f s", label, pass_type, i + 1, warmup, time.perf_counter() - t0)
+        result = backend.run_pass(command().replace(memory_snapshot_dir=snapshot_dir))
+        warm_compile = compiling.add(warm_compile, result.compile)
+        log.info("%s%s warm-up %d/%d: %.2f s%s", label, pass_type, i + 1, warmup, time.perf_counter() - t0,
+                 _compiled_phrase(result.compile))
     elapsed, walls, hosts, utils, mems = [], [], [], [], []
     rank_peaks: Optional[list[Optional[int]]] = None
     allocated: Optional[list[Optional[int]]] = None
@@ -120,6 +130,7 @@ def measure_pass(
         elapsed.append(dt)
         utils.append(util)
         mems.append(mem_pct)
+        timed_compile = compiling.add(timed_compile, result.compile)
         if on_repeat is not None:
             on_repeat(pass_type, i, dt, real_tokens / dt, util)
         log.info(
@@ -133,6 +144,10 @@ def measure_pass(
             f", util {util:.0f}%" if util is not None else "",
         )
     assert result is not None
+    if timed_compile and timed_compile["compilations"] + timed_compile["backward_compilations"]:
+        log.warning("%s%s: compiled %d graph(s) during the timed repeats (%.1f s, inside their tok/s); "
+                    "raise bench.warmup so the warm-up sees every shape", label, pass_type,
+                    timed_compile["compilations"] + timed_compile["backward_compilations"], timed_compile["compile_s"])
     mean = sum(elapsed) / len(elapsed)
     known = [u for u in utils if u is not None]
     known_mem = [m for m in mems if m is not None]
@@ -150,8 +165,18 @@ def measure_pass(
         pass_wall_s=walls,
         host_s=hosts,
         kernels=result.kernels,
+        compile=None if warm_compile is None and timed_compile is None else {"warmup": warm_compile,
+                                                                             "timed": timed_compile},
     )
     return record, result
+
+
+def _compiled_phrase(record: Optional[dict]) -> str:
+    """", compiled 12 graphs in 40.1 s (3 graph breaks)" for a pass that compiled, else ""."""
+    if not record or not record["compilations"] + record["backward_compilations"]:
+        return ""
+    graphs = record["compilations"] + record["backward_compilations"]
+    return f", compiled {graphs} graph(s) in {record['compile_s']:.1f} s ({record['graph_breaks']} graph breaks)"
 
 
 def merge_records(first: PassRecord, more: PassRecord) -> PassRecord:
@@ -173,7 +198,15 @@ def merge_records(first: PassRecord, more: PassRecord) -> PassRecord:
         pass_wall_s=(first.pass_wall_s or []) + (more.pass_wall_s or []),
         host_s=(first.host_s or []) + (more.host_s or []),
         kernels=more.kernels,
+        compile=_added_compile(first.compile, more.compile),
     )
+
+
+def _added_compile(first: Optional[dict], more: Optional[dict]) -> Optional[dict]:
+    if not first or not more:
+        return first or more
+    return {"warmup": compiling.add(first["warmup"], more["warmup"]),
+            "timed": compiling.add(first["timed"], more["timed"])}
 
 
 PROFILE_DIR = "profile"  # in the point's folder: <pass>-rank<r>.json.gz

@@ -83,7 +83,8 @@ def base_document(cfg: DictConfig, overrides: Sequence[str]) -> dict[str, Any]:
         "planner": get("planner"),
         "max_seqs_per_microbatch": get("max_seqs_per_microbatch"),  # null: no cap on sequences per micro-batch
         "gc": get("gc"),
-        "bench": {"warmup": get("bench.warmup"), "repeat": get("bench.repeat"), "profile": get("bench.profile")},
+        "bench": {"warmup": get("bench.warmup"), "repeat": get("bench.repeat"), "profile": get("bench.profile"),
+                  "memory_snapshot": get("bench.memory_snapshot")},
         "workload": {"name": get("workload.name")},
         "plan": None,
         "precision": None,  # the precision policy that ran: params, adapters, compute, reduce (backends/model/build.py)

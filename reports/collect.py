@@ -70,7 +70,7 @@ def _hardware(dev: dict) -> Optional[str]:
 
 
 def _setting(doc: dict) -> str:
-    """What makes rows comparable: devices, model, workload, gradient checkpointing, protocol.
+    """What makes rows comparable: devices, model, workload, gradient checkpointing, compilation, protocol.
 
     Only what the results.json records: a point that failed before its backend started has no
     hardware phrase (not "unknown hardware"), an unreadable one no setting at all ("").
@@ -98,6 +98,8 @@ def _setting(doc: dict) -> str:
         parts.append(f"workload `{wl['name']}`")
     if doc.get("gc") is not None:
         parts.append(f"gradient checkpointing {'on' if doc['gc'] else 'off'}")
+    if (model.get("built") or {}).get("compile"):  # backend.compile: its own setting, with its own mbs=1 baseline
+        parts.append("torch.compile per decoder layer")
     parts.append(_precision(doc.get("precision")))
     if doc.get("status") == "planned":
         parts.append("not timed (dry run)")  # a dry run plans; its bench settings were never used

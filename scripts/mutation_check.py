@@ -39,6 +39,28 @@ class Mutation:
 
 MUTATIONS = (
     Mutation(
+        "backend.compile traces the delta-rule scan into the compiled layer (a graph per set of boundaries)",
+        "backends/model/packing.py",
+        "    torch_chunk_gated_delta_rule = _eager(torch_chunk_gated_delta_rule)\n",
+        "",
+        ("tests/unit/test_compiling.py::test_compiling_wraps_each_decoder_layer_once_and_keeps_the_boundary_kernels_eager",),
+    ),
+    Mutation(
+        "ranks' compile seconds added up, though they compile side by side",
+        "backends/model/compiling.py",
+        'out["compile_s"] = max(r["compile_s"] for r in records)',
+        'out["compile_s"] = sum(r["compile_s"] for r in records)',
+        ("tests/unit/test_compiling.py::test_ranks_merge_with_the_slowest_ranks_seconds_and_passes_add_up",),
+    ),
+    Mutation(
+        "backend.compile with static shapes only: rows of new lengths compile again",
+        "backends/model/compiling.py",
+        "compiled = torch.compile(inner.__get__(layer), dynamic=None)",
+        "compiled = torch.compile(inner.__get__(layer), dynamic=False)",
+        ("tests/integration/test_compile.py::test_what_compiling_cost_is_recorded_and_new_shapes_compile_nothing"
+         "[pytorch-float32]",),
+    ),
+    Mutation(
         "loss divided by each micro-batch's token count, not the batch's weight",
         "backends/model/step.py",
         "(loss_per_row.sum() * scale).backward()",

@@ -53,6 +53,18 @@ def quiet_library_noise(device: torch.device) -> None:
 PLACES = ("device", "cpu", "meta")
 
 
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer blocks, found by the class names Hugging Face marks as not to be split.
+
+    By the classes a module's class derives from too: ``fully_shard`` gives each
+    layer a subclass of its own (``FSDPQwen3_5MoeDecoderLayer``).
+    """
+    names: set[str] = set()
+    for module in model.modules():
+        names.update(getattr(module, "_no_split_modules", None) or [])
+    return [m for m in model.modules() if any(c.__name__ in names for c in type(m).__mro__)]
+
+
 def build_model(
     spec: ModelSpec, device: torch.device, gradient_checkpointing: bool, place: str = "device"
 ) -> torch.nn.Module:

@@ -8,6 +8,14 @@ each time they run, so a pass records what actually ran, not what imported.
 ``reset`` before a pass and ``snapshot`` after it give ``{op: {implementation:
 calls}}`` for results.json (``passes.<type>.kernels``); a call is one forward
 call of one layer (recomputation under gradient checkpointing counts again).
+
+Under ``backend.compile=true`` (backends/model/compiling.py) an operation
+inside a compiled graph is not called from Python when the graph runs, so it
+cannot be counted per call: what dynamo traced into a graph is recorded once,
+at trace time (``traced()``: ``{op: [implementations]}``), and each call of a
+compiled layer counts as ``compiled_layer: {inductor: calls}``. The operations
+kept eager inside a layer (attention, the delta rule, the short convolution)
+are counted per call as before.
 """
 
 from __future__ import annotations
@@ -21,7 +29,10 @@ import threading
 from collections import Counter
 from typing import Callable, Iterable, Mapping, Optional
 
+import torch
+
 OPS = ("attention", "delta_rule", "short_conv", "moe_experts", "logprob_head")
+COMPILED_LAYER = "compiled_layer"  # one call of a compiled decoder layer (backend.compile=true)
 
 # Implementation names, as results.json spells them.
 FLASH_ATTN = "flash-attn"  # Hugging Face's flash_attention_2 (padded rows; packed rows through its varlen path)
@@ -38,19 +49,43 @@ GROUPED_MM_LOOP = "grouped_mm-fallback-loop"  # transformers' fallback when torc
 
 _lock = threading.Lock()
 _calls: Counter = Counter()
+_traced: set = set()  # (op, implementation) dynamo traced into a compiled graph, in this process
 
 
 def note(op: str, implementation: str) -> None:
-    """Count one call of ``op`` run by ``implementation`` in this process."""
+    """Count one call of ``op`` run by ``implementation`` in this process (traced into a graph: recorded once)."""
+    if torch.compiler.is_compiling():
+        # Runs while dynamo traces, not when the graph runs, and adds nothing to the graph (no guard, no break).
+        from torch._dynamo.comptime import comptime
+
+        comptime(lambda ctx: _note_traced(ctx.get_local("op").as_python_constant(),
+                                          ctx.get_local("implementation").as_python_constant()))
+        return
     with _lock:
         _calls[(op, implementation)] += 1
+
+
+def _note_traced(op: str, implementation: str) -> None:
+    with _lock:
+        _traced.add((op, implementation))
+
+
+def reset_traced() -> None:
+    """Forget what was traced (backends/model/compiling.py: a new model starts dynamo afresh)."""
+    with _lock:
+        _traced.clear()
+
+
+def traced() -> dict[str, list[str]]:
+    """What dynamo traced into compiled graphs so far in this process: ``{op: [implementations]}``."""
+    with _lock:
+        pairs = sorted(_traced)
+    return {op: [impl for o, impl in pairs if o == op] for op in dict.fromkeys(o for o, _ in pairs)}
 
 
 def span(op: str):
     """A profiler range ``balance_batch/<op>`` around an operation (a no-op unless torch.profiler is recording):
     a profiled pass's breakdown counts what runs inside it as ``op`` (backends/runtime/profiling.py)."""
-    import torch
-
     if not torch.autograd._profiler_enabled():  # no range to open: the timed passes pay nothing
         return contextlib.nullcontext()
     return torch.profiler.record_function(f"balance_batch/{op}")
@@ -64,7 +99,7 @@ def reset() -> None:
 def _by_op(calls: Mapping) -> dict[str, dict[str, int]]:
     """``{(op, implementation): calls}`` as ``{op: {implementation: calls}}``, ops in ``OPS`` order, then any others."""
     out: dict[str, dict[str, int]] = {}
-    for op in (*OPS, *sorted({o for o, _ in calls} - set(OPS))):
+    for op in (*OPS, COMPILED_LAYER, *sorted({o for o, _ in calls} - {*OPS, COMPILED_LAYER})):
         impls = {impl: int(n) for (o, impl), n in sorted(calls.items()) if o == op}
         if impls:
             out[op] = impls

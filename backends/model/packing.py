@@ -18,6 +18,10 @@ that must honour the boundaries are
   causal-conv1d / flash-linear-attention kernels when installed, on CUDA)
   and are exactly the stock path when no boundaries are given.
 
+Under ``backend.compile=true`` these three run eagerly inside each compiled
+layer (``torch.compiler.disable``): their work depends on where sequences
+start and end, and tracing them would compile a graph per set of boundaries.
+
 Call ``prepare_model_for_packing(model)`` once after building the model (it
 works on the bare model, under peft, ``fully_shard`` and megatron-core DDP,
 with or without gradient checkpointing), then run a ``PackedBatch``'s
@@ -199,6 +203,17 @@ def _torch_function(function: Callable) -> Callable:
     return getattr(function, "__wrapped__", function)
 
 
+def _eager(function: Callable) -> Callable:
+    """``function`` run eagerly inside a compiled layer (backend.compile=true: backends/model/compiling.py).
+
+    Its work depends on the row's boundaries (host ints, a loop per sequence or
+    per chunk step): traced, every new set of boundaries would be a new graph.
+    Kept eager, it is one graph break, and padded and packed rows alike run it
+    eagerly. Without compilation the wrapper only calls ``function``.
+    """
+    return torch.compiler.disable(function, reason="depends on the row's sequence boundaries")
+
+
 # ---------------------------------------------------------------------------- attention
 
 
@@ -250,7 +265,9 @@ def _register_packed_attention(implementation: str, modeling_module: str) -> str
         original = sys.modules[modeling_module].eager_attention_forward
     else:
         original = ALL_ATTENTION_FUNCTIONS[implementation]
-    AttentionInterface.register(name, functools.partial(_segment_attention, original, implementation))
+    attention = _eager(functools.partial(_segment_attention, original, implementation))
+    attention.__name__ = attention.__qualname__ = f"{name}_attention"  # what a graph break's reason names
+    AttentionInterface.register(name, attention)
     # The padded path builds the same masks as before (nothing changes without cu_seq_lens).
     AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[implementation])
     return name
@@ -305,6 +322,7 @@ def _packed_conv1d(original: Callable) -> Callable:
             return original(hidden_states, weight, bias, activation=activation, seq_idx=seg.to(torch.int32)[None])
         return segment_causal_conv1d(hidden_states, weight, bias, activation, cu)
 
+    causal_conv1d_fn = _eager(causal_conv1d_fn)
     setattr(causal_conv1d_fn, _PACKED_MARK, original)
     return causal_conv1d_fn
 
@@ -478,6 +496,7 @@ def _packed_delta_rule(original: Callable) -> Callable:
         with kernels.span("delta_rule"):  # a profiled pass's delta-rule time, whichever kernel runs it
             return dispatch(*args, **kwargs)
 
+    torch_chunk_gated_delta_rule = _eager(torch_chunk_gated_delta_rule)
     setattr(torch_chunk_gated_delta_rule, _PACKED_MARK, original)
     return torch_chunk_gated_delta_rule
 

@@ -173,3 +173,49 @@ def oom_message(pass_type: str, where: str, largest_padded: int, limit_gb: Optio
         f"out of memory in {pass_type}{where} (largest micro-batch {largest_padded:,} padded tokens{limit}): "
         f"{first}"
     )
+
+
+# ---------------------------------------------------------------------------- bench.memory_snapshot
+
+SNAPSHOT_DIR = "memory"  # in the point's folder: <pass>-rank<r>.pickle, written when a pass runs out of memory
+SNAPSHOT_ENTRIES = 100_000  # allocation events kept (the newest): what led up to the failure
+
+
+def snapshot_path(snapshot_dir: str, pass_type: str, rank: int) -> str:
+    import os
+
+    return os.path.join(snapshot_dir, f"{pass_type}-rank{rank}.pickle")
+
+
+class MemoryHistory:
+    """Around one pass on CUDA (``PassCommand.memory_snapshot_dir``): the allocator's history recorded, and dumped
+    as a snapshot (open it at https://pytorch.org/memory_viz) when the pass runs out of memory.
+
+    A no-op without a folder. The harness asks for it on the warm-up runs only (bench.memory_snapshot), so the
+    timed repeats never pay for the recording; a device other than CUDA is refused before anything starts.
+    """
+
+    def __init__(self, snapshot_dir: Optional[str], pass_type: str, rank: int, device: torch.device):
+        self.on = snapshot_dir is not None
+        if self.on and device.type != "cuda":
+            raise RuntimeError(f"bench.memory_snapshot records the CUDA allocator, and this rank runs on {device.type}")
+        self.path = snapshot_path(snapshot_dir, pass_type, rank) if self.on else None
+
+    def __enter__(self) -> "MemoryHistory":
+        if self.on:
+            torch.cuda.memory._record_memory_history(max_entries=SNAPSHOT_ENTRIES)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if not self.on:
+            return
+        try:
+            if exc is not None and is_out_of_memory(exc):
+                import os
+
+                os.makedirs(os.path.dirname(self.path), exist_ok=True)
+                torch.cuda.memory._dump_snapshot(self.path)
+                log.warning("out of memory: the allocator's snapshot is %s (open it at https://pytorch.org/memory_viz)",
+                            self.path)
+        finally:
+            torch.cuda.memory._record_memory_history(enabled=None)

@@ -18,13 +18,13 @@ import torch
 import torch.distributed as dist
 
 from backends.messages import PassCommand, PassResult
-from backends.model import kernels
+from backends.model import compiling, kernels
 from backends.model.build import build_model, describe_model, describe_precision, load_method
 from backends.model.loading import LoadMeter
 from backends.model.step import ProgressLogger, outputs_to_host, run_steps, synchronize, total_loss_weight
 from backends.planning import CostModel, Schedule, plan_stats
 from backends.registry import import_path, is_lockstep
-from backends.runtime.memory import peak_memory, reset_peak_memory
+from backends.runtime.memory import MemoryHistory, peak_memory, reset_peak_memory
 from backends.runtime.profiling import profiled
 from backends.specs import BackendSpec, ModelSpec
 
@@ -101,8 +101,11 @@ def start_rank(spec: BackendSpec, model_spec: ModelSpec, hooks_path: str, rank: 
         )
     with LoadMeter(device) as meter:
         model, built, method = hooks.load_model(model_spec)
+    if spec.compile:  # on the wrapped model: FSDP2's and the checkpoint's hooks stay eager around each compiled layer
+        compiling.compile_decoder_layers(model)
     if built is not None:  # the precision policy as it runs, once wrapped (FSDP2's mixed precision included)
         built["precision"] = describe_precision(model, hooks.reduce_dtype(model))
+        built["compile"] = compiling.describe(model) if spec.compile else None
     return hooks, model, built, method, meter.as_dict()
 
 
@@ -152,7 +155,8 @@ def run_command(
     # The whole batch's loss weight, summed over ranks once per pass: every rank divides by it.
     # The collective also lines the ranks up, so the timed region starts together on all of them.
     total_weight = _all_reduce_float(total_loss_weight(examples, mine), dist.ReduceOp.SUM, device)
-    with profiled(command.profile_dir, pass_type, rank, device) as profile:
+    with profiled(command.profile_dir, pass_type, rank, device) as profile, compiling.PassMeter() as compiled, \
+            MemoryHistory(command.memory_snapshot_dir, pass_type, rank, device):
         pending, grad_norm, step_s = _timed_steps(command, model, hooks, rank, examples, schedule, mine, lengths,
                                                   total_weight, device, wlog)
     mem = peak_memory(device)  # the steps' peak, before the host copies below
@@ -161,7 +165,7 @@ def run_command(
     outputs = outputs_to_host(pending, examples)
     del pending
     gathered: list = [None] * world_size
-    dist.all_gather_object(gathered, (outputs, schedule, mem, step_s, ran, profile or None))
+    dist.all_gather_object(gathered, (outputs, schedule, mem, step_s, ran, profile or None, compiled.record))
     return _gathered_result(command, gathered, rank, lengths, lockstep, grad_norm)
 
 
@@ -193,7 +197,7 @@ def _timed_steps(command, model, hooks, rank, examples, schedule, mine, lengths,
 
 
 def _gathered_result(command, gathered: list, rank: int, lengths, lockstep: bool, grad_norm) -> Optional[PassResult]:
-    """Rank 0's PassResult from every rank's (outputs, schedule, memory, step time, kernels, profile)."""
+    """Rank 0's PassResult from every rank's (outputs, schedule, memory, step time, kernels, profile, compile)."""
     if rank != 0:
         return None
     merged: dict = {}
@@ -224,6 +228,7 @@ def _gathered_result(command, gathered: list, rank: int, lengths, lockstep: bool
         step_s=max(g[3] for g in gathered),
         kernels=kernels.merge(g[4] for g in gathered),
         profile=[g[5] for g in gathered] if any(g[5] for g in gathered) else None,
+        compile=compiling.merge(g[6] for g in gathered),
     )
 
 

@@ -37,7 +37,7 @@ def _layer_forward_calls(model: torch.nn.Module) -> int:
     the layer's own hooks run once); the hook sits on a module inside it, which
     the recomputation calls again.
     """
-    from backends.fsdp2 import decoder_layers
+    from backends.model.build import decoder_layers
 
     layer = decoder_layers(model)[1]
     calls = []

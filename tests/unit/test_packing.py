@@ -215,7 +215,7 @@ def test_packing_survives_fully_shard(tmp_path):
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    from backends.fsdp2 import decoder_layers
+    from backends.model.build import decoder_layers
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:

@@ -1,0 +1,267 @@
+"""``backend.compile=true``: torch.compile on each decoder layer, and what compiling cost (time, recompilations, graph breaks).
+
+What is compiled: each decoder layer's ``forward``, not the whole model.
+
+- A layer is the unit FSDP2 shards and gradient checkpointing recomputes.
+  Compiling its ``forward`` (not the module's ``__call__``) leaves their hooks,
+  and the checkpoint around the layer, eager, as torchtitan compiles per block.
+- The embedding and the chunked log-prob head stay eager: the head's loop over
+  chunks depends on the row's length, and it is one matrix product per chunk.
+- Torch's automatic dynamic shapes (``dynamic=None``): a graph is compiled
+  for the first shape it sees; when a size changes it is compiled once more
+  with the sizes that changed (the row's tokens, a padded batch's rows) made
+  symbolic, and rows of any length reuse that graph. Parameters stay static.
+  Sizes 0 and 1 are specialised, so the one-token dummy step and a one-row
+  padded batch get graphs of their own. The warm-up runs the timed plan, so
+  it compiles every variant the timed repeats meet. (``dynamic=True``, every
+  size symbolic from the first call, fails in inductor under FSDP2 on torch
+  2.13: "Exponent must be non-negative" in a shape expression.)
+- What stays eager inside a layer: the three operations whose work depends on
+  where sequences start and end in a packed row (attention once per sequence,
+  the boundary-aware short convolution, the delta-rule scan over chunks).
+  Traced, each new set of boundaries would be a new graph; they are
+  ``torch.compiler.disable``d (backends/model/packing.py), one graph break
+  each, and compiled code runs what lies between them (projections, norms,
+  gating, routing, the experts).
+
+``CompileMeter`` counts, per process, every compilation torch reports (its
+callbacks), the seconds they took, and dynamo's graph breaks, so a pass can
+record what compiling cost inside it (``passes.<type>.compile``) and a point
+whether anything recompiled during its timed repeats.
+
+One compiled model per process at a time: compiling a new one resets dynamo
+(``torch._dynamo.reset``), so what its graphs hold is recorded afresh.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import threading
+import time
+from collections import Counter
+from typing import Optional
+
+import torch
+
+from backends.model.build import decoder_layers
+
+COMPILED_MARK = "_balance_batch_compiled"
+SCOPE = "decoder_layer"
+# Per compiled function, the graphs dynamo keeps before it gives up and runs eager. Torch's default (8) is
+# reached by the variants a pass really has (grad and no grad, the first layer's frozen input, the dummy step).
+RECOMPILE_LIMIT = 64
+
+
+def compile_decoder_layers(model: torch.nn.Module) -> int:
+    """Compile each decoder layer's forward in place (idempotent); return how many layers are compiled.
+
+    Works on the bare model, under peft, ``fully_shard`` and megatron-core DDP
+    (the layers are found through the wrappers). Nothing is compiled until the
+    first call: the warm-up pays for it.
+    """
+    checkpointed = [m for m in decoder_layers(model) if getattr(m, "gradient_checkpointing", False)]
+    if checkpointed:
+        raise ValueError("backend.compile: a layer under gradient checkpointing is not compiled (torch runs the "
+                         "checkpointed layer eagerly); build the model without gradient checkpointing")
+    if not compiled_layers(model):
+        # A new model starts dynamo afresh: its graphs, and what they hold (kernels.traced), are its own, never
+        # those of a model compiled earlier in this process (a sweep's earlier point, another dtype).
+        from backends.model import kernels
+
+        torch._dynamo.reset()
+        kernels.reset_traced()
+    METER.install()  # after the reset, which drops compile callbacks
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    # No equality guessed between sizes that happen to match (a row's boundaries count and a head count):
+    # a guess that later fails is a recompilation in the middle of a timed pass.
+    torch.fx.experimental._config.use_duck_shape = False
+    layers = decoder_layers(model)
+    if not layers:
+        raise ValueError(f"backend.compile: found no decoder layer in {type(model).__name__} to compile")
+    for layer in layers:
+        if getattr(layer, COMPILED_MARK, False):
+            continue
+        layer.forward = _compiled_forward(layer)
+        setattr(layer, COMPILED_MARK, True)
+        layer.register_forward_pre_hook(_count_compiled_call)
+    return len(layers)
+
+
+def _compiled_forward(layer: torch.nn.Module):
+    """The layer's own forward compiled, with gradient checkpointing (when on) kept eager around it.
+
+    Transformers puts the checkpoint inside ``forward`` (``GradientCheckpointingLayer``
+    wraps each layer class's forward in ``forward_with_checkpointing``, so
+    FSDP2's hooks stay outside it). Compiling that would trace the checkpoint
+    itself, which cannot hold the eager boundary operations. So the function
+    under those wrappers is compiled, and the same decision (checkpoint when
+    enabled, training and recording gradients) is taken here, eagerly: the
+    recomputation in backward runs the compiled forward again.
+    """
+    inner = type(layer).forward
+    while getattr(inner, "__name__", "") == "forward_with_checkpointing" and hasattr(inner, "__wrapped__"):
+        inner = inner.__wrapped__
+    compiled = torch.compile(inner.__get__(layer), dynamic=None)  # automatic dynamic: see the module's docstring
+
+    def forward(*args, **kwargs):
+        if getattr(layer, "gradient_checkpointing", False) and layer.training and torch.is_grad_enabled():
+            return layer._gradient_checkpointing_func(functools.partial(compiled, **kwargs), *args)
+        return compiled(*args, **kwargs)
+
+    return forward
+
+
+def compiled_layers(model: torch.nn.Module) -> int:
+    return sum(1 for m in model.modules() if getattr(m, COMPILED_MARK, False))
+
+
+def describe(model: torch.nn.Module) -> dict:
+    """``model.built.compile`` of results.json: what is compiled, and how."""
+    return {"scope": SCOPE, "layers": compiled_layers(model), "dynamic": "automatic", "backend": "inductor",
+            "mode": "default", "eager_inside": list(EAGER_INSIDE), "recompile_limit": torch._dynamo.config.recompile_limit}
+
+
+# The operations each compiled layer runs eagerly (backends/model/packing.py ``_eager``)
+EAGER_INSIDE = ("attention", "delta_rule", "short_conv")
+
+
+class PassMeter:
+    """Around one pass on one rank: what compiling cost in it (None when this process compiles nothing)."""
+
+    def __enter__(self) -> "PassMeter":
+        self.before = measure()
+        self.record: Optional[dict] = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.before is not None:
+            from backends.model import kernels
+
+            self.record = {**delta(self.before, measure()), "traced": kernels.traced()}
+
+
+def _count_compiled_call(module, args) -> None:
+    from backends.model import kernels
+
+    kernels.note(kernels.COMPILED_LAYER, "inductor")
+
+
+_ID = re.compile(r"(\d+)/(\d+)")
+
+
+class CompileMeter:
+    """Every compilation in this process (torch's compile callbacks) and dynamo's graph breaks, counted."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._installed = False
+        self._open: dict[tuple, float] = {}
+        self.compilations = 0  # dynamo compiling a frame: the first time, or again (a recompilation)
+        self.recompilations = 0  # a frame compiled again because its guards failed (a new shape, dtype, ...)
+        self.backward_compilations = 0  # AOT autograd compiling a backward graph on its first backward
+        self.compile_s = 0.0
+
+    def install(self) -> None:
+        """Register the callbacks (again after ``torch._dynamo.reset``, which clears them)."""
+        from torch._dynamo.callback import callback_handler
+
+        with self._lock:
+            if self._start not in callback_handler.start_callbacks:
+                callback_handler.register_start_callback(self._start)
+            if self._end not in callback_handler.end_callbacks:
+                callback_handler.register_end_callback(self._end)
+            self._installed = True
+
+    def _start(self, args) -> None:
+        with self._lock:
+            self._open[(args.callback_trigger, args.compile_id)] = time.perf_counter()
+
+    def _end(self, args) -> None:
+        from torch._dynamo.callback import CallbackTrigger
+
+        with self._lock:
+            started = self._open.pop((args.callback_trigger, args.compile_id), None)
+            if started is not None:
+                self.compile_s += time.perf_counter() - started
+            if args.callback_trigger == CallbackTrigger.LAZY_BACKWARD:
+                self.backward_compilations += 1
+                return
+            self.compilations += 1
+            found = _ID.search(str(args.compile_id))
+            if found and int(found.group(2)) > 0:
+                self.recompilations += 1
+
+    def counters(self) -> dict:
+        """The counts so far, for ``delta``."""
+        from torch._dynamo.utils import counters
+
+        breaks = dict(counters["graph_break"])
+        with self._lock:
+            return {
+                "compilations": self.compilations,
+                "recompilations": self.recompilations,
+                "backward_compilations": self.backward_compilations,
+                "compile_s": self.compile_s,
+                "graph_breaks": sum(breaks.values()),
+                "graph_break_reasons": {_reason(k): int(v) for k, v in breaks.items()},
+            }
+
+
+def _reason(text: str) -> str:
+    """A graph break's reason in one line: dynamo's first line, and the function it skipped when it names one."""
+    first = str(text).strip().splitlines()[0] if str(text).strip() else "unknown"
+    skipped = re.search(r"Skip calling function `<function (\S+)", str(text))
+    return f"{first}: {skipped.group(1)}" if skipped else first
+
+
+def delta(before: dict, after: dict) -> dict:
+    """What happened between two ``counters()``: counts and seconds, graph break reasons that grew."""
+    reasons = {k: n - before["graph_break_reasons"].get(k, 0) for k, n in after["graph_break_reasons"].items()}
+    out = {k: after[k] - before[k] for k in ("compilations", "recompilations", "backward_compilations", "graph_breaks")}
+    out["compile_s"] = round(after["compile_s"] - before["compile_s"], 4)
+    out["graph_break_reasons"] = {k: n for k, n in reasons.items() if n}
+    return out
+
+
+def merge(records) -> Optional[dict]:
+    """Several ranks' deltas as one: counts and reasons summed, ``compile_s`` the slowest rank's (ranks compile
+    side by side); None when no rank compiled anything."""
+    records = [r for r in records if r]
+    if not records:
+        return None
+    out = {k: sum(r[k] for r in records) for k in ("compilations", "recompilations", "backward_compilations",
+                                                    "graph_breaks")}
+    out["compile_s"] = max(r["compile_s"] for r in records)
+    reasons: Counter = Counter()
+    for r in records:
+        reasons.update(r.get("graph_break_reasons") or {})
+    out["graph_break_reasons"] = dict(reasons)
+    traced: dict = {}
+    for r in records:
+        for op, impls in (r.get("traced") or {}).items():
+            traced.setdefault(op, [])
+            traced[op] += [i for i in impls if i not in traced[op]]
+    out["traced"] = traced
+    out["ranks"] = max(r.get("ranks", 1) for r in records) if all("ranks" in r for r in records) else len(records)
+    return out
+
+
+def add(first: Optional[dict], more: Optional[dict]) -> Optional[dict]:
+    """Two passes' records (each ``merge``d over ranks) as one: counts and seconds summed."""
+    if not first or not more:
+        return first or more
+    out = {k: first[k] + more[k] for k in ("compilations", "recompilations", "backward_compilations", "graph_breaks")}
+    out["compile_s"] = round(first["compile_s"] + more["compile_s"], 4)
+    out["graph_break_reasons"] = dict(Counter(first["graph_break_reasons"]) + Counter(more["graph_break_reasons"]))
+    out["traced"] = merge([first, more])["traced"]
+    out["ranks"] = max(first.get("ranks", 1), more.get("ranks", 1))
+    return out
+
+
+METER = CompileMeter()
+
+
+def measure() -> Optional[dict]:
+    """This process's counters, or None when nothing here was ever compiled (the eager path pays nothing)."""
+    return METER.counters() if METER._installed else None

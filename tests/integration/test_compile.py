@@ -1,0 +1,117 @@
+"""backend.compile=true for real: inductor-compiled decoder layers on every backend, both layouts, float32 and bf16.
+
+Each backend runs the same commands eager and compiled: per-example losses and the gradient norm must agree
+(float32: to float32 rounding; bf16: within bf16's), a second budget (other row shapes) must compile nothing,
+and what compiling cost is recorded per pass. Compiling takes a minute or two per process on 2 cores.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from backends.messages import make_command
+from backends.specs import BackendSpec, ModelSpec
+from backends.start import make_backend
+from harness.workload import make_examples, mixed_lengths
+from tests.conftest import run_harness, sweep_results
+
+EXAMPLES = make_examples(mixed_lengths(16, 64, 512, 42), 2048, seed=0)
+BACKENDS = ("pytorch", "fsdp2", "megatron_ddp")
+DTYPES = ("float32", "bfloat16")
+LAYOUTS = {"padded": ("greedy", "padded"), "packed": ("balanced", "packed")}
+BUDGETS = (700, 500)  # the second budget makes rows of other lengths: dynamic shapes must not compile again
+RTOL = {"float32": 1e-5, "bfloat16": 1e-2}  # compiled code fuses and reorders: rounding of the dtype, no more
+
+
+def _run(name: str, dtype: str, compile: bool) -> dict:
+    spec = BackendSpec(name=name, world_size=None if name == "pytorch" else 2, device="cpu", compile=compile)
+    with make_backend(spec, ModelSpec(dtype=dtype)) as backend:
+        out = {"built": backend.model_info}
+        for label, (planner, layout) in LAYOUTS.items():
+            for budget in BUDGETS:
+                for pass_type in ("forward", "forward_backward"):
+                    out[label, budget, pass_type] = backend.run_pass(
+                        make_command(pass_type, EXAMPLES, budget, 1, layout=layout, planner=planner))
+        return out
+
+
+class _Runs(dict):
+    """Each (backend, dtype, compiled) run once per module, when a test first needs it (one test alone runs two)."""
+
+    def __missing__(self, key):
+        self[key] = _run(*key)
+        return self[key]
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return _Runs()
+
+
+def _losses(result) -> np.ndarray:
+    return np.array([o.loss for o in result.outputs])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_compiled_layers_give_the_eager_answer_on_every_layout(runs, backend, dtype):
+    eager, compiled = runs[backend, dtype, False], runs[backend, dtype, True]
+    for key in eager:
+        if key == "built":
+            continue
+        got, want = compiled[key], eager[key]
+        assert got.plan["layout"] == want.plan["layout"] == key[0]
+        np.testing.assert_allclose(_losses(got), _losses(want), rtol=RTOL[dtype], err_msg=str(key))
+        if key[2] == "forward_backward":
+            assert math.isclose(got.grad_norm, want.grad_norm, rel_tol=10 * RTOL[dtype]), key
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_what_compiling_cost_is_recorded_and_new_shapes_compile_nothing(runs, backend, dtype):
+    compiled, eager = runs[backend, dtype, True], runs[backend, dtype, False]
+    assert compiled["built"]["compile"]["layers"] == 4 and compiled["built"]["compile"]["dynamic"] == "automatic"
+    assert eager["built"]["compile"] is None
+    ranks = 1 if backend == "pytorch" else 2
+    for label in LAYOUTS:
+        first = compiled[label, BUDGETS[0], "forward_backward"]
+        # every layer call ran compiled code, and the boundary operations eagerly, counted per call
+        steps = sum(first.plan["n_microbatches"]) + sum(first.plan.get("n_dummy") or [0])
+        assert first.kernels["compiled_layer"] == {"inductor": 4 * steps}, label
+        assert set(first.kernels) >= {"attention", "delta_rule", "short_conv", "compiled_layer"}
+        assert "moe_experts" not in first.kernels  # inside the graphs: recorded as traced, not per call
+        assert first.compile["ranks"] == ranks
+        # the experts, as dynamo traced them: torch's grouped GEMM in bf16; transformers' loop in float32
+        traced = first.compile["traced"]["moe_experts"]
+        assert traced == (["grouped_mm"] if dtype == "bfloat16" else ["grouped_mm-fallback-loop"])
+        for pass_type in ("forward", "forward_backward"):
+            again = compiled[label, BUDGETS[1], pass_type].compile  # other lengths, same graphs
+            assert again["compilations"] == again["recompilations"] == again["backward_compilations"] == 0, \
+                (label, pass_type, again)
+    # the first pass of all paid for compiling: graphs, seconds, and the graph breaks at the eager operations
+    start = compiled["padded", BUDGETS[0], "forward"].compile
+    assert start["compilations"] > 0 and start["compile_s"] > 0 and start["graph_breaks"] > 0
+    assert all("disable()" in reason for reason in start["graph_break_reasons"]), start["graph_break_reasons"]
+    assert eager["padded", BUDGETS[0], "forward"].compile is None  # the eager path records nothing
+
+
+@pytest.mark.slow
+def test_a_compiled_point_records_its_warm_up_and_timed_compiling(workdir):
+    """The CLI: results.json says what was compiled, what the warm-up paid, and that the timed repeats paid nothing."""
+    sweep = workdir / "sweep"
+    proc = run_harness("-m", "backend=pytorch", "backend.compile=true", "model.dtype=bfloat16", "mtpm=2048",
+                       "workload.n_examples=12", "workload.max_len=600", "bench.repeat=2", "bench.baseline=false",
+                       "logger=none", f"hydra.sweep.dir={sweep}", cwd=workdir)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (doc,) = sweep_results(sweep)
+    assert doc["status"] == "ok" and doc["model"]["built"]["compile"]["scope"] == "decoder_layer"
+    for pass_type in ("forward", "forward_backward"):
+        record = doc["passes"][pass_type]["compile"]
+        assert record["warmup"]["compilations"] > 0 and record["warmup"]["compile_s"] > 0, record
+        assert record["timed"]["compilations"] == 0 and record["timed"]["compile_s"] == 0, record
+    assert "torch.compile per decoder layer" in (sweep / "report.md").read_text()

@@ -1,0 +1,136 @@
+"""backend.compile's records and refusals, without compiling (tests/integration/test_compile.py compiles for real)."""
+
+from __future__ import annotations
+
+import pytest
+
+from backends.errors import UserError
+from backends.model import compiling, kernels
+from backends.model.build import build_model
+from backends.specs import ModelSpec
+from harness.config import resolve_config
+from tests.unit.test_answer import _compose
+
+
+def _counters(compilations=0, recompilations=0, backward=0, compile_s=0.0, reasons=None):
+    reasons = reasons or {}
+    return {"compilations": compilations, "recompilations": recompilations, "backward_compilations": backward,
+            "compile_s": compile_s, "graph_breaks": sum(reasons.values()), "graph_break_reasons": reasons}
+
+
+def test_a_pass_records_what_compiling_cost_inside_it():
+    before = _counters(3, 1, 0, 2.0, {"conv": 2})
+    after = _counters(10, 4, 2, 9.5, {"conv": 5, "attention": 1})
+    assert compiling.delta(before, after) == {
+        "compilations": 7, "recompilations": 3, "backward_compilations": 2, "graph_breaks": 4, "compile_s": 7.5,
+        "graph_break_reasons": {"conv": 3, "attention": 1}}
+    # nothing new: every count 0, no reason listed
+    assert compiling.delta(after, after)["graph_break_reasons"] == {}
+
+
+def test_ranks_merge_with_the_slowest_ranks_seconds_and_passes_add_up():
+    a = {**compiling.delta(_counters(), _counters(4, 1, 0, 10.0, {"conv": 2})), "traced": {"moe_experts": ["loop"]}}
+    b = {**compiling.delta(_counters(), _counters(4, 1, 0, 12.5, {"conv": 2})), "traced": {"moe_experts": ["loop"]}}
+    merged = compiling.merge([a, b, None])
+    assert merged["compilations"] == 8 and merged["compile_s"] == 12.5 and merged["ranks"] == 2
+    assert merged["graph_break_reasons"] == {"conv": 4} and merged["traced"] == {"moe_experts": ["loop"]}
+    total = compiling.add(merged, merged)
+    assert total["compilations"] == 16 and total["compile_s"] == 25.0 and total["graph_break_reasons"] == {"conv": 8}
+    assert compiling.add(None, merged) is merged and compiling.merge([None, None]) is None
+
+
+def test_a_graph_break_reason_is_one_line_naming_the_skipped_function():
+    text = ("Skip calling `torch.compiler.disable()`d function\n  Explanation: Skip calling function "
+            "`<function causal_conv1d_fn at 0x7f>` since it was wrapped")
+    assert compiling._reason(text) == "Skip calling `torch.compiler.disable()`d function: causal_conv1d_fn"
+    assert compiling._reason("Data dependent operator\n  more") == "Data dependent operator"
+
+
+def test_an_op_traced_into_a_graph_is_recorded_once_and_counted_calls_stay_eager():
+    kernels.reset()
+    kernels.note("attention", "sdpa")
+    kernels.note(kernels.COMPILED_LAYER, "inductor")
+    assert kernels.snapshot() == {"attention": {"sdpa": 1}, "compiled_layer": {"inductor": 1}}
+    kernels._note_traced("moe_experts", "grouped_mm")
+    assert kernels.traced()["moe_experts"] == ["grouped_mm"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["backend.compile=true", "gc=true"], "backend.compile: a layer under gradient checkpointing is not compiled"),
+    (["backend.compile=true", "bench.warmup=0"], "backend.compile: needs bench.warmup >= 1"),
+])
+def test_a_compile_the_harness_cannot_honour_is_one_line(overrides, message):
+    with pytest.raises(UserError) as caught:
+        resolve_config(_compose(*overrides))
+    assert str(caught.value).startswith(message) and "\n" not in str(caught.value)
+
+
+def test_a_checkpointed_model_is_refused_by_the_backend_too():
+    model = build_model(ModelSpec(), __import__("torch").device("cpu"), gradient_checkpointing=True)
+    with pytest.raises(ValueError, match="gradient checkpointing"):
+        compiling.compile_decoder_layers(model)
+    assert compiling.compiled_layers(model) == 0
+
+
+def test_compiling_wraps_each_decoder_layer_once_and_keeps_the_boundary_kernels_eager():
+    import torch
+
+    from backends.model import packing
+
+    model = build_model(ModelSpec(), torch.device("cpu"), gradient_checkpointing=False)
+    assert compiling.compile_decoder_layers(model) == 4 == compiling.compile_decoder_layers(model)  # idempotent
+    assert compiling.describe(model)["layers"] == 4
+    # nothing compiles before the first call (the warm-up pays): building and wrapping cost nothing
+    modeling = __import__("sys").modules[type(next(m for m in model.modules()
+                                                   if type(m).__name__.endswith("GatedDeltaNet"))).__module__]
+    for name in ("causal_conv1d_fn", "torch_chunk_gated_delta_rule"):
+        assert getattr(getattr(modeling, name), "_torchdynamo_disable", False), name
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    assert getattr(ALL_ATTENTION_FUNCTIONS[packing.PACKED_PREFIX + "sdpa"], "_torchdynamo_disable", False)
+
+
+# -- bench.memory_snapshot: the CUDA allocator's history; on this machine (no GPU) a clear refusal ------------
+@pytest.mark.parametrize("overrides, message", [
+    (["bench.memory_snapshot=true"], "bench.memory_snapshot: records the CUDA allocator's history, and this run's "
+                                     "device is cpu (backend.device=auto, no GPU here)"),
+    (["bench.memory_snapshot=true", "backend.device=cpu"], "bench.memory_snapshot: records the CUDA allocator's "
+                                                           "history, and this run's device is cpu (backend.device=cpu)"),
+    (["bench.memory_snapshot=true", "bench.warmup=0"], "bench.memory_snapshot: records during the warm-up"),
+    (["bench.memory_snapshot=true", "target.url=http://127.0.0.1:1"], "bench.memory_snapshot: records the allocator "
+                                                                      "of ranks this run starts"),
+])
+def test_a_memory_snapshot_the_run_cannot_take_is_one_line(overrides, message):
+    import torch
+
+    if torch.cuda.is_available() and "device=cpu" not in " ".join(overrides) and "no GPU" in message:
+        pytest.skip("this machine has a GPU: the auto device is CUDA")
+    with pytest.raises(UserError) as caught:
+        resolve_config(_compose(*overrides))
+    assert str(caught.value).startswith(message) and "\n" not in str(caught.value)
+
+
+def test_the_allocator_history_is_refused_off_cuda_and_free_when_not_asked():
+    import torch
+
+    from backends.runtime.memory import MemoryHistory
+
+    with MemoryHistory(None, "forward", 0, torch.device("cpu")) as history:  # not asked: nothing recorded
+        assert history.path is None
+    with pytest.raises(RuntimeError, match="records the CUDA allocator, and this rank runs on cpu"):
+        MemoryHistory("/tmp/x", "forward", 0, torch.device("cpu"))
+
+
+def test_the_meter_counts_again_after_dynamo_is_reset():
+    """A second compiled model in one process (a sweep's next point) resets dynamo, which drops compile callbacks."""
+    import torch
+    from torch._dynamo.callback import callback_handler
+
+    compiling.METER.install()
+    torch._dynamo.reset()
+    assert compiling.METER._start not in callback_handler.start_callbacks
+    compiling.METER.install()
+    assert compiling.METER._start in callback_handler.start_callbacks
+    assert compiling.METER._end in callback_handler.end_callbacks
+    compiling.METER.install()  # once, however often it is asked
+    assert callback_handler.start_callbacks.count(compiling.METER._start) == 1
