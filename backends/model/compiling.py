@@ -96,8 +96,11 @@ def _compiled_forward(layer: torch.nn.Module):
     FSDP2's hooks stay outside it). Compiling that would trace the checkpoint
     itself, which cannot hold the eager boundary operations. So the function
     under those wrappers is compiled, and the same decision (checkpoint when
-    enabled, training and recording gradients) is taken here, eagerly: the
-    recomputation in backward runs the compiled forward again.
+    enabled, training and recording gradients) is taken here, eagerly. Torch
+    2.13 then runs the checkpointed function eagerly (measured: nothing
+    compiles), which is why the harness refuses compile with gradient
+    checkpointing; the branch keeps a layer correct if checkpointing is
+    switched on after compiling.
     """
     inner = type(layer).forward
     while getattr(inner, "__name__", "") == "forward_with_checkpointing" and hasattr(inner, "__wrapped__"):
