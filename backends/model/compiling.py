@@ -46,7 +46,8 @@ import torch
 
 from backends.model.build import decoder_layers
 
-COMPILED_MARK = "_balance_batch_compiled"
+COMPILED_MARK = "_balance_batch_compiled"  # on each compiled layer
+COMPILED_MODEL = "_balance_batch_compiled_model"  # on the model compile_decoder_layers was given
 SCOPE = "decoder_layer"
 # Per compiled function, the graphs dynamo keeps before it gives up and runs eager. Torch's default (8) is
 # reached by the variants a pass really has (grad and no grad, the first layer's frozen input, the dummy step).
@@ -85,6 +86,7 @@ def compile_decoder_layers(model: torch.nn.Module) -> int:
         layer.forward = _compiled_forward(layer)
         setattr(layer, COMPILED_MARK, True)
         layer.register_forward_pre_hook(_count_compiled_call)
+    setattr(model, COMPILED_MODEL, True)  # PassMeter: this model's passes record what compiling cost
     return len(layers)
 
 
@@ -130,10 +132,14 @@ EAGER_INSIDE = ("attention", "delta_rule", "short_conv")
 
 
 class PassMeter:
-    """Around one pass on one rank: what compiling cost in it (None when this process compiles nothing)."""
+    """Around one pass of ``model`` on one rank: what compiling cost in it; None for a model that is not compiled
+    (also in a process that compiled another model before: an eager point after a compiled one in a sweep)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.compiled = bool(getattr(model, COMPILED_MODEL, False))
 
     def __enter__(self) -> "PassMeter":
-        self.before = measure()
+        self.before = measure() if self.compiled else None
         self.record: Optional[dict] = None
         return self
 

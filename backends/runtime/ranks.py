@@ -155,7 +155,7 @@ def run_command(
     # The whole batch's loss weight, summed over ranks once per pass: every rank divides by it.
     # The collective also lines the ranks up, so the timed region starts together on all of them.
     total_weight = _all_reduce_float(total_loss_weight(examples, mine), dist.ReduceOp.SUM, device)
-    with profiled(command.profile_dir, pass_type, rank, device) as profile, compiling.PassMeter() as compiled, \
+    with profiled(command.profile_dir, pass_type, rank, device) as profile, compiling.PassMeter(model) as compiled, \
             MemoryHistory(command.memory_snapshot_dir, pass_type, rank, device):
         pending, grad_norm, step_s = _timed_steps(command, model, hooks, rank, examples, schedule, mine, lengths,
                                                   total_weight, device, wlog)

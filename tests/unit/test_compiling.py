@@ -134,3 +134,19 @@ def test_the_meter_counts_again_after_dynamo_is_reset():
     assert compiling.METER._end in callback_handler.end_callbacks
     compiling.METER.install()  # once, however often it is asked
     assert callback_handler.start_callbacks.count(compiling.METER._start) == 1
+
+
+def test_an_eager_model_records_no_compiling_even_where_another_was_compiled():
+    """An eager point after a compiled one in one process (a sweep of backend.compile=true,false) records null."""
+    import torch
+
+    device = torch.device("cpu")
+    compiled = build_model(ModelSpec(), device, gradient_checkpointing=False)
+    compiling.compile_decoder_layers(compiled)
+    eager = build_model(ModelSpec(), device, gradient_checkpointing=False)
+    with compiling.PassMeter(eager) as meter:
+        pass
+    assert meter.record is None
+    with compiling.PassMeter(compiled) as meter:
+        pass
+    assert meter.record is not None and meter.record["compilations"] == 0
