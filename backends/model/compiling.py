@@ -206,6 +206,9 @@ class CompileMeter:
         from torch._dynamo.utils import counters
 
         breaks = dict(counters["graph_break"])
+        reasons: Counter = Counter()
+        for text, n in breaks.items():  # two texts may shorten to one reason: their counts add up
+            reasons[_reason(text)] += int(n)
         with self._lock:
             return {
                 "compilations": self.compilations,
@@ -213,7 +216,7 @@ class CompileMeter:
                 "backward_compilations": self.backward_compilations,
                 "compile_s": self.compile_s,
                 "graph_breaks": sum(breaks.values()),
-                "graph_break_reasons": {_reason(k): int(v) for k, v in breaks.items()},
+                "graph_break_reasons": dict(reasons),
             }
 
 
@@ -224,48 +227,47 @@ def _reason(text: str) -> str:
     return f"{first}: {skipped.group(1)}" if skipped else first
 
 
+COUNTS = ("compilations", "recompilations", "backward_compilations", "graph_breaks")  # summed wherever records meet
+
+
 def delta(before: dict, after: dict) -> dict:
     """What happened between two ``counters()``: counts and seconds, graph break reasons that grew."""
     reasons = {k: n - before["graph_break_reasons"].get(k, 0) for k, n in after["graph_break_reasons"].items()}
-    out = {k: after[k] - before[k] for k in ("compilations", "recompilations", "backward_compilations", "graph_breaks")}
+    out = {k: after[k] - before[k] for k in COUNTS}
     out["compile_s"] = round(after["compile_s"] - before["compile_s"], 4)
     out["graph_break_reasons"] = {k: n for k, n in reasons.items() if n}
     return out
 
 
-def merge(records) -> Optional[dict]:
-    """Several ranks' deltas as one: counts and reasons summed, ``compile_s`` the slowest rank's (ranks compile
-    side by side); None when no rank compiled anything."""
-    records = [r for r in records if r]
-    if not records:
-        return None
-    out = {k: sum(r[k] for r in records) for k in ("compilations", "recompilations", "backward_compilations",
-                                                    "graph_breaks")}
-    out["compile_s"] = max(r["compile_s"] for r in records)
+def _combined(records: list, compile_s: float) -> dict:
+    """Records as one: counts and graph break reasons summed, traced implementations united, ``compile_s`` given."""
     reasons: Counter = Counter()
-    for r in records:
-        reasons.update(r.get("graph_break_reasons") or {})
-    out["graph_break_reasons"] = dict(reasons)
     traced: dict = {}
     for r in records:
+        reasons.update(r.get("graph_break_reasons") or {})
         for op, impls in (r.get("traced") or {}).items():
             traced.setdefault(op, [])
             traced[op] += [i for i in impls if i not in traced[op]]
-    out["traced"] = traced
-    out["ranks"] = max(r.get("ranks", 1) for r in records) if all("ranks" in r for r in records) else len(records)
+    out = {k: sum(r[k] for r in records) for k in COUNTS}
+    out.update(compile_s=round(compile_s, 4), graph_break_reasons=dict(reasons), traced=traced)
     return out
+
+
+def merge(records) -> Optional[dict]:
+    """Several ranks' deltas (``PassMeter.record``) as one: counts and reasons summed, ``compile_s`` the slowest
+    rank's (ranks compile side by side); None when no rank compiled anything."""
+    records = [r for r in records if r]
+    if not records:
+        return None
+    return {**_combined(records, max(r["compile_s"] for r in records)), "ranks": len(records)}
 
 
 def add(first: Optional[dict], more: Optional[dict]) -> Optional[dict]:
     """Two passes' records (each ``merge``d over ranks) as one: counts and seconds summed."""
     if not first or not more:
         return first or more
-    out = {k: first[k] + more[k] for k in ("compilations", "recompilations", "backward_compilations", "graph_breaks")}
-    out["compile_s"] = round(first["compile_s"] + more["compile_s"], 4)
-    out["graph_break_reasons"] = dict(Counter(first["graph_break_reasons"]) + Counter(more["graph_break_reasons"]))
-    out["traced"] = merge([first, more])["traced"]
-    out["ranks"] = max(first.get("ranks", 1), more.get("ranks", 1))
-    return out
+    return {**_combined([first, more], first["compile_s"] + more["compile_s"]),
+            "ranks": max(first["ranks"], more["ranks"])}
 
 
 METER = CompileMeter()
