@@ -17,7 +17,7 @@ from typing import Any, Optional, Sequence, Union
 import numpy as np
 
 from backends.planning import LAYOUTS, PLANNERS, CostModel, Plan, plan_batch
-from backends.planning.plan import check_choice
+from backends.planning.plan import check_choice, given_plan
 
 PASS_TYPES = ("forward", "forward_backward")
 # PassCommand.logprob_chunk_tokens: use the backend's ``logprob_chunk_tokens`` (None there means full logits).
@@ -69,6 +69,9 @@ class PassCommand:
     # Record the CUDA allocator's history in this pass; out of memory dumps <dir>/<pass>-rank<r>.pickle
     # (bench.memory_snapshot, on warm-up runs; backends/runtime/memory.py MemoryHistory)
     memory_snapshot_dir: Optional[str] = None
+    # A plan given whole, per rank and step (example indices, or None for a dummy): the planner is not run and the
+    # budget is not used (harness/calibration.py's calibration passes).
+    schedules: Optional[list] = None
 
     def replace(self, **changes) -> "PassCommand":
         return dataclasses.replace(self, **changes)
@@ -84,6 +87,11 @@ class PassCommand:
 
     def plan(self, world_size: int, lockstep: bool) -> Plan:
         """The global plan: every rank (and the controller) computes the same one from the same inputs."""
+        if self.schedules is not None:
+            if len(self.schedules) != world_size:
+                raise ValueError(f"a given plan has {len(self.schedules)} ranks' schedules for {world_size} ranks")
+            return given_plan(self.schedules, self.all_lengths(), align=lockstep, layout=self.layout,
+                              cost_model=CostModel.from_dict(self.cost_model))
         return plan_batch(
             self.all_lengths(),
             world_size,
@@ -151,6 +159,10 @@ class PassResult:
     # backend.compile: what compiling cost inside this pass, over ranks (backends/model/compiling.py ``merge``:
     # compilations, recompilations, seconds, graph breaks, what dynamo traced); None when nothing is compiled.
     compile: Optional[dict] = None
+    # Each rank's timed region step by step (backends/runtime/timeline.py): {"step_clock", "busy_clock", "per_rank":
+    # [{"start_s", "step_s": [...], "busy_s": [...], "sync_s", "elapsed_s"}]}, steps as the rank ran them (a
+    # lock-step rank's dummies included); None where the backend does not time its steps.
+    timeline: Optional[dict] = None
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready: outputs as lists (non-finite losses as None), every other field as it is."""

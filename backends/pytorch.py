@@ -27,6 +27,7 @@ from backends.model.step import (
 from backends.runtime.devices import resolve_device
 from backends.runtime.job import resolve_world_size
 from backends.runtime.profiling import profiled
+from backends.runtime.timeline import StepClock, busy_clock, step_clock_name
 from backends.runtime.memory import (
     MemoryHistory,
     is_out_of_memory,
@@ -77,7 +78,7 @@ class PyTorchBackend(Backend):
         )
         total_weight = total_loss_weight(examples)
         with profiled(command.profile_dir, pass_type, 0, self.device) as profile, compiling.PassMeter(self.model) as compiled:
-            pending, grad_norm, step_s = self._timed_steps(command, plan, progress, total_weight)
+            pending, grad_norm, step_s, timeline = self._timed_steps(command, plan, progress, total_weight)
         mem = peak_memory(self.device)
         ran = kernels.snapshot()
         by_index = outputs_to_host(pending, examples)
@@ -94,13 +95,17 @@ class PyTorchBackend(Backend):
             kernels=ran,
             profile=[profile] if profile else None,
             compile=compiling.merge([compiled.record]),
+            timeline={"step_clock": step_clock_name(self.device), "busy_clock": busy_clock(self.device, lockstep=False),
+                      "per_rank": [timeline]},
         )
 
     def _timed_steps(self, command: PassCommand, plan, progress, total_weight):
         """The timed region: the steps, the gradient norm, the device synchronized (an out of memory raised after)."""
         examples, pass_type, timeout_s = command.examples, command.pass_type, command.timeout_s
         oom = None
+        clock = StepClock(self.device)
         t0 = time.perf_counter()
+        clock.start()
         try:
             # an out of memory leaves it with the failed step's tensors still held: the snapshot shows them
             with MemoryHistory(command.memory_snapshot_dir, pass_type, 0, self.device):
@@ -115,6 +120,7 @@ class PyTorchBackend(Backend):
                     deadline=None if timeout_s is None else time.monotonic() + timeout_s,
                     layout=command.layout,
                     logprob_chunk_tokens=command.chunk_tokens(self.spec.logprob_chunk_tokens),
+                    clock=clock,
                 )
         except PassTimeout as exc:
             raise BackendError(f"{exc} (bench.pass_timeout_s={timeout_s:g})", status="timeout") from None
@@ -130,8 +136,10 @@ class PyTorchBackend(Backend):
                 torch.cuda.empty_cache()
             raise BackendError(oom, status="oom")
         grad_norm = math.sqrt(grad_norm_local_sq(self.model)) if pass_type == "forward_backward" else None
+        end = clock.end_event()
         synchronize(self.device)
-        return pending, grad_norm, time.perf_counter() - t0  # copying the outputs to the host comes after
+        step_s = time.perf_counter() - t0  # copying the outputs to the host comes after
+        return pending, grad_norm, step_s, clock.finish(end)
 
     def close(self) -> None:
         # Release the model, then hand its memory back (gc, the CUDA cache, glibc's heap), so a later

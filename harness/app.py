@@ -23,9 +23,10 @@ from backends.errors import BackendError, UserError
 from backends.model.configs import cost_model_for
 from backends.planning import CostModel, plan_batch
 from backends.planning.plan import PLAN_FILE
-from backends.registry import LOCKSTEP_BACKENDS
+from backends.registry import LOCKSTEP_BACKENDS, is_lockstep
 from backends.runtime.job import resolve_world_size
 from backends.runtime.memory import SNAPSHOT_DIR
+from harness.balance import balance_fields
 from harness.config import AUTO, HarnessConfig, launcher_sets_world_size, resolve_config, without_auto
 from harness.results import (OUTPUTS_FILE, RESULTS_FILE, PointResults, base_document, model_record,
                              workload_record, write_json_atomic, write_plan_json)
@@ -111,6 +112,10 @@ class Setup:
                             spec.target.url, planner, layout, _null(cap), b.planner, b.layout,
                             _null(b.max_seqs_per_microbatch))
             served_cost = backend.cost_model
+            served = "calibrated" if (served_cost or {}).get("coefficients") else "flops"
+            if served != spec.cost_model:
+                log.warning("the server at %s plans with cost_model=%s (fixed for its life): this run records that, "
+                            "not cost_model=%s", spec.target.url, served, spec.cost_model)
         cost_model = CostModel.from_dict(served_cost) if served_cost else cost_model_for(spec.model)
         return cls(backend.name, backend.world_size, backend.describe_device(), mtpm, mbs, layout, planner,
                    cost_model, max_seqs_per_microbatch=cap, built=backend.model_info, precision=backend.precision,
@@ -152,6 +157,7 @@ class Point:
         self.cost_model = None  # the planner's cost model (backends.planning.CostModel), from the model's config
         self.schedules = None  # the plan's micro-batches per rank
         self.measurement_key = None  # what its measurement depends on (a multirun shares identical plans by it)
+        self.sharing = False  # whether this point may share (and be shared): a sweep's, not a client's or launched
 
     # -- the point from start to end ------------------------------------------------------------
     def run(self) -> int:
@@ -185,6 +191,7 @@ class Point:
         shared = None
         if spec.dry_run:
             backend, setup = None, Setup.dry_run(spec)
+            setup.cost_model = self._planner_cost_model(spec, lengths, setup, None)
         else:
             shared = self._shared_measurement(spec, lengths)
             if shared is not None:
@@ -193,12 +200,15 @@ class Point:
                 backend = self._start_backend(spec)
                 setup = Setup.of_backend(spec, backend)
                 self.label = _label(setup.name, setup.mtpm, setup.mbs)
+                setup.cost_model = self._planner_cost_model(spec, lengths, setup, backend)
         plan = self._plan(spec, lengths, setup, planned=shared[3] if shared is not None else None)
         self.results.update(**_setup_fields(spec, workload, setup, plan))
         _log_plan(self.label, plan.stats, len(lengths), setup.max_seqs_per_microbatch)
         if spec.dry_run:
             self.results.mark("planned")
             return
+        if self.measurement_key is None and self.sharing:  # a calibration measured just now: its plan is known now
+            self.measurement_key = measurement_key(self.cfg, plan)
         self.results.update(measurement_key=self.measurement_key)
         if shared is not None:
             self._share(shared)
@@ -219,6 +229,7 @@ class Point:
         if setup is None:
             backend = self._start_own_backend(spec)
             setup = Setup.of_backend(spec, backend)
+        setup.cost_model = self._planner_cost_model(spec, lengths, setup, self.backend)
         self.cost_model = setup.cost_model
         budgets = power_of_two_budgets(lengths, setup.world_size, setup.layout)
         cands = candidates_of(lengths, budgets, lambda m: plan_for(lengths, setup, m), setup.layout)
@@ -325,13 +336,19 @@ class Point:
         launched jobs measure every point.
         """
         self.measurement_key = None
+        self.sharing = False
         if self.hydra_run.sweep_dir is None or spec.target.url:
             return None
         from backends.runtime.job import launched_job
 
         if launched_job() is not None:
             return None
+        self.sharing = True
         setup = Setup.dry_run(spec)
+        try:
+            setup.cost_model = self._planner_cost_model(spec, lengths, setup, None)
+        except UserError:
+            return None  # cost_model=calibrated with no fit yet: no earlier point can have measured this plan
         plan = plan_for(lengths, setup)
         self.measurement_key = measurement_key(self.cfg, plan)
         if not spec.bench.share_plans:
@@ -439,6 +456,21 @@ class Point:
         self.backend = backend = make_backend(b, spec.model)
         return backend
 
+    def _planner_cost_model(self, spec: HarnessConfig, lengths: Sequence[int], setup: Setup, backend) -> CostModel:
+        """The cost model the balanced planner balances: the setup's (FLOPs, or a server's own), or with
+        ``cost_model=calibrated`` the fit for this backend, model, precision, device and layout (harness/calibration.py:
+        this process's, the cache's, or measured on ``backend`` now; a dry run needs one cached)."""
+        from harness.calibration import CALIBRATED, calibrated_cost_model, identity, spread_longest
+
+        if spec.cost_model != CALIBRATED or spec.target.url:
+            return setup.cost_model  # a client plans as its server does (Setup.of_backend warns when that differs)
+        b = spec.backend
+        longest = spread_longest(spec.calibration.max_len or max(lengths))
+        ident = identity(setup.name, setup.world_size, setup.device or {}, spec.model, setup.layout,
+                         b.gradient_checkpointing, b.compile, b.logprob_chunk_tokens, longest)
+        return calibrated_cost_model(spec.calibration, ident, backend, self.vocab_size or None, label=self.label,
+                                     progress_every_s=spec.bench.progress_every_s, timeout_s=spec.bench.pass_timeout_s)
+
     def _plan(self, spec: HarnessConfig, lengths: list[int], setup: Setup, planned=None):
         """The workload planned for the backend's ranks (``planned``: already planned for ``setup``), written to plan.json."""
         self.cost_model = setup.cost_model
@@ -520,12 +552,26 @@ class Point:
         flops = flops_record(pass_type, lengths, training, result.plan, spec.backend.gradient_checkpointing,
                              record.elapsed_s, world_size, self.results.doc["peak"], cost_model=self.cost_model,
                              schedules=self.schedules)
-        self.results.record_pass(pass_type, {**record.as_dict(), **flops})
+        balance = balance_fields(record.timeline, self.schedules, lengths, result.plan.get("layout", "padded"),
+                                 is_lockstep(self.results.doc["backend"]), self._prediction_models(spec))
+        self.results.record_pass(pass_type, {**record.as_dict(), **flops, **balance})
+        if balance:
+            log.info("%s%s balance: critical path %.3f measured (%.3f modeled), idle per rank %s measured",
+                     self.label, pass_type, balance["measured_critical_path"], result.plan.get("critical_path", 1.0),
+                     ", ".join(f"{100 * x:.1f}%" for x in balance["idle_fraction"]))
+
+    def _prediction_models(self, spec: HarnessConfig) -> dict:
+        """The cost models whose predictions of the measured micro-batch times a pass records: the FLOP model, and
+        the calibrated one the plan used (if it did)."""
+        planned = self.cost_model
+        if planned is not None and planned.fit is not None:
+            return {"flops": cost_model_for(spec.model), "calibrated": planned}
+        return {"flops": planned or cost_model_for(spec.model)}
 
 
 # What a point's config says of its batching, or of how it is run and logged: not part of what it measures.
 _NOT_MEASURED = ("mtpm", "mbs", "planner", "layout", "max_seqs_per_microbatch", "hydra", "logger", "resume",
-                 "dry_run", "hot")
+                 "dry_run", "hot", "cost_model", "calibration")
 _NOT_MEASURED_BACKEND = ("max_tokens_per_microbatch", "micro_batch_size", "planner", "layout", "max_seqs_per_microbatch")
 
 
@@ -554,6 +600,7 @@ def _setup_fields(spec: HarnessConfig, workload: Workload, setup: Setup, plan) -
         layout=setup.layout,  # a client's are the server's: what ran
         planner=setup.planner,
         max_seqs_per_microbatch=setup.max_seqs_per_microbatch,
+        cost_model="calibrated" if setup.cost_model.fit is not None else "flops",  # the plan's: plan.cost_model has it
         device=setup.device,
         model=model_record(spec.model, setup.built),
         workload=workload_record(spec.workload, workload.lengths, workload.file, workload.dataset),
@@ -573,7 +620,8 @@ def _start_tracker(cfg: DictConfig, out_dir: Path, group: Optional[str], doc: di
         out_dir,
         OmegaConf.to_container(without_auto(cfg), resolve=True),
         # what runs (a server's)
-        run_name(doc["backend"], doc["mtpm"], doc["mbs"], doc["planner"], doc["layout"], doc.get("max_seqs_per_microbatch"))
+        run_name(doc["backend"], doc["mtpm"], doc["mbs"], doc["planner"], doc["layout"], doc.get("max_seqs_per_microbatch"),
+                 doc.get("cost_model"))
         + ("-auto" if doc.get("auto") else ""),
         group,
     )

@@ -22,6 +22,7 @@ from backends.model.configs import check_model_spec
 from backends.planning import LAYOUTS, PLANNERS
 from backends.registry import backend_entry
 from backends.specs import BackendSpec, ModelSpec
+from harness.calibration import check_cost_model
 from harness.workload import WorkloadSpec
 
 
@@ -47,6 +48,19 @@ class BenchConfig:
     # On CUDA: the allocator's history recorded during each pass type's warm-up; a pass that runs out of memory
     # dumps memory/<pass>-rank<r>.pickle (https://pytorch.org/memory_viz) and results.json names it.
     memory_snapshot: bool = False
+
+
+@dataclass
+class CalibrationConfig:
+    """``cost_model=calibrated``: how its fit is measured and kept (harness/calibration.py)."""
+
+    # The spread's longest sequence: null = the workload's longest (a server: its budget, else 4096), rounded up to a
+    # power of two; micro-batches longer than it are extrapolated by the fit.
+    max_len: Optional[int] = None
+    warmup: int = 1  # untimed calibration passes
+    repeat: int = 3  # timed calibration passes (each micro-batch's busy time is their mean)
+    cache: bool = True  # keep fits on disk, keyed by what they depend on; false: calibrate in every run
+    cache_dir: Optional[str] = None  # null: $BALANCE_BATCH_CALIBRATION_CACHE, else ~/.cache/balance_batch/calibration
 
 
 @dataclass
@@ -86,6 +100,10 @@ class HarnessConfig:
     layout: Optional[str] = None  # padded or packed (see backends/planning); null: packed with mtpm, padded without
     planner: Optional[str] = None  # greedy or balanced; null: balanced with mtpm, greedy without
     max_seqs_per_microbatch: Optional[int] = None  # cap on sequences per micro-batch; null = none
+    # What the balanced planner balances: flops (a·L + b·L² from the model's config) or calibrated (seconds, fitted
+    # to micro-batch times measured on this backend and device: harness/calibration.py)
+    cost_model: str = "flops"
+    calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
     gc: bool = False  # gradient checkpointing
     seed: int = 0  # token ids of the workload
     world_size: Optional[int] = None  # ranks; null = one per GPU, else 2 CPU ranks (1 for pytorch)
@@ -220,6 +238,11 @@ def validate(cfg: HarnessConfig) -> None:
                         f"with bench.warmup={cfg.bench.warmup} the first timed repeat would time the compiler)")
     if cfg.bench.memory_snapshot:
         _check_memory_snapshot(cfg)
+    check_cost_model(cfg.cost_model)
+    _positive_int("calibration.max_len", cfg.calibration.max_len, allow_none=True)
+    _positive_int("calibration.repeat", cfg.calibration.repeat)
+    if cfg.calibration.warmup < 0:
+        raise UserError(f"calibration.warmup: must be >= 0, got {cfg.calibration.warmup}")
     if cfg.bench.profile and cfg.target.url:
         raise UserError("bench.profile: profiles the ranks of a backend this run starts; a server (target.url) runs "
                         "its ranks elsewhere: drop target.url, or bench.profile")

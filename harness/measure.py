@@ -14,6 +14,7 @@ from typing import Callable, Optional, Sequence
 from backends.backend import Backend
 from backends.model import compiling
 from backends.messages import PASS_TYPES, Example, PassCommand, PassResult, make_command
+from harness.balance import merge_timelines, timeline_record
 from harness.samplers import make_sampler
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,9 @@ class PassRecord:
     # backend.compile: what compiling cost, in the warm-up and in the timed repeats (backends/model/compiling.py
     # ``merge``); None when nothing is compiled. Anything compiled in the timed repeats is in their seconds.
     compile: Optional[dict] = None
+    # Every timed repeat's per-rank, per-step times (harness/balance.py ``timeline_record``); None where the backend
+    # does not time its steps.
+    timeline: Optional[dict] = None
 
     def as_dict(self) -> dict:
         return {
@@ -63,6 +67,7 @@ class PassRecord:
             "grad_norm": self.grad_norm,
             "kernels": self.kernels,
             "compile": self.compile,
+            "timeline": self.timeline,
         }
 
 
@@ -103,7 +108,7 @@ def measure_pass(
         warm_compile = compiling.add(warm_compile, result.compile)
         log.info("%s%s warm-up %d/%d: %.2f s%s", label, pass_type, i + 1, warmup, time.perf_counter() - t0,
                  _compiled_phrase(result.compile))
-    elapsed, walls, hosts, utils, mems = [], [], [], [], []
+    elapsed, walls, hosts, utils, mems, timelines = [], [], [], [], [], []
     rank_peaks: Optional[list[Optional[int]]] = None
     allocated: Optional[list[Optional[int]]] = None
     reserved: Optional[list[Optional[int]]] = None
@@ -131,6 +136,7 @@ def measure_pass(
         utils.append(util)
         mems.append(mem_pct)
         timed_compile = compiling.add(timed_compile, result.compile)
+        timelines.append(result.timeline)
         if on_repeat is not None:
             on_repeat(pass_type, i, dt, real_tokens / dt, util)
         log.info(
@@ -167,6 +173,7 @@ def measure_pass(
         kernels=result.kernels,
         compile=None if warm_compile is None and timed_compile is None else {"warmup": warm_compile,
                                                                              "timed": timed_compile},
+        timeline=timeline_record(timelines),
     )
     return record, result
 
@@ -199,6 +206,7 @@ def merge_records(first: PassRecord, more: PassRecord) -> PassRecord:
         host_s=(first.host_s or []) + (more.host_s or []),
         kernels=more.kernels,
         compile=_added_compile(first.compile, more.compile),
+        timeline=merge_timelines(first.timeline, more.timeline),
     )
 
 

@@ -18,7 +18,8 @@ NOT_IDENTITY = ("resume", "dry_run", "bench.baseline", "bench.share_plans")
 # Keys that say how a point batches: a sweep's points that differ only in these share a setting (and a baseline).
 BATCHING_KEYS = ("mtpm", "mbs", "planner", "layout", "max_seqs_per_microbatch", "batching",
                  "backend.max_tokens_per_microbatch", "backend.micro_batch_size", "backend.planner", "backend.layout",
-                 "backend.max_seqs_per_microbatch")
+                 "backend.max_seqs_per_microbatch", "cost_model", "calibration.max_len", "calibration.warmup",
+                 "calibration.repeat", "calibration.cache", "calibration.cache_dir")
 BASELINE = ("mtpm=null", "mbs=1")
 
 

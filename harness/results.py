@@ -82,6 +82,7 @@ def base_document(cfg: DictConfig, overrides: Sequence[str]) -> dict[str, Any]:
         "layout": get("layout"),
         "planner": get("planner"),
         "max_seqs_per_microbatch": get("max_seqs_per_microbatch"),  # null: no cap on sequences per micro-batch
+        "cost_model": get("cost_model"),  # flops or calibrated: what the planner balanced (plan.cost_model: the numbers)
         "gc": get("gc"),
         "bench": {"warmup": get("bench.warmup"), "repeat": get("bench.repeat"), "profile": get("bench.profile"),
                   "memory_snapshot": get("bench.memory_snapshot")},

@@ -406,7 +406,6 @@ def _serve_backend(spec, token: Optional[str], sock: socket.socket, control) -> 
     import uvicorn
 
     from backends.model.build import model_vocab_size
-    from backends.model.configs import cost_model_for
     from backends.start import make_backend
 
     server = spec.server
@@ -422,7 +421,7 @@ def _serve_backend(spec, token: Optional[str], sock: socket.socket, control) -> 
         vocab = model_vocab_size(spec.model)
         served = ServedBackend(start_backend)
         plan_options = {"layout": b.layout, "planner": b.planner, "max_seqs_per_microbatch": b.max_seqs_per_microbatch,
-                        "cost_model": cost_model_for(spec.model).as_dict()}
+                        "cost_model": _served_cost_model(spec, served.backend, vocab).as_dict()}
         app = build_app(served, control, vocab, server, token, b.micro_batch_size, plan_options)
         backend = served.backend
         log.info(
@@ -450,6 +449,21 @@ def _serve_backend(spec, token: Optional[str], sock: socket.socket, control) -> 
         control.remove()
         log.info("server stopped; workers stopped")
     return 0
+
+
+def _served_cost_model(spec, backend, vocab_size: int):
+    """What the server's balanced planner balances: FLOPs, or with cost_model=calibrated a fit for its backend (cached,
+    or measured once it has loaded) over a spread up to calibration.max_len, else its budget, else 4096 tokens."""
+    from backends.model.configs import cost_model_for
+    from harness.calibration import CALIBRATED, calibrated_cost_model, identity, spread_longest
+
+    if spec.cost_model != CALIBRATED:
+        return cost_model_for(spec.model)
+    b = spec.backend
+    longest = spread_longest(spec.calibration.max_len or b.max_tokens_per_microbatch or 4096)
+    ident = identity(backend.name, backend.world_size, backend.describe_device(), spec.model, b.layout,
+                     b.gradient_checkpointing, b.compile, b.logprob_chunk_tokens, longest)
+    return calibrated_cost_model(spec.calibration, ident, backend, vocab_size, label="[serve] ")
 
 
 def main() -> int:

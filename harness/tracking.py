@@ -43,12 +43,13 @@ def summary_metrics(doc: dict) -> dict:
 
 def run_name(
     backend: Optional[str], mtpm: Optional[int], mbs: Optional[int], planner: str = "greedy", layout: str = "padded",
-    max_seqs: Optional[int] = None,
+    max_seqs: Optional[int] = None, cost_model: Optional[str] = None,
 ) -> str:
     name = f"{backend}-mtpm{mtpm}" if mtpm is not None else f"{backend}-mbs{mbs}"
-    # the original greedy padded defaults, with no cap on sequences, keep the names runs always had
+    # the original greedy padded defaults, with no cap on sequences and the FLOP model, keep the names runs always had
     name += "".join(f"-{v}" for v, default in ((planner, "greedy"), (layout, "padded")) if v != default)
-    return name + (f"-seqs{max_seqs}" if max_seqs is not None else "")
+    name += f"-seqs{max_seqs}" if max_seqs is not None else ""
+    return name + ("-calibrated" if cost_model == "calibrated" else "")
 
 
 def sweep_group(sweep_dir: Optional[str]) -> Optional[str]:
@@ -108,6 +109,7 @@ class Tracker:
             return
         run, self.run = self.run, None
         self._safe(self._log_plan, run)
+        self._safe(self._log_timeline, run, doc)
         self._safe(self._log_profile, run)
         self._safe(run.summary.update, summary_metrics(doc))
         self._safe(run.finish, exit_code=0 if doc.get("status") in ("ok", "planned") else 1)
@@ -123,6 +125,23 @@ class Tracker:
 
         png = draw_plan_file(plan, self.out_dir / "plan.png")
         run.log({"plan/figure": wandb.Image(str(png))})  # beside the plan/* numbers in W&B's plan section
+
+    @staticmethod
+    def _log_timeline(run, doc: dict) -> None:
+        """Each pass's step times (passes.<type>.timeline) as a table "timeline/<type>": a row per repeat, rank and
+        step with its wall and busy seconds, for W&B's own charts."""
+        import wandb
+
+        for pass_type, rec in (doc.get("passes") or {}).items():
+            tl = rec.get("timeline") if isinstance(rec, dict) else None
+            if not isinstance(tl, dict):
+                continue
+            rows = [[rep, rank, step, t, b]
+                    for rep, (steps, busy) in enumerate(zip(tl["step_s"], tl["busy_s"]))
+                    for rank, (rank_steps, rank_busy) in enumerate(zip(steps, busy))
+                    for step, (t, b) in enumerate(zip(rank_steps, rank_busy))]
+            run.log({f"timeline/{pass_type}": wandb.Table(columns=["repeat", "rank", "step", "step_s", "busy_s"],
+                                                          data=rows)})
 
     def _log_profile(self, run) -> None:
         """bench.profile's traces (profile/<pass>-rank<r>.json.gz) as the run's artifact of type "profile"."""

@@ -2,7 +2,8 @@
 
 Without DIR it reads the results committed under reports/results and, with
 --check, compares README.md's results block against them.
-``python -m reports plan PATH [-o OUT.png]`` draws one plan (a point folder or a plan.json).
+``python -m reports plan PATH [-o OUT.png]`` draws one plan (a point folder or a plan.json);
+``python -m reports balance DIR [DIR ...]`` compares modeled and measured balance over repeated sweeps.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ PLANS = PACKAGE / "plans"  # dry-run plan.json files the README draws (reports/p
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m reports", description=__doc__.splitlines()[0],
-                                 epilog="python -m reports plan PATH [-o OUT.png] draws one plan (see: plan --help)")
+                                 epilog="python -m reports plan PATH [-o OUT.png] draws one plan (see: plan --help); "
+                                        "python -m reports balance DIR [DIR ...] compares modeled and measured balance")
     ap.add_argument("dirs", nargs="*", type=Path, help="run or multirun folders (default: reports/results)")
     ap.add_argument("--readme", type=Path, help="rewrite the block between the results markers of this file")
     ap.add_argument("--check", action="store_true", help="exit 1 when the README block differs from the results")
@@ -52,10 +54,27 @@ def plan_main(argv) -> int:
     return 0
 
 
+def balance_main(argv) -> int:
+    """``python -m reports balance DIR [DIR ...]``: modeled against measured balance per setting, over the sweeps."""
+    from reports.balance_table import balance_markdown
+
+    ap = argparse.ArgumentParser(prog="python -m reports balance", description=balance_main.__doc__.split(": ", 1)[1])
+    ap.add_argument("dirs", nargs="+", type=Path, help="sweep folders (the same grid run several times)")
+    args = ap.parse_args(argv)
+    missing = [d for d in args.dirs if not d.exists()]
+    if missing:
+        print(f"error: {missing[0]}: no such folder (give sweep folders holding results.json)", file=sys.stderr)
+        return 2
+    print(balance_markdown(args.dirs))
+    return 0
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["plan"]:
         return plan_main(argv[1:])
+    if argv[:1] == ["balance"]:
+        return balance_main(argv[1:])
     from backends.errors import UserError
 
     try:

@@ -146,6 +146,15 @@ def _shares(doc: dict) -> Optional[str]:
     return f"mbs={shares.get('mbs')}"
 
 
+def _cost_model(doc: dict, plan: dict, unreadable: bool) -> Optional[str]:
+    """flops or calibrated: a calibrated plan's cost model carries its fit; results written before either say flops."""
+    if unreadable:
+        return None
+    if isinstance(plan.get("cost_model"), dict) and plan["cost_model"].get("coefficients") is not None:
+        return "calibrated"
+    return "flops"
+
+
 def _auto(doc: dict) -> Optional[dict]:
     auto = doc.get("auto")
     return auto if isinstance(auto, dict) else None
@@ -173,6 +182,9 @@ def row_of(path: Path, doc: dict) -> dict:
         "pad_efficiency": plan.get("pad_efficiency"),
         "critical_path": plan.get("critical_path"),
         "cost_imbalance": plan.get("cost_imbalance"),
+        "idle_fraction": plan.get("idle_fraction"),  # modeled, per rank (results before the timeline had none)
+        # what the balanced planner balanced: flops, or calibrated seconds (older results: flops)
+        "cost_model": _cost_model(doc, plan, unreadable),
         "steps": plan.get("steps"),
         "lower_bound_steps": plan.get("lower_bound_steps"),
         "n_microbatches": plan.get("n_microbatches"),
@@ -195,6 +207,8 @@ def row_of(path: Path, doc: dict) -> dict:
         row[f"{p}_mem_pct"] = rec.get("mem_pct")
         row[f"{p}_mem_peak_bytes"] = rec.get("mem_peak_bytes")
         row[f"{p}_mfu_pct"] = rec.get("mfu_pct")
+        row[f"{p}_measured_critical_path"] = rec.get("measured_critical_path")  # from the ranks' step times
+        row[f"{p}_idle_fraction"] = rec.get("idle_fraction")
         if rec.get("mem_pct") is not None:
             mems.append(rec["mem_pct"])
         rank_peaks = _max_per_rank(rank_peaks, rec.get("mem_peak_bytes") or [])
@@ -219,9 +233,10 @@ _SHAPE = {
                "workload.min_len", "workload.max_len", "plan.pad_efficiency", "plan.critical_path", "plan.cost_imbalance",
                "plan.steps", "plan.lower_bound_steps", "plan.max_microbatch_padded_tokens", "plan.max_seqs_per_microbatch"),
     "string": ("status", "backend", "planner", "layout", "started_at", "plan.planner", "plan.layout"),
-    "list": ("overrides", "plan.n_microbatches", "plan.n_dummy"),
+    "list": ("overrides", "plan.n_microbatches", "plan.n_dummy", "plan.idle_fraction"),
 }
-_PASS_SHAPE = {"number": ("tok_per_s", "util_pct", "mem_pct", "mfu_pct"), "list": ("mem_peak_bytes",)}
+_PASS_SHAPE = {"number": ("tok_per_s", "util_pct", "mem_pct", "mfu_pct", "measured_critical_path"),
+               "list": ("mem_peak_bytes", "idle_fraction")}
 
 
 def _kind_problem(doc: dict, key: str, kind: str, prefix: str = "") -> Optional[str]:

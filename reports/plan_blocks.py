@@ -162,6 +162,58 @@ def plan_blocks(doc: dict) -> PlanBlocks:
     )
 
 
+def measured_blocks(pb: PlanBlocks, timeline: dict) -> Optional[PlanBlocks]:
+    """``pb`` with every block's cost replaced by its measured busy seconds (mean over the timed repeats), from a
+    pass's ``timeline`` in results.json (harness/balance.py); None when the timeline's steps are not the plan's.
+
+    A block's measured time is split between its real tokens and its padding as the model splits it; a dummy
+    step's time (a lock-step rank's one-token step) counts as real work of no sequence. Waiting is what the step's
+    (lock-step) or the pass's (independent ranks) busiest rank spent beyond it.
+    """
+    reps = timeline.get("busy_s") or []
+    if not reps or len(reps[0]) != pb.world_size:
+        return None
+    busy = [[sum(rep[r][k] for rep in reps) / len(reps) for k in range(len(reps[0][r]))] for r in range(pb.world_size)]
+    rows = []
+    for r, row in enumerate(pb.blocks):
+        ran = row if pb.lockstep else [b for b in row if not b.dummy]
+        if len(ran) != len(busy[r]):
+            return None
+        times = iter(busy[r])
+        out = []
+        for b in row:
+            if b.dummy and not pb.lockstep:
+                out.append(b)  # an independent rank skips it: no time
+                continue
+            t = next(times)
+            share = b.real_cost / b.cost if b.cost > 0 else 1.0
+            out.append((b, t * share, t * (1 - share)))
+        rows.append(out)
+    n_steps = max((len(r) for r in rows), default=0)
+    def cost(x) -> float:
+        return 0.0 if isinstance(x, Block) else x[1] + x[2]
+
+    step_cost = [max(cost(r[s]) for r in rows if s < len(r)) for s in range(n_steps)] if pb.lockstep else []
+    blocks = []
+    for row in rows:
+        new = []
+        for s, x in enumerate(row):
+            if isinstance(x, Block):
+                new.append(x)
+                continue
+            b, real, padding = x
+            idle = (step_cost[s] - real - padding) if pb.lockstep else 0.0
+            new.append(Block(b.rank, b.step, b.n_sequences, b.real_tokens, b.padding_tokens, real, padding, idle, b.dummy))
+        blocks.append(new)
+    return PlanBlocks(
+        backend=pb.backend, planner=pb.planner, layout=pb.layout, lockstep=pb.lockstep, budget=pb.budget,
+        micro_batch_size=pb.micro_batch_size, cost_model=pb.cost_model, n_sequences=pb.n_sequences, blocks=blocks,
+        step_cost=step_cost, rank_cost=[sum(b.cost for b in row) for row in blocks],
+        rank_real_tokens=pb.rank_real_tokens, rank_padded_tokens=pb.rank_padded_tokens,
+        max_seqs_per_microbatch=pb.max_seqs_per_microbatch,
+    )
+
+
 # --- what the figure draws ---------------------------------------------------
 
 KINDS = ("real", "padding", "idle", "dummy")

@@ -9,8 +9,8 @@ from typing import Optional, Sequence
 
 from backends.errors import UserError
 from backends.planning.plan import PLAN_FILE
-from reports.plan_blocks import MAX_COLUMNS, Layout, PlanBlocks, plan_blocks, plan_layout
-from reports.plan_files import find_plan, load_plan, plan_figure_paths, workload_name
+from reports.plan_blocks import MAX_COLUMNS, Layout, PlanBlocks, measured_blocks, plan_blocks, plan_layout
+from reports.plan_files import find_plan, load_plan, plan_figure_paths, results_beside, workload_name
 
 DPI = 110  # the PNG's; text is measured at it to wrap lines to the figure's width
 COLORS = {"real": "#3b6fb6", "padding": "#e8893a", "idle": "#d9d9d9", "dummy": "#bdbdbd"}
@@ -64,7 +64,12 @@ def figure_notes(pb: PlanBlocks, lay: Layout) -> list[str]:
         notes.append("Padded layout: every sequence of a micro-batch padded to its longest.")
     cm = pb.cost_model
     source = cm.get("source") or "no source given"
-    notes.append(f"Cost per sequence a·L + b·L², a={cm['a']:.4g}, b={cm['b']:.4g} ({source}). Numbers in blocks: sequences.")
+    if cm.get("c") or cm.get("fixed"):
+        notes.append(f"Cost per micro-batch fixed + Σ over its sequences (c + a·L + b·L²), fixed={cm['fixed']:.4g}, "
+                     f"c={cm['c']:.4g}, a={cm['a']:.4g}, b={cm['b']:.4g} ({source}). Numbers in blocks: sequences.")
+    else:
+        notes.append(f"Cost per sequence a·L + b·L², a={cm['a']:.4g}, b={cm['b']:.4g} ({source}). "
+                     "Numbers in blocks: sequences.")
     return notes
 
 
@@ -96,14 +101,15 @@ def _wrap(parts: Sequence[str], width_in: float, fontsize: float, sep: str = " �
 
 
 def draw_plan(doc: dict, out_png: Path, workload: Optional[str] = None, max_columns: int = MAX_COLUMNS,
-              width_in: float = 13.0, x_total: float = 0.0) -> Path:
+              width_in: float = 13.0, x_total: float = 0.0, measured: Optional[dict] = None) -> Path:
     """Draw ``doc`` (a plan.json document) into ``out_png``, ``width_in`` inches wide.
 
-    ``x_total``: draw the axis at least this long (plans shown side by side share one scale).
+    ``x_total``: draw the axis at least this long (plans shown side by side share one scale). ``measured``: a pass's
+    record from the results.json beside the plan (see ``measured_pass``): a second panel draws its step times.
     """
     import matplotlib.pyplot as plt
 
-    fig = plan_figure(doc, workload, max_columns, width_in, x_total)
+    fig = plan_figure(doc, workload, max_columns, width_in, x_total, measured)
     try:
         out_png = Path(out_png)
         out_png.parent.mkdir(parents=True, exist_ok=True)
@@ -113,9 +119,41 @@ def draw_plan(doc: dict, out_png: Path, workload: Optional[str] = None, max_colu
     return out_png
 
 
+PASS_WORDS = {"forward": "forward", "forward_backward": "forward + backward"}
+
+
+def measured_pass(results: Optional[dict]) -> Optional[dict]:
+    """The pass whose step times a plan figure draws: forward + backward's, else forward's, from a results.json
+    document; {"pass_type", "timeline", "measured_critical_path"} or None when no pass recorded a timeline."""
+    passes = (results or {}).get("passes") or {}
+    for pass_type in ("forward_backward", "forward"):
+        rec = passes.get(pass_type)
+        if isinstance(rec, dict) and isinstance(rec.get("timeline"), dict):
+            return {"pass_type": pass_type, "timeline": rec["timeline"],
+                    "measured_critical_path": rec.get("measured_critical_path")}
+    return None
+
+
+def _measured_subtitle(pb: PlanBlocks, measured: dict) -> list[str]:
+    tl = measured["timeline"]
+    clock = {"thread-cpu": "each rank's thread CPU time (blocked in a collective is not busy)",
+             "wall": "each step's wall time", "cuda-events": "CUDA events (device time)"}.get(tl.get("busy_clock"),
+                                                                                            tl.get("busy_clock"))
+    cp = pb.critical_path
+    return [f"measured: {PASS_WORDS.get(measured['pass_type'], measured['pass_type'])}, busy time per step",
+            f"mean of {tl.get('repeats')} timed repeats", f"clock: {clock}",
+            f"critical path {cp:.3f} measured", f"measured time {pb.makespan / pb.ideal_cost:.3f} × the ideal"
+            if pb.ideal_cost else "no busy time recorded"]
+
+
 def plan_figure(doc: dict, workload: Optional[str] = None, max_columns: int = MAX_COLUMNS,
-                width_in: float = 13.0, x_total: float = 0.0):
-    """The matplotlib figure of ``doc`` (see ``draw_plan``); the caller closes it."""
+                width_in: float = 13.0, x_total: float = 0.0, measured: Optional[dict] = None):
+    """The matplotlib figure of ``doc`` (see ``draw_plan``); the caller closes it.
+
+    With ``measured`` (``measured_pass`` of the results.json beside the plan) a second panel under the plan draws
+    what the ranks measured step by step on the same kind of axis (÷ the measured ideal pass), so modeled and
+    measured waiting read side by side; a timeline whose steps are not the plan's draws no panel.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -124,32 +162,70 @@ def plan_figure(doc: dict, workload: Optional[str] = None, max_columns: int = MA
     from matplotlib.patches import Patch
 
     pb = plan_blocks(doc)
-    lay = plan_layout(pb, max_columns)
+    panels = [(pb, plan_layout(pb, max_columns), None)]
+    mb = measured_blocks(pb, measured["timeline"]) if measured else None
+    if mb is not None and mb.ideal_cost > 0:
+        panels.append((mb, plan_layout(mb, max_columns), measured))
     ranks = pb.world_size
     title_parts, subtitle_parts = describe(pb, workload)
     text_in = 0.97 * (width_in - 2 * 0.08)  # texts start 0.08 in from the left edge; keep as much on the right
     title = _wrap(title_parts, text_in, 10.5, weight="bold")
     subtitle = _wrap(subtitle_parts, text_in, 8)
-    notes = [line for note in figure_notes(pb, lay) for line in _wrap(note.split(" "), text_in, 6.5, sep=" ")]
-    drawn = {r.kind for r in lay.rects if r.width > 0}  # the legend always explains real, padding and waiting
+    notes = [line for note in figure_notes(pb, panels[0][1]) for line in _wrap(note.split(" "), text_in, 6.5, sep=" ")]
+    if len(panels) > 1:
+        notes += _wrap(("Lower panel: the same steps as measured, each micro-batch's busy time split into real and "
+                        "padding as the model splits it, on the measured ideal pass (1.0: the busy time spread "
+                        "evenly over the ranks).").split(" "), text_in, 6.5, sep=" ")
+    panel_titles = [_wrap(_measured_subtitle(p, m), text_in, 7.5) if m else [] for p, _, m in panels]
+    drawn = {r.kind for _, lay, _ in panels for r in lay.rects if r.width > 0}
     legend_kinds = ["real", "padding", "idle"] + (["dummy"] if "dummy" in drawn else [])
     legend_cols = len(legend_kinds) + 1 if width_in >= 10 else 3
     legend_rows = -(-(len(legend_kinds) + 1) // legend_cols)
 
-    # Layout in inches: title and subtitle, step numbers, the rows, axis, legend, notes.
+    # Layout in inches: title and subtitle, step numbers, the panels (each its rows and axis), legend, notes.
     top_in = 0.2 + 0.22 * len(title) + 0.16 * len(subtitle) + (0.3 if pb.lockstep else 0.12)
     bottom_in = 0.55 + 0.22 * legend_rows + 0.12 * len(notes) + 0.06
     left_in, right_in, row_in = 0.62, 0.08, 0.36
-    fig_h = top_in + row_in * max(ranks, 2) + bottom_in
-    fig, ax = plt.subplots(figsize=(width_in, fig_h), dpi=DPI)
-    fig.subplots_adjust(left=left_in / width_in, right=1 - right_in / width_in,
-                        top=1 - top_in / fig_h, bottom=bottom_in / fig_h)
+    rows_in = row_in * max(ranks, 2)
+    gaps_in = [0.0] + [0.5 + 0.15 * len(t) + (0.2 if pb.lockstep else 0.0) for t in panel_titles[1:]]
+    fig_h = top_in + len(panels) * rows_in + sum(gaps_in) + bottom_in
+    fig = plt.figure(figsize=(width_in, fig_h), dpi=DPI)
     plot_in = width_in - left_in - right_in
-    total = max(lay.total, 1.0)
+    total = max(max(lay.total for _, lay, _ in panels), 1.0)
     xmax = max(total, x_total) / (1 - 0.95 / plot_in)  # room right of the rows for each rank's totals
     per_in = xmax / plot_in  # x units per inch
-    height = 0.62  # of a row
+    y_in = top_in
+    for k, ((blocks, lay, m), gap) in enumerate(zip(panels, gaps_in)):
+        y_in += gap
+        ax = fig.add_axes((left_in / width_in, 1 - (y_in + rows_in) / fig_h, plot_in / width_in, rows_in / fig_h))
+        _draw_panel(ax, blocks, lay, per_in, xmax, first=k == 0,
+                    xlabel="modeled time ÷ the ideal pass (every rank busy, no padding)" if k == 0
+                    else "measured time ÷ the ideal pass (the busy time spread evenly over the ranks)")
+        if m:
+            fig.text(0.08 / width_in, 1 - (y_in - 0.12 - (0.2 if pb.lockstep else 0.0)) / fig_h,
+                     "\n".join(panel_titles[k]), fontsize=7.5, ha="left", va="bottom", linespacing=1.3)
+        y_in += rows_in
 
+    fig.text(0.08 / width_in, 1 - 0.08 / fig_h, "\n".join(title), fontsize=10.5, ha="left", va="top", weight="bold")
+    fig.text(0.08 / width_in, 1 - (0.12 + 0.22 * len(title)) / fig_h, "\n".join(subtitle), fontsize=8,
+             ha="left", va="top", linespacing=1.35)
+    handles = [
+        Patch(facecolor="white", edgecolor=COLORS["dummy"], hatch="////", label=LABELS[k]) if k == "dummy"
+        else Patch(color=COLORS[k], label=LABELS[k])
+        for k in legend_kinds
+    ] + [Line2D([], [], color="black", linestyle="--", linewidth=0.8, label="1.0: the ideal pass")]
+    notes_in = 0.12 * len(notes) + 0.06
+    fig.legend(handles=handles, loc="lower left", ncol=legend_cols, fontsize=7.5, frameon=False,
+               bbox_to_anchor=(0.0, notes_in / fig_h), handlelength=1.6, columnspacing=1.2)
+    fig.text(0.08 / width_in, 0.05 / fig_h, "\n".join(notes), fontsize=6.5, ha="left", va="bottom", color="#444444")
+    return fig
+
+
+def _draw_panel(ax, pb: PlanBlocks, lay: Layout, per_in: float, xmax: float, first: bool, xlabel: str) -> None:
+    """One panel: a row per rank, its blocks, the boundaries, each rank's totals, and (lock-step) the step numbers."""
+    ranks = pb.world_size
+    total = max(lay.total, 1.0)
+    height = 0.62  # of a row
     for r in lay.rects:
         if r.kind == "dummy":
             if pb.lockstep:
@@ -177,7 +253,7 @@ def plan_figure(doc: dict, workload: Optional[str] = None, max_columns: int = MA
         extra = (f", {pb.n_dummy[r]} dummy" if pb.lockstep else f", {pb.n_dummy[r]} null") if pb.n_dummy[r] else ""
         work = f"work {pb.rank_cost[r] / lay.unit:.2f}{extra}\n{pb.rank_real_tokens[r]:,} tok"
         ax.text(total + 0.05 * per_in, r, work, va="center", fontsize=6.5)
-    ax.set_xlabel("modeled time ÷ the ideal pass (every rank busy, no padding)", fontsize=8)
+    ax.set_xlabel(xlabel, fontsize=8)
     ax.tick_params(axis="x", labelsize=8)
     for side in ("top", "right", "left"):
         ax.spines[side].set_visible(False)
@@ -185,6 +261,7 @@ def plan_figure(doc: dict, workload: Optional[str] = None, max_columns: int = MA
     if pb.lockstep:
         # Step numbers on top, where a column is wide enough to carry one.
         top = ax.secondary_xaxis("top")
+
         def label(c) -> str:
             return str(c.first_step + 1) if c.first_step == c.last_step else f"{c.first_step + 1}–{c.last_step + 1}"
 
@@ -193,21 +270,8 @@ def plan_figure(doc: dict, workload: Optional[str] = None, max_columns: int = MA
         top.set_xticklabels([label(c) for c in shown], fontsize=6.5)
         top.tick_params(length=0, pad=1)
         top.spines["top"].set_visible(False)
-        top.set_xlabel("lock-step step", fontsize=7, labelpad=2)
-
-    fig.text(0.08 / width_in, 1 - 0.08 / fig_h, "\n".join(title), fontsize=10.5, ha="left", va="top", weight="bold")
-    fig.text(0.08 / width_in, 1 - (0.12 + 0.22 * len(title)) / fig_h, "\n".join(subtitle), fontsize=8,
-             ha="left", va="top", linespacing=1.35)
-    handles = [
-        Patch(facecolor="white", edgecolor=COLORS["dummy"], hatch="////", label=LABELS[k]) if k == "dummy"
-        else Patch(color=COLORS[k], label=LABELS[k])
-        for k in legend_kinds
-    ] + [Line2D([], [], color="black", linestyle="--", linewidth=0.8, label="1.0: the ideal pass")]
-    notes_in = 0.12 * len(notes) + 0.06
-    fig.legend(handles=handles, loc="lower left", ncol=legend_cols, fontsize=7.5, frameon=False,
-               bbox_to_anchor=(0.0, notes_in / fig_h), handlelength=1.6, columnspacing=1.2)
-    fig.text(0.08 / width_in, 0.05 / fig_h, "\n".join(notes), fontsize=6.5, ha="left", va="bottom", color="#444444")
-    return fig
+        if first:
+            top.set_xlabel("lock-step step", fontsize=7, labelpad=2)
 
 
 def figure_name(plan_path: Path) -> str:
@@ -243,6 +307,7 @@ def draw_plan_file(path: Path, out_png=None, **kwargs) -> Path:
     plan_path = find_plan(path)
     doc = load_plan(plan_path)
     out = plan_png_path(out_png, plan_path)
+    kwargs.setdefault("measured", measured_pass(results_beside(plan_path)))  # a measured point: its step times too
     try:
         return draw_plan(doc, out, workload=workload_name(plan_path), **kwargs)
     except OSError as exc:

@@ -35,11 +35,20 @@ def load_plan(path: Path) -> dict:
     return doc
 
 
+def results_beside(plan_path: Path) -> Optional[dict]:
+    """The results.json document beside a plan.json (its point's), or None when there is none or it is no object."""
+    try:
+        doc = json.loads((Path(plan_path).parent / "results.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
 def workload_name(plan_path: Path) -> Optional[str]:
     """The workload's name from the results.json beside the plan, when there is one (plan.json does not hold it)."""
     try:
-        return json.loads((plan_path.parent / "results.json").read_text())["workload"]["name"]
-    except (OSError, ValueError, KeyError, TypeError):
+        return results_beside(plan_path)["workload"]["name"]
+    except (KeyError, TypeError):
         return None
 
 

@@ -1,4 +1,4 @@
-"""Plots: tok/s against mtpm per backend, pass, planner, layout and cap (fixed-mbs runs as reference lines), pad efficiency against mtpm."""
+"""Plots: tok/s against mtpm per backend, pass, planner, layout, cap and cost model (fixed-mbs runs as reference lines), pad efficiency against mtpm."""
 
 from __future__ import annotations
 
@@ -14,13 +14,17 @@ PASS_TITLE = {"forward": "forward", "forward_backward": "forward + backward"}
 
 
 def _lines(frame: pd.DataFrame):
-    """One line per planner, layout and cap on sequences per micro-batch: (its label, its points), in that order.
+    """One line per planner, layout, cap on sequences per micro-batch and cost model: (its label, its points).
 
-    No cap (every run before the cap existed) is a group of its own, labelled as lines always were.
+    No cap (every run before the cap existed) is a group of its own, labelled as lines always were; so is the FLOP
+    cost model (a calibrated one adds "calibrated" to the label).
     """
     cap = frame["max_seqs_per_microbatch"] if "max_seqs_per_microbatch" in frame else float("nan")
-    for (planner, layout, n), pts in frame.assign(cap=cap).groupby(["planner", "layout", "cap"], sort=True, dropna=False):
-        yield f"{planner} {layout}" + ("" if pd.isna(n) else f" ≤{int(n)} seqs"), pts
+    cost = frame["cost_model"].fillna("flops") if "cost_model" in frame else "flops"
+    for (planner, layout, n, model), pts in frame.assign(cap=cap, cost=cost).groupby(
+            ["planner", "layout", "cap", "cost"], sort=True, dropna=False):
+        yield (f"{planner} {layout}" + ("" if pd.isna(n) else f" ≤{int(n)} seqs")
+               + ("" if model == "flops" else f" {model}")), pts
 
 
 def plot_paths(out_dir: Path) -> list[Path]:

@@ -30,7 +30,8 @@ COLUMNS = [
     "peak mem %",
     "peak mem per rank (GiB)",
     "pad efficiency",
-    "critical path",
+    "critical path (model / measured)",
+    "idle % per rank (model / measured)",
     "micro-batches per rank",
     "status",
 ]
@@ -60,6 +61,36 @@ def _microbatches(n_mb, n_dummy) -> str:
     text = ", ".join(str(n) for n in n_mb)
     dummies = sum(n_dummy or [])
     return f"{text} (+{dummies} dummy)" if dummies else text
+
+
+def _measured(r, key: str):
+    """fwd+bwd's measured ``key`` (from the ranks' step times), None where the run recorded none."""
+    value = getattr(r, f"forward_backward_{key}", None)
+    if isinstance(value, (list, tuple)):
+        return list(value) or None
+    return None if _missing(value) else value
+
+
+def _critical_path(r) -> str:
+    """Modeled / measured (fwd+bwd): the plan's critical path beside the one its ranks' step times give."""
+    if _missing(r.critical_path):
+        return "—"
+    measured = _measured(r, "measured_critical_path")
+    return f"{r.critical_path:.3f}" + ("" if measured is None else f" / {measured:.3f}")
+
+
+def _percents(values) -> str:
+    return ", ".join(f"{100 * v:.1f}" for v in values)
+
+
+def _idle(r) -> str:
+    """Each rank's idle share of the pass, modeled / measured (fwd+bwd); either side "—" where not recorded."""
+    modeled = getattr(r, "idle_fraction", None)
+    modeled = modeled if isinstance(modeled, (list, tuple)) and modeled else None
+    measured = _measured(r, "idle_fraction")
+    if modeled is None and measured is None:
+        return "—"
+    return f"{_percents(modeled) if modeled else '—'} / {_percents(measured) if measured else '—'}"
 
 
 def _text(x) -> str:
@@ -141,7 +172,8 @@ def _setting_phrase(r) -> str:
     seqs = "" if cap is None else f" max_seqs_per_microbatch={cap}"
     if _missing(r.mtpm):
         return f"mbs={int(r.mbs)}{seqs}"
-    return f"mtpm={int(r.mtpm):,}{seqs} ({r.planner}, {r.layout})"
+    calibrated = ", cost_model=calibrated" if getattr(r, "cost_model", None) == "calibrated" else ""
+    return f"mtpm={int(r.mtpm):,}{seqs} ({r.planner}, {r.layout}{calibrated})"
 
 
 def _answer(r, speedup: Optional[float], n_measured: int) -> str:
@@ -211,12 +243,16 @@ def table_frame(df: pd.DataFrame, base: Optional[Path] = None) -> pd.DataFrame:
                 _pct(r.peak_mem_pct, 1),
                 _gib_per_rank(r.peak_mem_bytes_per_rank),
                 _pct(None if _missing(r.pad_efficiency) else 100 * r.pad_efficiency, 1),
-                "—" if _missing(r.critical_path) else f"{r.critical_path:.3f}",
+                _critical_path(r),
+                _idle(r),
                 _microbatches(r.n_microbatches, r.n_dummy),
                 _status(r, base),
             ]
         )
     frame = pd.DataFrame(rows, columns=COLUMNS)
+    models = [getattr(r, "cost_model", None) for r in df.itertuples(index=False)]
+    if any(m == "calibrated" for m in models):  # only where a row balanced calibrated seconds: others read as before
+        frame.insert(COLUMNS.index("planner") + 1, "cost model", [_text(m) for m in models])
     caps = [_cap(r) for r in df.itertuples(index=False)]
     if any(c is not None for c in caps):  # only where a row has a cap: tables of uncapped runs read as they always did
         frame.insert(COLUMNS.index("layout") + 1, "max seqs", ["—" if c is None else str(c) for c in caps])
@@ -307,7 +343,7 @@ def write_csv(df: pd.DataFrame, path: Path, base: Optional[Path] = None) -> None
     base = Path(path).parent if base is None else base
     out["path"] = out["path"].map(lambda p: p if _missing(p) else portable_path(p, base))
     for col in ("n_microbatches", "n_dummy", "forward_mem_peak_bytes", "forward_backward_mem_peak_bytes",
-                "peak_mem_bytes_per_rank"):
+                "peak_mem_bytes_per_rank", "idle_fraction", "forward_idle_fraction", "forward_backward_idle_fraction"):
         out[col] = out[col].map(lambda v: " ".join(map(str, v)) if isinstance(v, (list, tuple)) else v)
     path.parent.mkdir(parents=True, exist_ok=True)
     out.to_csv(path, index=False)

@@ -316,6 +316,49 @@ MUTATIONS = (
         'mine = sorted((e for e in events if e is not region',
         ("tests/unit/test_profiling.py::test_a_hand_made_timeline_is_split_exactly",),
     ),
+    Mutation(
+        "an FSDP2 CPU rank's busy time is its steps' wall time: a rank blocked in a collective looks busy",
+        "backends/runtime/timeline.py",
+        "    if lockstep and torch.get_num_threads() == 1:",
+        "    if False:",
+        ("tests/unit/test_balance.py::test_a_cpu_rank_clock_times_each_step_and_counts_blocked_time_as_busy_only_where_no_collective_is_inside",
+         "tests/integration/test_balance.py::test_a_rank_with_less_work_is_measured_waiting_for_the_other"),
+    ),
+    Mutation(
+        "the end of a pass's last step is not marked: its time is lost",
+        "backends/model/step.py",
+        "        clock.mark()  # where the last step ends\n",
+        "",
+        ("tests/integration/test_balance.py::test_each_ranks_step_times_add_up_to_its_pass_time",),
+    ),
+    Mutation(
+        "the measured critical path of lock-step ranks ignores their waiting at every step",
+        "harness/balance.py",
+        "    elif lockstep:\n        steps = max(",
+        "    elif False:\n        steps = max(",
+        ("tests/unit/test_balance.py::test_lockstep_ranks_wait_for_the_slowest_at_every_step_independent_ones_once",),
+    ),
+    Mutation(
+        "the calibration's fit keeps negative coefficients",
+        "harness/calibration.py",
+        "        if (coef < 0).any():\n            continue\n",
+        "",
+        ("tests/unit/test_calibration.py::test_the_fit_recovers_known_coefficients_and_never_goes_negative",),
+    ),
+    Mutation(
+        "a calibrated model's cost per micro-batch is left out of the plan's statistics",
+        "backends/planning/stats.py",
+        "        if cost_model.fixed:\n",
+        "        if False:\n",
+        ("tests/unit/test_balance.py::test_a_fixed_cost_per_micro_batch_is_counted_once_per_micro_batch_and_never_for_a_dummy",),
+    ),
+    Mutation(
+        "the calibration cache is keyed without the layout: a padded fit plans packed rows",
+        "harness/calibration.py",
+        '        "layout": layout,\n        "gc": bool(gc),',
+        '        "gc": bool(gc),',
+        ("tests/unit/test_calibration.py::test_the_cache_key_changes_with_everything_a_fit_depends_on",),
+    ),
 )
 
 

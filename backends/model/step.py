@@ -99,10 +99,11 @@ def run_schedule(
     deadline: Optional[float] = None,
     layout: str = "padded",
     logprob_chunk_tokens: Optional[int] = None,
+    clock=None,
 ) -> dict[int, ExampleOutput]:
     """Run one rank's schedule; return outputs keyed by example index (``run_steps``, then ``outputs_to_host``)."""
     pending = run_steps(model, examples, schedule, pass_type, total_weight, device, progress, before_step, deadline,
-                        layout, logprob_chunk_tokens)
+                        layout, logprob_chunk_tokens, clock)
     return outputs_to_host(pending, examples)
 
 
@@ -123,6 +124,7 @@ def run_steps(
     deadline: Optional[float] = None,
     layout: str = "padded",
     logprob_chunk_tokens: Optional[int] = None,
+    clock=None,
 ) -> list[PendingStep]:
     """Run one rank's schedule: what a training step does, nothing more; results stay on the device.
 
@@ -138,6 +140,7 @@ def run_steps(
     Log-probs are not copied to the host per step (that would wait for the
     device every step); ``outputs_to_host`` copies them once the pass is over.
     ``backends.model.kernels.snapshot()`` after it says which implementations ran.
+    ``clock`` (a ``backends.runtime.timeline.StepClock``) is marked where each step starts and where the last ends.
     """
     if pass_type not in PASS_TYPES:
         raise ValueError(f"pass type must be one of {PASS_TYPES}, got {pass_type!r}")
@@ -156,6 +159,8 @@ def run_steps(
     for step, batch in enumerate(schedule):
         if deadline is not None and time.monotonic() > deadline:
             raise PassTimeout(f"{pass_type} still running after its time-out, at micro-batch {step + 1}/{n_steps}")
+        if clock is not None:
+            clock.mark()
         if before_step is not None:
             before_step(step, step == n_steps - 1)
         if layout == "packed":
@@ -177,6 +182,8 @@ def run_steps(
             tokens_done += sum(len(examples[i]) for i in batch)
         if progress is not None:
             progress(step + 1, n_steps, tokens_done)
+    if clock is not None and n_steps:
+        clock.mark()  # where the last step ends
     return pending
 
 

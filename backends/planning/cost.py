@@ -14,35 +14,60 @@ sequence cost more per token than a short one. Units are forward FLOPs
 - ``b`` (FLOPs per token pair): full-attention layers only. Causal scores and
   the weighted sum over L(L+1)/2 query-key pairs cost 2·heads·head_dim·(L²+L)
   per layer; the L² part is ``b``, the L part goes to ``a``.
+
+A cost model calibrated on the hardware (``cost_model=calibrated``,
+harness/calibration.py) is in seconds of forward + backward instead, and adds
+what FLOPs leave out: ``c``, a cost per sequence (per-sequence attention and
+delta-rule work, a padded row's own overhead), and ``fixed``, a cost per
+micro-batch (launches, FSDP2's per-layer all-gathers). Both are 0 for FLOPs.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
 LAYOUTS = ("padded", "packed")
 
 
+_MODEL_KEYS = ("a", "b", "source", "c", "fixed")  # a CostModel's own keys in its dict; any other is its fit's
+
+
 @dataclass(frozen=True)
 class CostModel:
-    """Forward cost of one sequence of length L: ``a * L + b * L**2``; ``source`` says where a and b came from."""
+    """Cost of one sequence of length L: ``a * L + b * L**2 + c``, and of a micro-batch ``fixed`` more.
+
+    ``source`` says where the numbers came from; ``fit`` (a calibrated model's) how they were fitted: coefficients,
+    R², residuals, the shapes measured (harness/calibration.py). FLOP models have ``c = fixed = 0`` and no fit.
+    """
 
     a: float
     b: float
     source: str = "tokens"
+    c: float = 0.0
+    fixed: float = 0.0
+    fit: Optional[dict] = field(default=None, compare=False, hash=False)
 
     def sequence(self, length: int) -> float:
-        return self.a * length + self.b * length * length
+        return self.a * length + self.b * length * length + self.c
 
     def as_dict(self) -> dict:
-        return {"a": self.a, "b": self.b, "source": self.source}
+        """{a, b, source}; a calibrated model adds c, fixed and its fit's keys (coefficients, r2, residuals, ...)
+        beside them (a FLOP model's dict is as it always was)."""
+        out: dict = {"a": self.a, "b": self.b, "source": self.source}
+        if self.c or self.fixed or self.fit is not None:
+            out.update(c=self.c, fixed=self.fixed)
+        if self.fit is not None:
+            out.update({k: v for k, v in self.fit.items() if k not in _MODEL_KEYS})
+        return out
 
     @classmethod
     def from_dict(cls, data: Optional[Mapping[str, Any]]) -> "CostModel":
         if data is None:
             return cls.tokens()
-        return cls(float(data["a"]), float(data["b"]), str(data.get("source", "")))
+        fit = {k: v for k, v in data.items() if k not in _MODEL_KEYS} or None
+        return cls(float(data["a"]), float(data["b"]), str(data.get("source", "")), float(data.get("c") or 0.0),
+                   float(data.get("fixed") or 0.0), fit)
 
     @classmethod
     def tokens(cls) -> "CostModel":
@@ -62,12 +87,13 @@ def microbatch_tokens(batch: Optional[Sequence[int]], lengths: Sequence[int], la
 def microbatch_cost(
     batch: Optional[Sequence[int]], lengths: Sequence[int], layout: str, cost_model: CostModel
 ) -> float:
-    """Modeled forward cost: ``count * cost(longest)`` padded, the sum of per-sequence costs packed, 0 for a dummy."""
+    """Modeled cost: ``count * cost(longest)`` padded, the sum of per-sequence costs packed, plus the model's
+    ``fixed`` cost of a micro-batch; 0 for a dummy."""
     if not batch:
         return 0.0
     if layout == "packed":
-        return sum(cost_model.sequence(lengths[i]) for i in batch)
-    return len(batch) * cost_model.sequence(max(lengths[i] for i in batch))
+        return sum(cost_model.sequence(lengths[i]) for i in batch) + cost_model.fixed
+    return len(batch) * cost_model.sequence(max(lengths[i] for i in batch)) + cost_model.fixed
 
 
 def _text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:

@@ -101,6 +101,33 @@ def check_choice(key: str, value: str, valid: Sequence[str]) -> None:
         raise ValueError(f"{key} must be one of {', '.join(valid)}, got {value!r}")
 
 
+def given_plan(
+    schedules: Sequence[Schedule],
+    lengths: Sequence[int],
+    align: bool = False,
+    layout: str = "padded",
+    cost_model: Optional[CostModel] = None,
+) -> Plan:
+    """A plan given whole, per rank and step (harness/calibration.py's shapes): no planner runs, only the statistics.
+
+    With ``align`` (lock-step ranks) shorter schedules are padded with ``None``; without it ``None`` entries are
+    dropped, as ``plan_batch`` does for ranks that run independently.
+    """
+    check_choice("layout", layout, LAYOUTS)
+    lengths = [int(n) for n in lengths]
+    cost_model = cost_model or CostModel.tokens()
+    for r, schedule in enumerate(schedules):
+        for batch in schedule:
+            if batch is not None and (not batch or any(not 0 <= i < len(lengths) for i in batch)):
+                raise ValueError(f"a given plan's rank {r} has a micro-batch that is empty or indexes past the "
+                                 f"{len(lengths)} examples: {batch!r}")
+    rows = [[None if b is None else list(b) for b in s] for s in schedules]
+    rows = align_schedules(rows) if align else [[b for b in s if b is not None] for s in rows]
+    stats = plan_stats(rows, lengths, layout=layout, cost_model=cost_model, lockstep=align, planner="given")
+    return Plan(schedules=rows, stats=stats, layout=layout, planner="given", cost_model=cost_model, lengths=lengths,
+                lockstep=align)
+
+
 def plan_batch(
     lengths: Sequence[int],
     world_size: int = 1,

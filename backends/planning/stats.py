@@ -105,6 +105,9 @@ class PlanStats:
     cost_imbalance: float = 1.0  # max / mean modeled cost per rank
     critical_path: float = 1.0  # lock-step: sum over steps of the costliest rank's micro-batch / mean; else = imbalance
     cost_model: dict = field(default_factory=lambda: CostModel.tokens().as_dict())
+    # per rank, the modeled share of the pass it waits: 1 - its cost / the pass's (Σ step maxima lock-step, else
+    # the busiest rank's); the measured one is passes.<type>.idle_fraction (harness/balance.py)
+    idle_fraction: list[float] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return {
@@ -126,6 +129,7 @@ class PlanStats:
             "cost_imbalance": self.cost_imbalance,
             "critical_path": self.critical_path,
             "cost_model": dict(self.cost_model),
+            "idle_fraction": list(self.idle_fraction),
         }
 
 
@@ -174,6 +178,8 @@ def plan_stats(
         else:
             longest = np.maximum.reduceat(lens, starts)
             tokens, costs = sizes * longest, sizes * ucost[np.searchsorted(uniq, longest)]
+        if cost_model.fixed:
+            costs = costs + cost_model.fixed  # a calibrated model's cost of any micro-batch (0 for FLOPs)
         step_costs[r, at] = costs
         real_per_rank.append(int(real.sum()))
         padded_per_rank.append(int(tokens.sum()))
@@ -188,9 +194,12 @@ def plan_stats(
     imbalance = max(cost_per_rank) / mean_cost if mean_cost > 0 else 1.0
     steps = step_costs.shape[1]
     if lockstep and mean_cost > 0:
-        critical = float(step_costs.max(axis=0).sum()) / mean_cost
+        makespan = float(step_costs.max(axis=0).sum())
+        critical = makespan / mean_cost
     else:
+        makespan = max(cost_per_rank, default=0.0)
         critical = imbalance
+    idle = [round(1.0 - c / makespan, 4) if makespan > 0 else 0.0 for c in cost_per_rank]
     return PlanStats(
         real_tokens=real_total,
         padded_tokens=padded_total,
@@ -210,4 +219,5 @@ def plan_stats(
         cost_imbalance=imbalance,
         critical_path=critical,
         cost_model=cost_model.as_dict(),
+        idle_fraction=idle,
     )

@@ -26,6 +26,7 @@ from backends.planning import CostModel, Schedule, plan_stats
 from backends.registry import import_path, is_lockstep
 from backends.runtime.memory import MemoryHistory, peak_memory, reset_peak_memory
 from backends.runtime.profiling import profiled
+from backends.runtime.timeline import StepClock, busy_clock, step_clock_name
 from backends.specs import BackendSpec, ModelSpec
 
 
@@ -157,22 +158,28 @@ def run_command(
     total_weight = _all_reduce_float(total_loss_weight(examples, mine), dist.ReduceOp.SUM, device)
     with profiled(command.profile_dir, pass_type, rank, device) as profile, compiling.PassMeter(model) as compiled, \
             MemoryHistory(command.memory_snapshot_dir, pass_type, rank, device):
-        pending, grad_norm, step_s = _timed_steps(command, model, hooks, rank, examples, schedule, mine, lengths,
-                                                  total_weight, device, wlog)
+        pending, grad_norm, step_s, timeline = _timed_steps(command, model, hooks, rank, examples, schedule, mine,
+                                                            lengths, total_weight, device, wlog)
     mem = peak_memory(device)  # the steps' peak, before the host copies below
     ran = kernels.snapshot()
     # Host work after the timed region: log-probs to the host, gathered to rank 0.
     outputs = outputs_to_host(pending, examples)
     del pending
     gathered: list = [None] * world_size
-    dist.all_gather_object(gathered, (outputs, schedule, mem, step_s, ran, profile or None, compiled.record))
-    return _gathered_result(command, gathered, rank, lengths, lockstep, grad_norm)
+    dist.all_gather_object(gathered, (outputs, schedule, mem, step_s, ran, profile or None, compiled.record, timeline))
+    return _gathered_result(command, gathered, rank, lengths, lockstep, grad_norm, device)
 
 
 def _timed_steps(command, model, hooks, rank, examples, schedule, mine, lengths, total_weight, device, wlog):
-    """The timed region of one rank's pass: its steps, the gradient norm, the device synchronized."""
+    """The timed region of one rank's pass: its steps, the gradient norm, the device synchronized.
+
+    Returns the steps' pending outputs, the gradient norm, the region's seconds and this rank's timeline
+    (``StepClock.finish``: when each step started and ended, and how long the rank was busy in it).
+    """
     pass_type = command.pass_type
+    clock = StepClock(device, is_lockstep(hooks.spec.name))
     t0 = time.perf_counter()
+    clock.start()
     hooks.start_pass(model, pass_type)
     progress = None
     if rank == 0:
@@ -189,15 +196,21 @@ def _timed_steps(command, model, hooks, rank, examples, schedule, mine, lengths,
         before_step=lambda step, is_last: hooks.before_step(model, step, is_last),
         layout=command.layout,
         logprob_chunk_tokens=command.chunk_tokens(hooks.spec.logprob_chunk_tokens),
+        clock=clock,
     )
+    # After the last step: the gradient sync (Megatron DDP's all-reduce, where a faster rank waits) and the norm.
     hooks.finish_pass(model, pass_type)
     grad_norm = hooks.grad_norm(model) if pass_type == "forward_backward" else None
+    end = clock.end_event()
     synchronize(device)
-    return pending, grad_norm, time.perf_counter() - t0  # the timed region: what a training step does, on this rank
+    step_s = time.perf_counter() - t0  # the timed region: what a training step does, on this rank
+    return pending, grad_norm, step_s, clock.finish(end)
 
 
-def _gathered_result(command, gathered: list, rank: int, lengths, lockstep: bool, grad_norm) -> Optional[PassResult]:
-    """Rank 0's PassResult from every rank's (outputs, schedule, memory, step time, kernels, profile, compile)."""
+def _gathered_result(command, gathered: list, rank: int, lengths, lockstep: bool, grad_norm,
+                     device: torch.device) -> Optional[PassResult]:
+    """Rank 0's PassResult from every rank's (outputs, schedule, memory, step time, kernels, profile, compile,
+    timeline)."""
     if rank != 0:
         return None
     merged: dict = {}
@@ -229,6 +242,8 @@ def _gathered_result(command, gathered: list, rank: int, lengths, lockstep: bool
         kernels=kernels.merge(g[4] for g in gathered),
         profile=[g[5] for g in gathered] if any(g[5] for g in gathered) else None,
         compile=compiling.merge(g[6] for g in gathered),
+        timeline={"step_clock": step_clock_name(device), "busy_clock": busy_clock(device, lockstep),
+                  "per_rank": [g[7] for g in gathered]},
     )
 
 

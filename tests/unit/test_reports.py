@@ -45,6 +45,7 @@ def test_committed_results_are_a_real_sweep_of_this_machine():
     from backends.planning import CostModel, plan_batch
     from backends.registry import LOCKSTEP_BACKENDS
     from backends.specs import ModelSpec
+    from harness.balance import balance_fields, ran_schedules
     from harness.flops import flops_record, training_flops_for
 
     df = collect([REPO / "reports" / "results"])
@@ -90,6 +91,22 @@ def test_committed_results_are_a_real_sweep_of_this_machine():
                     assert p.get(key) == value, (point, pass_type, key)
                 else:
                     assert p[key] == pytest.approx(value), (point, pass_type, key)
+            # every rank's step times: each repeat's steps are the plan's, they add up to the rank's timed region,
+            # the slowest rank's region is the repeat's elapsed_s, and the balance figures are the timeline's own
+            tl = p["timeline"]
+            lockstep = res["backend"] in LOCKSTEP_BACKENDS
+            ran = ran_schedules(plan.schedules, lockstep)
+            assert tl["repeats"] == res["bench"]["repeat"] == len(tl["busy_s"]), (point, pass_type)
+            for i in range(tl["repeats"]):
+                assert [len(s) for s in tl["step_s"][i]] == [len(s) for s in ran], (point, pass_type)
+                for r in range(res["world_size"]):
+                    parts = tl["start_s"][i][r] + sum(tl["step_s"][i][r]) + tl["sync_s"][i][r]
+                    assert parts == pytest.approx(tl["elapsed_s"][i][r], rel=0.05), (point, pass_type, i, r)
+                assert max(tl["elapsed_s"][i]) == pytest.approx(p["elapsed_s"][i], rel=0.05), (point, pass_type, i)
+            lengths_model = {"flops": CostModel.from_dict(res["plan"]["cost_model"])}
+            recorded = balance_fields(tl, plan.schedules, lengths, res["layout"], lockstep, lengths_model)
+            for key in ("measured_critical_path", "idle_fraction", "busy_s", "cost_prediction"):
+                assert p[key] == recorded[key], (point, pass_type, key)
         assert res["passes"]["forward"]["grad_norm"] is None
         grad_norms.append(res["passes"]["forward_backward"]["grad_norm"])
     assert min(grad_norms) > 0 and max(grad_norms) == pytest.approx(min(grad_norms), rel=1e-6)
@@ -97,3 +114,27 @@ def test_committed_results_are_a_real_sweep_of_this_machine():
 
 def _load(path: str) -> dict:
     return json.loads(Path(path).read_text())
+
+
+def test_the_readme_balance_table_is_the_committed_sweeps_and_they_compare_both_cost_models():
+    """README's "Balance on the clock" table is ``python -m reports balance`` over reports/balance/run*: real sweeps in
+    which every setting ran with both cost models, the calibrated plans with a fit on record."""
+    from reports.__main__ import main
+    from reports.balance_table import balance_markdown, balance_rows
+
+    runs = sorted((REPO / "reports" / "balance").glob("run*"))
+    assert [r.name for r in runs] == ["run1", "run2", "run3"]
+    assert balance_markdown(runs) in (REPO / "README.md").read_text()
+    rows = balance_rows(runs)
+    by_setting: dict = {}
+    for row in rows:
+        by_setting.setdefault(tuple(row[:5]), set()).add(row[5])
+    assert by_setting and all(models == {"flops", "calibrated"} for models in by_setting.values())
+    assert {row[6] for row in rows if row[0] == "Megatron DDP"} == {"3"}  # the three sweeps ran every Megatron point
+    for path in runs[0].glob("*/results.json"):
+        doc = _load(path)
+        model = doc["plan"]["cost_model"]
+        assert (doc["cost_model"] == "calibrated") == ("coefficients" in model), path
+        if doc["cost_model"] == "calibrated":
+            assert model["r2"] > 0.9 and model["fixed"] == model["coefficients"]["c0"] and model["residuals"]
+    assert main(["balance", str(REPO / "no-such-folder")]) == 2
