@@ -459,7 +459,8 @@ class Point:
     def _planner_cost_model(self, spec: HarnessConfig, lengths: Sequence[int], setup: Setup, backend) -> CostModel:
         """The cost model the balanced planner balances: the setup's (FLOPs, or a server's own), or with
         ``cost_model=calibrated`` the fit for this backend, model, precision, device and layout (harness/calibration.py:
-        this process's, the cache's, or measured on ``backend`` now; a dry run needs one cached)."""
+        this process's, the cache's, or measured on ``backend`` now). A dry run with no fit cached plans with FLOPs,
+        says so in one warning, and records cost_model flops: it has no backend to calibrate on."""
         from harness.calibration import CALIBRATED, calibrated_cost_model, identity, spread_longest
 
         if spec.cost_model != CALIBRATED or spec.target.url:
@@ -468,8 +469,16 @@ class Point:
         longest = spread_longest(spec.calibration.max_len or max(lengths))
         ident = identity(setup.name, setup.world_size, setup.device or {}, spec.model, setup.layout,
                          b.gradient_checkpointing, b.compile, b.logprob_chunk_tokens, longest)
-        return calibrated_cost_model(spec.calibration, ident, backend, self.vocab_size or None, label=self.label,
-                                     progress_every_s=spec.bench.progress_every_s, timeout_s=spec.bench.pass_timeout_s)
+        try:
+            return calibrated_cost_model(spec.calibration, ident, backend, self.vocab_size or None, label=self.label,
+                                         progress_every_s=spec.bench.progress_every_s,
+                                         timeout_s=spec.bench.pass_timeout_s)
+        except UserError as exc:
+            if backend is not None or not spec.dry_run:
+                raise
+            log.warning("%s%s; this dry run plans with the FLOP model instead (results.json: cost_model flops)",
+                        self.label, exc)
+            return setup.cost_model
 
     def _plan(self, spec: HarnessConfig, lengths: list[int], setup: Setup, planned=None):
         """The workload planned for the backend's ranks (``planned``: already planned for ``setup``), written to plan.json."""

@@ -319,8 +319,8 @@ def calibrated_cost_model(cfg, ident: dict, backend=None, vocab_size: Optional[i
     if fit is None:
         if backend is None:
             raise UserError(f"cost_model: calibrated needs a fit measured on this backend, model, precision, device and "
-                            f"layout, and none is cached in {folder} (key {key}); run once without dry_run=true, or "
-                            "use cost_model=flops")
+                            f"layout, and none is cached in {folder} (key {key}); a run without dry_run=true "
+                            "calibrates and caches one")
         shapes = spread(ident["longest"], ident["layout"])
         log.info("%scalibrating the cost model: %d micro-batch shapes up to %s tokens, %d warm-up + %d timed passes "
                  "on %s (once per setting: cached by key %s)", label, len(shapes), f"{ident['longest']:,}",

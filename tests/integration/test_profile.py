@@ -88,8 +88,9 @@ def test_the_command_line_profiles_every_rank_of_fsdp2_and_megatron(workdir):
             assert profile["elapsed_s"] - 1e-3 <= slowest <= 1.05 * profile["elapsed_s"] + 0.05
         wandb_file = glob.glob(str(folder / "wandb" / "offline-run-*" / "run-*.wandb"))[0]
         artifacts = [r.artifact for r in records(wandb_file) if r.WhichOneof("record_type") == "artifact"]
-        assert [(a.type, sorted(m.path for m in a.manifest.contents)) for a in artifacts] == [
+        assert [(a.type, sorted(m.path for m in a.manifest.contents)) for a in artifacts if a.type == "profile"] == [
             ("profile", sorted(f"{t}-rank{r}.json.gz" for t in ("forward", "forward_backward") for r in range(2)))]
+        assert sum(a.type == "run_table" for a in artifacts) == 2  # each pass's step times, the table timeline/<pass>
         summary = run_contents(wandb_file)["summary"]
         assert summary["passes/forward_backward/profile/shares/backward"] > 0
     report = (sweep / "report.md").read_text()

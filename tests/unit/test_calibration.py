@@ -113,13 +113,13 @@ def test_a_cached_fit_is_read_back_only_for_the_setting_it_was_made_for(tmp_path
     assert "calibration.cache_dir" in caplog.text
 
 
-def test_without_a_backend_a_calibrated_cost_model_comes_from_the_cache_or_is_refused_in_one_line(tmp_path):
+def test_without_a_backend_a_calibrated_cost_model_comes_from_the_cache_or_says_why_not_in_one_line(tmp_path):
     ident = _ident(longest=1024)
     cfg = CalibrationConfig(cache_dir=str(tmp_path))
     with pytest.raises(UserError) as err:
         calibrated_cost_model(cfg, ident)
     line = str(err.value)
-    assert "\n" not in line and line.startswith("cost_model: calibrated") and "cost_model=flops" in line
+    assert "\n" not in line and line.startswith("cost_model: calibrated") and "without dry_run=true" in line
     fit = {"coefficients": {"c0": 0.01, "c_seq": 1e-4, "c_tok": 2e-5, "c_sq": 1e-9}, "r2": 0.98, "worst_rel_err": 0.1}
     write_cached(tmp_path, cache_key(ident), ident, fit)
     cm = calibrated_cost_model(cfg, ident)
