@@ -260,9 +260,13 @@ class Point:
 
             layout, planner = (setup.layout, setup.planner) if mtpm is not None else ("padded", "greedy")
             command_for = self._command_for(spec, examples, mtpm, 1, layout, planner)
+            pairing = self._pairing(spec, examples, "forward_backward", mtpm=mtpm)
+            if pairing is not None:
+                pairing.warm = False  # the baseline ran first, warm: each candidate pays for its own warm-up only
             try:
                 record, result = measure_pass(self.backend, examples, "forward_backward", spec.bench.warmup, 1,
-                                              command_for, spec.bench.util_sample_s, label=_label(setup.name, mtpm, 1))
+                                              command_for, spec.bench.util_sample_s, label=_label(setup.name, mtpm, 1),
+                                              pairing=pairing)
             except BackendError as exc:
                 if exc.status != "oom":
                     raise
@@ -274,7 +278,9 @@ class Point:
                 return Measured("oom", error=str(exc))
             runs[mtpm] = (record, result)
             peaks = [p for p in record.mem_peak_bytes or [] if p is not None]
-            return Measured("ok", record.tok_per_s, max(peaks) if peaks else None)
+            speed = record.spread_fields().get("speedup")  # the candidate's pair ratio: what the search ranks by
+            return Measured("ok", record.tok_per_s, max(peaks) if peaks else None,
+                            speedup=speed["median"] if speed else None)
 
         base = measure(None)
         auto["baseline"] = {"mbs": 1, "planner": "greedy", "layout": "padded", "status": base.status,
@@ -309,9 +315,12 @@ class Point:
         command_for = self._command_for(spec, examples, chosen.mtpm, 1, setup.layout, setup.planner)
         record, result = runs[chosen.mtpm]
         if spec.bench.repeat > len(record.elapsed_s):
+            pairing = self._pairing(spec, examples, "forward_backward", mtpm=chosen.mtpm)
             more, result = measure_pass(self.backend, examples, "forward_backward", 0,
                                         spec.bench.repeat - len(record.elapsed_s), command_for,
-                                        spec.bench.util_sample_s, label=self.label, release_first=False)
+                                        spec.bench.util_sample_s, label=self.label, release_first=False,
+                                        target_ci_pct=spec.bench.target_ci_pct, max_repeats=spec.bench.max_repeats,
+                                        pairing=pairing)
             record = merge_records(record, more)
         self._measure(spec, lengths, self.backend, examples, command_for, measured={"forward_backward": (record, result)})
 
@@ -367,7 +376,7 @@ class Point:
     def _share(self, shared: tuple[Path, dict, Setup, Any]) -> None:
         """This point's record takes the measurements of ``shared`` (same plan, same setting); ``shares`` says whose."""
         folder, doc = shared[:2]
-        for key in ("device", "precision", "load", "peak", "launch", "passes"):
+        for key in ("device", "precision", "load", "peak", "launch", "passes", "speedup"):
             if key in doc:
                 self.results.update(**{key: doc[key]})
         for measured in (self.results.doc.get("passes") or {}).values():  # bench.profile: the traces stay in its folder
@@ -538,7 +547,10 @@ class Point:
             else:
                 record, result = measure_pass(backend, examples, pass_type, spec.bench.warmup, spec.bench.repeat,
                                               command_for, spec.bench.util_sample_s, label=self.label,
-                                              on_repeat=self.tracker.log_repeat, snapshot_dir=snapshot_dir)
+                                              on_repeat=self.tracker.log_repeat, snapshot_dir=snapshot_dir,
+                                              target_ci_pct=spec.bench.target_ci_pct,
+                                              max_repeats=spec.bench.max_repeats,
+                                              pairing=self._pairing(spec, examples, pass_type))
             self._record_pass(spec, lengths, training, backend.world_size, pass_type, record, result)
             if spec.bench.profile:  # one more run under the profiler, after the timed ones: not in tok/s
                 self.results.doc["passes"][pass_type]["profile"] = profile_pass(
@@ -549,6 +561,19 @@ class Point:
                 write_json_atomic(self.out_dir / OUTPUTS_FILE, outputs)
         self.results.mark("ok")
         _log_ok(self.label, doc)
+
+    def _pairing(self, spec: HarnessConfig, examples, pass_type: str, mtpm: Any = "point"):
+        """The mbs=1 baseline a fwd+bwd pass is measured beside (bench.paired), or None: another pass type, the
+        baseline itself, a client run (its server plans every pass with the budget the server holds)."""
+        from harness.measure import Pairing
+
+        doc = self.results.doc
+        mtpm, mbs = (doc.get("mtpm"), doc.get("mbs")) if mtpm == "point" else (mtpm, 1)
+        if pass_type != "forward_backward" or not spec.bench.paired or spec.target.url:
+            return None
+        if mtpm is None and mbs == 1:
+            return None
+        return Pairing(self._command_for(spec, examples, None, 1, "padded", "greedy"), point=(mtpm, mbs))
 
     def _record_pass(self, spec: HarnessConfig, lengths: list[int], training, world_size: int, pass_type: str,
                      record, result) -> None:
@@ -563,6 +588,9 @@ class Point:
                              schedules=self.schedules)
         balance = balance_fields(record.timeline, self.schedules, lengths, result.plan.get("layout", "padded"),
                                  is_lockstep(self.results.doc["backend"]), self._prediction_models(spec))
+        if pass_type == "forward_backward":  # the point's speedup over mbs=1, measured in pairs (None: unpaired)
+            speed = record.spread_fields().get("speedup")
+            self.results.update(speedup={"pass_type": pass_type, **speed} if speed else None)
         self.results.record_pass(pass_type, {**record.as_dict(), **flops, **balance})
         if balance:
             log.info("%s%s balance: critical path %.3f measured (%.3f modeled), idle per rank %s measured",

@@ -17,7 +17,9 @@ The search, in order:
 5. **The rest** are measured smallest first while predicted to fit, the model refitted after each; a candidate
    predicted over the limit is ``over_limit`` and not run, and one that runs out of memory stops the ascent
    (every larger one is over the limit).
-6. **The choice** is the fastest fwd+bwd candidate that ran ``ok`` with its measured peak under the limit.
+6. **The choice** is the fastest fwd+bwd candidate that ran ``ok`` with its measured peak under the limit: by its
+   speedup over an mbs=1 pass run beside it (``bench.paired``), so the machine's drift during the search does not
+   decide, else by its tok/s.
 
 Every candidate's peak is predicted: "ahead" when the model predicted it before it ran, "held_out" (a probe) from
 the model fitted to every other measured point. Nothing here imports torch: ``search`` takes the measuring as a
@@ -51,6 +53,8 @@ class Candidate:
     tok_per_s: Optional[float] = None
     status: str = "pending"  # ok, oom, over_limit, error, pending (not reached)
     reason: Optional[str] = None
+    # fwd+bwd tok/s over an mbs=1 pass run beside it (bench.paired): what the search ranks by, drift cancelled
+    speedup: Optional[float] = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -64,6 +68,7 @@ class Measured:
     tok_per_s: Optional[float] = None
     peak_bytes: Optional[int] = None
     error: Optional[str] = None
+    speedup: Optional[float] = None  # the pair ratio over an mbs=1 pass beside it (None: not paired)
 
 
 @dataclass
@@ -212,6 +217,7 @@ def search(
         got = measure(c)
         c.measured_peak_bytes = got.peak_bytes
         c.tok_per_s = got.tok_per_s
+        c.speedup = got.speedup
         if got.status == "oom":
             c.status, c.reason = "oom", got.error
             ceiling = min(ceiling, i)
@@ -260,7 +266,10 @@ def search(
         run(i)
     _held_out_predictions(cands, points, quadratic, baseline_point)
     fitting = [c for c in cands if c.status == "ok" and c.tok_per_s is not None]
-    chosen = max(fitting, key=lambda c: c.tok_per_s) if fitting else None
+    # Paired candidates are ranked by their speedup over the mbs=1 pass run beside each: a machine that slows
+    # during the search would otherwise favour the candidates it measured first.
+    paired = bool(fitting) and all(c.speedup is not None for c in fitting)
+    chosen = max(fitting, key=lambda c: c.speedup if paired else c.tok_per_s) if fitting else None
     return SearchResult(cands, model, limit_bytes, chosen)
 
 

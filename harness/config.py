@@ -48,6 +48,13 @@ class BenchConfig:
     # On CUDA: the allocator's history recorded during each pass type's warm-up; a pass that runs out of memory
     # dumps memory/<pass>-rank<r>.pickle (https://pytorch.org/memory_viz) and results.json names it.
     memory_snapshot: bool = False
+    # A point with a budget measures its fwd+bwd speedup in pairs: each timed repeat beside an mbs=1 pass on the
+    # same backend, in alternating order, so a machine drifting between points does not enter the ratio.
+    paired: bool = True
+    # More timed repeats, up to max_repeats, until the 95% interval of each pass's tok/s (and of a paired
+    # speedup) is within this many percent of it; null: bench.repeat repeats exactly.
+    target_ci_pct: Optional[float] = None
+    max_repeats: int = 20
 
 
 @dataclass
@@ -224,6 +231,12 @@ def validate(cfg: HarnessConfig) -> None:
     if cfg.bench.warmup < 0:
         raise UserError(f"bench.warmup: must be >= 0, got {cfg.bench.warmup}")
     _positive_int("bench.repeat", cfg.bench.repeat)
+    if cfg.bench.target_ci_pct is not None and not cfg.bench.target_ci_pct > 0:
+        raise UserError(f"bench.target_ci_pct: must be a positive percentage or null, got {cfg.bench.target_ci_pct}")
+    _positive_int("bench.max_repeats", cfg.bench.max_repeats)
+    if cfg.bench.target_ci_pct is not None and cfg.bench.max_repeats < max(2, cfg.bench.repeat):
+        raise UserError(f"bench.max_repeats: must be at least bench.repeat ({cfg.bench.repeat}) and 2 for an interval "
+                        f"to narrow to bench.target_ci_pct, got {cfg.bench.max_repeats}")
     for key in ("memory_limit_gb", "pass_timeout_s"):
         value = getattr(cfg.bench, key)
         if value is not None and value <= 0:

@@ -16,6 +16,7 @@ from backends.model import compiling
 from backends.messages import PASS_TYPES, Example, PassCommand, PassResult, make_command
 from harness.balance import merge_timelines, timeline_record
 from harness.samplers import make_sampler
+from harness.spread import METHOD, needs_more, paired_speedup, summary
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,26 @@ class PassRecord:
     # Every timed repeat's per-rank, per-step times (harness/balance.py ``timeline_record``); None where the backend
     # does not time its steps.
     timeline: Optional[dict] = None
+    target_ci_pct: Optional[float] = None  # bench.target_ci_pct the repeats were measured to (None: a fixed count)
+    # A paired speedup's baseline passes, one per timed repeat, side by side with them (None: not paired)
+    baseline_elapsed_s: Optional[list[float]] = None
+
+    def spread_fields(self) -> dict:
+        """tok/s median, min, max and 95% interval over the repeats, ``noisy``, ``repeats``; the paired speedup."""
+        per_repeat = [self.real_tokens / t for t in self.elapsed_s]
+        s = summary(per_repeat)
+        out = {"tok_per_s_median": s["median"], "tok_per_s_min": s["min"], "tok_per_s_max": s["max"],
+               "tok_per_s_ci": s["ci"], "tok_per_s_ci_pct": s["ci_pct"], "ci_method": METHOD, "noisy": s["noisy"],
+               "repeats": len(self.elapsed_s), "target_ci_pct": self.target_ci_pct}
+        if self.baseline_elapsed_s is not None:
+            base = [self.real_tokens / t for t in self.baseline_elapsed_s]
+            speed = paired_speedup(per_repeat, base)
+            speed["baseline_tok_per_s"] = summary(base)
+            speed["baseline_elapsed_s"] = list(self.baseline_elapsed_s)
+            speed["method"] = ("paired: each timed repeat beside an mbs=1 pass, in alternating order; median pair "
+                               "ratio, " + METHOD)
+            out["speedup"] = speed
+        return out
 
     def as_dict(self) -> dict:
         return {
@@ -68,7 +89,36 @@ class PassRecord:
             "kernels": self.kernels,
             "compile": self.compile,
             "timeline": self.timeline,
+            **{k: v for k, v in self.spread_fields().items() if k != "speedup"},
         }
+
+
+@dataclass
+class Pairing:
+    """The baseline a point's passes are measured side by side with, for a speedup measured in pairs.
+
+    ``command_for`` gives the baseline's commands (mbs=1 fixed slices, greedy, padded); ``point`` and
+    ``baseline`` are the (mtpm, mbs) each runs with, set in the backend's control file between passes where it
+    has one (a hot sweep's backend takes its budget from there, not from the command).
+    """
+
+    command_for: Callable[[str], PassCommand]
+    point: tuple[Optional[int], int]
+    baseline: tuple[Optional[int], int] = (None, 1)
+    warm: bool = True  # the baseline gets warm-up runs of its own (False: it ran just before, warm)
+
+    def run(self, backend: Backend, command: PassCommand, which: str) -> PassResult:
+        control = getattr(backend, "control", None)
+        if control is not None:
+            mtpm, mbs = self.point if which == "point" else self.baseline
+            control.set_max_tokens_per_microbatch(mtpm)
+            control.set_micro_batch_size(mbs)
+        try:
+            return backend.run_pass(command)
+        finally:
+            if control is not None and which != "point":
+                control.set_max_tokens_per_microbatch(self.point[0])
+                control.set_micro_batch_size(self.point[1])
 
 
 def measure_pass(
@@ -83,44 +133,74 @@ def measure_pass(
     on_repeat: Optional[Callable[[str, int, float, float, Optional[float]], None]] = None,
     release_first: bool = True,
     snapshot_dir: Optional[str] = None,
+    target_ci_pct: Optional[float] = None,
+    max_repeats: Optional[int] = None,
+    pairing: Optional[Pairing] = None,
 ) -> tuple[PassRecord, PassResult]:
-    """Warm-up runs, then ``repeat`` timed runs of one pass type; returns the record and the last result.
+    """Warm-up runs, then at least ``repeat`` timed runs of one pass type; returns the record and the last result.
 
     ``release_first=False`` keeps what the pass type's earlier runs left cached (more repeats of a pass measured
     just before: harness/auto.py tops up the chosen budget's). ``snapshot_dir`` (bench.memory_snapshot): the warm-up
-    runs record the CUDA allocator's history, and one that runs out of memory leaves its snapshot there."""
+    runs record the CUDA allocator's history, and one that runs out of memory leaves its snapshot there.
+    ``target_ci_pct`` (bench.target_ci_pct): more timed runs, up to ``max_repeats``, until the 95% interval of the
+    tok/s (and of the speedup, when paired) is within that many percent. ``pairing``: every timed run is one pair,
+    the point's pass and the baseline's side by side in alternating order (harness/spread.py); the record's
+    ``speedup`` is the median of the pair ratios with its interval."""
     result: Optional[PassResult] = None
     real_tokens = sum(len(e) for e in examples)
     runs = 0
 
-    def command() -> PassCommand:
+    def command(make: Callable[[str], PassCommand] = command_for) -> PassCommand:
         # Cached memory is released once, before this pass type's first run (so the peak is this pass's, not
         # what an earlier point or pass left); later runs keep it, as the steps of a training loop do: releasing
         # before every timed repeat would time the allocator's (and the kernel's) cold start each time.
         nonlocal runs
         runs += 1
-        return command_for(pass_type).replace(release_memory=runs == 1 and release_first)
+        return make(pass_type).replace(release_memory=runs == 1 and release_first)
+
+    def run(which: str, cmd: PassCommand) -> PassResult:
+        return pairing.run(backend, cmd, which) if pairing is not None else backend.run_pass(cmd)
 
     warm_compile = timed_compile = None
     for i in range(warmup):
         t0 = time.perf_counter()
-        result = backend.run_pass(command().replace(memory_snapshot_dir=snapshot_dir))
+        result = run("point", command().replace(memory_snapshot_dir=snapshot_dir))
         warm_compile = compiling.add(warm_compile, result.compile)
         log.info("%s%s warm-up %d/%d: %.2f s%s", label, pass_type, i + 1, warmup, time.perf_counter() - t0,
                  _compiled_phrase(result.compile))
+        if pairing is not None and pairing.warm:  # the baseline's first runs are not timed either
+            run("baseline", command(pairing.command_for))
     elapsed, walls, hosts, utils, mems, timelines = [], [], [], [], [], []
+    base_elapsed: list[float] = []
     rank_peaks: Optional[list[Optional[int]]] = None
     allocated: Optional[list[Optional[int]]] = None
     reserved: Optional[list[Optional[int]]] = None
     device_used: Optional[list[Optional[int]]] = None
     sampler = make_sampler(backend, sample_interval_s)
-    for i in range(repeat):
+    limit = max(repeat, max_repeats or repeat)
+
+    def more() -> bool:
+        if len(elapsed) < repeat:
+            return True
+        if len(elapsed) >= limit:
+            return False
+        if needs_more([real_tokens / t for t in elapsed], target_ci_pct):
+            return True
+        return pairing is not None and needs_more(_ratios(real_tokens, elapsed, base_elapsed), target_ci_pct)
+
+    while more():
+        i = len(elapsed)
+        # pairs alternate their order (A B, B A, ...): a drift within a pair cancels over two pairs
+        if pairing is not None and i % 2 == 1:
+            base_elapsed.append(_timed(run("baseline", command(pairing.command_for))))
         if sampler is not None:
             sampler.start()
         t0 = time.perf_counter()
-        result = backend.run_pass(command())
+        result = run("point", command())
         wall = time.perf_counter() - t0
         util, mem_pct = sampler.stop() if sampler is not None else (None, None)
+        if pairing is not None and i % 2 == 0:
+            base_elapsed.append(_timed(run("baseline", command(pairing.command_for))))
         # The timed region the backend measured (the steps only); else the whole call.
         dt = result.step_s if result.step_s is not None else wall
         if sampler is not None:
@@ -139,15 +219,18 @@ def measure_pass(
         timelines.append(result.timeline)
         if on_repeat is not None:
             on_repeat(pass_type, i, dt, real_tokens / dt, util)
+        paired = (f", pair ratio {real_tokens / dt / (real_tokens / base_elapsed[-1]):.3f}"
+                  if pairing is not None else "")
         log.info(
-            "%s%s repeat %d/%d: %.2f s, %s tok/s%s",
+            "%s%s repeat %d/%s: %.2f s, %s tok/s%s%s",
             label,
             pass_type,
             i + 1,
-            repeat,
+            repeat if i < repeat else f"{repeat}+ (bench.target_ci_pct={target_ci_pct:g})",
             dt,
             f"{real_tokens / dt:,.0f}",
             f", util {util:.0f}%" if util is not None else "",
+            paired,
         )
     assert result is not None
     if timed_compile and timed_compile["compilations"] + timed_compile["backward_compilations"]:
@@ -174,8 +257,40 @@ def measure_pass(
         compile=None if warm_compile is None and timed_compile is None else {"warmup": warm_compile,
                                                                              "timed": timed_compile},
         timeline=timeline_record(timelines),
+        target_ci_pct=target_ci_pct,
+        baseline_elapsed_s=base_elapsed if pairing is not None else None,
     )
+    _log_spread(label, pass_type, record, repeat)
     return record, result
+
+
+def _timed(result: PassResult) -> float:
+    if result.step_s is None:
+        raise RuntimeError("a paired baseline pass needs the backend's timed region (PassResult.step_s)")
+    return result.step_s
+
+
+def _ratios(real_tokens: int, elapsed: Sequence[float], base_elapsed: Sequence[float]) -> list[float]:
+    """Pair ratios of throughput (point ÷ baseline) for the pairs both sides of which have run."""
+    return [b / e for e, b in zip(elapsed, base_elapsed)]
+
+
+def _log_spread(label: str, pass_type: str, record: "PassRecord", repeat: int) -> None:
+    """One line: the median and interval of the pass's tok/s (and of its paired speedup), flagged when noisy."""
+    d = record.spread_fields()
+    ci = d["tok_per_s_ci"]
+    interval = f", 95% interval {ci[0]:,.0f}–{ci[1]:,.0f} (±{d['tok_per_s_ci_pct']:.1f}%)" if ci else ""
+    extra = f" after {d['repeats']} repeats" if d["repeats"] > repeat else ""
+    speed = d.get("speedup")
+    paired = ""
+    if speed and speed["median"] is not None:
+        sci = speed["ci"]
+        paired = (f"; speedup over mbs=1 {speed['median']:.3f}× in {speed['n']} pairs"
+                  + (f" ({sci[0]:.3f}–{sci[1]:.3f})" if sci else ""))
+    noisy = "; noisy: its repeats spread more than 10%, rerun on a quiet machine or raise bench.repeat" \
+        if d["noisy"] else ""
+    log.info("%s%s: median %s tok/s%s%s%s%s", label, pass_type, f"{d['tok_per_s_median']:,.0f}", interval, extra,
+             paired, noisy)
 
 
 def _compiled_phrase(record: Optional[dict]) -> str:
@@ -207,6 +322,9 @@ def merge_records(first: PassRecord, more: PassRecord) -> PassRecord:
         kernels=more.kernels,
         compile=_added_compile(first.compile, more.compile),
         timeline=merge_timelines(first.timeline, more.timeline),
+        target_ci_pct=more.target_ci_pct or first.target_ci_pct,
+        baseline_elapsed_s=(None if first.baseline_elapsed_s is None or more.baseline_elapsed_s is None
+                            else first.baseline_elapsed_s + more.baseline_elapsed_s),
     )
 
 
@@ -269,4 +387,5 @@ def default_command_for(
     return lambda pass_type: make_command(pass_type, examples, mtpm, mbs, **options)
 
 
-__all__ = ["PASS_TYPES", "PassRecord", "measure_pass", "merge_records", "default_command_for", "profile_pass"]
+__all__ = ["PASS_TYPES", "Pairing", "PassRecord", "measure_pass", "merge_records", "default_command_for",
+           "profile_pass"]

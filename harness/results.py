@@ -85,7 +85,8 @@ def base_document(cfg: DictConfig, overrides: Sequence[str]) -> dict[str, Any]:
         "cost_model": get("cost_model"),  # flops or calibrated: what the planner balanced (plan.cost_model: the numbers)
         "gc": get("gc"),
         "bench": {"warmup": get("bench.warmup"), "repeat": get("bench.repeat"), "profile": get("bench.profile"),
-                  "memory_snapshot": get("bench.memory_snapshot")},
+                  "memory_snapshot": get("bench.memory_snapshot"), "paired": get("bench.paired"),
+                  "target_ci_pct": get("bench.target_ci_pct"), "max_repeats": get("bench.max_repeats")},
         "workload": {"name": get("workload.name")},
         "plan": None,
         "precision": None,  # the precision policy that ran: params, adapters, compute, reduce (backends/model/build.py)

@@ -35,6 +35,8 @@ def summary_metrics(doc: dict) -> dict:
     if isinstance(auto, dict):  # mtpm=auto: the answer, the limit, the model and each candidate by its budget
         _flatten("auto", {k: v for k, v in auto.items() if k != "candidates"}, out)
         _flatten("auto/candidates", {str(c.get("mtpm")): c for c in auto.get("candidates") or []}, out)
+    if isinstance(doc.get("speedup"), dict):  # fwd+bwd over mbs=1, measured in pairs: median, interval, each pair
+        _flatten("speedup", doc["speedup"], out)
     if isinstance(doc.get("shares"), dict):  # this point's plan was measured by another point of the sweep
         _flatten("shares", doc["shares"], out)
     out["wall_s"] = doc.get("wall_s")

@@ -197,6 +197,8 @@ def row_of(path: Path, doc: dict) -> dict:
         # the point planned exactly as an earlier one of its sweep and shares that measurement (its budget, or None)
         "shares_mtpm": _shares(doc),
         "auto": _auto(doc),  # mtpm=auto: the search's summary (harness/auto.py), else None
+        # fwd+bwd over mbs=1 measured in pairs beside it ({median, ci, pairs, ...}); None: not paired
+        "paired_speedup": doc.get("speedup") if isinstance(doc.get("speedup"), dict) else None,
     }
     mems = []
     rank_peaks: list = []
@@ -208,6 +210,10 @@ def row_of(path: Path, doc: dict) -> dict:
         row[f"{p}_mem_peak_bytes"] = rec.get("mem_peak_bytes")
         row[f"{p}_mfu_pct"] = rec.get("mfu_pct")
         row[f"{p}_measured_critical_path"] = rec.get("measured_critical_path")  # from the ranks' step times
+        row[f"{p}_tok_per_s_median"] = rec.get("tok_per_s_median")  # the spread of the repeats (harness/spread.py)
+        row[f"{p}_tok_per_s_ci"] = rec.get("tok_per_s_ci")
+        row[f"{p}_tok_per_s_ci_pct"] = rec.get("tok_per_s_ci_pct")
+        row[f"{p}_noisy"] = rec.get("noisy")
         row[f"{p}_idle_fraction"] = rec.get("idle_fraction")
         if rec.get("mem_pct") is not None:
             mems.append(rec["mem_pct"])
@@ -228,7 +234,7 @@ _JSON_TYPE = {dict: "an object", list: "an array", str: "a string", bool: "true 
 # The keys the report reads, by what each must be (or null): a results.json with another shape is unreadable.
 _KINDS = {"object": (dict,), "number": (int, float), "string": (str,), "list": (list,)}
 _SHAPE = {
-    "object": ("device", "model", "workload", "bench", "plan", "passes", "precision", "shares", "auto"),
+    "object": ("device", "model", "workload", "bench", "plan", "passes", "precision", "shares", "auto", "speedup"),
     "number": ("mtpm", "mbs", "max_seqs_per_microbatch", "world_size", "workload.n_examples", "workload.total_tokens",
                "workload.min_len", "workload.max_len", "plan.pad_efficiency", "plan.critical_path", "plan.cost_imbalance",
                "plan.steps", "plan.lower_bound_steps", "plan.max_microbatch_padded_tokens", "plan.max_seqs_per_microbatch"),

@@ -106,9 +106,10 @@ def _status(r, base: Optional[Path]) -> str:
         return f"unreadable: {shown.as_posix()}"
     label = STATUS_LABEL.get(r.status, str(r.status))
     shares = getattr(r, "shares_mtpm", None)
+    noisy = ", noisy" if is_noisy(r) else ""
     if r.status == "ok" and not _missing(shares):
-        return f"{label} (shares {shares}'s measurement: same plan)"
-    return label
+        return f"{label}{noisy} (shares {shares}'s measurement: same plan)"
+    return label + noisy
 
 
 def _figure_link(png, base: Optional[Path], text: str) -> str:
@@ -145,15 +146,64 @@ def baselines(df: pd.DataFrame) -> dict:
     return base
 
 
+def _paired(r) -> Optional[dict]:
+    """A row's speedup measured in pairs beside mbs=1 passes (results.json ``speedup``), or None."""
+    speed = getattr(r, "paired_speedup", None)
+    return speed if isinstance(speed, dict) and speed.get("median") is not None else None
+
+
 def speedups(df: pd.DataFrame) -> list[Optional[float]]:
-    """fwd+bwd tok/s of each row ÷ that of the same setting's and backend's mbs=1 row (None without one)."""
+    """Each row's fwd+bwd speedup over mbs=1: the median of its pairs where it was measured in pairs, else its tok/s ÷
+    that of the same setting's and backend's mbs=1 row, measured at another time (None without one)."""
     base = baselines(df)
     out = []
     for r in df.itertuples(index=False):
+        paired = _paired(r)
+        if paired is not None and r.status == "ok":
+            out.append(paired["median"])
+            continue
         ref = base.get((r.setting, r.backend))
         ok = ref and r.status == "ok" and not _missing(r.forward_backward_tok_per_s)
         out.append(r.forward_backward_tok_per_s / ref if ok else None)
     return out
+
+
+def _pct_of(ci) -> str:
+    """" ±3.1%": an interval's half width in % of its centre (geometric), "" without one."""
+    if not isinstance(ci, (list, tuple)) or len(ci) != 2 or not ci[0]:
+        return ""
+    return f" ±{100 * ((ci[1] / ci[0]) ** 0.5 - 1):.1f}%"
+
+
+def _speedup_cell(r, speedup: Optional[float]) -> str:
+    """"1.38× ±3.1% (3 pairs)" measured in pairs, "1.38× (unpaired)" from the mbs=1 row, the baseline's own."""
+    if _missing(speedup):
+        return "—"
+    if _is_baseline(r):
+        return "1.00× (baseline)"
+    paired = _paired(r)
+    if paired is not None:
+        return f"{speedup:.2f}×{_pct_of(paired.get('ci'))} ({len(paired.get('pairs') or [])} pairs)"
+    return f"{speedup:.2f}× (unpaired)"
+
+
+def _tok_cell(r, pass_type: str) -> str:
+    """A pass's tok/s with its interval's half width: "10,874 ±2.3%" (repeats written before intervals: the number)."""
+    tok = getattr(r, f"{pass_type}_tok_per_s")
+    if _missing(tok):
+        return "—"
+    return f"{tok:,.0f}{_pct_of(getattr(r, f'{pass_type}_tok_per_s_ci', None))}"
+
+
+def is_noisy(r) -> bool:
+    """A measured row whose fwd or fwd+bwd repeats, or whose speedup's pairs, spread more than 10% (max / min)."""
+    paired = _paired(r) or {}
+    flags = (getattr(r, "forward_noisy", None), getattr(r, "forward_backward_noisy", None), paired.get("noisy"))
+    return r.status == "ok" and any(not _missing(f) and bool(f) for f in flags)
+
+
+NOISY_NOTE = ("Noisy: a pass's timed repeats, or its speedup's pairs, spread more than 10% (largest ÷ smallest): rerun "
+              "on a quiet machine, or raise bench.repeat (or set bench.target_ci_pct).")
 
 
 def _cap(r) -> Optional[int]:
@@ -179,16 +229,26 @@ def _setting_phrase(r) -> str:
 def _answer(r, speedup: Optional[float], n_measured: int) -> str:
     """A backend's answer: what to set, how fast it ran, against mbs=1, and its memory (of the limit, for auto)."""
     parts = [f"{r.forward_backward_tok_per_s:,.0f} tok/s fwd+bwd"]
-    parts.append("no mbs=1 run to compare with" if _missing(speedup) else
-                 "the mbs=1 baseline" if _is_baseline(r) else f"{speedup:.2f}× mbs=1")
+    paired = _paired(r)
+    ci = (paired or {}).get("ci")
+    if paired is not None and not _is_baseline(r):
+        interval = f", 95% interval {ci[0]:.2f}–{ci[1]:.2f}" if ci else ""
+        parts.append(f"{speedup:.2f}× mbs=1 ({len(paired.get('pairs') or [])} pairs{interval})")
+    else:
+        parts.append("no mbs=1 run to compare with" if _missing(speedup) else
+                     "the mbs=1 baseline" if _is_baseline(r) else f"{speedup:.2f}× mbs=1")
     peaks = [p for p in (r.peak_mem_bytes_per_rank or []) if p is not None] if isinstance(
         r.peak_mem_bytes_per_rank, (list, tuple)) else []
     auto = _auto_of(r)
     limit = (auto or {}).get("limit_bytes")
     if peaks:
         parts.append(f"peak {_gib(max(peaks))}" + (f" of {_gib(limit)}" if limit else " per rank"))
-    if not _missing(speedup) and speedup < 1 and not _is_baseline(r):
+    if ci and ci[0] <= 1.0 <= ci[1] and not _is_baseline(r):
+        parts.append("not told apart from mbs=1 here (its interval holds 1.0)")
+    elif not _missing(speedup) and speedup < 1 and not _is_baseline(r):
         parts.append("mbs=1 ran faster: no budget pays here")
+    if is_noisy(r):
+        parts.append("noisy")
     if auto:
         tried = [c for c in auto.get("candidates") or [] if c.get("status") in ("ok", "oom")]
         how = f"mtpm=auto: the fastest of {len(tried)} budgets measured, of {len(auto.get('candidates') or [])} distinct plans"
@@ -234,11 +294,11 @@ def table_frame(df: pd.DataFrame, base: Optional[Path] = None) -> pd.DataFrame:
                 f"{int(r.mtpm):,}" if budget else "—",
                 _text(r.planner),
                 _text(r.layout),
-                _int(r.forward_tok_per_s),
+                _tok_cell(r, "forward"),
                 _pct(r.forward_util_pct),
-                _int(r.forward_backward_tok_per_s),
+                _tok_cell(r, "forward_backward"),
                 _pct(r.forward_backward_util_pct),
-                "—" if _missing(speedup) else "1.00× (baseline)" if _is_baseline(r) else f"{speedup:.2f}×",
+                _speedup_cell(r, speedup),
                 _pct(getattr(r, "forward_backward_mfu_pct", None), 2),
                 _pct(r.peak_mem_pct, 1),
                 _gib_per_rank(r.peak_mem_bytes_per_rank),
@@ -277,6 +337,8 @@ def markdown_tables(df: pd.DataFrame, base: Optional[Path] = None) -> str:
         if len(hist):  # the setting's workload drawn (reports/plots.py: draw_length_histogram)
             label += f" Sequence lengths: {_figure_link(hist.iloc[0], base, 'histogram')}."
         text += f"{label}\n\n" + table_frame(sub, base).to_markdown(index=False, disable_numparse=True)
+        if any(is_noisy(r) for r in sub.itertuples(index=False)):
+            text += "\n\n" + NOISY_NOTE
         parts.append(text)
     return "\n\n".join(parts)
 
@@ -343,7 +405,15 @@ def write_csv(df: pd.DataFrame, path: Path, base: Optional[Path] = None) -> None
     base = Path(path).parent if base is None else base
     out["path"] = out["path"].map(lambda p: p if _missing(p) else portable_path(p, base))
     for col in ("n_microbatches", "n_dummy", "forward_mem_peak_bytes", "forward_backward_mem_peak_bytes",
-                "peak_mem_bytes_per_rank", "idle_fraction", "forward_idle_fraction", "forward_backward_idle_fraction"):
+                "peak_mem_bytes_per_rank", "idle_fraction", "forward_idle_fraction", "forward_backward_idle_fraction",
+                "forward_tok_per_s_ci", "forward_backward_tok_per_s_ci"):
         out[col] = out[col].map(lambda v: " ".join(map(str, v)) if isinstance(v, (list, tuple)) else v)
+    if "paired_speedup" in out:  # the speedup's median, interval and pairs as columns; results.json has it whole
+        speed = out.pop("paired_speedup")
+        out["speedup_median"] = speed.map(lambda d: d.get("median") if isinstance(d, dict) else None)
+        out["speedup_ci"] = speed.map(lambda d: " ".join(map(str, d["ci"])) if isinstance(d, dict) and d.get("ci")
+                                      else None)
+        out["speedup_pairs"] = speed.map(lambda d: " ".join(map(str, d.get("pairs") or [])) if isinstance(d, dict)
+                                         else None)
     path.parent.mkdir(parents=True, exist_ok=True)
     out.to_csv(path, index=False)

@@ -35,7 +35,8 @@ def test_single_run_writes_results_json(workdir):
     assert built["vocab_size"] == 2048 and built["dtype"] == "float32"
     assert 0 < built["n_trainable_params"] < built["n_params"]  # LoRA: only the adapters train
     assert (res["mtpm"], res["mbs"], res["gc"]) == (600, 1, False)
-    assert res["bench"] == {"warmup": 0, "repeat": 2, "profile": False, "memory_snapshot": False}
+    assert res["bench"] == {"warmup": 0, "repeat": 2, "profile": False, "memory_snapshot": False, "paired": True,
+                            "target_ci_pct": None, "max_repeats": 20}
     lengths = mixed_lengths(16, 64, 512, 42)
     assert res["workload"]["name"] == "smoke"
     assert res["workload"]["n_examples"] == 16

@@ -1,0 +1,90 @@
+"""How far a figure can be trusted: the spread of repeated measurements, a confidence interval, and paired ratios.
+
+Throughput on a shared machine drifts (other tenants, frequency, memory placement), and its noise is
+multiplicative: a pass 5% slower is 5% slower whatever its size. So every interval here is a **t-interval on
+the logarithms** of the values: the mean log ± t(n−1) · s/√n, back on the original scale. It is a confidence
+interval (95% by default) for the geometric mean of the values, and for a ratio of two throughputs it is
+symmetric in which one is on top. The median, minimum and maximum are reported beside it; a figure whose
+largest repeat is more than ``NOISY_RATIO`` times its smallest is flagged noisy.
+
+A speedup is measured in pairs: the point's pass and the baseline's run side by side in time, in alternating
+order (A B, B A, A B, ...), and each pair gives one ratio. A drift that slows the machine between two points
+slows both passes of a pair alike, so it cancels in the ratio; a linear drift within a pair cancels over
+each two pairs of alternating order.
+
+Pure Python (the quantiles of Student's t are tabulated): no numpy, no torch.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Optional, Sequence
+
+LEVEL = 0.95
+NOISY_RATIO = 1.10  # max / min of a figure's repeats above this: the row is flagged noisy
+METHOD = "t-interval (95%) of the mean of log values: a confidence interval for the geometric mean"
+# Student's t, two-sided 95% (the 0.975 quantile), by degrees of freedom 1..30.
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def t_quantile(df: int) -> float:
+    """The 0.975 quantile of Student's t with ``df`` degrees of freedom (the table, then a Cornish-Fisher step)."""
+    if df < 1:
+        raise ValueError(f"degrees of freedom must be >= 1, got {df}")
+    if df <= len(_T975):
+        return _T975[df - 1]
+    z = 1.959964
+    return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df * df)
+
+
+def interval(values: Sequence[float]) -> Optional[tuple[float, float]]:
+    """The 95% t-interval of the geometric mean of positive ``values``, or None with fewer than two."""
+    logs = [math.log(v) for v in values if v is not None and v > 0]
+    if len(logs) < 2:
+        return None
+    mean = statistics.fmean(logs)
+    half = t_quantile(len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
+    return math.exp(mean - half), math.exp(mean + half)
+
+
+def half_width_pct(ci: Optional[Sequence[float]]) -> Optional[float]:
+    """An interval's half width as a percentage of its centre (geometric), or None without one."""
+    if not ci:
+        return None
+    lo, hi = ci
+    return 100.0 * (math.sqrt(hi / lo) - 1.0)
+
+
+def summary(values: Sequence[float]) -> dict:
+    """``median``, ``min``, ``max``, ``ci`` ([low, high], null below two values), ``ci_pct`` (its half width in % of
+    the centre), ``n`` and ``noisy`` (max / min above ``NOISY_RATIO``) of repeated measurements."""
+    known = [float(v) for v in values if v is not None]
+    if not known:
+        return {"median": None, "min": None, "max": None, "ci": None, "ci_pct": None, "n": 0, "noisy": False}
+    ci = interval(known)
+    return {"median": statistics.median(known), "min": min(known), "max": max(known),
+            "ci": None if ci is None else [ci[0], ci[1]], "ci_pct": half_width_pct(ci), "n": len(known),
+            "noisy": min(known) > 0 and max(known) / min(known) > NOISY_RATIO}
+
+
+def paired_speedup(point: Sequence[float], baseline: Sequence[float]) -> dict:
+    """The speedup of ``point`` over ``baseline`` from throughputs measured in pairs (index i of each side by side).
+
+    ``median`` is the median pair ratio, ``ci`` the 95% interval of their geometric mean, ``pairs`` every ratio.
+    """
+    if len(point) != len(baseline):
+        raise ValueError(f"paired measurements need as many baseline runs as point runs ({len(baseline)} vs {len(point)})")
+    ratios = [p / b for p, b in zip(point, baseline) if p and b]
+    out = summary(ratios)
+    out["pairs"] = ratios
+    return out
+
+
+def needs_more(values: Sequence[float], target_pct: Optional[float]) -> bool:
+    """Whether ``values`` need more repeats for ``target_pct``: no interval yet, or one whose half width is wider."""
+    if target_pct is None:
+        return False
+    width = half_width_pct(interval(values))
+    return width is None or width > target_pct

@@ -1,0 +1,120 @@
+"""Numbers that hold on a noisy machine: intervals on every figure, speedups measured in pairs, repeats until the
+interval is tight, and a machine that drifts (harness/spread.py, harness/measure.py)."""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import numpy as np
+import pytest
+
+from backends.backend import Backend
+from backends.messages import PassResult, make_command
+from backends.specs import BackendSpec, ModelSpec
+from harness.measure import Pairing, measure_pass, merge_records
+from harness.spread import NOISY_RATIO, half_width_pct, interval, paired_speedup, summary, t_quantile
+from harness.workload import make_examples
+
+EXAMPLES = make_examples([100, 200, 300, 400], 64, seed=0)
+TOKENS = sum(len(e) for e in EXAMPLES)
+
+
+def test_the_interval_is_students_t_on_the_logs_and_covers_the_geometric_mean_as_often_as_it_says():
+    assert t_quantile(2) == pytest.approx(4.303) and t_quantile(1000) == pytest.approx(1.962, abs=1e-3)
+    lo, hi = interval([100.0, 110.0, 121.0])  # logs equally spaced: the centre is the middle value
+    assert math.sqrt(lo * hi) == pytest.approx(110.0)
+    logs = np.log([100.0, 110.0, 121.0])
+    assert math.log(hi / 110.0) == pytest.approx(4.303 * np.std(logs, ddof=1) / math.sqrt(3), rel=1e-3)
+    assert interval([5.0]) is None and half_width_pct(None) is None
+    # coverage: 2,000 samples of 5 repeats with 4% multiplicative noise around 1,000 tok/s
+    rng = np.random.default_rng(0)
+    hits = 0
+    for _ in range(2000):
+        lo, hi = interval(1000.0 * np.exp(rng.normal(0, 0.04, 5)))
+        hits += lo <= 1000.0 <= hi
+    assert 0.93 <= hits / 2000 <= 0.97
+
+
+def test_a_figure_records_its_median_spread_interval_and_whether_it_is_noisy():
+    s = summary([1000.0, 1020.0, 990.0])
+    assert (s["median"], s["min"], s["max"], s["n"]) == (1000.0, 990.0, 1020.0, 3) and not s["noisy"]
+    assert s["ci"][0] < 990.0 and s["ci"][1] > 1020.0 and 0 < s["ci_pct"] < 10
+    assert summary([1000.0, 1000.0 * NOISY_RATIO * 1.01])["noisy"]
+    assert summary([])["median"] is None
+    speed = paired_speedup([150.0, 140.0, 160.0], [100.0, 100.0, 100.0])
+    assert speed["pairs"] == [1.5, 1.4, 1.6] and speed["median"] == 1.5 and speed["ci"][0] < 1.4 < 1.6 < speed["ci"][1]
+    with pytest.raises(ValueError, match="as many baseline runs"):
+        paired_speedup([1.0, 2.0], [1.0])
+
+
+class DriftingBackend(Backend):
+    """A machine that slows down steadily: each pass takes its work × (1 + drift × the passes run before it).
+
+    The point (a budget) does 1 unit of work, the mbs=1 baseline 1.5: the true speedup is 1.5 at any moment.
+    """
+
+    name = "drifting"
+
+    def __init__(self, drift: float, noise: float = 0.0, seed: int = 0):
+        super().__init__(BackendSpec(), ModelSpec())
+        self.drift, self.noise, self.calls = drift, noise, 0
+        self.rng = np.random.default_rng(seed)
+
+    def _run_pass(self, command) -> PassResult:
+        plan = command.plan(1, lockstep=False)
+        work = 1.5 if command.max_tokens_per_microbatch is None else 1.0
+        step_s = work * (1 + self.drift * self.calls) * math.exp(self.noise * self.rng.standard_normal())
+        self.calls += 1
+        return PassResult(outputs=[], plan=plan.stats.as_dict(), step_s=step_s)
+
+
+def _commands(mtpm):
+    return lambda pass_type: make_command(pass_type, EXAMPLES, mtpm, 1)
+
+
+def test_a_drifting_machine_fools_points_measured_one_after_the_other_and_not_paired_repeats():
+    backend = DriftingBackend(drift=0.03)
+    # one after the other, as a sweep's points run: the baseline, then the point, on a machine 3% slower per pass
+    base, _ = measure_pass(backend, EXAMPLES, "forward_backward", 1, 5, _commands(None), sample_interval_s=0.05)
+    point, _ = measure_pass(backend, EXAMPLES, "forward_backward", 1, 5, _commands(1000), sample_interval_s=0.05)
+    sequential = point.tok_per_s / base.tok_per_s
+    assert sequential < 1.5 * 0.88  # the drift between the two points eats more than a tenth of the speedup
+    # side by side: every repeat of the point beside an mbs=1 pass, in alternating order
+    paired, _ = measure_pass(DriftingBackend(drift=0.03), EXAMPLES, "forward_backward", 1, 6, _commands(1000),
+                             sample_interval_s=0.05, pairing=Pairing(_commands(None), point=(1000, 1)))
+    speed = paired.spread_fields()["speedup"]
+    assert len(speed["pairs"]) == 6 and speed["ci"][0] <= 1.5 <= speed["ci"][1]
+    assert speed["median"] == pytest.approx(1.5, rel=0.02)
+    assert abs(speed["median"] - 1.5) < abs(sequential - 1.5) / 5
+    assert speed["baseline_tok_per_s"]["n"] == 6 and len(speed["baseline_elapsed_s"]) == 6
+
+
+def test_repeats_go_on_until_the_interval_is_as_tight_as_asked_and_stop_at_the_most_allowed():
+    loose, _ = measure_pass(DriftingBackend(drift=0.0, noise=0.05), EXAMPLES, "forward", 0, 3, _commands(1000),
+                            sample_interval_s=0.05)
+    assert loose.spread_fields()["repeats"] == 3 and loose.spread_fields()["tok_per_s_ci_pct"] > 3
+    tight, _ = measure_pass(DriftingBackend(drift=0.0, noise=0.05), EXAMPLES, "forward", 0, 3, _commands(1000),
+                            sample_interval_s=0.05, target_ci_pct=3.0, max_repeats=40)
+    fields = tight.spread_fields()
+    assert 3 < fields["repeats"] < 40 and fields["tok_per_s_ci_pct"] <= 3.0 and fields["target_ci_pct"] == 3.0
+    capped, _ = measure_pass(DriftingBackend(drift=0.0, noise=0.2), EXAMPLES, "forward", 0, 3, _commands(1000),
+                             sample_interval_s=0.05, target_ci_pct=0.5, max_repeats=6)
+    assert capped.spread_fields()["repeats"] == 6 and capped.spread_fields()["tok_per_s_ci_pct"] > 0.5
+    # paired: the target holds for the speedup's interval too
+    paired, _ = measure_pass(DriftingBackend(drift=0.02, noise=0.03), EXAMPLES, "forward_backward", 1, 3,
+                             _commands(1000), sample_interval_s=0.05, target_ci_pct=2.0, max_repeats=40,
+                             pairing=Pairing(_commands(None), point=(1000, 1)))
+    assert paired.spread_fields()["speedup"]["ci_pct"] <= 2.0
+
+
+def test_more_repeats_of_a_paired_pass_merge_into_one_speedup():
+    backend = DriftingBackend(drift=0.01)
+    pairing = Pairing(_commands(None), point=(1000, 1))
+    first, _ = measure_pass(backend, EXAMPLES, "forward_backward", 1, 2, _commands(1000), sample_interval_s=0.05,
+                            pairing=pairing)
+    more, _ = measure_pass(backend, EXAMPLES, "forward_backward", 0, 2, _commands(1000), sample_interval_s=0.05,
+                           release_first=False, pairing=pairing)
+    merged = merge_records(first, more).spread_fields()
+    assert merged["repeats"] == 4 and len(merged["speedup"]["pairs"]) == 4
+    assert statistics.median(merged["speedup"]["pairs"]) == merged["speedup"]["median"]
