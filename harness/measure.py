@@ -54,6 +54,8 @@ class PassRecord:
     target_ci_pct: Optional[float] = None  # bench.target_ci_pct the repeats were measured to (None: a fixed count)
     # A paired speedup's baseline passes, one per timed repeat, side by side with them (None: not paired)
     baseline_elapsed_s: Optional[list[float]] = None
+    baseline_plan: Optional[dict] = None  # what the paired baseline passes ran: their layout, planner and micro-batches
+    settling_passes: Optional[int] = None  # untimed passes run after a switch between the pair's two sides
 
     def spread_fields(self) -> dict:
         """tok/s median, min, max and 95% interval over the repeats, ``noisy``, ``repeats``; the paired speedup."""
@@ -67,8 +69,10 @@ class PassRecord:
             speed = paired_speedup(per_repeat, base)
             speed["baseline_tok_per_s"] = summary(base)
             speed["baseline_elapsed_s"] = list(self.baseline_elapsed_s)
-            speed["method"] = ("paired: each timed repeat beside an mbs=1 pass, in alternating order; median pair "
-                               "ratio, " + METHOD)
+            speed["baseline_plan"] = self.baseline_plan
+            speed["settling_passes"] = self.settling_passes
+            speed["method"] = ("paired: each timed repeat beside an mbs=1 pass, in alternating order, each timed pass "
+                               "after an untimed one of its own shape; median pair ratio, " + METHOD)
             out["speedup"] = speed
         return out
 
@@ -91,6 +95,10 @@ class PassRecord:
             "timeline": self.timeline,
             **{k: v for k, v in self.spread_fields().items() if k != "speedup"},
         }
+
+
+# What a paired speedup records of the baseline passes it ran beside the point's (their PassResult.plan)
+BASELINE_PLAN_KEYS = ("layout", "planner", "n_microbatches", "padded_tokens", "max_microbatch_size")
 
 
 @dataclass
@@ -144,8 +152,9 @@ def measure_pass(
     runs record the CUDA allocator's history, and one that runs out of memory leaves its snapshot there.
     ``target_ci_pct`` (bench.target_ci_pct): more timed runs, up to ``max_repeats``, until the 95% interval of the
     tok/s (and of the speedup, when paired) is within that many percent. ``pairing``: every timed run is one pair,
-    the point's pass and the baseline's side by side in alternating order (harness/spread.py); the record's
-    ``speedup`` is the median of the pair ratios with its interval."""
+    the point's pass and the baseline's side by side in alternating order (harness/spread.py), each timed pass after
+    an untimed one of its own shape (``settle``); the record's ``speedup`` is the median of the pair ratios with its
+    interval."""
     result: Optional[PassResult] = None
     real_tokens = sum(len(e) for e in examples)
     runs = 0
@@ -158,18 +167,42 @@ def measure_pass(
         runs += 1
         return make(pass_type).replace(release_memory=runs == 1 and release_first)
 
+    baseline_plan: Optional[dict] = None
+    last: Optional[str] = None  # which side ran the backend's last pass ("point" or "baseline"); None: not known
+    settled = 0
+
     def run(which: str, cmd: PassCommand) -> PassResult:
-        return pairing.run(backend, cmd, which) if pairing is not None else backend.run_pass(cmd)
+        nonlocal baseline_plan, last
+        if pairing is None:
+            return backend.run_pass(cmd)
+        out = pairing.run(backend, cmd, which)
+        last = which
+        if which == "baseline":  # a row is what ran: the baseline's own plan, not the one it was asked for
+            baseline_plan = {k: (out.plan or {}).get(k) for k in BASELINE_PLAN_KEYS}
+        return out
+
+    def settle(which: str) -> None:
+        """Paired passes switch shapes: the first pass after a switch pays for it (the other side's cached memory
+        released, pages faulted in again: up to 1.5x slower on CPU), which a training loop never does. That pass runs
+        untimed, so every timed pass follows one of its own shape."""
+        nonlocal settled
+        if pairing is None or last == which:
+            return
+        cmd = command(pairing.command_for if which == "baseline" else command_for)
+        if last is not None:  # the other side ran last: release what it left cached, as a pass type's first run does
+            cmd = cmd.replace(release_memory=True)
+        run(which, cmd)
+        settled += 1
 
     warm_compile = timed_compile = None
+    if pairing is not None and pairing.warm and warmup:  # the baseline's first run is not timed either; before the
+        run("baseline", command(pairing.command_for))  # point's warm-ups, so the first timed pass follows its own
     for i in range(warmup):
         t0 = time.perf_counter()
         result = run("point", command().replace(memory_snapshot_dir=snapshot_dir))
         warm_compile = compiling.add(warm_compile, result.compile)
         log.info("%s%s warm-up %d/%d: %.2f s%s", label, pass_type, i + 1, warmup, time.perf_counter() - t0,
                  _compiled_phrase(result.compile))
-        if pairing is not None and pairing.warm:  # the baseline's first runs are not timed either
-            run("baseline", command(pairing.command_for))
     elapsed, walls, hosts, utils, mems, timelines = [], [], [], [], [], []
     base_elapsed: list[float] = []
     rank_peaks: Optional[list[Optional[int]]] = None
@@ -191,15 +224,19 @@ def measure_pass(
     while more():
         i = len(elapsed)
         # pairs alternate their order (A B, B A, ...): a drift within a pair cancels over two pairs
-        if pairing is not None and i % 2 == 1:
+        baseline_first = pairing is not None and i % 2 == 1
+        if baseline_first:
+            settle("baseline")
             base_elapsed.append(_timed(run("baseline", command(pairing.command_for))))
+        settle("point")
         if sampler is not None:
             sampler.start()
         t0 = time.perf_counter()
         result = run("point", command())
         wall = time.perf_counter() - t0
         util, mem_pct = sampler.stop() if sampler is not None else (None, None)
-        if pairing is not None and i % 2 == 0:
+        if pairing is not None and not baseline_first:
+            settle("baseline")
             base_elapsed.append(_timed(run("baseline", command(pairing.command_for))))
         # The timed region the backend measured (the steps only); else the whole call.
         dt = result.step_s if result.step_s is not None else wall
@@ -259,6 +296,8 @@ def measure_pass(
         timeline=timeline_record(timelines),
         target_ci_pct=target_ci_pct,
         baseline_elapsed_s=base_elapsed if pairing is not None else None,
+        baseline_plan=baseline_plan,
+        settling_passes=settled if pairing is not None else None,
     )
     _log_spread(label, pass_type, record, repeat)
     return record, result
@@ -325,6 +364,9 @@ def merge_records(first: PassRecord, more: PassRecord) -> PassRecord:
         target_ci_pct=more.target_ci_pct or first.target_ci_pct,
         baseline_elapsed_s=(None if first.baseline_elapsed_s is None or more.baseline_elapsed_s is None
                             else first.baseline_elapsed_s + more.baseline_elapsed_s),
+        baseline_plan=more.baseline_plan or first.baseline_plan,
+        settling_passes=(None if first.settling_passes is None or more.settling_passes is None
+                         else first.settling_passes + more.settling_passes),
     )
 
 

@@ -359,6 +359,56 @@ MUTATIONS = (
         '        "gc": bool(gc),',
         ("tests/unit/test_calibration.py::test_the_cache_key_changes_with_everything_a_fit_depends_on",),
     ),
+    Mutation(
+        "paired repeats always run the point first: a drift inside every pair biases the speedup",
+        "harness/measure.py",
+        "        baseline_first = pairing is not None and i % 2 == 1\n",
+        "        baseline_first = False\n",
+        ("tests/unit/test_spread.py::test_a_drifting_machine_fools_points_measured_one_after_the_other_and_not_paired_repeats",),
+    ),
+    Mutation(
+        "no settling pass: the first timed pass after a switch of shape pays for the switch",
+        "harness/measure.py",
+        "        if pairing is None or last == which:\n            return\n",
+        "        if True:\n            return\n",
+        ("tests/unit/test_spread.py::test_every_timed_pass_of_a_pair_follows_one_of_its_own_shape_so_a_switch_costs_neither_side",),
+    ),
+    Mutation(
+        "a normal quantile in place of Student's t: an interval of 3 repeats half as wide as it should be",
+        "harness/spread.py",
+        "    if df <= len(_T975):\n        return _T975[df - 1]\n",
+        "",
+        ("tests/unit/test_spread.py::test_the_interval_is_students_t_on_the_logs_and_covers_the_geometric_mean_as_often_as_it_says",),
+    ),
+    Mutation(
+        "bench.target_ci_pct is ignored for a pass's own tok/s: it stops at bench.repeat however wide the interval",
+        "harness/measure.py",
+        "        if needs_more([real_tokens / t for t in elapsed], target_ci_pct):\n            return True\n",
+        "",
+        ("tests/unit/test_spread.py::test_repeats_go_on_until_the_interval_is_as_tight_as_asked_and_stop_at_the_most_allowed",),
+    ),
+    Mutation(
+        "a spread over 10% is never flagged noisy",
+        "harness/spread.py",
+        '"noisy": min(known) > 0 and max(known) / min(known) > NOISY_RATIO}',
+        '"noisy": False}',
+        ("tests/unit/test_spread.py::test_a_figure_records_its_median_spread_interval_and_whether_it_is_noisy",
+         "tests/unit/test_reports.py::test_committed_results_are_a_real_sweep_of_this_machine"),
+    ),
+    Mutation(
+        "the report divides by the sweep's mbs=1 row though the point measured its speedup in pairs",
+        "reports/render.py",
+        '        if paired is not None and r.status == "ok":\n',
+        '        if False:\n',
+        ("tests/unit/test_spread.py::test_the_table_and_the_answer_show_the_paired_interval_and_say_when_it_cannot_tell_or_is_noisy",),
+    ),
+    Mutation(
+        "a hot backend's paired baseline runs with the point's budget: the control file is not switched to mbs=1",
+        "harness/measure.py",
+        '        control = getattr(backend, "control", None)\n',
+        "        control = None\n",
+        ("tests/integration/test_hot.py::test_hot_and_cold_sweeps_agree_and_hot_loads_once",),
+    ),
 )
 
 

@@ -39,3 +39,11 @@ def test_hot_and_cold_sweeps_agree_and_hot_loads_once(tmp_path):
             assert ho[pass_type]["loss"] == pytest.approx(co[pass_type]["loss"], rel=1e-5)
         assert ho["forward_backward"]["grad_norm"] == pytest.approx(co["forward_backward"]["grad_norm"], rel=1e-5)
     assert len({(r["plan"]["padded_tokens"], tuple(r["plan"]["n_microbatches"])) for r in hot_res}) == 3
+    # each budget's speedup was measured beside mbs=1 passes (bench.paired): on the hot backend the control file
+    # switched to mbs=1 and back for them: they ran fixed mbs=1 slices, and the point kept its own plan (above)
+    for res in (cold_res, hot_res):
+        for r in res:  # mbs=3 at every point: none is the baseline, each is paired
+            ran = r["speedup"]["baseline_plan"]
+            assert (ran["planner"], ran["layout"], ran["max_microbatch_size"]) == ("greedy", "padded", 1), r["speedup"]
+            assert sum(ran["n_microbatches"]) == r["workload"]["n_examples"] and r["plan"]["max_microbatch_size"] > 1
+            assert len(r["speedup"]["pairs"]) == 1 and r["speedup"]["median"] > 0

@@ -161,7 +161,8 @@ def test_results_without_the_cap_render_as_before_and_a_capped_row_says_its_cap(
               "passes": {**old["passes"], "forward_backward": faster}}  # the fastest line names the capped row
     both = _frame(tmp_path / "new", {"0": old, "1": capped})
     assert list(both["max_seqs_per_microbatch"].fillna(0)) == [0, 8]
-    header, _, *rows = markdown_tables(both).split("\n\n")[-1].splitlines()
+    table = [block for block in markdown_tables(both).split("\n\n") if block.startswith("|")][-1]
+    header, _, *rows = table.splitlines()
     cells = [c.strip() for c in header.strip("|").split("|")]
     assert cells[cells.index("layout") + 1] == "max seqs"
     assert [[c.strip() for c in r.strip("|").split("|")][cells.index("max seqs")] for r in rows] == ["—", "8"]

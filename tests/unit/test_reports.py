@@ -47,6 +47,7 @@ def test_committed_results_are_a_real_sweep_of_this_machine():
     from backends.specs import ModelSpec
     from harness.balance import balance_fields, ran_schedules
     from harness.flops import flops_record, training_flops_for
+    from harness.spread import paired_speedup, summary
 
     df = collect([REPO / "reports" / "results"])
     assert not df.empty
@@ -107,6 +108,25 @@ def test_committed_results_are_a_real_sweep_of_this_machine():
             recorded = balance_fields(tl, plan.schedules, lengths, res["layout"], lockstep, lengths_model)
             for key in ("measured_critical_path", "idle_fraction", "busy_s", "cost_prediction"):
                 assert p[key] == recorded[key], (point, pass_type, key)
+            # the spread of its repeats, recomputed from them (harness/spread.py)
+            spread = summary([sum(lengths) / t for t in p["elapsed_s"]])
+            assert (p["tok_per_s_median"], p["tok_per_s_min"], p["tok_per_s_max"], p["noisy"], p["repeats"]) == (
+                pytest.approx(spread["median"]), pytest.approx(spread["min"]), pytest.approx(spread["max"]),
+                spread["noisy"], len(p["elapsed_s"])), (point, pass_type)
+            assert p["tok_per_s_ci"] == pytest.approx(spread["ci"]) and p["tok_per_s_ci"][0] < p["tok_per_s_median"]
+        # a budget's speedup over mbs=1: measured in pairs beside mbs=1 passes, one pair per timed repeat
+        speed = res.get("speedup")
+        if res["mtpm"] is None and res["mbs"] == 1:
+            assert speed is None, point
+        else:
+            assert res["bench"]["paired"] and len(speed["pairs"]) == res["bench"]["repeat"], point
+            fb = res["passes"]["forward_backward"]
+            again = paired_speedup([sum(lengths) / t for t in fb["elapsed_s"]],
+                                   [sum(lengths) / t for t in speed["baseline_elapsed_s"]])
+            assert speed["pairs"] == pytest.approx(again["pairs"]) and speed["median"] == pytest.approx(again["median"])
+            assert speed["ci"] == pytest.approx(again["ci"]) and speed["noisy"] == again["noisy"], point
+            assert speed["baseline_plan"]["planner"] == "greedy" and speed["baseline_plan"]["max_microbatch_size"] == 1
+            assert sum(speed["baseline_plan"]["n_microbatches"]) == len(lengths), point
         assert res["passes"]["forward"]["grad_norm"] is None
         grad_norms.append(res["passes"]["forward_backward"]["grad_norm"])
     assert min(grad_norms) > 0 and max(grad_norms) == pytest.approx(min(grad_norms), rel=1e-6)

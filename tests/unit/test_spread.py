@@ -3,6 +3,7 @@ interval is tight, and a machine that drifts (harness/spread.py, harness/measure
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 
@@ -88,6 +89,33 @@ def test_a_drifting_machine_fools_points_measured_one_after_the_other_and_not_pa
     assert speed["median"] == pytest.approx(1.5, rel=0.02)
     assert abs(speed["median"] - 1.5) < abs(sequential - 1.5) / 5
     assert speed["baseline_tok_per_s"]["n"] == 6 and len(speed["baseline_elapsed_s"]) == 6
+    assert speed["baseline_plan"]["planner"] == "greedy" and speed["baseline_plan"]["n_microbatches"] == [4]
+
+
+class SwitchingBackend(DriftingBackend):
+    """A machine whose first pass after a change of shape is slower (caches released, pages faulted in again), and
+    more so into the point's bigger micro-batches (+60%) than into mbs=1 (+10%); otherwise steady. True speedup 1.5."""
+
+    def __init__(self):
+        super().__init__(drift=0.0)
+        self.previous = None
+
+    def _run_pass(self, command) -> PassResult:
+        out = super()._run_pass(command)
+        shape = command.max_tokens_per_microbatch
+        if self.previous is not None and shape != self.previous:
+            out.step_s *= 1.1 if shape is None else 1.6
+        self.previous = shape
+        return out
+
+
+def test_every_timed_pass_of_a_pair_follows_one_of_its_own_shape_so_a_switch_costs_neither_side():
+    paired, _ = measure_pass(SwitchingBackend(), EXAMPLES, "forward_backward", 1, 6, _commands(1000),
+                             sample_interval_s=0.05, pairing=Pairing(_commands(None), point=(1000, 1)))
+    speed = paired.spread_fields()["speedup"]
+    assert speed["pairs"] == pytest.approx([1.5] * 6) and speed["median"] == pytest.approx(1.5)
+    # one settling pass per pair (the pairs alternate, so only the switch inside each pair needs one)
+    assert speed["settling_passes"] == 6 and not speed["noisy"]
 
 
 def test_repeats_go_on_until_the_interval_is_as_tight_as_asked_and_stop_at_the_most_allowed():
@@ -118,3 +146,55 @@ def test_more_repeats_of_a_paired_pass_merge_into_one_speedup():
     merged = merge_records(first, more).spread_fields()
     assert merged["repeats"] == 4 and len(merged["speedup"]["pairs"]) == 4
     assert statistics.median(merged["speedup"]["pairs"]) == merged["speedup"]["median"]
+
+
+def _point_doc(speedup, noisy=False):
+    """The committed sweep's FSDP2 balanced packed 16k point, with the paired speedup (and noise flag) given."""
+    from tests.unit.test_report_inputs import COMMITTED
+
+    doc = json.loads((COMMITTED / "6" / "results.json").read_text())
+    for pass_type, measured in doc["passes"].items():
+        measured["noisy"] = noisy and pass_type == "forward_backward"
+    if speedup is None:
+        doc.pop("speedup", None)
+    else:
+        doc["speedup"] = {"pass_type": "forward_backward", "noisy": False, **speedup}
+    return doc
+
+
+def _fsdp2_report(tmp_path, point) -> tuple[str, str, str]:
+    """(the point's table row, the FSDP2 answer line, the whole report) of a sweep of the mbs=1 baseline and ``point``."""
+    from tests.unit.test_report_inputs import COMMITTED, _report
+
+    base = json.loads((COMMITTED / "0" / "results.json").read_text())
+    base.pop("speedup", None)
+    for measured in base["passes"].values():
+        measured["noisy"] = False
+    report = _report(tmp_path, {"0": base, "1": point})
+    rows = [line for line in report.splitlines() if line.startswith("| FSDP2") and "| 16,384" in line]
+    answers = [line for line in report.splitlines() if line.startswith("- FSDP2:")]
+    assert len(rows) == 1 and len(answers) == 1, report
+    return rows[0], answers[0], report
+
+
+def test_the_table_and_the_answer_show_the_paired_interval_and_say_when_it_cannot_tell_or_is_noisy(tmp_path):
+    from reports.render import NOISY_NOTE
+
+    row, answer, report = _fsdp2_report(tmp_path / "a", _point_doc({"median": 1.2, "ci": [1.1, 1.3],
+                                                                    "pairs": [1.1, 1.2, 1.3], "n": 3}))
+    assert "| 1.20× ±8.7% (3 pairs)" in row and "1.20× mbs=1 (3 pairs, 95% interval 1.10–1.30)" in answer
+    assert "noisy" not in row + answer and NOISY_NOTE not in report and "not told apart" not in answer
+    # an interval that holds 1.0: neither side is declared faster
+    _, answer, _ = _fsdp2_report(tmp_path / "b", _point_doc({"median": 1.05, "ci": [0.9, 1.2],
+                                                             "pairs": [0.9, 1.05, 1.2], "n": 3}))
+    assert "not told apart from mbs=1 here" in answer and "no budget pays" not in answer
+    # a pass whose repeats spread more than 10%: flagged in its status, the answer and a line under the table
+    row, answer, report = _fsdp2_report(tmp_path / "c", _point_doc({"median": 1.2, "ci": [1.1, 1.3],
+                                                                    "pairs": [1.1, 1.2, 1.3], "n": 3}, noisy=True))
+    assert "| ok, noisy |" in row and ", noisy" in answer and NOISY_NOTE in report
+    # not paired (bench.paired=false): the ratio to the sweep's own mbs=1 row, said to be unpaired
+    point = _point_doc(None)
+    row, answer, report = _fsdp2_report(tmp_path / "d", point)
+    base = json.loads((tmp_path / "d" / "sweep" / "0" / "results.json").read_text())
+    ratio = point["passes"]["forward_backward"]["tok_per_s"] / base["passes"]["forward_backward"]["tok_per_s"]
+    assert f"{ratio:.2f}× (unpaired)" in row and f"{ratio:.2f}× mbs=1" in answer and "pairs" not in answer
