@@ -113,7 +113,9 @@ class Pairing:
     command_for: Callable[[str], PassCommand]
     point: tuple[Optional[int], int]
     baseline: tuple[Optional[int], int] = (None, 1)
-    warm: bool = True  # the baseline gets warm-up runs of its own (False: it ran just before, warm)
+    # the baseline gets bench.warmup untimed runs of its own, the settling pass before its first timed one the last
+    # (False: only that settling pass: it ran just before, warm)
+    warm: bool = True
 
     def run(self, backend: Backend, command: PassCommand, which: str) -> PassResult:
         control = getattr(backend, "control", None)
@@ -195,8 +197,9 @@ def measure_pass(
         settled += 1
 
     warm_compile = timed_compile = None
-    if pairing is not None and pairing.warm and warmup:  # the baseline's first run is not timed either; before the
-        run("baseline", command(pairing.command_for))  # point's warm-ups, so the first timed pass follows its own
+    if pairing is not None and pairing.warm:  # the baseline's warm-ups but one, before the point's; the settling pass
+        for _ in range(warmup - 1):  # before its first timed pass is the last one
+            run("baseline", command(pairing.command_for))
     for i in range(warmup):
         t0 = time.perf_counter()
         result = run("point", command().replace(memory_snapshot_dir=snapshot_dir))

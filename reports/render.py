@@ -259,7 +259,8 @@ def _answer(r, speedup: Optional[float], n_measured: int) -> str:
 
 def fastest_lines(df: pd.DataFrame) -> list[str]:
     """The answer, one line per backend (and setting): what to set, from its mtpm=auto row when there is one, else
-    the fastest fwd+bwd row; its speed against mbs=1 and its peak memory."""
+    the fastest fwd+bwd row against mbs=1 (a speedup measured in pairs ranks by its pairs: a point measured while
+    the machine ran fast does not win on that); its speed against mbs=1 and its peak memory."""
     if df.empty:
         return []
     df = df.assign(speedup=speedups(df))
@@ -270,7 +271,8 @@ def fastest_lines(df: pd.DataFrame) -> list[str]:
             continue
         searched = ok[ok["auto"].map(lambda a: isinstance(a, dict))] if "auto" in ok else ok.iloc[:0]
         pool = searched if not searched.empty else ok
-        best = pool.loc[pool["forward_backward_tok_per_s"].idxmax()]
+        ranked = pool["speedup"] if pool["speedup"].notna().all() else pool["forward_backward_tok_per_s"]
+        best = pool.loc[ranked.astype(float).idxmax()]
         measured = ok["shares_mtpm"].isna().sum() if "shares_mtpm" in ok else len(ok)  # shared rows measured nothing
         lines.append(_answer(best, best.speedup, int(measured)))
     return lines

@@ -403,6 +403,13 @@ MUTATIONS = (
         ("tests/unit/test_spread.py::test_the_table_and_the_answer_show_the_paired_interval_and_say_when_it_cannot_tell_or_is_noisy",),
     ),
     Mutation(
+        "the answer ranks rows by tok/s though they were measured in pairs: a point timed while the machine ran fast wins",
+        "reports/render.py",
+        '        ranked = pool["speedup"] if pool["speedup"].notna().all() else pool["forward_backward_tok_per_s"]\n',
+        '        ranked = pool["forward_backward_tok_per_s"]\n',
+        ("tests/unit/test_spread.py::test_the_table_and_the_answer_show_the_paired_interval_and_say_when_it_cannot_tell_or_is_noisy",),
+    ),
+    Mutation(
         "a hot backend's paired baseline runs with the point's budget: the control file is not switched to mbs=1",
         "harness/measure.py",
         '        control = getattr(backend, "control", None)\n',

@@ -192,6 +192,17 @@ def test_the_table_and_the_answer_show_the_paired_interval_and_say_when_it_canno
     row, answer, report = _fsdp2_report(tmp_path / "c", _point_doc({"median": 1.2, "ci": [1.1, 1.3],
                                                                     "pairs": [1.1, 1.2, 1.3], "n": 3}, noisy=True))
     assert "| ok, noisy |" in row and ", noisy" in answer and NOISY_NOTE in report
+    # the answer ranks by the pairs: a point whose tok/s was measured while the machine ran fast does not win on that
+    from tests.unit.test_report_inputs import COMMITTED, _report
+
+    base = json.loads((COMMITTED / "0" / "results.json").read_text())
+    slow = _point_doc({"median": 1.3, "ci": [1.2, 1.4], "pairs": [1.2, 1.3, 1.4], "n": 3})
+    lucky = _point_doc({"median": 1.1, "ci": [1.05, 1.15], "pairs": [1.05, 1.1, 1.15], "n": 3})
+    lucky["mtpm"] = 32768
+    lucky["passes"]["forward_backward"]["tok_per_s"] = 2 * slow["passes"]["forward_backward"]["tok_per_s"]
+    report = _report(tmp_path / "e", {"0": base, "1": slow, "2": lucky})
+    (answer,) = [line for line in report.splitlines() if line.startswith("- FSDP2:")]
+    assert answer.startswith("- FSDP2: set mtpm=16,384") and "1.30× mbs=1" in answer, answer
     # not paired (bench.paired=false): the ratio to the sweep's own mbs=1 row, said to be unpaired
     point = _point_doc(None)
     row, answer, report = _fsdp2_report(tmp_path / "d", point)
