@@ -260,17 +260,19 @@ class DistributedBackend(Backend):
                     return Failure(p[0], p[1], "oom")
             except queue.Empty:
                 pass
-            dead = self._dead_rank(0, exclude=rank)
+            # a rank that exited with code 0 left its command loop after reporting a failure of its own (the same
+            # mismatch, or a collective this rank broke): it did not die first, so it is not the one to blame
+            dead = self._dead_rank(0, exclude=rank, crashed_only=True)
             return Failure(f"rank {dead} {_describe_exit(self.procs[dead].exitcode)}") if dead is not None else None
 
         failure = blame(kind, rank, message, details, what, find_peer, wait_s=1.0, poll_s=0)
         self._abort(failure.message, details=failure.details, status=failure.status)
 
-    def _dead_rank(self, wait_s: float, exclude: Optional[int] = None) -> Optional[int]:
+    def _dead_rank(self, wait_s: float, exclude: Optional[int] = None, crashed_only: bool = False) -> Optional[int]:
         deadline = time.monotonic() + wait_s
         while True:
             for rank, p in enumerate(self.procs):
-                if p.exitcode is not None and rank != exclude:
+                if p.exitcode is not None and rank != exclude and not (crashed_only and p.exitcode == 0):
                     return rank
             if time.monotonic() >= deadline:
                 return None
