@@ -222,7 +222,7 @@ def measure_pass(
             return False
         if needs_more([real_tokens / t for t in elapsed], target_ci_pct):
             return True
-        return pairing is not None and needs_more(_ratios(real_tokens, elapsed, base_elapsed), target_ci_pct)
+        return pairing is not None and needs_more(_ratios(elapsed, base_elapsed), target_ci_pct)
 
     while more():
         i = len(elapsed)
@@ -312,7 +312,7 @@ def _timed(result: PassResult) -> float:
     return result.step_s
 
 
-def _ratios(real_tokens: int, elapsed: Sequence[float], base_elapsed: Sequence[float]) -> list[float]:
+def _ratios(elapsed: Sequence[float], base_elapsed: Sequence[float]) -> list[float]:
     """Pair ratios of throughput (point ÷ baseline) for the pairs both sides of which have run."""
     return [b / e for e, b in zip(elapsed, base_elapsed)]
 

@@ -9,6 +9,7 @@ from typing import Optional, Sequence
 
 import pandas as pd
 
+from harness.spread import half_width_pct
 from reports.collect import BACKEND_LABEL, settings_of
 
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
@@ -172,7 +173,7 @@ def _pct_of(ci) -> str:
     """" ±3.1%": an interval's half width in % of its centre (geometric), "" without one."""
     if not isinstance(ci, (list, tuple)) or len(ci) != 2 or not ci[0]:
         return ""
-    return f" ±{100 * ((ci[1] / ci[0]) ** 0.5 - 1):.1f}%"
+    return f" ±{half_width_pct(ci):.1f}%"
 
 
 def _speedup_cell(r, speedup: Optional[float]) -> str:
