@@ -25,10 +25,9 @@ from backends.planning import CostModel, plan_batch
 from backends.planning.plan import PLAN_FILE
 from backends.registry import LOCKSTEP_BACKENDS, is_lockstep
 from backends.runtime.job import resolve_world_size
-from backends.runtime.memory import SNAPSHOT_DIR
 from harness.balance import balance_fields
 from harness.config import AUTO, HarnessConfig, launcher_sets_world_size, resolve_config, without_auto
-from harness.results import (OUTPUTS_FILE, RESULTS_FILE, PointResults, base_document, model_record,
+from harness.results import (OUTPUTS_FILE, RESULTS_FILE, SNAPSHOT_DIR, PointResults, base_document, model_record,
                              workload_record, write_json_atomic, write_plan_json)
 from harness.roles import follow, leads, tell_launcher
 from harness.state import EXIT_FAILED, EXIT_OK, EXIT_USER_ERROR, STATE

@@ -22,6 +22,7 @@ from backends.runtime.liveness import process_record, recorded_process_gone
 
 RESULTS_FILE = "results.json"
 OUTPUTS_FILE = "example_outputs.json"
+SNAPSHOT_DIR = "memory"  # <pass>-rank<r>.pickle, written when a pass runs out of memory (bench.memory_snapshot)
 
 
 def _clean(value: Any) -> Any:

@@ -47,6 +47,12 @@ def run_cli(module: str, *args: str, cwd: Path, timeout: float = 600, env: dict 
     )
 
 
+def run_python(code: str, *args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``python -c code args...`` in a fresh interpreter (what a module imports is only visible in one)."""
+    return subprocess.run([sys.executable, "-c", code, *args], cwd=cwd, env=harness_env(), capture_output=True,
+                          text=True, timeout=timeout)
+
+
 def run_harness(*args: str, cwd: Path, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
     return run_cli("harness", *args, cwd=cwd, timeout=timeout, env=env)
 
@@ -71,6 +77,22 @@ def session_processes(sid: int) -> list:
             if os.getsid(p.pid) == sid and p.status() != psutil.STATUS_ZOMBIE:
                 out.append(p)
         except (ProcessLookupError, PermissionError, psutil.Error):
+            continue
+    return out
+
+
+def rank_processes(pid: int) -> list:
+    """The live ranks a process started: the children of its fork server (backends/runtime/forkserver.py)."""
+    import psutil
+
+    from backends.runtime.forkserver import is_fork_server
+
+    out = []
+    for p in psutil.Process(pid).children(recursive=True):
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE and is_fork_server(" ".join(p.parent().cmdline())):
+                out.append(p)
+        except (psutil.Error, AttributeError):
             continue
     return out
 

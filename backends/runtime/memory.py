@@ -177,11 +177,11 @@ def oom_message(pass_type: str, where: str, largest_padded: int, limit_gb: Optio
 
 # ---------------------------------------------------------------------------- bench.memory_snapshot
 
-SNAPSHOT_DIR = "memory"  # in the point's folder: <pass>-rank<r>.pickle, written when a pass runs out of memory
 SNAPSHOT_ENTRIES = 100_000  # allocation events kept (the newest): what led up to the failure
 
 
 def snapshot_path(snapshot_dir: str, pass_type: str, rank: int) -> str:
+    """In the folder the harness names (harness/results.py's SNAPSHOT_DIR in the point's folder)."""
     import os
 
     return os.path.join(snapshot_dir, f"{pass_type}-rank{rank}.pickle")

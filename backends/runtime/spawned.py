@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import logging.handlers
-import multiprocessing as mp
 import os
 import queue
 import signal
@@ -30,6 +29,7 @@ from backends.model.loading import merge_load_records
 from backends.registry import BY_NAME, is_lockstep
 from backends.runtime.devices import resolve_device, usable_cpu_cores
 from backends.runtime.failures import Failure, blame, failure_report
+from backends.runtime.forkserver import apply_environment, rank_context
 from backends.runtime.job import resolve_world_size
 from backends.runtime.liveness import die_with_parent
 from backends.runtime.memory import limit_memory
@@ -49,6 +49,16 @@ def _device_for_rank(base: torch.device, rank: int) -> torch.device:
     return base
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _setup_worker_logging(log_queue) -> None:
     root = logging.getLogger()
     root.handlers[:] = [logging.handlers.QueueHandler(log_queue)]
@@ -66,11 +76,16 @@ def worker_main(
     replies,
     log_queue,
     parent_pid: int,
+    environ: dict[str, str],
 ) -> None:
     """Entry point of one rank: join the group, build the model, then serve commands until told to stop."""
+    # The rank's parent is the fork server, which exits when the controller does; a parent gone before the
+    # death signal was armed, or a controller gone already, ends the rank here.
+    forked_by = os.getppid()
     die_with_parent()
-    if os.getppid() != parent_pid:
+    if os.getppid() != forked_by or not _alive(parent_pid):
         os._exit(1)
+    apply_environment(environ)
     # Ctrl-C reaches the whole process group: the controller handles it and stops the ranks in order.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _setup_worker_logging(log_queue)
@@ -175,7 +190,7 @@ class DistributedBackend(Backend):
         self.hooks_path = hooks_path or spec.hooks or default
         self.closed = False
         self.failure_reason: Optional[str] = None  # why the workers were stopped, after a failure
-        ctx = mp.get_context("spawn")
+        ctx = rank_context()
         self.store = dist.TCPStore("127.0.0.1", 0, self.world_size + 1, is_master=True, wait_for_workers=False,
                                    timeout=timedelta(seconds=spec.dist_timeout_s))
         self.replies = ctx.Queue()
@@ -198,6 +213,7 @@ class DistributedBackend(Backend):
                     self.replies,
                     self.log_queue,
                     os.getpid(),
+                    dict(os.environ),
                 ),
                 daemon=True,
             )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import time
 
 import numpy as np
@@ -10,6 +11,7 @@ import psutil
 import pytest
 
 from backends.errors import BackendError
+from backends.runtime.forkserver import is_fork_server
 from backends.fsdp2 import FSDP2Backend
 from backends.megatron_ddp import MegatronDDPBackend
 from backends.messages import make_command
@@ -40,11 +42,14 @@ CASES = {
 
 
 def worker_children(ignore: frozenset = frozenset()) -> list[psutil.Process]:
-    """This process's live children not in ``ignore``, minus multiprocessing's resource tracker (one per interpreter)."""
+    """This process's live descendants not in ``ignore``, minus the helpers that live as long as it does:
+    multiprocessing's resource tracker and the ranks' fork server (its ranks count: they have it as parent)."""
     out = []
     for p in psutil.Process().children(recursive=True):
         try:
-            if p.pid not in ignore and p.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(p.cmdline()):
+            line = " ".join(p.cmdline())
+            helper = "resource_tracker" in line or (is_fork_server(line) and p.ppid() == os.getpid())
+            if p.pid not in ignore and p.status() != psutil.STATUS_ZOMBIE and not helper:
                 out.append(p)
         except psutil.Error:
             continue

@@ -9,7 +9,7 @@ import time
 import psutil
 import pytest
 
-from tests.conftest import harness_env, load_json, run_harness, start_harness, sweep_results, wait_session_empty
+from tests.conftest import harness_env, load_json, rank_processes, run_harness, start_harness, sweep_results, wait_session_empty
 from tests.wandb_records import run_contents
 
 pytestmark = pytest.mark.slow
@@ -17,17 +17,6 @@ pytestmark = pytest.mark.slow
 
 def _digest(path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def _workers_of(pid: int) -> list[psutil.Process]:
-    out = []
-    for p in psutil.Process(pid).children(recursive=True):
-        try:
-            if "spawn_main" in " ".join(p.cmdline()):
-                out.append(p)
-        except psutil.Error:
-            continue
-    return out
 
 
 def _wait_for(predicate, timeout_s: float, what: str):
@@ -87,7 +76,7 @@ def test_a_killed_worker_ends_the_run_with_a_clear_error(workdir):
     proc = start_harness("backend=fsdp2", "world_size=2", "workload=cpu_mixed", f"hydra.run.dir={run}", cwd=workdir,
                          log=workdir / "log.txt")
     _wait_for(lambda: (_status(run / "results.json") or {}).get("passes", {}).get("forward"), 120, "the forward pass")
-    victim = _workers_of(proc.pid)[-1]
+    victim = rank_processes(proc.pid)[-1]
     victim.kill()
     killed_at = time.monotonic()
     code = proc.wait(timeout=60)

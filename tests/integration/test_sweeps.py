@@ -7,7 +7,7 @@ import shlex
 import pytest
 import yaml
 
-from tests.conftest import run_harness, sweep_results
+from tests.conftest import run_harness, run_python, sweep_results
 from tests.unit.test_sweeps import SWEEP_FILES, grid_points
 
 def harness_args(spec: dict, point: dict) -> list[str]:
@@ -76,3 +76,14 @@ def test_slurm_preset_composes(tmp_path):
     assert launcher["_target_"].endswith("SlurmLauncher")
     assert (launcher["nodes"], launcher["gpus_per_node"], launcher["partition"]) == (1, 4, "gpu")
     assert launcher["timeout_min"] > 0
+
+
+@pytest.mark.parametrize("args", [("--cfg", "job"), ("mtpm=-3", "--cfg", "job"), ("mtmp=1",)], ids=["cfg", "cfg-bad", "typo"])
+def test_printing_or_refusing_a_config_imports_no_torch(tmp_path, args):
+    """`python -m harness --cfg job` and a config mistake answer in about a second: torch (1.3 s+) is never imported."""
+    code = ("import runpy, sys\nsys.argv = ['harness', *sys.argv[1:]]\ntry:\n    runpy.run_module('harness', run_name='__main__')\n"
+            "except SystemExit as exc:\n    print('exit', exc.code, 'torch' in sys.modules, file=sys.stderr)\n")
+    proc = run_python(code, *args, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.endswith(" False"), proc.stdout + proc.stderr
+    assert last.startswith("exit 0" if args[0] == "--cfg" else "exit 2"), proc.stderr

@@ -1,0 +1,55 @@
+"""Where spawned ranks come from: a fork server that imported the ranks' heavy modules once, per controller process.
+
+A rank started with ``spawn`` imports torch, transformers, peft and megatron-core
+again (about 7 s of CPU on this project's 2-core machine, paid by every rank of
+every backend start). The fork server imports them once, in a clean process of
+its own (no CUDA context, no thread pools: it only imports), and forks each rank
+from there. What a spawned rank saw is kept: its environment is the controller's
+at the start (``apply_environment``), not the fork server's, and its imports
+come from the controller's ``sys.path``.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import warnings
+
+# Imported by the fork server alone, before it forks any rank: importing it calls ``warm``.
+_PRELOAD = "backends.runtime.preload"
+
+
+def rank_context():
+    """The multiprocessing context that starts ranks: the fork server, preloading ``warm``'s modules."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([_PRELOAD])
+    return ctx
+
+
+def is_fork_server(cmdline: str) -> bool:
+    """Whether a process's command line is a multiprocessing fork server's (and so of every rank it forked)."""
+    return "multiprocessing.forkserver" in cmdline
+
+
+def apply_environment(environ: dict[str, str]) -> None:
+    """Give a forked rank the environment its controller had when it started it (as ``spawn`` would)."""
+    if dict(os.environ) != environ:
+        os.environ.clear()
+        os.environ.update(environ)
+
+
+def warm() -> None:
+    """Import what every rank imports; a module that fails here fails again, with its message, in the rank."""
+    warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
+    for name in ("backends.fsdp2", "backends.megatron_ddp", "backends.model.build", "backends.model.compiling",
+                 "peft", "megatron.core.distributed", "megatron.core.transformer", "torch.distributed.fsdp",
+                 "torch.distributed.device_mesh"):
+        try:
+            __import__(name)
+        except Exception:  # noqa: BLE001 - a rank that needs it imports it again and reports the error itself
+            pass
+    try:
+        from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig  # noqa: F401 - lazy in transformers
+    except Exception:  # noqa: BLE001
+        pass
+
