@@ -23,7 +23,7 @@ from backends.errors import BackendError, UserError
 from backends.model.configs import cost_model_for
 from backends.planning import CostModel, plan_batch
 from backends.planning.plan import PLAN_FILE
-from backends.registry import LOCKSTEP_BACKENDS, is_lockstep
+from backends.registry import LOCKSTEP_BACKENDS, is_distributed, is_lockstep
 from backends.runtime.job import resolve_world_size
 from harness.balance import balance_fields
 from harness.config import AUTO, HarnessConfig, launcher_sets_world_size, resolve_config, without_auto
@@ -181,6 +181,13 @@ class Point:
         b = spec.backend
         self.label = _label(b.name, b.max_tokens_per_microbatch, b.micro_batch_size)
         launcher_sets_world_size(b, self.hydra_run.overrides)
+        if not spec.dry_run and not spec.target.url and is_distributed(b.name):
+            from backends.runtime.job import launch_env
+
+            if launch_env() is None:  # ranks this process will start: their fork server imports meanwhile
+                from backends.runtime.forkserver import start_early
+
+                start_early()
         # A server's vocabulary is checked once it answers (self._examples), not against this config's model.
         self.workload = workload = load_workload(spec.workload, spec.model, check_vocabulary=not spec.target.url)
         lengths = workload.lengths

@@ -27,6 +27,26 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(getattr(pytest.mark, rel.parts[0]))
 
 
+SLOW_TEST_S = 60  # no single test should take longer on the 2-core machine CI runs on (README: tests)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """After pytest's 20 slowest: every test whose run (set-up, call, tear-down) took over SLOW_TEST_S, named.
+
+    A report for whoever reads the log, not an assertion: a loaded machine must not fail the suite, but a
+    test that grows past the guard must be seen (and split, shared or named with a reason)."""
+    totals: dict[str, float] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if getattr(report, "when", None) in ("setup", "call", "teardown") and hasattr(report, "duration"):
+                totals[report.nodeid] = totals.get(report.nodeid, 0.0) + report.duration
+    over = sorted(((t, n) for n, t in totals.items() if t > SLOW_TEST_S), reverse=True)
+    if over:
+        terminalreporter.write_sep("=", f"tests over {SLOW_TEST_S} s (set-up + call + tear-down)")
+        for t, nodeid in over:
+            terminalreporter.write_line(f"{t:7.1f}s {nodeid}")
+
+
 def harness_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.pop("HYDRA_FULL_ERROR", None)
@@ -53,8 +73,20 @@ def run_python(code: str, *args: str, cwd: Path, timeout: float = 120) -> subpro
                           text=True, timeout=timeout)
 
 
+def unpaired(args) -> list[str]:
+    """A test's harness arguments with ``bench.paired=false`` added unless the test sets bench.paired itself.
+
+    A paired point runs mbs=1 passes beside each timed repeat (3 fwd+bwd passes more for one repeat);
+    only the tests of pairing pay for them, by asking with bench.paired=true.
+    """
+    args = list(args)
+    if "--cfg" in args or any(a.startswith(("bench.paired=", "bench=")) for a in args):
+        return args
+    return [*args, "bench.paired=false"]
+
+
 def run_harness(*args: str, cwd: Path, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
-    return run_cli("harness", *args, cwd=cwd, timeout=timeout, env=env)
+    return run_cli("harness", *unpaired(args), cwd=cwd, timeout=timeout, env=env)
 
 
 def load_json(path: Path) -> dict:
@@ -112,9 +144,41 @@ def start_harness(*args: str, cwd: Path, env: dict | None = None, log: Path | No
     """python -m harness in its own session (so everything it starts can be found and checked)."""
     out = open(log, "w") if log else subprocess.DEVNULL
     return subprocess.Popen(
-        [sys.executable, "-m", "harness", *args], cwd=cwd, env=env or harness_env(),
+        [sys.executable, "-m", "harness", *unpaired(args)], cwd=cwd, env=env or harness_env(),
         stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
     )
+
+
+def compose_config(*overrides: str):
+    """Hydra's composed config for ``overrides`` in-process (conf/, as ``python -m harness`` composes it); a
+    composition mistake is the UserError with the one line the CLI prints."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+
+    from backends.errors import UserError
+    from harness.config import composition_error_line, register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        try:
+            return compose("config", overrides=list(overrides))
+        except HydraException as exc:
+            raise UserError(composition_error_line(exc)) from None
+
+
+def config_error(*overrides: str) -> str | None:
+    """The one line the CLI refuses ``overrides`` with (composition, the harness's checks, then the workload as a
+    point builds it first: harness/app.py's Point._run); None: valid."""
+    from backends.errors import UserError
+    from harness.config import resolve_config
+    from harness.workload import load_workload
+
+    try:
+        spec = resolve_config(compose_config(*overrides))
+        load_workload(spec.workload, spec.model, check_vocabulary=not spec.target.url)
+    except UserError as exc:
+        return str(exc)
+    return None
 
 
 @pytest.fixture
@@ -145,3 +209,28 @@ def demo_data(tmp_path_factory) -> dict:
     from harness.demo_data import write
 
     return write(tmp_path_factory.mktemp("demo_data"))
+
+
+@pytest.fixture(scope="session")
+def backend_runs():
+    """tests/backend_runs.py's standard commands, one run per (backend, dtype, compiled) for the whole session."""
+    from tests.backend_runs import BackendRuns
+
+    return BackendRuns()
+
+
+@pytest.fixture(scope="session")
+def golden_sweep(tmp_path_factory) -> Path:
+    """One small real sweep, read by every test that only inspects a sweep's outputs (the report, CSV, plots, W&B).
+
+    Two budgets on the smoke workload, in-process PyTorch, 2 timed repeats, no baseline point, a real offline W&B
+    run per point in the point's folder.
+    """
+    root = tmp_path_factory.mktemp("golden")
+    sweep = root / "sweep"
+    proc = run_harness(
+        "-m", "mtpm=600,100000", "backend=pytorch", "workload=smoke", "bench.warmup=0", "bench.repeat=2",
+        "bench.baseline=false", f"hydra.sweep.dir={sweep}", cwd=root, env=harness_env(WANDB_MODE="offline"),
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return sweep

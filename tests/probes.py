@@ -101,3 +101,15 @@ class FSDP2SlowRank0Read(FSDP2ChecksShardedLoad):
     @staticmethod
     def read_delay_s(dist_timeout_s: float) -> float:
         return 1.5 * dist_timeout_s + 1.0
+
+
+class FSDP2SeesItsControllersEnvironment(FSDP2Hooks):
+    """Checks the rank runs with the environment its controller had when it started the rank (as spawn gave it),
+    not the fork server's (started earlier, for the whole process: backends/runtime/forkserver.py)."""
+
+    def setup(self) -> None:
+        import os
+
+        if os.environ.get("BALANCE_BATCH_TEST_PROBE") != "set-after-the-fork-server":
+            raise RuntimeError(f"rank environment: BALANCE_BATCH_TEST_PROBE={os.environ.get('BALANCE_BATCH_TEST_PROBE')!r}")
+        super().setup()

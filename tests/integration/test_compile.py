@@ -1,8 +1,18 @@
-"""backend.compile=true for real: inductor-compiled decoder layers on every backend, both layouts, float32 and bf16.
+"""backend.compile=true for real: inductor-compiled decoder layers on every wrapper, both layouts, both expert forms.
 
-Each backend runs the same commands eager and compiled: per-example losses and the gradient norm must agree
-(float32: to float32 rounding; bf16: within bf16's), a second budget (other row shapes) must compile nothing,
-and what compiling cost is recorded per pass. Compiling takes a minute or two per process on 2 cores.
+Each cell runs the same commands eager and compiled (tests/backend_runs.py; the eager runs are the ones
+test_precision reads): per-example losses and the gradient norm must agree (float32: to float32 rounding;
+bf16: within bf16's), a second budget (other row shapes) must compile nothing, and what compiling cost is
+recorded per pass. Compiling takes a minute or two per process on 2 cores, so the cells are the fewest that
+cover every wrapper and both expert forms:
+
+- pytorch float32: the plain model, and the experts as transformers' loop (float32 has no grouped GEMM);
+- fsdp2 bfloat16 and megatron_ddp bfloat16: each wrapper around the compiled layers, at the published precision,
+  with torch's grouped GEMM experts.
+
+Cells left out, and why they add nothing: pytorch bfloat16 compiles the same layer graphs as the two bf16 wrappers
+(the wrappers add hooks around each compiled layer, not inside it); fsdp2 and megatron_ddp in float32 compile the
+float32 graphs pytorch float32 compiles, and their eager float32 answers are test_precision's and test_distributed's.
 """
 
 from __future__ import annotations
@@ -12,56 +22,32 @@ import math
 import numpy as np
 import pytest
 
-from backends.messages import make_command
-from backends.specs import BackendSpec, ModelSpec
-from backends.start import make_backend
-from harness.workload import make_examples, mixed_lengths
+from tests.backend_runs import BUDGETS, LAYOUTS
 from tests.conftest import run_harness, sweep_results
 
-EXAMPLES = make_examples(mixed_lengths(16, 64, 512, 42), 2048, seed=0)
-BACKENDS = ("pytorch", "fsdp2", "megatron_ddp")
-DTYPES = ("float32", "bfloat16")
-LAYOUTS = {"padded": ("greedy", "padded"), "packed": ("balanced", "packed")}
-BUDGETS = (700, 500)  # the second budget makes rows of other lengths: dynamic shapes must not compile again
+CELLS = (("pytorch", "float32"), ("fsdp2", "bfloat16"), ("megatron_ddp", "bfloat16"))
 RTOL = {"float32": 1e-5, "bfloat16": 1e-2}  # compiled code fuses and reorders: rounding of the dtype, no more
 
 
-def _run(name: str, dtype: str, compile: bool) -> dict:
-    spec = BackendSpec(name=name, world_size=None if name == "pytorch" else 2, device="cpu", compile=compile)
-    with make_backend(spec, ModelSpec(dtype=dtype)) as backend:
-        out = {"built": backend.model_info}
-        for label, (planner, layout) in LAYOUTS.items():
-            for budget in BUDGETS:
-                for pass_type in ("forward", "forward_backward"):
-                    out[label, budget, pass_type] = backend.run_pass(
-                        make_command(pass_type, EXAMPLES, budget, 1, layout=layout, planner=planner))
-        return out
-
-
-class _Runs(dict):
-    """Each (backend, dtype, compiled) run once per module, when a test first needs it (one test alone runs two)."""
-
-    def __missing__(self, key):
-        self[key] = _run(*key)
-        return self[key]
-
-
 @pytest.fixture(scope="module")
-def runs():
-    return _Runs()
+def runs(backend_runs):
+    return backend_runs
 
 
 def _losses(result) -> np.ndarray:
     return np.array([o.loss for o in result.outputs])
 
 
+def _cell_id(cell) -> str:
+    return "-".join(cell)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend, dtype", CELLS, ids=_cell_id)
 def test_compiled_layers_give_the_eager_answer_on_every_layout(runs, backend, dtype):
     eager, compiled = runs[backend, dtype, False], runs[backend, dtype, True]
     for key in eager:
-        if key == "built":
+        if key in ("built", "precision"):
             continue
         got, want = compiled[key], eager[key]
         assert got.plan["layout"] == want.plan["layout"] == key[0]
@@ -71,8 +57,7 @@ def test_compiled_layers_give_the_eager_answer_on_every_layout(runs, backend, dt
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend, dtype", CELLS, ids=_cell_id)
 def test_what_compiling_cost_is_recorded_and_new_shapes_compile_nothing(runs, backend, dtype):
     compiled, eager = runs[backend, dtype, True], runs[backend, dtype, False]
     assert compiled["built"]["compile"]["layers"] == 4 and compiled["built"]["compile"]["dynamic"] == "automatic"

@@ -245,6 +245,25 @@ def test_a_step_count_mismatch_is_a_clear_error_in_seconds():
     assert worker_children(before) == []
 
 
+def test_ranks_get_the_environment_of_their_start_not_the_fork_servers(monkeypatch):
+    """Ranks are forked by a server started once per process (backends/runtime/forkserver.py): a variable set after
+    it started still reaches the next ranks, as spawn passed it, and one removed is gone there."""
+    from multiprocessing import forkserver
+
+    from backends.runtime.forkserver import start_early
+
+    start_early()
+    assert forkserver._forkserver._forkserver_pid is not None  # running before the variable is set
+    monkeypatch.setenv("BALANCE_BATCH_TEST_PROBE", "set-after-the-fork-server")
+    with FSDP2Backend(BackendSpec(name="fsdp2", world_size=2, device="cpu"), ModelSpec(),
+                      hooks_path="tests.probes:FSDP2SeesItsControllersEnvironment") as backend:
+        assert backend.run_pass(make_command("forward", EXAMPLES[:2], None, 1)).outputs
+    monkeypatch.delenv("BALANCE_BATCH_TEST_PROBE")
+    with pytest.raises(BackendError, match="BALANCE_BATCH_TEST_PROBE=None"):
+        FSDP2Backend(BackendSpec(name="fsdp2", world_size=2, device="cpu"), ModelSpec(),
+                     hooks_path="tests.probes:FSDP2SeesItsControllersEnvironment")
+
+
 def test_closing_leaves_no_process():
     before = _pids(worker_children())
     backend = FSDP2Backend(BackendSpec(name="fsdp2", world_size=2, device="cpu"), ModelSpec())

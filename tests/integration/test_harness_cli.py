@@ -11,7 +11,7 @@ from backends.planning import plan_batch
 from backends.specs import ModelSpec
 from harness.flops import training_flops_for
 from harness.workload import mixed_lengths
-from tests.conftest import load_json, run_harness, sweep_results
+from tests.conftest import config_error, load_json, run_harness, sweep_results
 
 FAST = ["workload=smoke", "backend=pytorch", "bench.warmup=0", "bench.repeat=2"]
 
@@ -35,7 +35,7 @@ def test_single_run_writes_results_json(workdir):
     assert built["vocab_size"] == 2048 and built["dtype"] == "float32"
     assert 0 < built["n_trainable_params"] < built["n_params"]  # LoRA: only the adapters train
     assert (res["mtpm"], res["mbs"], res["gc"]) == (600, 1, False)
-    assert res["bench"] == {"warmup": 0, "repeat": 2, "profile": False, "memory_snapshot": False, "paired": True,
+    assert res["bench"] == {"warmup": 0, "repeat": 2, "profile": False, "memory_snapshot": False, "paired": False,
                             "target_ci_pct": None, "max_repeats": 20}
     lengths = mixed_lengths(16, 64, 512, 42)
     assert res["workload"]["name"] == "smoke"
@@ -145,34 +145,15 @@ def _one_error_line(proc) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize(
-    "override, key, valid",
-    [
-        ("mtpm=-1", "mtpm", "positive integer, null (fixed mbs slices) or auto"),
-        ("mtpm=0", "mtpm", "positive integer, null (fixed mbs slices) or auto"),
-        ("mtpm=1.5", "mtpm", "positive integer, null (fixed mbs slices) or auto (search), got 1.5"),
-        ("mtpm=abc", "mtpm", "positive integer, null (fixed mbs slices) or auto (search), got 'abc'"),
-        ("mbs=0", "mbs", "positive integer"),
-        ("backend=nccl_magic", "backend", "pytorch"),
-        ("model=gpt5", "model", "tiny"),
-        ("workload=huge", "workload", "smoke"),
-        ("workload.n_examples=0", "workload.n_examples", "positive integer"),
-        ("mtmp=1000", "mtmp", "not a config key"),
-        ("layout=zigzag", "layout", "valid: padded, packed"),
-        ("planner=magic", "planner", "valid: greedy, balanced"),
-        ("planner=balanced", "planner", "mtpm"),  # mtpm is null here: fixed slices have no budget to balance
-        ("max_seqs_per_microbatch=0", "max_seqs_per_microbatch", "positive integer or null"),
-        ("max_seqs_per_microbatch=true", "max_seqs_per_microbatch", "Integer"),  # a bool is not a count
-        ("seed=-1", "seed", ">= 0"),
-        ("workload.seed=-1", "workload.seed", "0..4294967295"),
-        ("backend.logprob_chunk_tokens=0", "backend.logprob_chunk_tokens", "positive integer or null"),
-    ],
-)
-def test_bad_input_is_one_line_naming_the_key(workdir, override, key, valid):
+@pytest.mark.parametrize("override, key", [("mtpm=-1", "mtpm"), ("backend=nccl_magic", "backend")])
+def test_bad_input_is_one_line_naming_the_key_and_exit_2(workdir, override, key):
+    """The CLI's contract, once for a value the harness refuses and once for a choice Hydra cannot compose;
+    every refused value's line is checked in-process (tests/unit/test_config.py)."""
     proc = run_harness("dry_run=true", override, f"hydra.run.dir={workdir / 'run'}", cwd=workdir)
     assert proc.returncode == 2
     line = _one_error_line(proc)
-    assert key in line and valid in line, line
+    assert line.split("error: ", 1)[-1].split("] - ", 1)[-1] == config_error(override), line
+    assert key in line
 
 
 def test_zero_length_in_a_lengths_file_is_one_line(workdir):

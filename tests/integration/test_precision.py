@@ -7,33 +7,27 @@ import math
 import numpy as np
 import pytest
 
-from backends.messages import make_command
-from backends.specs import BackendSpec, ModelSpec
-from backends.start import make_backend
-from harness.workload import make_examples, mixed_lengths
+from tests.backend_runs import BACKENDS, DTYPES, LAYOUTS
 
-EXAMPLES = make_examples(mixed_lengths(16, 64, 512, 42), 2048, seed=0)
-BACKENDS = ("pytorch", "fsdp2", "megatron_ddp")
-DTYPES = ("float32", "bfloat16")
-# (planner, layout): the original procedure's padded rows and the balanced planner's packed rows
-LAYOUTS = {"padded": ("greedy", "padded"), "packed": ("balanced", "packed")}
 BF16_RTOL = 3e-2  # bf16 carries 8 bits of mantissa: a per-example loss within 3% of float32's
+BUDGET = 700
 
 
-def _run_backend(name: str, dtype: str) -> dict:
-    spec = BackendSpec(name=name, world_size=None if name == "pytorch" else 2, device="cpu")
-    with make_backend(spec, ModelSpec(dtype=dtype)) as backend:
-        out = {"precision": backend.precision}
-        for label, (planner, layout) in LAYOUTS.items():
-            for pass_type in ("forward", "forward_backward"):
-                out[label, pass_type] = backend.run_pass(
-                    make_command(pass_type, EXAMPLES, 700, 1, layout=layout, planner=planner))
-        return out
+class _Eager:
+    """``runs[backend, dtype][layout, pass_type]``: the session's eager runs at one budget (tests/backend_runs.py)."""
+
+    def __init__(self, backend_runs):
+        self.backend_runs = backend_runs
+
+    def __getitem__(self, key):
+        run = self.backend_runs[(*key, False)]
+        return {"precision": run["precision"],
+                **{(label, p): run[label, BUDGET, p] for label in LAYOUTS for p in ("forward", "forward_backward")}}
 
 
 @pytest.fixture(scope="module")
-def runs():
-    return {(name, dtype): _run_backend(name, dtype) for name in BACKENDS for dtype in DTYPES}
+def runs(backend_runs):
+    return _Eager(backend_runs)
 
 
 def _losses(result) -> np.ndarray:

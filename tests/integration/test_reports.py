@@ -12,22 +12,15 @@ import pytest
 from reports.collect import collect
 from reports.render import BEGIN, END, table_frame
 from tests.unit.test_reports import _committed_points, _workload_lengths
-from tests.conftest import REPO, run_cli, run_harness, sweep_results
+from tests.conftest import REPO, run_cli, sweep_results
 
 README_TEXT = f"# A project\n\nIntro stays.\n\n{BEGIN}\nold table\n{END}\n\nOutro stays.\n"
 
 
 @pytest.fixture(scope="module")
-def sweep(tmp_path_factory) -> Path:
-    """A real two-point smoke sweep (W&B disabled: harness_env sets WANDB_MODE=disabled; test_tracking has its own offline runs)."""
-    root = tmp_path_factory.mktemp("reports")
-    sweep = root / "sweep"
-    proc = run_harness(
-        "-m", "mtpm=600,100000", "backend=pytorch", "workload=smoke", "bench.warmup=0", "bench.repeat=1",
-        "bench.baseline=false", f"hydra.sweep.dir={sweep}", cwd=root,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return sweep
+def sweep(golden_sweep) -> Path:
+    """The session's two-point smoke sweep (tests/conftest.py's golden_sweep)."""
+    return golden_sweep
 
 
 def test_callback_wrote_the_report_into_the_sweep_folder(sweep):

@@ -184,12 +184,15 @@ def test_oversized_requests_are_refused(server):
     assert server.call("POST", "/forward", {"examples": []})[0] == 422
 
 
-def test_a_full_queue_answers_503(tmp_path):
-    """Deterministic: a rank held stopped (SIGSTOP) keeps the first pass running while the second request arrives."""
+def test_a_full_queue_answers_503_and_an_fsdp2_server_stops_clean(tmp_path):
+    """Deterministic: a rank held stopped (SIGSTOP) keeps the first pass running while the second request arrives.
+    Then the lock-step server runs a budget set live (its short rank pads with a dummy) and its shutdown leaves no
+    process: the server, its two ranks and their helpers are gone."""
     import psutil
 
     s = start_server(tmp_path, "backend=fsdp2", "world_size=2", "workload=smoke", "server.queue_size=0")
     sid = s.proc.pid
+    assert len(session_processes(sid)) >= 3  # the server and two ranks
     results = {}
     first = threading.Thread(target=lambda: results.setdefault("first", s.call("POST", "/forward", {"examples": examples([30, 20])})))
     rank1 = None
@@ -215,6 +218,9 @@ def test_a_full_queue_answers_503(tmp_path):
             assert results["second"][0] == 503 and "busy" in results["second"][1]["detail"]
             assert s.call("POST", "/forward", {"examples": examples([10])})[0] == 200  # the slot is free again
             assert s.call("GET", "/healthz", token=None)[1]["pending"] == 0
+            assert s.call("POST", "/admin/set_max_tokens_per_microbatch", {"value": 300})[0] == 200
+            status, reply = s.call("POST", "/forward_backward", {"examples": examples([100, 250, 40])})
+            assert status == 200 and reply["plan"]["max_tokens_per_microbatch"] == 300 and len(reply["plan"]["n_dummy"]) == 2
         finally:
             assert stop(s) == 0
     assert session_processes(sid) == []
@@ -352,17 +358,6 @@ def test_no_token_refuses_a_public_address(tmp_path):
     assert proc.returncode == 2
     text = proc.stdout + proc.stderr
     assert "server.host" in text and "BALANCE_BATCH_ADMIN_TOKEN" in text and "Traceback" not in text
-
-
-def test_fsdp2_server_shutdown_leaves_no_process(tmp_path):
-    s = start_server(tmp_path, "backend=fsdp2", "world_size=2")
-    sid = s.proc.pid
-    assert len(session_processes(sid)) >= 3  # the server and two ranks
-    assert s.call("POST", "/admin/set_max_tokens_per_microbatch", {"value": 300})[0] == 200
-    status, reply = s.call("POST", "/forward_backward", {"examples": examples([100, 250, 40])})
-    assert status == 200 and reply["plan"]["max_tokens_per_microbatch"] == 300 and len(reply["plan"]["n_dummy"]) == 2
-    assert stop(s) == 0
-    assert session_processes(sid) == []
 
 
 def test_healthz_tells_the_truth_after_a_worker_dies_and_the_next_pass_restarts(tmp_path):

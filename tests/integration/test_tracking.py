@@ -11,15 +11,9 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def offline_sweep(tmp_path_factory):
-    root = tmp_path_factory.mktemp("wandb")
-    sweep = root / "sweep"
-    proc = run_harness(
-        "-m", "mtpm=600,100000", "backend=pytorch", "workload=smoke", "bench.warmup=0", "bench.repeat=2",
-        "bench.baseline=false", f"hydra.sweep.dir={sweep}", cwd=root, env=harness_env(WANDB_MODE="offline"),
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return sweep
+def offline_sweep(golden_sweep):
+    """The session's two-point sweep, run with W&B offline (tests/conftest.py's golden_sweep)."""
+    return golden_sweep
 
 
 def test_two_points_leave_two_offline_runs_in_their_folders(offline_sweep):
@@ -29,7 +23,8 @@ def test_two_points_leave_two_offline_runs_in_their_folders(offline_sweep):
     results = sweep_results(offline_sweep)
     # the planner and layout that ran, in the name where they are not the original greedy padded ones
     assert [r["name"] for r in runs] == ["pytorch-mtpm600-balanced-packed", "pytorch-mtpm100000-balanced-packed"]
-    assert runs[0]["group"] == runs[1]["group"] == "wandb0_sweep"  # the sweep's folder names the group
+    # the sweep's folder names the group
+    assert runs[0]["group"] == runs[1]["group"] == f"{offline_sweep.parent.name}_{offline_sweep.name}"
     for run, res in zip(runs, results):
         assert run["config"]["mtpm"] == res["mtpm"]
         assert run["config"]["backend"]["name"] == "pytorch"

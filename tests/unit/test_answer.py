@@ -14,25 +14,16 @@ from backends.errors import UserError
 from backends.planning import plan_batch
 from harness.auto import (Candidate, Measured, candidates_of, fit_memory_model, memory_limit, power_of_two_budgets,
                           search)
-from harness.config import composition_error_line, register_configs, resolve_config
+from harness.config import resolve_config
 from harness.workload import WorkloadSpec, load_workload
-from tests.conftest import REPO
+from tests.conftest import REPO, compose_config
 from tests.unit.test_max_seqs import _frame  # results.json documents in folders, collected as the report reads them
 
 GiB = 1024**3
 COMMITTED = REPO / "reports" / "results" / "cpu-2rank-tiny"
 
 
-def _compose(*overrides: str):
-    from hydra import compose, initialize_config_dir
-    from hydra.errors import HydraException
-
-    register_configs()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        try:
-            return compose("config", overrides=list(overrides))
-        except HydraException as exc:
-            raise UserError(composition_error_line(exc)) from None
+_compose = compose_config
 
 
 # -- the default is the best planner ------------------------------------------------------------------

@@ -1,0 +1,70 @@
+"""Config mistakes, presets and the W&B sweep grids, composed in-process as python -m harness composes them.
+
+The CLI's own contract (one line, exit 2) is run as a real process for one value and one choice in
+tests/integration/test_harness_cli.py; here every refused value is checked through the same composition
+and validation the CLI runs (tests/conftest.py's compose_config / config_error).
+"""
+
+from __future__ import annotations
+
+import pytest
+from omegaconf import OmegaConf
+
+from tests.conftest import compose_config, config_error
+from tests.unit.test_sweeps import SWEEP_FILES, grid_points
+
+
+@pytest.mark.parametrize(
+    "override, key, valid",
+    [
+        ("mtpm=-1", "mtpm", "positive integer, null (fixed mbs slices) or auto"),
+        ("mtpm=0", "mtpm", "positive integer, null (fixed mbs slices) or auto"),
+        ("mtpm=1.5", "mtpm", "positive integer, null (fixed mbs slices) or auto (search), got 1.5"),
+        ("mtpm=abc", "mtpm", "positive integer, null (fixed mbs slices) or auto (search), got 'abc'"),
+        ("mbs=0", "mbs", "positive integer"),
+        ("backend=nccl_magic", "backend", "pytorch"),
+        ("model=gpt5", "model", "tiny"),
+        ("workload=huge", "workload", "smoke"),
+        ("workload.n_examples=0", "workload.n_examples", "positive integer"),
+        ("mtmp=1000", "mtmp", "not a config key"),
+        ("layout=zigzag", "layout", "valid: padded, packed"),
+        ("planner=magic", "planner", "valid: greedy, balanced"),
+        ("planner=balanced", "planner", "mtpm"),  # mtpm is null here: fixed slices have no budget to balance
+        ("max_seqs_per_microbatch=0", "max_seqs_per_microbatch", "positive integer or null"),
+        ("max_seqs_per_microbatch=true", "max_seqs_per_microbatch", "Integer"),  # a bool is not a count
+        ("seed=-1", "seed", ">= 0"),
+        ("workload.seed=-1", "workload.seed", "0..4294967295"),
+        ("backend.logprob_chunk_tokens=0", "backend.logprob_chunk_tokens", "positive integer or null"),
+    ],
+)
+def test_bad_input_is_one_line_naming_the_key(override, key, valid):
+    line = config_error("dry_run=true", override)
+    assert line is not None and "\n" not in line, line
+    assert key in line and valid in line, line
+
+
+def test_the_defaults_are_valid():
+    assert config_error() is None
+
+
+@pytest.mark.parametrize("sweep_file", SWEEP_FILES, ids=lambda p: p.stem)
+def test_every_grid_point_is_accepted_by_hydra(sweep_file):
+    """Each point of each W&B sweep file, as its agent would pass it (name=value), composes and validates."""
+    import yaml
+
+    spec = yaml.safe_load(sweep_file.read_text())
+    command = [part for part in spec["command"] if part != "${env}"]
+    assert command[:3] == ["python", "-m", "harness"] and "${args_no_hyphens}" in command, spec["command"]
+    fixed = [part for part in command[3:] if part != "${args_no_hyphens}"]
+    for point in grid_points(spec):
+        args = [*fixed, *(f"{k}={v}" for k, v in point.items())]
+        cfg = compose_config(*args)
+        assert config_error(*args) is None, args
+        job = OmegaConf.to_container(cfg, resolve=False)
+        if "mtpm" in point:
+            assert job["backend"]["max_tokens_per_microbatch"] == "${mtpm}" and job["mtpm"] == point["mtpm"]
+        if "batching" in point and point["batching"].startswith("mtpm"):
+            assert job["mtpm"] == int(point["batching"][4:])
+        if "batching" in point and point["batching"].startswith("fixed_mbs"):
+            assert job["mtpm"] is None and job["mbs"] == int(point["batching"][9:])
+        assert job["logger"]["mode"] == "online"
