@@ -416,6 +416,20 @@ MUTATIONS = (
         "        control = None\n",
         ("tests/integration/test_hot.py::test_hot_and_cold_sweeps_agree_and_hot_loads_once",),
     ),
+    Mutation(
+        "a rank forked by the fork server keeps the fork server's environment, not its controller's",
+        "backends/runtime/spawned.py",
+        "    apply_environment(environ)\n",
+        "",
+        ("tests/integration/test_distributed.py::test_ranks_get_the_environment_of_their_start_not_the_fork_servers",),
+    ),
+    Mutation(
+        "mtpm=0 accepted as a budget",
+        "harness/config.py",
+        "    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:\n        raise UserError(f\"mtpm: must",
+        "    if isinstance(value, bool) or not isinstance(value, int) or value < 0:\n        raise UserError(f\"mtpm: must",
+        ("tests/unit/test_config.py",),
+    ),
 )
 
 

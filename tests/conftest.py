@@ -51,6 +51,7 @@ def harness_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.pop("HYDRA_FULL_ERROR", None)
     env.setdefault("WANDB_MODE", "disabled")
+    env.setdefault("BALANCE_BATCH_STALE_AFTER_S", "6")  # a launched rank's death is seen in 6 s, not 15
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra)
     return env

@@ -48,3 +48,4 @@ def test_only_this_host_judges_and_a_reused_pid_is_not_alive():
     assert reported_status({"status": "running", "process": {**me, "host": "another-machine"}}) == "running"
     assert reported_status({"status": "running"}) == "running"  # written before processes were recorded
     assert reported_status({"status": "ok", "process": me}) == "ok"
+
