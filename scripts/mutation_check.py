@@ -209,7 +209,7 @@ MUTATIONS = (
         "harness/flops.py",
         "trained_weights=0.0 if lora else weights,",
         "trained_weights=weights,",
-        ("tests/unit/test_training_flops.py",),
+        ("tests/integration/test_training_flops.py",),
     ),
     Mutation(
         "blame names the failing rank's own error before a peer that died",
@@ -300,7 +300,7 @@ MUTATIONS = (
         "harness/workload.py",
         "        return dataset_examples(self.dataset)",
         "        return make_examples(self.lengths, vocab_size, seed)",
-        ("tests/unit/test_dataset_loss.py",),
+        ("tests/integration/test_dataset_loss.py",),
     ),
     Mutation(
         "the profile's breakdown charges an operator its whole duration, not its self time",

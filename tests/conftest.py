@@ -1,8 +1,9 @@
 """Shared helpers: run the real CLI in a subprocess, read what it wrote.
 
-Two tiers: tests/unit (in-process, `make test-fast`) and tests/integration (real processes:
-the CLI, servers, torchrun, spawned ranks; and the in-process tests that run dozens of full model passes,
-test_batching_invariance and the committed-gradient oracle). Each test is marked with its tier's name."""
+Two tiers: tests/unit (in-process, `make test-fast`, under a minute) and tests/integration (real processes:
+the CLI, servers, torchrun, spawned ranks; and the in-process tests that run dozens of full model passes or take
+seconds each: test_batching_invariance, the committed-gradient oracle, the FLOP counter, chunked log-probs, the
+dataset loss oracle, the planner's growth). Each test is marked with its tier's name."""
 
 from __future__ import annotations
 

@@ -40,7 +40,6 @@ def runs():
     return {name: _run(name) for name in BACKENDS}
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_each_ranks_step_times_add_up_to_its_pass_time(runs, backend):
     from backends.registry import is_lockstep
@@ -68,7 +67,6 @@ def test_each_ranks_step_times_add_up_to_its_pass_time(runs, backend):
         assert sum(busiest["step_s"]) == pytest.approx(result.step_s, rel=0.05), (backend, key, busiest)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("backend", ("fsdp2", "megatron_ddp"))
 def test_a_rank_with_less_work_is_measured_waiting_for_the_other(runs, backend):
     result = runs[backend]["uneven"]
@@ -87,7 +85,6 @@ def test_a_rank_with_less_work_is_measured_waiting_for_the_other(runs, backend):
             assert rank1["step_s"][s] > 0.8 * rank0["step_s"][s] and rank1["busy_s"][s] < 0.5 * rank0["busy_s"][s]
 
 
-@pytest.mark.slow
 def test_calibrated_cost_model_fits_caches_and_plans_from_the_command_line(tmp_path):
     cache = tmp_path / "calibration"
     sweep = tmp_path / "sweep"

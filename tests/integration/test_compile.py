@@ -42,7 +42,6 @@ def _cell_id(cell) -> str:
     return "-".join(cell)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("backend, dtype", CELLS, ids=_cell_id)
 def test_compiled_layers_give_the_eager_answer_on_every_layout(runs, backend, dtype):
     eager, compiled = runs[backend, dtype, False], runs[backend, dtype, True]
@@ -56,7 +55,6 @@ def test_compiled_layers_give_the_eager_answer_on_every_layout(runs, backend, dt
             assert math.isclose(got.grad_norm, want.grad_norm, rel_tol=10 * RTOL[dtype]), key
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("backend, dtype", CELLS, ids=_cell_id)
 def test_what_compiling_cost_is_recorded_and_new_shapes_compile_nothing(runs, backend, dtype):
     compiled, eager = runs[backend, dtype, True], runs[backend, dtype, False]
@@ -85,7 +83,6 @@ def test_what_compiling_cost_is_recorded_and_new_shapes_compile_nothing(runs, ba
     assert eager["padded", BUDGETS[0], "forward"].compile is None  # the eager path records nothing
 
 
-@pytest.mark.slow
 def test_a_compiled_point_records_its_warm_up_and_timed_compiling(workdir):
     """The CLI: results.json says what was compiled, what the warm-up paid, and that the timed repeats paid nothing."""
     sweep = workdir / "sweep"

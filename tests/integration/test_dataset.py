@@ -15,8 +15,6 @@ from tests.conftest import load_json, run_harness, sweep_results
 from tests.integration.test_harness_cli import _one_error_line
 from tests.loss_oracle import oracle, plain_model
 
-pytestmark = pytest.mark.slow
-
 BF16_RTOL = 3e-2  # as tests/integration/test_precision.py
 N_EXAMPLES, MAX_LEN, SEED = 8, 160, 5
 

@@ -21,8 +21,6 @@ from harness.workload import make_examples, mixed_lengths
 from tests.conftest import load_json, start_harness, sweep_results, wait_session_empty
 from tests.loss_oracle import oracle, tiny_examples
 
-pytestmark = pytest.mark.slow
-
 EXAMPLES = make_examples(mixed_lengths(16, 64, 512, 42), 2048, seed=0)
 CASES = {
     "mtpm=700": (EXAMPLES, 700, 1),

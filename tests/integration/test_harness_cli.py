@@ -106,7 +106,6 @@ def test_dry_run_of_the_seed_workload_plans_every_point(workdir):
     assert "1,669,550" in proc.stdout
 
 
-@pytest.mark.slow
 def test_multirun_outputs_agree_across_mbs_and_mtpm(workdir):
     """The issue's check: mtpm in {null, 600, 100000} x mbs in {1, 3}, all six outputs agree to 1e-5."""
     sweep = workdir / "sweep"
@@ -374,7 +373,6 @@ def test_an_unwritable_output_folder_is_one_line(workdir, unwritable_dir, multir
     assert key in line and str(target) in line
 
 
-@pytest.mark.slow
 def test_resume_keeps_finished_results_and_finds_points_by_their_overrides(workdir):
     """The issue's case: a resumed sweep with a new point first must not overwrite the old point 0."""
     import hashlib
@@ -409,7 +407,6 @@ def test_resume_keeps_finished_results_and_finds_points_by_their_overrides(workd
     assert sorted(p.name for p in sweep.glob("multirun*.yaml")) == ["multirun.0.yaml", "multirun.1.yaml", "multirun.yaml"]
 
 
-@pytest.mark.slow
 def test_more_ranks_than_cores_says_so(workdir):
     """On one core, two ranks: a warning that says what is happening, then the run still finishes."""
     import os

@@ -6,8 +6,6 @@ import pytest
 
 from tests.conftest import load_json, run_harness, sweep_results
 
-pytestmark = pytest.mark.slow
-
 POINTS = ["mtpm=null,700,100000", "mbs=3"]
 
 

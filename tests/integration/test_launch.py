@@ -100,7 +100,6 @@ def test_under_torchrun_a_conflicting_world_size_is_named_in_torchruns_summary(w
     assert load_json(workdir / "run" / "results.json")["status"] == "error"
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["fsdp2", "megatron_ddp"])
 def test_two_torchrun_nodes_match_the_spawned_ranks(workdir, backend):
     """Same per-example losses and gradient norm as the harness's own 2 ranks; one results.json; nothing left."""
@@ -132,7 +131,6 @@ def test_two_torchrun_nodes_match_the_spawned_ranks(workdir, backend):
         assert wait_session_empty(p.pid) == []
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("backend, sig", [("fsdp2", signal.SIGKILL), ("megatron_ddp", signal.SIGSTOP)])
 def test_a_killed_or_hung_rank_ends_the_point_on_every_node(workdir, backend, sig):
     """Rank 1 killed (or stopped: hung) mid-run: rank 0 records the failure, both torchruns end within 60 s, nothing is left."""

@@ -35,7 +35,6 @@ def checkpoint(tmp_path_factory):
     return ModelSpec(name="local", path=str(path))
 
 
-@pytest.mark.slow
 def test_fsdp2_loads_a_local_checkpoint_into_shards_built_on_meta(checkpoint):
     """2 gloo ranks: meta before sharding, each rank only its chunk, weights equal to from_pretrained's, same answers."""
     ref, ref_load, ref_built = _run(BackendSpec(name="pytorch", device="cpu"), checkpoint)
@@ -49,7 +48,6 @@ def test_fsdp2_loads_a_local_checkpoint_into_shards_built_on_meta(checkpoint):
     assert load["device_peak_bytes"] is None  # CPU ranks
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("source", ["tiny", "checkpoint"])
 def test_fsdp2_sharded_load_is_bit_identical_to_the_unsharded_build_in_bf16(source, request):
     """Shards, LoRA adapters and non-persistent buffers (rotary inv_freq) equal the unsharded build bit for bit, in bf16."""
@@ -58,7 +56,6 @@ def test_fsdp2_sharded_load_is_bit_identical_to_the_unsharded_build_in_bf16(sour
     assert load["method"] == f"meta+rank0-{'from_config' if source == 'tiny' else 'from_pretrained'}-broadcast"
 
 
-@pytest.mark.slow
 def test_fsdp2_ranks_wait_for_a_rank0_read_longer_than_the_collective_timeout(caplog):
     """Rank 0 reads for longer than backend.dist_timeout_s: the others wait on the store, then load the same values.
 
@@ -84,7 +81,6 @@ def test_fsdp2_ranks_wait_for_a_rank0_read_longer_than_the_collective_timeout(ca
     assert sent == total > 1  # the summary line at the end: every tensor sent
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["fsdp2", "megatron_ddp"])
 def test_allowed_missing_weights_are_listed_by_the_distributed_backends_too(checkpoint, backend, tmp_path):
     """FSDP2 reads on rank 0 and broadcasts (the meta build knows nothing of the read), Megatron reads on every rank:

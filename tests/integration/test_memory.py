@@ -7,7 +7,6 @@ import sys
 import pytest
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="VmHWM and clear_refs are Linux's")
 def test_hot_sweep_small_budget_after_a_large_one_reports_its_own_peak(tmp_path):
     """One process, a large micro-batch then small ones: each pass's peak is the pass's own, not what the last one left cached."""

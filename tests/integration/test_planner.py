@@ -1,9 +1,22 @@
-"""The planning modules import without torch (checked in a fresh interpreter)."""
+"""The planner as a whole: its modules import without torch (a fresh interpreter), and its time grows about
+linearly with the number of sequences (tens of thousands planned per case: seconds, so not in the unit tier)."""
 
 from __future__ import annotations
 
+import importlib.util
+import math
 import subprocess
 import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from backends.planning import plan_batch
+
+_SPEC = importlib.util.spec_from_file_location("bench_planner", Path(__file__).resolve().parents[2] / "scripts" / "bench_planner.py")
+bench = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(bench)
 
 
 def test_planning_modules_do_not_import_torch():
@@ -12,3 +25,27 @@ def test_planning_modules_do_not_import_torch():
         "sys.exit(1 if 'torch' in sys.modules else 0)"
     )
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def _cpu_seconds(lengths, world, budget, planner, layout) -> float:
+    best = math.inf
+    for _ in range(2):
+        t0 = time.process_time()
+        plan_batch(lengths, world, budget, planner=planner, layout=layout, align=True)
+        best = min(best, time.process_time() - t0)
+    return best
+
+
+@pytest.mark.parametrize("name,budget,world", [("short", 512, 1), ("short", 512, 8), ("qa", 384, 8),
+                                               ("mixed", 32768, 8), ("ones", 131072, 8), ("equal", 2048, 8)])
+def test_planning_time_grows_about_linearly(name, budget, world):
+    """Ratios, not seconds: x10 the sequences may cost about x10 the CPU time, never the x100 of a quadratic planner.
+
+    The bound (x25) leaves room for n log n, caches and a busy machine; the
+    planner this replaced took x79 on the first of these (issue 23).
+    """
+    make = bench.DISTRIBUTIONS[name][0]
+    small, large = make(3_000), make(30_000)
+    for planner, layout in (("balanced", "packed"), ("balanced", "padded")):
+        ratio = _cpu_seconds(large, world, budget, planner, layout) / max(_cpu_seconds(small, world, budget, planner, layout), 1e-3)
+        assert ratio <= 25, f"{planner} {layout}: t(30k) / t(3k) = {ratio:.1f}"

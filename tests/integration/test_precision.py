@@ -34,7 +34,6 @@ def _losses(result) -> np.ndarray:
     return np.array([o.loss for o in result.outputs])
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bf16_runs_every_backend_and_layout_near_float32(runs, backend, layout):
@@ -46,7 +45,6 @@ def test_bf16_runs_every_backend_and_layout_near_float32(runs, backend, layout):
     assert bf16.grad_norm > 0 and math.isclose(bf16.grad_norm, fp32.grad_norm, rel_tol=5e-2)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bf16_packed_gives_the_padded_answer(runs, backend):
     for pass_type in ("forward", "forward_backward"):
@@ -57,7 +55,6 @@ def test_bf16_packed_gives_the_padded_answer(runs, backend):
     assert math.isclose(packed.grad_norm, padded.grad_norm, rel_tol=5e-2)
 
 
-@pytest.mark.slow
 def test_float32_answers_are_still_exact_across_layouts_and_backends(runs):
     ref = runs["pytorch", "float32"]["padded", "forward_backward"]
     for backend in BACKENDS:
@@ -67,7 +64,6 @@ def test_float32_answers_are_still_exact_across_layouts_and_backends(runs):
             assert math.isclose(got.grad_norm, ref.grad_norm, rel_tol=1e-4)
 
 
-@pytest.mark.slow
 def test_one_precision_policy_on_every_backend_and_it_is_on_record(runs):
     for backend in BACKENDS:
         reduce = None if backend == "pytorch" else "float32"  # one process reduces nothing
@@ -77,7 +73,6 @@ def test_one_precision_policy_on_every_backend_and_it_is_on_record(runs):
             "params": "float32", "adapters": "float32", "compute": "float32", "reduce": reduce, "grads": "float32"}
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_fsdp2_and_megatron_compute_lora_alike_in_bf16(runs, layout):
     """Like for like: the same plan on both (2 ranks), the same policy, so the same numbers to rounding.
@@ -90,7 +85,6 @@ def test_fsdp2_and_megatron_compute_lora_alike_in_bf16(runs, layout):
     assert math.isclose(fsdp2.grad_norm, megatron.grad_norm, rel_tol=1e-6), (fsdp2.grad_norm, megatron.grad_norm)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_each_pass_records_the_kernels_that_ran(runs, backend):
     for dtype in DTYPES:

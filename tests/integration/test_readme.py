@@ -14,8 +14,6 @@ import pytest
 
 from tests.conftest import REPO, harness_env, wait_session_empty
 
-pytestmark = pytest.mark.slow
-
 BLOCKS = re.findall(r"```bash\n(.*?)```", (REPO / "README.md").read_text(), flags=re.S)
 
 # `python` for the blocks: the real interpreter, with `python -m harness` kept CPU-sized. A client

@@ -118,7 +118,6 @@ def test_a_missing_folder_is_one_line(tmp_path):
     assert proc.stderr.strip().count("\n") == 0 and "no such folder" in proc.stderr
 
 
-@pytest.mark.slow
 def test_committed_gradient_is_the_tiny_models_own():
     """The committed gradient norm is what a plain forward of the tiny model gives on the point's examples (tests/loss_oracle.py)."""
     from harness.workload import make_examples

@@ -19,8 +19,6 @@ import pytest
 from backends.planning import plan_batch
 from tests.conftest import harness_env, load_json, run_harness, session_processes
 
-pytestmark = pytest.mark.slow
-
 TOKEN = "test-token-7f3a"
 
 

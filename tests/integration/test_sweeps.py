@@ -20,7 +20,6 @@ def test_seed_b200_preset_plans_the_published_setting_on_this_machine(tmp_path):
     assert sorted({r["mbs"] for r in results if r["mtpm"] is None}) == [1, 2]
 
 
-@pytest.mark.slow
 def test_two_points_through_the_local_submitit_launcher(tmp_path):
     sweep = tmp_path / "sweep"
     proc = run_harness(

@@ -7,8 +7,6 @@ import pytest
 from tests.conftest import harness_env, run_harness, sweep_results
 from tests.wandb_records import run_contents
 
-pytestmark = pytest.mark.slow
-
 
 @pytest.fixture(scope="module")
 def offline_sweep(golden_sweep):
