@@ -168,8 +168,21 @@ def _assert_same(result, reference, n_examples):
             assert rel_err(grads[name], ref_grads[name]) < REL_PER_PARAMETER, name
 
 
+@pytest.fixture
+def one_thread():
+    """One intra-op thread: the summation order of every reduction is then the same for every layout.
+
+    The decay parameters' gradients are sums of cancelling terms; on a 2-core AMD EPYC a reduction split over
+    2 threads moved the padded batch's dt_bias gradient by 0.4% relative against mbs=1 (the gradient norm
+    still agreed to 1e-5), which is the thread split, not the layout. One thread compares the layouts alone."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("lora_rank, checkpointing", [(0, False), (8, False), (8, True)])
-def test_packed_rows_equal_each_sequence_alone_and_padded(lora_rank, checkpointing):
+def test_packed_rows_equal_each_sequence_alone_and_padded(lora_rank, checkpointing, one_thread):
     model = build_model(ModelSpec(lora_rank=lora_rank), CPU, checkpointing)
     examples = make_examples(LENGTHS, 2048, seed=5)
     n = len(examples)
