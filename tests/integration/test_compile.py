@@ -38,11 +38,10 @@ def _losses(result) -> np.ndarray:
     return np.array([o.loss for o in result.outputs])
 
 
-def _cell_id(cell) -> str:
-    return "-".join(cell)
+CELL_IDS = ["-".join(cell) for cell in CELLS]  # pytorch-float32, ...
 
 
-@pytest.mark.parametrize("backend, dtype", CELLS, ids=_cell_id)
+@pytest.mark.parametrize("backend, dtype", CELLS, ids=CELL_IDS)
 def test_compiled_layers_give_the_eager_answer_on_every_layout(runs, backend, dtype):
     eager, compiled = runs[backend, dtype, False], runs[backend, dtype, True]
     for key in eager:
@@ -55,7 +54,7 @@ def test_compiled_layers_give_the_eager_answer_on_every_layout(runs, backend, dt
             assert math.isclose(got.grad_norm, want.grad_norm, rel_tol=10 * RTOL[dtype]), key
 
 
-@pytest.mark.parametrize("backend, dtype", CELLS, ids=_cell_id)
+@pytest.mark.parametrize("backend, dtype", CELLS, ids=CELL_IDS)
 def test_what_compiling_cost_is_recorded_and_new_shapes_compile_nothing(runs, backend, dtype):
     compiled, eager = runs[backend, dtype, True], runs[backend, dtype, False]
     assert compiled["built"]["compile"]["layers"] == 4 and compiled["built"]["compile"]["dynamic"] == "automatic"
