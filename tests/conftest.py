@@ -82,7 +82,7 @@ def unpaired(args) -> list[str]:
     only the tests of pairing pay for them, by asking with bench.paired=true.
     """
     args = list(args)
-    if "--cfg" in args or any(a.startswith(("bench.paired=", "bench=")) for a in args):
+    if "--cfg" in args or any(a.startswith("bench.paired=") for a in args):
         return args
     return [*args, "bench.paired=false"]
 
