@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -56,7 +57,7 @@ def test_a_cpu_peak_is_measured_and_split_over_ranks():
     assert one["flops_per_device"] > 1e8 and "measured" in one["source"]
     assert math.isclose(two["flops_per_device"], one["flops_per_device"] / 2)
     bf16 = device_peak({"type": "cpu"}, 1, "bfloat16")  # a bf16 run is measured against bf16 matmuls
-    assert bf16["flops_per_device"] > 1e7 and "bfloat16 1024³ matmul" in bf16["source"]
+    assert bf16["flops_per_device"] > 1e7 and re.search(r"bfloat16 (256|512|1024)³ matmul", bf16["source"])
 
 
 def test_lora_backward_is_not_two_forwards_more():
