@@ -38,6 +38,28 @@ def apply_environment(environ: dict[str, str]) -> None:
         os.environ.update(environ)
 
 
+def release_fork_server() -> None:
+    """In a forked rank: drop the rank's copy of the fork server's liveness pipe.
+
+    multiprocessing hands every process its fork server forks the write end of the pipe the server watches (so
+    that process could ask the same server for children of its own), and the server leaves only when every
+    copy is closed. A rank keeping its copy keeps the server alive after the controller dies, and the rank,
+    which dies with the server (``die_with_parent``), then outlives both: a Ctrl-C while ranks were starting
+    left a fork server and a rank behind for as long as the rank waited on its store. Ranks start no processes.
+    """
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if fd is None:
+        return
+    server._forkserver_alive_fd = None
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
 def warm() -> None:
     """Import what every rank imports; a module that fails here fails again, with its message, in the rank."""
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")

@@ -29,7 +29,7 @@ from backends.model.loading import merge_load_records
 from backends.registry import BY_NAME, is_lockstep
 from backends.runtime.devices import resolve_device, usable_cpu_cores
 from backends.runtime.failures import Failure, blame, failure_report
-from backends.runtime.forkserver import apply_environment, rank_context
+from backends.runtime.forkserver import apply_environment, rank_context, release_fork_server
 from backends.runtime.job import resolve_world_size
 from backends.runtime.liveness import die_with_parent
 from backends.runtime.memory import limit_memory
@@ -79,8 +79,10 @@ def worker_main(
     environ: dict[str, str],
 ) -> None:
     """Entry point of one rank: join the group, build the model, then serve commands until told to stop."""
-    # The rank's parent is the fork server, which exits when the controller does; a parent gone before the
-    # death signal was armed, or a controller gone already, ends the rank here.
+    # The rank's parent is the fork server, which exits when the controller does once the rank has let go of it
+    # (release_fork_server); a parent gone before the death signal was armed, or a controller gone already, ends
+    # the rank here.
+    release_fork_server()
     forked_by = os.getppid()
     die_with_parent()
     if os.getppid() != forked_by or not _alive(parent_pid):

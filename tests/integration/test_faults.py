@@ -1,14 +1,17 @@
-"""Fault injection with real processes: out of memory, a killed worker, a hung worker, an interrupted sweep."""
+"""Fault injection with real processes: out of memory, a killed worker, a hung worker, an interrupted sweep, a
+controller killed outright."""
 
 from __future__ import annotations
 
 import hashlib
 import signal
+import subprocess
+import sys
 import time
 
 import psutil
 
-from tests.conftest import harness_env, load_json, rank_processes, run_harness, start_harness, sweep_results, wait_session_empty
+from tests.conftest import REPO, harness_env, load_json, rank_processes, run_harness, start_harness, sweep_results, wait_session_empty
 from tests.wandb_records import run_contents
 
 
@@ -108,7 +111,6 @@ def test_an_interrupted_sweep_resumes_where_it_stopped(workdir):
             "bench.warmup=0", "bench.repeat=1", f"hydra.sweep.dir={sweep}"]
     proc = start_harness(*args, cwd=workdir, log=workdir / "log.txt")
     _wait_for(lambda: (sweep / "1" / "results.json").exists(), 180, "the second point")
-    time.sleep(0.5)  # the second point is starting its ranks
     proc.send_signal(signal.SIGINT)  # Ctrl-C: the harness only (workers ignore it and are stopped by it)
     assert proc.wait(timeout=60) == 130
     log = (workdir / "log.txt").read_text()
@@ -124,3 +126,23 @@ def test_an_interrupted_sweep_resumes_where_it_stopped(workdir):
     assert "already ok" in again.stdout + again.stderr
     assert _digest(first) == before  # the finished point was not run again
     assert [r["status"] for r in sweep_results(sweep)] == ["ok", "ok", "ok"]
+
+
+def test_a_controller_killed_outright_leaves_no_rank_and_no_fork_server(workdir):
+    """SIGKILL gives the controller no chance to stop its ranks: its fork server sees it go and leaves, and the
+    ranks die with the fork server (before the fix, each idle rank held the server open and both stayed)."""
+    code = ("import time\n"
+            "from backends.specs import BackendSpec, ModelSpec\n"
+            "from backends.start import make_backend\n"
+            "with make_backend(BackendSpec(name='fsdp2', world_size=2, device='cpu'), ModelSpec()):\n"
+            "    print('ready', flush=True)\n"
+            "    time.sleep(600)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=harness_env(), stdout=subprocess.PIPE,
+                            start_new_session=True)
+    try:
+        assert proc.stdout.readline().strip() == b"ready"
+        assert len(rank_processes(proc.pid)) == 2
+    finally:
+        proc.kill()
+        proc.wait()
+    assert wait_session_empty(proc.pid) == []
