@@ -6,6 +6,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+PYTEST := $(BIN)/python -m pytest -q
 SWEEP ?= mtpm=16384,32768,65536,131072 batching=greedy_padded,default hot=true
 
 .PHONY: setup run test test-fast clean
@@ -26,10 +27,10 @@ run: setup
 	$(BIN)/python -m harness -m $(SWEEP)
 
 test: setup
-	$(BIN)/python -m pytest -q
+	$(PYTEST)
 
 test-fast: setup
-	$(BIN)/python -m pytest -q tests/unit
+	$(PYTEST) tests/unit
 
 clean:
 	rm -rf $(VENV) outputs multirun .pytest_cache

@@ -1,18 +1,26 @@
 """backend.compile=true for real: inductor-compiled decoder layers on every wrapper, both layouts, both expert forms.
 
-Each cell runs the same commands eager and compiled (tests/backend_runs.py; the eager runs are the ones
-test_precision reads): per-example losses and the gradient norm must agree (float32: to float32 rounding;
-bf16: within bf16's), a second budget (other row shapes) must compile nothing, and what compiling cost is
-recorded per pass. Compiling takes a minute or two per process on 2 cores, so the cells are the fewest that
-cover every wrapper and both expert forms:
+Each cell runs the standard commands compiled and compares them with the same commands run eagerly
+(tests/backend_runs.py; the eager runs are the ones test_precision reads): per-example losses and the gradient norm
+must agree (float32: to float32 rounding; bf16: within bf16's), a second budget (other row shapes) must compile
+nothing, and what compiling cost is recorded per pass. Inductor generates and compiles C++ for every graph (seconds
+each on 2 cores), so the cells are the fewest that cover every wrapper and both expert forms, and every pair of
+layout, precision and pass type at least once (a forward-only pass compiles inference graphs of its own):
 
-- pytorch float32: the plain model, and the experts as transformers' loop (float32 has no grouped GEMM);
-- fsdp2 bfloat16 and megatron_ddp bfloat16: each wrapper around the compiled layers, at the published precision,
-  with torch's grouped GEMM experts.
+- pytorch float32, padded rows forward-only and packed rows forward+backward: the plain model, and the experts
+  as transformers' loop (float32 has no grouped GEMM);
+- fsdp2 bfloat16, packed rows, forward+backward: FSDP2 around the compiled layers at the published setting, with
+  torch's grouped GEMM experts (FSDP2's bf16 input cast is what once broke packed rows);
+- megatron_ddp bfloat16, padded rows, forward+backward: Megatron DDP around them, the other layout in bf16;
+- the CLI point below: pytorch bfloat16 packed, forward and forward+backward (bf16 inference graphs), as
+  results.json records them.
 
-Cells left out, and why they add nothing: pytorch bfloat16 compiles the same layer graphs as the two bf16 wrappers
-(the wrappers add hooks around each compiled layer, not inside it); fsdp2 and megatron_ddp in float32 compile the
-float32 graphs pytorch float32 compiles, and their eager float32 answers are test_precision's and test_distributed's.
+Left out, and why they add nothing: a wrapper adds hooks around each compiled layer, not inside its graphs, so a
+(layout, pass type, precision) graph compiled under one wrapper is the graph every wrapper runs; a layout changes
+the graphs' inputs, a precision their dtypes and expert form, a pass type their grad mode, each independently of
+the others, so a pair covered once is covered; fsdp2 and megatron_ddp in float32 compile pytorch float32's graphs,
+and their eager float32 answers are test_precision's and test_distributed's. The first pass over a layout pays the
+most (each graph compiled for its first shape, then once more with the sizes that changed made symbolic).
 """
 
 from __future__ import annotations
@@ -22,10 +30,10 @@ import math
 import numpy as np
 import pytest
 
-from tests.backend_runs import BUDGETS, LAYOUTS
+from tests.backend_runs import BUDGETS, COMPILED, cases
 from tests.conftest import run_harness, sweep_results
 
-CELLS = (("pytorch", "float32"), ("fsdp2", "bfloat16"), ("megatron_ddp", "bfloat16"))
+CELLS = tuple(COMPILED)
 RTOL = {"float32": 1e-5, "bfloat16": 1e-2}  # compiled code fuses and reorders: rounding of the dtype, no more
 
 
@@ -44,9 +52,7 @@ CELL_IDS = ["-".join(cell) for cell in CELLS]  # pytorch-float32, ...
 @pytest.mark.parametrize("backend, dtype", CELLS, ids=CELL_IDS)
 def test_compiled_layers_give_the_eager_answer_on_every_layout(runs, backend, dtype):
     eager, compiled = runs[backend, dtype, False], runs[backend, dtype, True]
-    for key in eager:
-        if key in ("built", "precision"):
-            continue
+    for key in [(label, budget, p) for label, p in cases(backend, dtype, True) for budget in BUDGETS]:
         got, want = compiled[key], eager[key]
         assert got.plan["layout"] == want.plan["layout"] == key[0]
         np.testing.assert_allclose(_losses(got), _losses(want), rtol=RTOL[dtype], err_msg=str(key))
@@ -60,8 +66,9 @@ def test_what_compiling_cost_is_recorded_and_new_shapes_compile_nothing(runs, ba
     assert compiled["built"]["compile"]["layers"] == 4 and compiled["built"]["compile"]["dynamic"] == "automatic"
     assert eager["built"]["compile"] is None
     ranks = 1 if backend == "pytorch" else 2
-    for label in LAYOUTS:
-        first = compiled[label, BUDGETS[0], "forward_backward"]
+    covered = cases(backend, dtype, True)
+    for label, pass_type in covered:
+        first = compiled[label, BUDGETS[0], pass_type]
         # every layer call ran compiled code, and the boundary operations eagerly, counted per call
         steps = sum(first.plan["n_microbatches"]) + sum(first.plan.get("n_dummy") or [0])
         assert first.kernels["compiled_layer"] == {"inductor": 4 * steps}, label
@@ -71,22 +78,21 @@ def test_what_compiling_cost_is_recorded_and_new_shapes_compile_nothing(runs, ba
         # the experts, as dynamo traced them: torch's grouped GEMM in bf16; transformers' loop in float32
         traced = first.compile["traced"]["moe_experts"]
         assert traced == (["grouped_mm"] if dtype == "bfloat16" else ["grouped_mm-fallback-loop"])
-        for pass_type in ("forward", "forward_backward"):
-            again = compiled[label, BUDGETS[1], pass_type].compile  # other lengths, same graphs
-            assert again["compilations"] == again["recompilations"] == again["backward_compilations"] == 0, \
-                (label, pass_type, again)
+        again = compiled[label, BUDGETS[1], pass_type].compile  # other lengths, same graphs
+        assert again["compilations"] == again["recompilations"] == again["backward_compilations"] == 0, \
+            (label, pass_type, again)
     # the first pass of all paid for compiling: graphs, seconds, and the graph breaks at the eager operations
-    start = compiled["padded", BUDGETS[0], "forward"].compile
+    start = compiled[covered[0][0], BUDGETS[0], covered[0][1]].compile
     assert start["compilations"] > 0 and start["compile_s"] > 0 and start["graph_breaks"] > 0
     assert all("disable()" in reason for reason in start["graph_break_reasons"]), start["graph_break_reasons"]
-    assert eager["padded", BUDGETS[0], "forward"].compile is None  # the eager path records nothing
+    assert eager[covered[0][0], BUDGETS[0], covered[0][1]].compile is None  # the eager path records nothing
 
 
 def test_a_compiled_point_records_its_warm_up_and_timed_compiling(workdir):
     """The CLI: results.json says what was compiled, what the warm-up paid, and that the timed repeats paid nothing."""
     sweep = workdir / "sweep"
-    proc = run_harness("-m", "backend=pytorch", "backend.compile=true", "model.dtype=bfloat16", "mtpm=2048",
-                       "workload.n_examples=12", "workload.max_len=600", "bench.repeat=2", "bench.baseline=false",
+    proc = run_harness("-m", "backend=pytorch", "backend.compile=true", "model.dtype=bfloat16", "mtpm=1024",
+                       "workload=smoke", "workload.n_examples=12", "bench.repeat=2", "bench.baseline=false",
                        "logger=none", f"hydra.sweep.dir={sweep}", cwd=workdir)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (doc,) = sweep_results(sweep)

@@ -111,6 +111,7 @@ def test_an_interrupted_sweep_resumes_where_it_stopped(workdir):
             "bench.warmup=0", "bench.repeat=1", f"hydra.sweep.dir={sweep}"]
     proc = start_harness(*args, cwd=workdir, log=workdir / "log.txt")
     _wait_for(lambda: (sweep / "1" / "results.json").exists(), 180, "the second point")
+    time.sleep(0.5)  # the second point is starting its ranks
     proc.send_signal(signal.SIGINT)  # Ctrl-C: the harness only (workers ignore it and are stopped by it)
     assert proc.wait(timeout=60) == 130
     log = (workdir / "log.txt").read_text()
