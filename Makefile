@@ -6,7 +6,6 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-PYTEST := $(BIN)/python -m pytest -q
 SWEEP ?= mtpm=16384,32768,65536,131072 batching=greedy_padded,default hot=true
 
 .PHONY: setup run test test-fast clean
@@ -27,10 +26,10 @@ run: setup
 	$(BIN)/python -m harness -m $(SWEEP)
 
 test: setup
-	$(PYTEST)
+	$(BIN)/python -m pytest -q
 
 test-fast: setup
-	$(PYTEST) tests/unit
+	$(BIN)/python -m pytest -q tests/unit
 
 clean:
 	rm -rf $(VENV) outputs multirun .pytest_cache

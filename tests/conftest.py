@@ -20,10 +20,10 @@ REPO = Path(__file__).resolve().parents[1]
 TIERS = ("unit", "integration")
 
 
-# Idle OpenMP threads sleep instead of spinning. make test runs two pytest workers (pytest-xdist) on a 2-core
-# machine, each starting ranks and CLI processes of its own; spinning threads then burn the other worker's core
-# (measured on two integration files: 636 s of CPU for 424 s of wall with spinning, 209 s for 174 s without; 293 s
-# in one worker). Set before torch is imported here, and inherited by every process the tests start.
+# Idle OpenMP threads sleep instead of spinning: the suite's ranks and CLI processes share 2 cores, and with
+# two pytest workers (pytest -n 2) spinning threads burn the other worker's core (measured on two integration
+# files: 636 s of CPU for 424 s of wall with spinning, 209 s for 174 s without; one worker: 224 s for 293 s). Set
+# before torch is imported here, and inherited by every process the tests start.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # Session fixtures worth computing once: the tests that read one run on the same pytest-xdist worker.
@@ -47,7 +47,7 @@ def _xdist_group(item) -> str | None:
 
 def pytest_collection_modifyitems(config, items):
     """Mark each test with its folder's tier (``-m unit`` / ``-m integration`` select one), and with the
-    pytest-xdist group that keeps shared fixtures computed once (``--dist loadgroup``, as make test runs)."""
+    pytest-xdist group that keeps shared fixtures computed once (``pytest -n 2 --dist loadgroup``)."""
     for item in items:
         rel = Path(item.path).resolve().relative_to(REPO / "tests")
         if rel.parts[0] in TIERS:
@@ -162,8 +162,8 @@ def rank_processes(pid: int) -> list:
 
 def wait_session_empty(sid: int, timeout_s: float = 30.0) -> list:
     """The processes left in session ``sid`` once it empties or ``timeout_s`` passes. A ranks' fork server
-    whose controller died while it was still importing torch leaves when its imports end: seconds, more with
-    a second test worker busy on the other core."""
+    whose controller died while it was still importing torch leaves when its imports end: seconds, more on a
+    loaded machine."""
     import time
 
     deadline = time.monotonic() + timeout_s
