@@ -1,14 +1,21 @@
 """One run of the standard commands per (backend, dtype, compiled), shared by every test module that reads it.
 
 test_precision and test_compile ask the same questions of the same backends (each layout, two budgets, both
-pass types); the eager runs they both compare against are run once per test session, when first asked for.
+pass types), and test_balance times the bf16 ones; the eager runs are run once per test session (under pytest -n,
+once for all workers), when first asked for.
 """
 
 from __future__ import annotations
 
+import fcntl
+import os
+import pickle
+from pathlib import Path
+from typing import Optional
+
 import numpy as np
 
-from backends.messages import make_command
+from backends.messages import PassCommand, make_command
 from backends.specs import BackendSpec, ModelSpec
 from backends.start import make_backend
 from harness.workload import make_examples
@@ -32,25 +39,38 @@ PASS_TYPES = ("forward", "forward_backward")
 # The (layout, pass type) pairs each compiled cell runs, in order (test_compile's docstring says why these). Eager
 # runs run every pair.
 COMPILED = {
-    ("pytorch", "float32"): (("padded", "forward"), ("packed", "forward_backward")),
+    ("pytorch", "float32"): (("packed", "forward_backward"),),
     ("fsdp2", "bfloat16"): (("packed", "forward_backward"),),
     ("megatron_ddp", "bfloat16"): (("padded", "forward_backward"),),
 }
 
 
-def run_standard_commands(name: str, dtype: str, compile: bool) -> dict:
-    """``{"built", "precision", (layout, budget, pass_type): PassResult}`` from one backend started for it.
+# A plan built to be uneven (test_balance): rank 0 runs two long sequences, rank 1 two short ones (a lock-step
+# rank 1 waits at both steps, an independent one at the end); the one-process backend runs all four.
+UNEVEN = make_examples([1500, 1400, 64, 64], 2048, seed=1)
+UNEVEN_PLAN = {1: [[[0], [1], [2], [3]]], 2: [[[0], [1]], [[2], [3]]]}
 
-    Eager: every layout and pass type. Compiled: the cell's pairs (``COMPILED``).
+
+def run_standard_commands(name: str, dtype: str, compile: bool) -> dict:
+    """``{"built", "precision", "world", (layout, budget, pass_type): PassResult}`` from one backend started for it.
+
+    Eager: every layout and pass type, and in bf16 (the published setting, whose balance test_balance measures) the
+    uneven plan, run twice: a warm-up, as the harness does before it times anything, then ``"uneven"``. Compiled:
+    the cell's pairs (``COMPILED``).
     """
     spec = BackendSpec(name=name, world_size=None if name == "pytorch" else 2, device="cpu", compile=compile)
     with make_backend(spec, ModelSpec(dtype=dtype)) as backend:
-        out = {"built": backend.model_info, "precision": backend.precision}
+        out = {"built": backend.model_info, "precision": backend.precision, "world": backend.world_size}
         for label, pass_type in cases(name, dtype, compile):
             planner, layout = LAYOUTS[label]
             for budget in BUDGETS:
                 out[label, budget, pass_type] = backend.run_pass(
                     make_command(pass_type, EXAMPLES, budget, 1, layout=layout, planner=planner))
+        if dtype == "bfloat16" and not compile:
+            uneven = PassCommand("forward_backward", UNEVEN, None, 1, layout="packed",
+                                 schedules=UNEVEN_PLAN[backend.world_size])
+            backend.run_pass(uneven)
+            out["uneven"] = backend.run_pass(uneven)
         return out
 
 
@@ -62,8 +82,26 @@ def cases(name: str, dtype: str, compile: bool) -> list[tuple[str, str]]:
 
 
 class BackendRuns(dict):
-    """``runs[name, dtype, compiled]``: run on first use, then kept for the session (conftest's ``backend_runs``)."""
+    """``runs[name, dtype, compiled]``: run on first use, then kept for the session (conftest's ``backend_runs``).
+
+    With ``shared_dir`` (pytest -n: the folder every worker's temporary folders are in), a run is made once for
+    all workers: the first to ask runs it under a lock of its own and writes it there, the others wait and read it.
+    """
+
+    def __init__(self, shared_dir: Optional[Path] = None):
+        super().__init__()
+        self.shared_dir = shared_dir
 
     def __missing__(self, key):
-        self[key] = run_standard_commands(*key)
+        if self.shared_dir is None:
+            self[key] = run_standard_commands(*key)
+            return self[key]
+        path = self.shared_dir / ("backend-run-" + "-".join(map(str, key)) + ".pickle")
+        with open(path.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            if not path.exists():
+                tmp = path.with_suffix(f".{os.getpid()}.tmp")
+                tmp.write_bytes(pickle.dumps(run_standard_commands(*key)))
+                os.replace(tmp, path)  # a worker that dies mid-run leaves no half-written run behind
+            self[key] = pickle.loads(path.read_bytes())
         return self[key]

@@ -27,15 +27,20 @@ TIERS = ("unit", "integration")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # Session fixtures worth computing once: the tests that read one run on the same pytest-xdist worker.
-SHARED_SESSION_FIXTURES = ("backend_runs", "golden_sweep")
+SHARED_SESSION_FIXTURES = ("golden_sweep",)
 
 
 def _xdist_group(item) -> str | None:
-    """The worker group of a test: the shared session fixture it reads, else its module when it reads a
+    """The worker group of a test: a backend's standard runs when it reads one backend's (the runs are made once
+    for all workers, and a backend's compiled cell, its slowest, then keeps to one worker while the other worker
+    takes another backend), else the shared session fixture it reads, else its module when it reads a
     module-scoped fixture (computed once per module, on one worker), else none (any worker)."""
     info = getattr(item, "_fixtureinfo", None)
     if info is None:
         return None
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    if "backend_runs" in info.names_closure and "backend" in params:
+        return f"backend_runs-{params['backend']}"
     for name in SHARED_SESSION_FIXTURES:
         if name in info.names_closure:
             return name
@@ -246,11 +251,13 @@ def demo_data(tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="session")
-def backend_runs():
-    """tests/backend_runs.py's standard commands, one run per (backend, dtype, compiled) for the whole session."""
+def backend_runs(tmp_path_factory):
+    """tests/backend_runs.py's standard commands, one run per (backend, dtype, compiled) for the whole session
+    (under pytest -n, for all workers: kept in the folder their temporary folders share)."""
     from tests.backend_runs import BackendRuns
 
-    return BackendRuns()
+    base = tmp_path_factory.getbasetemp()
+    return BackendRuns(base.parent if os.environ.get("PYTEST_XDIST_WORKER") else None)
 
 
 @pytest.fixture(scope="session")

@@ -3,24 +3,26 @@
 Each cell runs the standard commands compiled and compares them with the same commands run eagerly
 (tests/backend_runs.py; the eager runs are the ones test_precision reads): per-example losses and the gradient norm
 must agree (float32: to float32 rounding; bf16: within bf16's), a second budget (other row shapes) must compile
-nothing, and what compiling cost is recorded per pass. Inductor generates and compiles C++ for every graph (seconds
-each on 2 cores), so the cells are the fewest that cover every wrapper and both expert forms, and every pair of
-layout, precision and pass type at least once (a forward-only pass compiles inference graphs of its own):
+nothing, and what compiling cost is recorded per pass. Inductor generates and compiles C++ for every graph (about a
+second each on 2 cores, and a cell compiles 40 to 130), so the cells are the fewest that run every wrapper, both
+expert forms, both layouts, both precisions and both pass types (a forward-only pass compiles inference graphs
+of its own) at least once:
 
-- pytorch float32, padded rows forward-only and packed rows forward+backward: the plain model, and the experts
-  as transformers' loop (float32 has no grouped GEMM);
+- pytorch float32, packed rows, forward+backward: the plain model, and the experts as transformers' loop (float32
+  has no grouped GEMM);
 - fsdp2 bfloat16, packed rows, forward+backward: FSDP2 around the compiled layers at the published setting, with
   torch's grouped GEMM experts (FSDP2's bf16 input cast is what once broke packed rows);
-- megatron_ddp bfloat16, padded rows, forward+backward: Megatron DDP around them, the other layout in bf16;
-- the CLI point below: pytorch bfloat16 packed, forward and forward+backward (bf16 inference graphs), as
+- megatron_ddp bfloat16, padded rows, forward+backward: Megatron DDP around them, the other layout;
+- the CLI point below: pytorch bfloat16 packed, forward and forward+backward (the inference graphs), as
   results.json records them.
 
-Left out, and why they add nothing: a wrapper adds hooks around each compiled layer, not inside its graphs, so a
-(layout, pass type, precision) graph compiled under one wrapper is the graph every wrapper runs; a layout changes
-the graphs' inputs, a precision their dtypes and expert form, a pass type their grad mode, each independently of
-the others, so a pair covered once is covered; fsdp2 and megatron_ddp in float32 compile pytorch float32's graphs,
-and their eager float32 answers are test_precision's and test_distributed's. The first pass over a layout pays the
-most (each graph compiled for its first shape, then once more with the sizes that changed made symbolic).
+A wrapper does change the graphs (FSDP2's ranks compile other graphs than the plain model's: none of theirs is
+found in the plain model's inductor cache), so each wrapper has its cell. Left out: fsdp2 and megatron_ddp in
+float32 (the loop experts under a wrapper: the wrapper's hooks are the ones the bf16 cells run, and their eager
+float32 answers are test_precision's and test_distributed's) and padded rows forward-only (a padded batch's
+inference graphs: its rows and masks are the forward+backward cell's, without the saved activations). The first
+pass over a layout pays the most (each graph compiled for its first shape, then once more with the sizes that
+changed made symbolic).
 """
 
 from __future__ import annotations
@@ -37,11 +39,6 @@ CELLS = tuple(COMPILED)
 RTOL = {"float32": 1e-5, "bfloat16": 1e-2}  # compiled code fuses and reorders: rounding of the dtype, no more
 
 
-@pytest.fixture(scope="module")
-def runs(backend_runs):
-    return backend_runs
-
-
 def _losses(result) -> np.ndarray:
     return np.array([o.loss for o in result.outputs])
 
@@ -50,8 +47,8 @@ CELL_IDS = ["-".join(cell) for cell in CELLS]  # pytorch-float32, ...
 
 
 @pytest.mark.parametrize("backend, dtype", CELLS, ids=CELL_IDS)
-def test_compiled_layers_give_the_eager_answer_on_every_layout(runs, backend, dtype):
-    eager, compiled = runs[backend, dtype, False], runs[backend, dtype, True]
+def test_compiled_layers_give_the_eager_answer_on_every_layout(backend_runs, backend, dtype):
+    eager, compiled = backend_runs[backend, dtype, False], backend_runs[backend, dtype, True]
     for key in [(label, budget, p) for label, p in cases(backend, dtype, True) for budget in BUDGETS]:
         got, want = compiled[key], eager[key]
         assert got.plan["layout"] == want.plan["layout"] == key[0]
@@ -61,8 +58,8 @@ def test_compiled_layers_give_the_eager_answer_on_every_layout(runs, backend, dt
 
 
 @pytest.mark.parametrize("backend, dtype", CELLS, ids=CELL_IDS)
-def test_what_compiling_cost_is_recorded_and_new_shapes_compile_nothing(runs, backend, dtype):
-    compiled, eager = runs[backend, dtype, True], runs[backend, dtype, False]
+def test_what_compiling_cost_is_recorded_and_new_shapes_compile_nothing(backend_runs, backend, dtype):
+    compiled, eager = backend_runs[backend, dtype, True], backend_runs[backend, dtype, False]
     assert compiled["built"]["compile"]["layers"] == 4 and compiled["built"]["compile"]["dynamic"] == "automatic"
     assert eager["built"]["compile"] is None
     ranks = 1 if backend == "pytorch" else 2

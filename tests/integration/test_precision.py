@@ -25,7 +25,7 @@ class _Eager:
                 **{(label, p): run[label, BUDGET, p] for label in LAYOUTS for p in ("forward", "forward_backward")}}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def runs(backend_runs):
     return _Eager(backend_runs)
 
