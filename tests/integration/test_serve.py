@@ -289,6 +289,7 @@ def test_a_budget_changed_during_a_client_run_fails_the_point(server, monkeypatc
 
     monkeypatch.delenv("BALANCE_BATCH_ADMIN_TOKEN", raising=False)
     assert server.call("POST", "/admin/set_max_tokens_per_microbatch", {"value": 700})[0] == 200
+    assert server.call("POST", "/admin/set_micro_batch_size", {"value": 1})[0] == 200  # whatever ran before
     remote = RemoteBackend(server.url, timeout_s=120)
     assert remote.configure(700, 1) == (700, 1)
     exs = make_examples([50, 80], remote.vocab_size, seed=0)
