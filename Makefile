@@ -6,6 +6,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+# Two pytest workers; tests sharing a fixture keep to one (tests/conftest.py). WORKERS= runs them in one process.
+WORKERS ?= -n 2 --dist loadgroup
 SWEEP ?= mtpm=16384,32768,65536,131072 batching=greedy_padded,default hot=true
 
 .PHONY: setup run test test-fast clean
@@ -26,10 +28,10 @@ run: setup
 	$(BIN)/python -m harness -m $(SWEEP)
 
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(WORKERS)
 
 test-fast: setup
-	$(BIN)/python -m pytest -q tests/unit
+	$(BIN)/python -m pytest -q $(WORKERS) tests/unit
 
 clean:
 	rm -rf $(VENV) outputs multirun .pytest_cache

@@ -50,6 +50,7 @@ def _xdist_group(item) -> str | None:
     return None
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the group marks into node ids
 def pytest_collection_modifyitems(config, items):
     """Mark each test with its folder's tier (``-m unit`` / ``-m integration`` select one), and with the
     pytest-xdist group that keeps shared fixtures computed once (``pytest -n 2 --dist loadgroup``)."""
