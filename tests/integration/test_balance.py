@@ -5,27 +5,45 @@ from __future__ import annotations
 
 import pytest
 
+from backends.messages import PassCommand, make_command
+from backends.specs import BackendSpec, ModelSpec
+from backends.start import make_backend
 from harness.balance import measured_balance, timeline_record
-from tests.backend_runs import BUDGETS
+from harness.workload import make_examples, mixed_lengths
 from tests.conftest import load_json, run_harness, sweep_results
 
 BACKENDS = ("pytorch", "fsdp2", "megatron_ddp")
+EXAMPLES = make_examples(mixed_lengths(16, 64, 512, 42), 2048, seed=0)
+# A plan built to be uneven: rank 0 runs two long sequences, rank 1 two short ones (a lock-step rank 1 waits at
+# both steps, an independent one at the end); the one-process backend runs all four.
+UNEVEN = make_examples([1500, 1400, 64, 64], 2048, seed=1)
+UNEVEN_PLAN = {1: [[[0], [1], [2], [3]]], 2: [[[0], [1]], [[2], [3]]]}
 
 
-def _passes(backend_runs, name: str) -> dict:
-    """A backend's bf16 eager runs (tests/backend_runs.py, shared with test_precision): balanced packed rows
-    forward and forward+backward, the original greedy padded rows, and a plan built to be uneven."""
-    run = backend_runs[name, "bfloat16", False]
-    return {"world": run["world"], "forward": run["packed", BUDGETS[0], "forward"],
-            "forward_backward": run["packed", BUDGETS[0], "forward_backward"],
-            "greedy": run["padded", BUDGETS[0], "forward_backward"], "uneven": run["uneven"]}
+def _run(name: str) -> dict:
+    spec = BackendSpec(name=name, world_size=None if name == "pytorch" else 2, device="cpu")
+    with make_backend(spec, ModelSpec(dtype="bfloat16")) as backend:  # the published setting's precision
+        out = {"world": backend.world_size}
+        for pass_type in ("forward", "forward_backward"):
+            out[pass_type] = backend.run_pass(make_command(pass_type, EXAMPLES, 700, 1, layout="packed",
+                                                           planner="balanced"))
+        out["greedy"] = backend.run_pass(make_command("forward_backward", EXAMPLES, 700, 1))  # padded, dealt
+        uneven = PassCommand("forward_backward", UNEVEN, None, 1, layout="packed",
+                             schedules=UNEVEN_PLAN[backend.world_size])
+        backend.run_pass(uneven)  # a warm-up, as the harness does before it times anything
+        out["uneven"] = backend.run_pass(uneven)
+        return out
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return {name: _run(name) for name in BACKENDS}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_each_ranks_step_times_add_up_to_its_pass_time(backend_runs, backend):
+def test_each_ranks_step_times_add_up_to_its_pass_time(runs, backend):
     from backends.registry import is_lockstep
 
-    runs = {backend: _passes(backend_runs, backend)}
     lockstep = is_lockstep(backend)
     for key in ("forward", "forward_backward", "greedy", "uneven"):
         result = runs[backend][key]
@@ -50,8 +68,8 @@ def test_each_ranks_step_times_add_up_to_its_pass_time(backend_runs, backend):
 
 
 @pytest.mark.parametrize("backend", ("fsdp2", "megatron_ddp"))
-def test_a_rank_with_less_work_is_measured_waiting_for_the_other(backend_runs, backend):
-    result = _passes(backend_runs, backend)["uneven"]
+def test_a_rank_with_less_work_is_measured_waiting_for_the_other(runs, backend):
+    result = runs[backend]["uneven"]
     balance = measured_balance(timeline_record([result.timeline]), lockstep=backend == "fsdp2")
     busy = balance["busy_s"]
     # rank 0 holds 2,900 tokens, rank 1 128; a step's fixed cost (FSDP2's per-layer all-gathers run on the rank's own
