@@ -1,8 +1,8 @@
 """One run of the standard commands per (backend, dtype, compiled), shared by every test module that reads it.
 
 test_precision and test_compile ask the same questions of the same backends (each layout, two budgets, both
-pass types), and test_balance times the bf16 ones; the eager runs are run once per test session (under pytest -n,
-once for all workers), when first asked for.
+pass types); the eager runs they both compare against are run once per test session (under pytest -n, once for
+all workers), when first asked for.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Optional
 
 import numpy as np
 
-from backends.messages import PassCommand, make_command
+from backends.messages import make_command
 from backends.specs import BackendSpec, ModelSpec
 from backends.start import make_backend
 from harness.workload import make_examples
@@ -45,32 +45,19 @@ COMPILED = {
 }
 
 
-# A plan built to be uneven (test_balance): rank 0 runs two long sequences, rank 1 two short ones (a lock-step
-# rank 1 waits at both steps, an independent one at the end); the one-process backend runs all four.
-UNEVEN = make_examples([1500, 1400, 64, 64], 2048, seed=1)
-UNEVEN_PLAN = {1: [[[0], [1], [2], [3]]], 2: [[[0], [1]], [[2], [3]]]}
-
-
 def run_standard_commands(name: str, dtype: str, compile: bool) -> dict:
-    """``{"built", "precision", "world", (layout, budget, pass_type): PassResult}`` from one backend started for it.
+    """``{"built", "precision", (layout, budget, pass_type): PassResult}`` from one backend started for it.
 
-    Eager: every layout and pass type, and in bf16 (the published setting, whose balance test_balance measures) the
-    uneven plan, run twice: a warm-up, as the harness does before it times anything, then ``"uneven"``. Compiled:
-    the cell's pairs (``COMPILED``).
+    Eager: every layout and pass type. Compiled: the cell's pairs (``COMPILED``).
     """
     spec = BackendSpec(name=name, world_size=None if name == "pytorch" else 2, device="cpu", compile=compile)
     with make_backend(spec, ModelSpec(dtype=dtype)) as backend:
-        out = {"built": backend.model_info, "precision": backend.precision, "world": backend.world_size}
+        out = {"built": backend.model_info, "precision": backend.precision}
         for label, pass_type in cases(name, dtype, compile):
             planner, layout = LAYOUTS[label]
             for budget in BUDGETS:
                 out[label, budget, pass_type] = backend.run_pass(
                     make_command(pass_type, EXAMPLES, budget, 1, layout=layout, planner=planner))
-        if dtype == "bfloat16" and not compile:
-            uneven = PassCommand("forward_backward", UNEVEN, None, 1, layout="packed",
-                                 schedules=UNEVEN_PLAN[backend.world_size])
-            backend.run_pass(uneven)
-            out["uneven"] = backend.run_pass(uneven)
         return out
 
 
