@@ -80,9 +80,10 @@ class BackendRuns(dict):
         self.shared_dir = shared_dir
 
     def __missing__(self, key):
-        if self.shared_dir is None:
-            self[key] = run_standard_commands(*key)
-            return self[key]
+        self[key] = run_standard_commands(*key) if self.shared_dir is None else self._shared(key)
+        return self[key]
+
+    def _shared(self, key) -> dict:
         path = self.shared_dir / ("backend-run-" + "-".join(map(str, key)) + ".pickle")
         with open(path.with_suffix(".lock"), "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
@@ -90,5 +91,4 @@ class BackendRuns(dict):
                 tmp = path.with_suffix(f".{os.getpid()}.tmp")
                 tmp.write_bytes(pickle.dumps(run_standard_commands(*key)))
                 os.replace(tmp, path)  # a worker that dies mid-run leaves no half-written run behind
-            self[key] = pickle.loads(path.read_bytes())
-        return self[key]
+            return pickle.loads(path.read_bytes())
