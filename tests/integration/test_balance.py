@@ -76,7 +76,10 @@ def test_a_rank_with_less_work_is_measured_waiting_for_the_other(runs, backend):
     # thread) keeps the busy ratio far below the token ratio: 3.0x on a quiet machine, 2.96x seen in CI
     assert busy[0] > 2 * busy[1], balance
     assert balance["measured_critical_path"] > 1.5, balance
-    assert balance["idle_fraction"][1] > 0.5 and balance["idle_fraction"][0] < 0.25, balance
+    # busy is a rank's own CPU time, so on a shared machine the busy rank looks idle too while it waits for a core
+    # (51% under two test workers); what does not depend on the load is that the rank with less work idles far more
+    idle = balance["idle_fraction"]
+    assert idle[1] > 0.5 and idle[0] < idle[1] - 0.25, balance
     rank0, rank1 = result.timeline["per_rank"]
     if backend == "megatron_ddp":  # independent ranks wait once, in the gradient sync after their last step
         assert rank1["sync_s"] > 0.5 * (sum(rank0["step_s"]) - sum(rank1["step_s"])), (rank0, rank1)
