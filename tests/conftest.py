@@ -93,11 +93,24 @@ def harness_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def run_cli(module: str, *args: str, cwd: Path, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+_WARM: dict = {}  # this pytest worker's warm CLI server (tests/warm_cli.py), started on first use
+
+
+def run_cli(module: str, *args: str, cwd: Path, timeout: float = 600, env: dict | None = None,
+            fresh: bool = False) -> subprocess.CompletedProcess:
+    """``python -m module args`` to its end: forked from this worker's warm CLI server when the environment allows
+    (tests/warm_cli.py), else (or ``fresh``: a new interpreter is the point) a plain subprocess."""
+    env = env or harness_env()
+    if "server" not in _WARM and not fresh:
+        from tests.warm_cli import WarmCLI
+
+        _WARM["server"] = WarmCLI(harness_env())
+    if not fresh and _WARM["server"].suits(env):
+        return _WARM["server"].run(module, args, cwd=cwd, env=env, timeout=timeout)
     return subprocess.run(
         [sys.executable, "-m", module, *args],
         cwd=cwd,
-        env=env or harness_env(),
+        env=env,
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -122,8 +135,9 @@ def unpaired(args) -> list[str]:
     return [*args, "bench.paired=false"]
 
 
-def run_harness(*args: str, cwd: Path, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
-    return run_cli("harness", *unpaired(args), cwd=cwd, timeout=timeout, env=env)
+def run_harness(*args: str, cwd: Path, timeout: float = 600, env: dict | None = None,
+                fresh: bool = False) -> subprocess.CompletedProcess:
+    return run_cli("harness", *unpaired(args), cwd=cwd, timeout=timeout, env=env, fresh=fresh)
 
 
 def load_json(path: Path) -> dict:
@@ -276,3 +290,8 @@ def golden_sweep(tmp_path_factory) -> Path:
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return sweep
+
+
+def pytest_sessionfinish(session):
+    if "server" in _WARM:
+        _WARM.pop("server").close()

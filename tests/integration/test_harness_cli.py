@@ -147,8 +147,9 @@ def _one_error_line(proc) -> str:
 @pytest.mark.parametrize("override, key", [("mtpm=-1", "mtpm"), ("backend=nccl_magic", "backend")])
 def test_bad_input_is_one_line_naming_the_key_and_exit_2(workdir, override, key):
     """The CLI's contract, once for a value the harness refuses and once for a choice Hydra cannot compose;
-    every refused value's line is checked in-process (tests/unit/test_config.py)."""
-    proc = run_harness("dry_run=true", override, f"hydra.run.dir={workdir / 'run'}", cwd=workdir)
+    every refused value's line is checked in-process (tests/unit/test_config.py). A new interpreter, as a user's
+    (the other CLI tests' runs fork from one that imported torch already: tests/warm_cli.py)."""
+    proc = run_harness("dry_run=true", override, f"hydra.run.dir={workdir / 'run'}", cwd=workdir, fresh=True)
     assert proc.returncode == 2
     line = _one_error_line(proc)
     assert line.split("error: ", 1)[-1].split("] - ", 1)[-1] == config_error(override), line
