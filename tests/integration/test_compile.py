@@ -13,8 +13,10 @@ of its own) at least once:
 - fsdp2 bfloat16, packed rows, forward+backward: FSDP2 around the compiled layers at the published setting, with
   torch's grouped GEMM experts (FSDP2's bf16 input cast is what once broke packed rows);
 - megatron_ddp bfloat16, padded rows, forward+backward: Megatron DDP around them, the other layout;
-- the CLI point below: pytorch bfloat16 packed, forward and forward+backward (the inference graphs), as
-  results.json records them.
+- the CLI point below: pytorch float32 packed on the first cell's lengths and budget, forward (the inference
+  graphs, compiled there alone) and forward+backward (the first cell's graphs, read from inductor's on-disk cache
+  when that cell ran first), as results.json records them. The plain model's bf16 graphs (grouped GEMM experts
+  without a wrapper) are in no cell: the two wrapped bf16 cells compile the grouped GEMM.
 
 A wrapper does change the graphs (FSDP2's ranks compile other graphs than the plain model's: none of theirs is
 found in the plain model's inductor cache), so each wrapper has its cell. Left out: fsdp2 and megatron_ddp in
@@ -32,7 +34,7 @@ import math
 import numpy as np
 import pytest
 
-from tests.backend_runs import BUDGETS, COMPILED, cases
+from tests.backend_runs import BUDGETS, COMPILED, LENGTHS, cases
 from tests.conftest import run_harness, sweep_results
 
 CELLS = tuple(COMPILED)
@@ -85,15 +87,24 @@ def test_what_compiling_cost_is_recorded_and_new_shapes_compile_nothing(backend_
     assert eager[covered[0][0], BUDGETS[0], covered[0][1]].compile is None  # the eager path records nothing
 
 
+@pytest.mark.xdist_group("backend_runs-pytorch")  # after the pytorch-float32 cell, on its worker (below)
 def test_a_compiled_point_records_its_warm_up_and_timed_compiling(workdir):
-    """The CLI: results.json says what was compiled, what the warm-up paid, and that the timed repeats paid nothing."""
+    """The CLI: results.json says what was compiled, what the warm-up paid, and that the timed repeats paid nothing.
+
+    The point runs the pytorch-float32 cell's lengths, precision and first budget, so its forward+backward graphs
+    are the cell's and come from inductor's on-disk cache when the cell ran first (dynamo still traces and counts
+    them); its forward-only graphs (inference: no saved activations) are compiled here and nowhere else.
+    """
+    lengths = workdir / "lengths.txt"
+    lengths.write_text("\n".join(map(str, LENGTHS)) + "\n")
     sweep = workdir / "sweep"
-    proc = run_harness("-m", "backend=pytorch", "backend.compile=true", "model.dtype=bfloat16", "mtpm=1024",
-                       "workload=smoke", "workload.n_examples=12", "bench.repeat=2", "bench.baseline=false",
-                       "logger=none", f"hydra.sweep.dir={sweep}", cwd=workdir)
+    proc = run_harness("-m", "backend=pytorch", "backend.compile=true", "model.dtype=float32", f"mtpm={BUDGETS[0]}",
+                       "workload=lengths_file", f"workload.path={lengths}", "bench.repeat=2",
+                       "bench.baseline=false", "logger=none", f"hydra.sweep.dir={sweep}", cwd=workdir)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (doc,) = sweep_results(sweep)
     assert doc["status"] == "ok" and doc["model"]["built"]["compile"]["scope"] == "decoder_layer"
+    assert doc["layout"] == "packed" and doc["precision"]["compute"] == "float32"
     for pass_type in ("forward", "forward_backward"):
         record = doc["passes"][pass_type]["compile"]
         assert record["warmup"]["compilations"] > 0 and record["warmup"]["compile_s"] > 0, record
