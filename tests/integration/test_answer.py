@@ -97,11 +97,13 @@ def test_auto_on_fsdp2_in_bf16(tmp_path):
     asks any backend alike, so one distributed backend covers the ranks' memory share), no baseline point added."""
     sweep = tmp_path / "sweep"
     proc = run_harness("-m", "mtpm=auto", "bench.paired=true", "backend=fsdp2", "model.dtype=bfloat16", *QUICK,
+                       "workload.n_examples=8",
                        f"hydra.sweep.dir={sweep}", cwd=tmp_path, timeout=1200)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (doc,) = sweep_results(sweep)  # the search measures mbs=1 itself
     assert doc["backend"] == "fsdp2"
     _auto_checks(doc)
+    assert sum(c["status"] == "ok" for c in doc["auto"]["candidates"]) >= 2  # 8 sequences: 3 plans, a real search
     assert doc["precision"]["compute"] == "bfloat16"
     assert "host memory / 2 rank(s)" in doc["auto"]["limit_source"]
     report = (sweep / "report.md").read_text()
