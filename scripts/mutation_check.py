@@ -48,8 +48,8 @@ MUTATIONS = (
     Mutation(
         "ranks' compile seconds added up, though they compile side by side",
         "backends/model/compiling.py",
-        'out["compile_s"] = max(r["compile_s"] for r in records)',
-        'out["compile_s"] = sum(r["compile_s"] for r in records)',
+        '_combined(records, max(r["compile_s"] for r in records))',
+        '_combined(records, sum(r["compile_s"] for r in records))',
         ("tests/unit/test_compiling.py::test_ranks_merge_with_the_slowest_ranks_seconds_and_passes_add_up",),
     ),
     Mutation(
