@@ -249,8 +249,8 @@ MUTATIONS = (
     Mutation(
         "mtpm=auto chooses the slowest candidate",
         "harness/auto.py",
-        "chosen = max(fitting, key=lambda c: c.tok_per_s) if fitting else None",
-        "chosen = min(fitting, key=lambda c: c.tok_per_s) if fitting else None",
+        "chosen = max(fitting, key=lambda c: c.speedup if paired else c.tok_per_s) if fitting else None",
+        "chosen = min(fitting, key=lambda c: c.speedup if paired else c.tok_per_s) if fitting else None",
         ("tests/unit/test_answer.py::test_the_search_runs_what_fits_skips_what_is_predicted_over_and_chooses_the_fastest",),
     ),
     Mutation(

@@ -427,9 +427,11 @@ def test_a_packed_server_is_recorded_as_it_runs_by_its_client_and_keeps_its_budg
         assert (health["layout"], health["planner"]) == ("packed", "balanced") and health["cost_model"]["a"] > 0
         assert health["max_seqs_per_microbatch"] == 2
         run = tmp_path / "client"
-        proc = run_harness(f"target.url={s.url}", "mtpm=4096", "workload=smoke", "workload.n_examples=6",
-                           "bench.warmup=0", "bench.repeat=1", "logger=none", f"hydra.run.dir={run}",
-                           cwd=tmp_path, env=_no_token_env())
+        # the client asks for the original procedure (since balanced packed became the default with a budget, a
+        # client left to its defaults would record the server's planner and layout even if it recorded its own)
+        proc = run_harness(f"target.url={s.url}", "mtpm=4096", "planner=greedy", "layout=padded", "workload=smoke",
+                           "workload.n_examples=6", "bench.warmup=0", "bench.repeat=1", "logger=none",
+                           f"hydra.run.dir={run}", cwd=tmp_path, env=_no_token_env())
         assert proc.returncode == 0, proc.stdout + proc.stderr
         # it says it records the server's
         assert "plans with planner=balanced layout=packed max_seqs_per_microbatch=2" in proc.stdout + proc.stderr
