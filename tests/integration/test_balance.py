@@ -91,7 +91,7 @@ def test_a_rank_with_less_work_is_measured_waiting_for_the_other(runs, backend):
 def test_calibrated_cost_model_fits_caches_and_plans_from_the_command_line(tmp_path):
     cache = tmp_path / "calibration"
     sweep = tmp_path / "sweep"
-    common = ["backend=megatron_ddp", "workload=smoke", "model.dtype=bfloat16", "mtpm=512", "bench.warmup=1",
+    common = ["backend=megatron_ddp", "workload=smoke", "model.dtype=bfloat16", "mtpm=512", "bench.warmup=0",
               "bench.repeat=2", f"calibration.cache_dir={cache}", "logger=none"]
     proc = run_harness("-m", "cost_model=flops,calibrated", *common, f"hydra.sweep.dir={sweep}", cwd=tmp_path,
                        timeout=900)
