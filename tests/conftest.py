@@ -101,12 +101,12 @@ def run_cli(module: str, *args: str, cwd: Path, timeout: float = 600, env: dict 
     """``python -m module args`` to its end: forked from this worker's warm CLI server when the environment allows
     (tests/warm_cli.py), else (or ``fresh``: a new interpreter is the point) a plain subprocess."""
     env = env or harness_env()
-    if "server" not in _WARM and not fresh:
+    if not fresh:
         from tests.warm_cli import WarmCLI
 
-        _WARM["server"] = WarmCLI(harness_env())
-    if not fresh and _WARM["server"].suits(env):
-        return _WARM["server"].run(module, args, cwd=cwd, env=env, timeout=timeout)
+        server = _WARM.get("server") or _WARM.setdefault("server", WarmCLI(harness_env()))
+        if server.suits(env):
+            return server.run(module, args, cwd=cwd, env=env, timeout=timeout)
     return subprocess.run(
         [sys.executable, "-m", module, *args],
         cwd=cwd,

@@ -23,7 +23,6 @@ import struct
 import subprocess
 import sys
 import tempfile
-import threading
 from pathlib import Path
 
 # Variables read when a run starts, not when torch, transformers or hydra are imported: a run may set its own
@@ -61,7 +60,6 @@ class WarmCLI:
 
     def __init__(self, env: dict[str, str]):
         self.env = dict(env)
-        self.lock = threading.Lock()
         self.sock, theirs = socket.socketpair()
         self.proc = subprocess.Popen([sys.executable, __file__, str(theirs.fileno())], pass_fds=[theirs.fileno()],
                                      env=self.env, stdin=subprocess.DEVNULL)
@@ -72,7 +70,7 @@ class WarmCLI:
         return all(env.get(k) == self.env.get(k) or k.startswith(RUN_TIME_VARIABLES) for k in keys)
 
     def run(self, module: str, args, cwd: Path, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
-        with self.lock, tempfile.TemporaryDirectory(prefix="warm-cli-") as tmp:
+        with tempfile.TemporaryDirectory(prefix="warm-cli-") as tmp:
             out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
             _send(self.sock, {"module": module, "args": list(args), "cwd": str(cwd), "env": dict(env),
                               "stdout": str(out), "stderr": str(err)})
@@ -132,6 +130,7 @@ def _become(request: dict) -> None:
     os.environ.update(request["env"])
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
+    os.close(null)
     for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
         f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(f, fd)
