@@ -53,12 +53,11 @@ MUTATIONS = (
         ("tests/unit/test_compiling.py::test_ranks_merge_with_the_slowest_ranks_seconds_and_passes_add_up",),
     ),
     Mutation(
-        "backend.compile with static shapes only: rows of new lengths compile again",
+        "backend.compile without the plan's sizes named: each graph compiles for its first shape, then again",
         "backends/model/compiling.py",
-        "compiled = torch.compile(inner.__get__(layer), dynamic=None)",
-        "compiled = torch.compile(inner.__get__(layer), dynamic=False)",
-        ("tests/integration/test_compile.py::test_what_compiling_cost_is_recorded_and_new_shapes_compile_nothing"
-         "[pytorch-float32]",),
+        'config.dynamic_values = ",".join(str(n) for n in sorted(sizes - model_sizes))',
+        "config.dynamic_values = before",
+        ("tests/unit/test_compiling.py::test_plan_sizes_are_symbolic_from_the_first_compile_and_a_size_guard_is_counted",),
     ),
     Mutation(
         "loss divided by each micro-batch's token count, not the batch's weight",

@@ -12,17 +12,18 @@ from harness.config import resolve_config
 from tests.unit.test_answer import _compose
 
 
-def _counters(compilations=0, recompilations=0, backward=0, compile_s=0.0, reasons=None):
+def _counters(compilations=0, recompilations=0, backward=0, compile_s=0.0, reasons=None, shape=0):
     reasons = reasons or {}
-    return {"compilations": compilations, "recompilations": recompilations, "backward_compilations": backward,
+    return {"compilations": compilations, "recompilations": recompilations, "shape_recompilations": shape,
+            "backward_compilations": backward,
             "compile_s": compile_s, "graph_breaks": sum(reasons.values()), "graph_break_reasons": reasons}
 
 
 def test_a_pass_records_what_compiling_cost_inside_it():
     before = _counters(3, 1, 0, 2.0, {"conv": 2})
-    after = _counters(10, 4, 2, 9.5, {"conv": 5, "attention": 1})
+    after = _counters(10, 4, 2, 9.5, {"conv": 5, "attention": 1}, shape=2)
     assert compiling.delta(before, after) == {
-        "compilations": 7, "recompilations": 3, "backward_compilations": 2, "graph_breaks": 4, "compile_s": 7.5,
+        "compilations": 7, "recompilations": 3, "shape_recompilations": 2, "backward_compilations": 2, "graph_breaks": 4, "compile_s": 7.5,
         "graph_break_reasons": {"conv": 3, "attention": 1}}
     # nothing new: every count 0, no reason listed
     assert compiling.delta(after, after)["graph_break_reasons"] == {}
@@ -151,3 +152,42 @@ def test_an_eager_model_records_no_compiling_even_where_another_was_compiled():
     with compiling.PassMeter(compiled) as meter:
         pass
     assert meter.record is not None and meter.record["compilations"] == 0
+
+
+def test_plan_sizes_are_symbolic_from_the_first_compile_and_a_size_guard_is_counted():
+    """Dynamo for real (its eager backend: no code generation): across a graph break, a frame called with the plan's
+    sizes named compiles once for rows of any length; unnamed, it compiles again for each new length, and the meter
+    counts those as shape recompilations."""
+    import torch
+
+    def layer_like(x, boundaries):  # a projection, an eager operation (a graph break), a projection after it
+        y = x * 2
+        y = torch.compiler.disable(lambda t: t.cumsum(1))(y)
+        return (y + boundaries.sum()).relu()
+
+    def calls(marked: bool) -> dict:
+        torch._dynamo.reset()
+        compiling.METER.install()
+        fn = torch.compile(layer_like, backend="eager", dynamic=None)
+        before = compiling.measure()
+        for tokens, sequences in ((300, 3), (280, 4)):
+            x, boundaries = torch.randn(1, tokens, 8), torch.arange(sequences + 1, dtype=torch.int32)
+            if marked:
+                with compiling._plan_sizes_dynamic((x,), {"cu_seq_lens_q": boundaries}, {0, 1, 8}):
+                    fn(x, boundaries)
+            else:
+                fn(x, boundaries)
+        return compiling.delta(before, compiling.measure())
+
+    marked, automatic = calls(True), calls(False)
+    assert torch.compiler.config.dynamic_values == ""  # put back after each call
+    assert marked["shape_recompilations"] == 0 and marked["recompilations"] == 0, marked
+    assert automatic["shape_recompilations"] >= 2 and automatic["compilations"] > marked["compilations"], automatic
+    torch._dynamo.reset()
+
+
+def test_a_size_guard_is_told_from_other_guards():
+    assert compiling.SHAPE_GUARD.search("5/0: tensor 'a' size mismatch at index 1. expected 658, actual 648")
+    assert compiling.SHAPE_GUARD.search("5/0: seq_len == 658")
+    assert not compiling.SHAPE_GUARD.search("1/0: len(args) == 2")
+    assert not compiling.SHAPE_GUARD.search("0/0: tensor 'args[0]' requires_grad mismatch. expected requires_grad=0")
