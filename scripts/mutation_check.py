@@ -53,6 +53,13 @@ MUTATIONS = (
         ("tests/unit/test_compiling.py::test_ranks_merge_with_the_slowest_ranks_seconds_and_passes_add_up",),
     ),
     Mutation(
+        "packed planner without its exact search for few sequences: a tight fill LPT misses costs a step",
+        "backends/planning/balanced.py",
+        "_EXACT_MAX = 16",
+        "_EXACT_MAX = 0",
+        ("tests/unit/test_planner.py::test_balanced_packed_reaches_the_bound_whenever_a_plan_can",),
+    ),
+    Mutation(
         "backend.compile without the plan's sizes named: each graph compiles for its first shape, then again",
         "backends/model/compiling.py",
         'config.dynamic_values = ",".join(str(n) for n in sorted(sizes - model_sizes))',

@@ -59,6 +59,10 @@ _WORK_PER_ITEM = 400
 _MIN_WORK = 400_000
 _MAX_WORK = 400_000
 _CANDIDATES = 24  # sequences of one micro-batch considered for a move or swap
+# Packed, at most this many sequences within the budget: where LPT misses the fewest steps, an exact search of at
+# most _EXACT_NODES placements looks for them (a few milliseconds)
+_EXACT_MAX = 16
+_EXACT_NODES = 20_000
 _MIN_CALL = 50_000  # evaluations one search for a transfer between two ranks may always use
 _OVERRUN = 200_000  # the last round of transfers may finish its searches this far past the budget
 _PADDED_IMBALANCE = 1.005  # padded: per-rank cost max/mean worth a step more (issue 10)
@@ -290,6 +294,43 @@ class _Packer:
                 k -= t * nb
                 heapq.heappop(heap)
                 self._requeue(heap, rank, g)
+        return True
+
+    def exact(self, n_bins: int, nodes: int) -> bool:
+        """Search every placement (longest first) for one into ``n_bins`` micro-batches; False when there is none or
+        the search used up ``nodes`` placements. For few sequences, where LPT can miss a fill as tight as the budget."""
+        B, cap = self.B, self.cap
+        seqs = [length for length, k in self.hist for _ in range(k)]
+        tok, cnt, into = [0] * n_bins, [0] * n_bins, [0] * len(seqs)
+        left = [nodes]
+
+        def place(i: int) -> bool:
+            if i == len(seqs):
+                return True
+            tried = set()
+            for j in range(n_bins):
+                state = (tok[j], cnt[j])
+                if tok[j] + seqs[i] > B or cnt[j] >= cap or state in tried:
+                    continue  # micro-batches alike now are alike for the rest: one of them is tried
+                left[0] -= 1
+                if left[0] < 0:
+                    return False
+                tried.add(state)
+                tok[j] += seqs[i]
+                cnt[j] += 1
+                into[i] = j
+                if place(i + 1):
+                    return True
+                tok[j] -= seqs[i]
+                cnt[j] -= 1
+            return False
+
+        if not place(0):
+            return False
+        for j in range(n_bins):
+            g = self.group(1)
+            for length, run in itertools.groupby(seqs[i] for i in range(len(seqs)) if into[i] == j):
+                self.grow(g, length, len(list(run)))
         return True
 
     def _requeue(self, heap: list, rank: int, g: int) -> None:
@@ -706,8 +747,9 @@ def _packed_groups(order: Sequence[int], lengths: Sequence[int], costs: Sequence
                    cost_model: CostModel, max_seqs: Optional[int], seq_cost: dict) -> tuple[_Bins, int]:
     """Steps 1-2 packed: the micro-batches of the fewest steps this planner reaches, and that step count.
 
-    Longest-processing-time first (even costs) at the lower bound; where the
-    fill is too tight for it, best-fit decreasing says how many micro-batches
+    Longest-processing-time first (even costs) at the lower bound; with few
+    sequences (``_EXACT_MAX``) where LPT fails there, an exact search at the
+    bound; where the fill is too tight, best-fit decreasing says how many micro-batches
     are enough, and LPT is tried once more with that many (BFD's own, with a
     few empty ones, when LPT still fails). Both work on the histogram of
     lengths (``_Packer``): at most four packings, each about O(distinct lengths).
@@ -732,6 +774,10 @@ def _packed_groups(order: Sequence[int], lengths: Sequence[int], costs: Sequence
         return packer if packer.lpt(n_rest, n_heavy) else None
 
     n_steps, packer = bound, lpt(bound)
+    if packer is None and len(rest) <= _EXACT_MAX and bound * W > len(lone):
+        exact = _Packer(hist, B, cap, seq_cost)  # few sequences: a fill LPT missed may still exist
+        if exact.exact(bound * W - len(lone), _EXACT_NODES):
+            packer = exact
     if packer is None:
         bfd = _Packer(hist, B, cap, seq_cost)
         bfd.bfd()

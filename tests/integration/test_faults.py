@@ -110,11 +110,13 @@ def test_an_interrupted_sweep_resumes_where_it_stopped(workdir):
     args = ["-m", "mtpm=600,5000,100000", "bench.baseline=false", "backend=fsdp2", "workload=cpu_mixed", "workload.n_examples=8",
             "bench.warmup=0", "bench.repeat=1", f"hydra.sweep.dir={sweep}"]
     proc = start_harness(*args, cwd=workdir, log=workdir / "log.txt")
-    _wait_for(lambda: (sweep / "1" / "results.json").exists(), 180, "the second point")
-    time.sleep(0.5)  # the second point is starting its ranks
+    # the second point is starting its ranks (its results.json is written before it reads its config)
+    _wait_for(lambda: "mtpm=5000 mbs=1] starting fsdp2" in (workdir / "log.txt").read_text(), 180, "the second point")
+    time.sleep(0.5)
     proc.send_signal(signal.SIGINT)  # Ctrl-C: the harness only (workers ignore it and are stopped by it)
-    assert proc.wait(timeout=60) == 130
+    code = proc.wait(timeout=60)
     log = (workdir / "log.txt").read_text()
+    assert code == 130, log[-4000:]
     assert "resume=true" in log and f"hydra.sweep.dir={sweep}" in log
     assert wait_session_empty(proc.pid) == []
     first = sweep / "0" / "results.json"

@@ -27,9 +27,9 @@ def test_planning_modules_do_not_import_torch():
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
-def _cpu_seconds(lengths, world, budget, planner, layout) -> float:
+def _cpu_seconds(lengths, world, budget, planner, layout, repeats: int) -> float:
     best = math.inf
-    for _ in range(2):
+    for _ in range(repeats):
         t0 = time.process_time()
         plan_batch(lengths, world, budget, planner=planner, layout=layout, align=True)
         best = min(best, time.process_time() - t0)
@@ -41,11 +41,13 @@ def _cpu_seconds(lengths, world, budget, planner, layout) -> float:
 def test_planning_time_grows_about_linearly(name, budget, world):
     """Ratios, not seconds: x10 the sequences may cost about x10 the CPU time, never the x100 of a quadratic planner.
 
-    The bound (x25) leaves room for n log n, caches and a busy machine; the
-    planner this replaced took x79 on the first of these (issue 23).
+    The bound (x40) leaves room for n log n, caches and a machine busy with the rest of the suite (x33 was
+    measured there once, with x25 as the bound); the planner this replaced took x79 on the first of these
+    (issue 23). The small plan, a few milliseconds, is timed at its best of 5.
     """
     make = bench.DISTRIBUTIONS[name][0]
     small, large = make(3_000), make(30_000)
     for planner, layout in (("balanced", "packed"), ("balanced", "padded")):
-        ratio = _cpu_seconds(large, world, budget, planner, layout) / max(_cpu_seconds(small, world, budget, planner, layout), 1e-3)
-        assert ratio <= 25, f"{planner} {layout}: t(30k) / t(3k) = {ratio:.1f}"
+        ratio = (_cpu_seconds(large, world, budget, planner, layout, 2)
+                 / max(_cpu_seconds(small, world, budget, planner, layout, 5), 1e-3))
+        assert ratio <= 40, f"{planner} {layout}: t(30k) / t(3k) = {ratio:.1f}"

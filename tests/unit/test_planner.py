@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from backends.model.configs import QWEN3_5_35B_A3B_TEXT_CONFIG, SHIPPED_CONFIGS, cost_model_for
@@ -116,6 +116,7 @@ def _packs_into(lengths: list[int], budget: int, bins: int) -> bool:
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(1, 120), min_size=1, max_size=9), st.integers(1, 5), st.integers(10, 100))
+@example([20, 20, 21, 21, 21, 23], 1, 63)  # two exact fills (21+21+21, 20+20+23) that LPT misses: found by hypothesis
 def test_balanced_packed_reaches_the_bound_whenever_a_plan_can(lengths, world, budget):
     """On small inputs an exact search says whether any plan has the lower-bound step count; then ours has it."""
     plan = plan_batch(lengths, world, budget, 1, align=True, layout="packed", planner="balanced")
