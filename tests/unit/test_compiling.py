@@ -15,16 +15,16 @@ from tests.unit.test_answer import _compose
 def _counters(compilations=0, recompilations=0, backward=0, compile_s=0.0, reasons=None, shape=0):
     reasons = reasons or {}
     return {"compilations": compilations, "recompilations": recompilations, "shape_recompilations": shape,
-            "backward_compilations": backward,
-            "compile_s": compile_s, "graph_breaks": sum(reasons.values()), "graph_break_reasons": reasons}
+            "backward_compilations": backward, "compile_s": compile_s, "graph_breaks": sum(reasons.values()),
+            "graph_break_reasons": reasons}
 
 
 def test_a_pass_records_what_compiling_cost_inside_it():
     before = _counters(3, 1, 0, 2.0, {"conv": 2})
     after = _counters(10, 4, 2, 9.5, {"conv": 5, "attention": 1}, shape=2)
     assert compiling.delta(before, after) == {
-        "compilations": 7, "recompilations": 3, "shape_recompilations": 2, "backward_compilations": 2, "graph_breaks": 4, "compile_s": 7.5,
-        "graph_break_reasons": {"conv": 3, "attention": 1}}
+        "compilations": 7, "recompilations": 3, "shape_recompilations": 2, "backward_compilations": 2,
+        "graph_breaks": 4, "compile_s": 7.5, "graph_break_reasons": {"conv": 3, "attention": 1}}
     # nothing new: every count 0, no reason listed
     assert compiling.delta(after, after)["graph_break_reasons"] == {}
 
