@@ -75,8 +75,18 @@ def _variant(doc: dict, **changes) -> dict:
     return out
 
 
+def _quiet(doc):
+    """The measured point with every ``noisy`` flag cleared: under a loaded CI machine the smoke sweep's repeats may
+    spread more than 10%, and this test is about the rows' order and status, not the noise note (tested in unit)."""
+    if isinstance(doc, dict):
+        return {k: (False if k == "noisy" else _quiet(v)) for k, v in doc.items()}
+    if isinstance(doc, list):
+        return [_quiet(v) for v in doc]
+    return doc
+
+
 def test_rows_order_and_failed_points_stay(sweep, tmp_path):
-    ok = sweep_results(sweep)[0]
+    ok = _quiet(sweep_results(sweep)[0])
     docs = {
         "a": _variant(ok, backend="megatron_ddp", mtpm=65536),
         "b": _variant(ok, backend="fsdp2", mtpm=131072, status="oom", error="out of memory in forward_backward", passes={}),
