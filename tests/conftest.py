@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +26,13 @@ TIERS = ("unit", "integration")
 # files: 636 s of CPU for 424 s of wall with spinning, 209 s for 174 s without; one worker: 224 s for 293 s). Set
 # before torch is imported here, and inherited by every process the tests start.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+# The processes the tests start get Ctrl-C as from a terminal, even when the suite itself was started in the
+# background: a shell starts a background job with SIGINT ignored, every process it starts inherits that, and
+# Python installs no KeyboardInterrupt handler where SIGINT is ignored at start, so a test's SIGINT to a sweep it
+# started was silently dropped (a `make test &` failed the interrupt tests; the same run in the foreground passed).
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # Session fixtures worth computing once: the tests that read one run on the same pytest-xdist worker.
 SHARED_SESSION_FIXTURES = ("golden_sweep",)
