@@ -6,8 +6,11 @@ worker (``python tests/warm_cli.py``, started on first use) imports them once an
 is a real process with its own pid, working folder, environment, standard streams and exit status; it runs the
 module as ``python -m`` does (``runpy``, as ``__main__``, the working folder first on ``sys.path``), and its
 interpreter ends as a fresh one's would (exit handlers, a raised ``SystemExit``'s code, a traceback and 1 for an
-uncaught error). Only its imports came from its parent. Ranks it starts come from a fork server of its own, as in
-any run.
+uncaught error). Only its imports came from its parent. Ranks it starts are forked by the ranks' fork server the
+warm server started once (backends/runtime/forkserver.py's, with its preload: about 7 s of CPU saved per run that
+starts ranks), and they get the run's environment and ``sys.path``, as from a fork server of the run's own. Such a
+rank dies with that shared server, not with its run: a run killed before it stopped its ranks (a timeout) leaves
+them to the end of the worker; the tests that kill a run on purpose start it as a plain subprocess.
 
 A run whose environment differs from the server's in more than the run-time variables below (an import may read
 the others: PATH, PYTHONPATH, torch's) runs as a plain subprocess; so do tests that signal or kill a CLI process
@@ -109,6 +112,9 @@ def _serve(fd: int) -> None:
                 importlib.import_module(name)
             except Exception:  # noqa: BLE001 - the run imports it again and reports the error itself
                 pass
+    from backends.runtime.forkserver import start_early
+
+    start_early()  # the ranks' fork server, shared by the runs forked from here (_share_fork_server)
     sock = socket.socket(fileno=fd)
     while (request := _recv(sock)) is not None:
         pid = os.fork()
@@ -121,10 +127,37 @@ def _serve(fd: int) -> None:
         _send(sock, os.waitstatus_to_exitcode(status))
 
 
+def _share_fork_server() -> None:
+    """In the forked child: use the warm server's fork server for ranks, as a child process of the server's would.
+
+    multiprocessing checks that its fork server is alive with ``waitpid``, which only the server's parent may call;
+    here the check asks the kernel whether the process exists instead. Should it have died, a fork server of the
+    run's own is started, as in any run."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    pid, own = server._forkserver_pid, server.ensure_running
+
+    def ensure_running():
+        if server._forkserver_pid == pid:
+            try:
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                state = "gone"
+            if state not in ("Z", "X", "gone"):
+                return
+            server._forkserver_pid = server._forkserver_alive_fd = server._forkserver_address = None
+        own()
+
+    if pid is not None:  # the method, and the module's alias of it (bound when multiprocessing was imported)
+        server.ensure_running = forkserver.ensure_running = ensure_running
+
+
 def _become(request: dict) -> None:
     """In the forked child: take the run's folder, environment and streams, and run its module as ``python -m``."""
     import runpy
 
+    _share_fork_server()
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
