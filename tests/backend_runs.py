@@ -15,7 +15,7 @@ from typing import Optional
 
 import numpy as np
 
-from backends.messages import make_command
+from backends.messages import PassCommand, make_command
 from backends.specs import BackendSpec, ModelSpec
 from backends.start import make_backend
 from harness.workload import make_examples
@@ -33,38 +33,59 @@ DTYPES = ("float32", "bfloat16")
 # (planner, layout): the original procedure's padded rows and the balanced planner's packed rows
 LAYOUTS = {"padded": ("greedy", "padded"), "packed": ("balanced", "packed")}
 BUDGETS = (700, 600)  # the second budget makes rows of other lengths: compiled dynamic shapes must not compile again
+# test_balance's plan built to be uneven, run by the eager bf16 runs after the standard commands: rank 0 runs two
+# long sequences, rank 1 two short ones (a lock-step rank 1 waits at both steps, an independent one at the end);
+# the one-process backend runs all four.
+UNEVEN = make_examples([1500, 1400, 64, 64], 2048, seed=1)
+UNEVEN_PLAN = {1: [[[0], [1], [2], [3]]], 2: [[[0], [1]], [[2], [3]]]}
 
 
 PASS_TYPES = ("forward", "forward_backward")
-# The (layout, pass type) pairs each compiled cell runs, in order (test_compile's docstring says why these). Eager
-# runs run every pair.
+# The (layout, pass type) pairs each in-process compiled cell runs, in order (test_compile's docstring says why
+# these). The plain model's cell is test_compile's command-line sweep: pytorch float32, packed, both pass types.
 COMPILED = {
-    ("pytorch", "float32"): (("packed", "forward_backward"),),
     ("fsdp2", "bfloat16"): (("packed", "forward_backward"),),
     ("megatron_ddp", "bfloat16"): (("padded", "forward_backward"),),
 }
+COMPILED_CLI = {("pytorch", "float32"): (("packed", "forward"), ("packed", "forward_backward"))}
+# Ranks of each in-process compiled cell. A wrapper's hooks and collectives run outside the compiled layer, so its
+# ranks compile the same graphs, each of them (both ranks of a cell, side by side: 181 core-seconds for fsdp2 bf16
+# on 2 ranks, 116 on 1; megatron_ddp 241 and 153): FSDP2, the published setting, keeps 2 ranks and shows compile
+# records merged over ranks; Megatron DDP, whose gradients are all-reduced after the backward, runs on 1.
+COMPILED_RANKS = {("fsdp2", "bfloat16"): 2, ("megatron_ddp", "bfloat16"): 1}
 
 
 def run_standard_commands(name: str, dtype: str, compile: bool) -> dict:
     """``{"built", "precision", (layout, budget, pass_type): PassResult}`` from one backend started for it.
 
-    Eager: every layout and pass type. Compiled: the cell's pairs (``COMPILED``).
+    Eager: every layout and pass type at the first budget, and at the second the pairs compiled code is compared
+    with there; in bf16 (the published precision, test_balance's) also ``"uneven"``, the uneven plan's
+    forward+backward after a warm-up of its own. Compiled: the cell's pairs (``COMPILED``) at both budgets.
     """
-    spec = BackendSpec(name=name, world_size=None if name == "pytorch" else 2, device="cpu", compile=compile)
+    world = COMPILED_RANKS[name, dtype] if compile else None if name == "pytorch" else 2
+    spec = BackendSpec(name=name, world_size=world, device="cpu", compile=compile)
     with make_backend(spec, ModelSpec(dtype=dtype)) as backend:
-        out = {"built": backend.model_info, "precision": backend.precision}
-        for label, pass_type in cases(name, dtype, compile):
-            planner, layout = LAYOUTS[label]
-            for budget in BUDGETS:
+        out = {"built": backend.model_info, "precision": backend.precision, "world": backend.world_size}
+        for budget in BUDGETS:
+            for label, pass_type in cases(name, dtype, compile, budget):
+                planner, layout = LAYOUTS[label]
                 out[label, budget, pass_type] = backend.run_pass(
                     make_command(pass_type, EXAMPLES, budget, 1, layout=layout, planner=planner))
+        if dtype == "bfloat16" and not compile:
+            uneven = PassCommand("forward_backward", UNEVEN, None, 1, layout="packed",
+                                 schedules=UNEVEN_PLAN[backend.world_size])
+            backend.run_pass(uneven)  # a warm-up, as the harness does before it times anything
+            out["uneven"] = backend.run_pass(uneven)
         return out
 
 
-def cases(name: str, dtype: str, compile: bool) -> list[tuple[str, str]]:
-    """The (layout, pass type) pairs a run covers, in the order it runs them."""
+def cases(name: str, dtype: str, compile: bool, budget: int = BUDGETS[0]) -> list[tuple[str, str]]:
+    """The (layout, pass type) pairs a run covers at ``budget``, in the order it runs them."""
+    compared = COMPILED.get((name, dtype)) or COMPILED_CLI.get((name, dtype)) or ()
     if compile:
         return list(COMPILED[name, dtype])
+    if budget != BUDGETS[0]:
+        return list(compared)
     return [(label, p) for label in LAYOUTS for p in PASS_TYPES]
 
 
