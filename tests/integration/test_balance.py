@@ -5,39 +5,27 @@ from __future__ import annotations
 
 import pytest
 
-from backends.messages import PassCommand, make_command
-from backends.specs import BackendSpec, ModelSpec
-from backends.start import make_backend
 from harness.balance import measured_balance, timeline_record
-from harness.workload import make_examples, mixed_lengths
+from tests.backend_runs import BUDGETS
 from tests.conftest import load_json, run_harness, sweep_results
 
 BACKENDS = ("pytorch", "fsdp2", "megatron_ddp")
-EXAMPLES = make_examples(mixed_lengths(16, 64, 512, 42), 2048, seed=0)
-# A plan built to be uneven: rank 0 runs two long sequences, rank 1 two short ones (a lock-step rank 1 waits at
-# both steps, an independent one at the end); the one-process backend runs all four.
-UNEVEN = make_examples([1500, 1400, 64, 64], 2048, seed=1)
-UNEVEN_PLAN = {1: [[[0], [1], [2], [3]]], 2: [[[0], [1]], [[2], [3]]]}
 
 
-def _run(name: str) -> dict:
-    spec = BackendSpec(name=name, world_size=None if name == "pytorch" else 2, device="cpu")
-    with make_backend(spec, ModelSpec(dtype="bfloat16")) as backend:  # the published setting's precision
-        out = {"world": backend.world_size}
-        for pass_type in ("forward", "forward_backward"):
-            out[pass_type] = backend.run_pass(make_command(pass_type, EXAMPLES, 700, 1, layout="packed",
-                                                           planner="balanced"))
-        out["greedy"] = backend.run_pass(make_command("forward_backward", EXAMPLES, 700, 1))  # padded, dealt
-        uneven = PassCommand("forward_backward", UNEVEN, None, 1, layout="packed",
-                             schedules=UNEVEN_PLAN[backend.world_size])
-        backend.run_pass(uneven)  # a warm-up, as the harness does before it times anything
-        out["uneven"] = backend.run_pass(uneven)
-        return out
+@pytest.fixture
+def runs(backend_runs):
+    """Each backend's eager bf16 passes (tests/backend_runs.py, shared with test_precision and test_compile): balanced
+    packed forward and forward+backward, greedy padded forward+backward, all at the first budget, and the uneven
+    plan (rank 0 the two long sequences, rank 1 the two short)."""
 
+    class _Runs:
+        def __getitem__(self, backend):
+            run = backend_runs[backend, "bfloat16", False]
+            return {"world": run["world"], "forward": run["packed", BUDGETS[0], "forward"],
+                    "forward_backward": run["packed", BUDGETS[0], "forward_backward"],
+                    "greedy": run["padded", BUDGETS[0], "forward_backward"], "uneven": run["uneven"]}
 
-@pytest.fixture(scope="module")
-def runs():
-    return {name: _run(name) for name in BACKENDS}
+    return _Runs()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
