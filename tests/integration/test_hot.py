@@ -6,7 +6,9 @@ import pytest
 
 from tests.conftest import load_json, run_harness, sweep_results
 
-POINTS = ["mtpm=null,700,100000", "mbs=3"]
+# Fixed slices, then a budget: the hot backend switches from one to the other through its control file (a switch
+# between two budgets is test_compile's hot sweep's, on the one-process backend)
+POINTS = ["mtpm=null,700", "mbs=3"]
 
 
 def _sweep(tmp_path, name: str, *extra: str):
@@ -20,10 +22,10 @@ def _sweep(tmp_path, name: str, *extra: str):
 def test_hot_and_cold_sweeps_agree_and_hot_loads_once(tmp_path):
     cold, cold_log = _sweep(tmp_path, "cold")
     hot, hot_log = _sweep(tmp_path, "hot", "hot=true")
-    assert cold_log.count("ranks ready") == 3
+    assert cold_log.count("ranks ready") == 2
     assert hot_log.count("ranks ready") == 1 and "loaded once for the sweep" in hot_log
     cold_res, hot_res = sweep_results(cold), sweep_results(hot)
-    assert [r["status"] for r in hot_res] == ["ok"] * 3
+    assert [r["status"] for r in hot_res] == ["ok"] * 2
     for c, h in zip(cold_res, hot_res):
         assert set(c) - {"hot"} <= set(h)  # the same schema
         assert (c["mtpm"], c["mbs"]) == (h["mtpm"], h["mbs"])
@@ -36,7 +38,7 @@ def test_hot_and_cold_sweeps_agree_and_hot_loads_once(tmp_path):
         for pass_type in ("forward", "forward_backward"):
             assert ho[pass_type]["loss"] == pytest.approx(co[pass_type]["loss"], rel=1e-5)
         assert ho["forward_backward"]["grad_norm"] == pytest.approx(co["forward_backward"]["grad_norm"], rel=1e-5)
-    assert len({(r["plan"]["padded_tokens"], tuple(r["plan"]["n_microbatches"])) for r in hot_res}) == 3
+    assert len({(r["plan"]["padded_tokens"], tuple(r["plan"]["n_microbatches"])) for r in hot_res}) == 2
     # each budget's speedup was measured beside mbs=1 passes (bench.paired): on the hot backend the control file
     # switched to mbs=1 and back for them: they ran fixed mbs=1 slices, and the point kept its own plan (above)
     for res in (cold_res, hot_res):
