@@ -26,6 +26,12 @@ TIERS = ("unit", "integration")
 # files: 636 s of CPU for 424 s of wall with spinning, 209 s for 174 s without; one worker: 224 s for 293 s). Set
 # before torch is imported here, and inherited by every process the tests start.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# One compute thread per process: two pytest workers on 2 cores already keep both busy, and a process computing on
+# two threads beside the other worker's waits at every parallel region for a thread without a core (two pytest
+# processes side by side, test_harness_cli's runs beside test_reports', test_tracking's and
+# test_batching_invariance's: 187 s and 335 core-seconds with torch's default of one thread per core, 160 s and 284
+# with one). Spawned ranks set their own count (cores / ranks), as in any run.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # The processes the tests start get Ctrl-C as from a terminal, even when the suite itself was started in the
 # background: a shell starts a background job with SIGINT ignored, every process it starts inherits that, and
