@@ -1,8 +1,8 @@
 """One run of the standard commands per (backend, dtype, compiled), shared by every test module that reads it.
 
-test_precision and test_compile ask the same questions of the same backends (each layout, two budgets, both
-pass types); the eager runs they both compare against are run once per test session (under pytest -n, once for
-all workers), when first asked for.
+test_precision, test_compile and test_balance ask their questions of the same backends (each layout and pass type,
+a second budget where compiled code is compared, the uneven plan in bf16); the eager runs are made once per test
+session (under pytest -n, once for all workers), when first asked for.
 """
 
 from __future__ import annotations
