@@ -81,11 +81,10 @@ def run_standard_commands(name: str, dtype: str, compile: bool) -> dict:
 
 def cases(name: str, dtype: str, compile: bool, budget: int = BUDGETS[0]) -> list[tuple[str, str]]:
     """The (layout, pass type) pairs a run covers at ``budget``, in the order it runs them."""
-    compared = COMPILED.get((name, dtype)) or COMPILED_CLI.get((name, dtype)) or ()
     if compile:
         return list(COMPILED[name, dtype])
-    if budget != BUDGETS[0]:
-        return list(compared)
+    if budget != BUDGETS[0]:  # only where compiled code is compared with this run
+        return list(COMPILED.get((name, dtype)) or COMPILED_CLI.get((name, dtype)) or ())
     return [(label, p) for label in LAYOUTS for p in PASS_TYPES]
 
 

@@ -12,31 +12,26 @@ from tests.conftest import load_json, run_harness, sweep_results
 BACKENDS = ("pytorch", "fsdp2", "megatron_ddp")
 
 
-@pytest.fixture
-def runs(backend_runs):
-    """Each backend's eager bf16 passes (tests/backend_runs.py, shared with test_precision and test_compile): balanced
+def _passes(backend_runs, backend: str) -> dict:
+    """A backend's eager bf16 passes (tests/backend_runs.py, shared with test_precision and test_compile): balanced
     packed forward and forward+backward, greedy padded forward+backward, all at the first budget, and the uneven
     plan (rank 0 the two long sequences, rank 1 the two short)."""
-
-    class _Runs:
-        def __getitem__(self, backend):
-            run = backend_runs[backend, "bfloat16", False]
-            return {"world": run["world"], "forward": run["packed", BUDGETS[0], "forward"],
-                    "forward_backward": run["packed", BUDGETS[0], "forward_backward"],
-                    "greedy": run["padded", BUDGETS[0], "forward_backward"], "uneven": run["uneven"]}
-
-    return _Runs()
+    run = backend_runs[backend, "bfloat16", False]
+    return {"world": run["world"], "forward": run["packed", BUDGETS[0], "forward"],
+            "forward_backward": run["packed", BUDGETS[0], "forward_backward"],
+            "greedy": run["padded", BUDGETS[0], "forward_backward"], "uneven": run["uneven"]}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_each_ranks_step_times_add_up_to_its_pass_time(runs, backend):
+def test_each_ranks_step_times_add_up_to_its_pass_time(backend_runs, backend):
     from backends.registry import is_lockstep
 
     lockstep = is_lockstep(backend)
+    passes = _passes(backend_runs, backend)
     for key in ("forward", "forward_backward", "greedy", "uneven"):
-        result = runs[backend][key]
+        result = passes[key]
         tl = result.timeline
-        assert len(tl["per_rank"]) == runs[backend]["world"], (backend, key)
+        assert len(tl["per_rank"]) == passes["world"], (backend, key)
         assert tl["step_clock"] == "perf_counter"
         assert tl["busy_clock"] == ("thread-cpu" if lockstep else "wall")
         plan = result.plan
@@ -56,8 +51,8 @@ def test_each_ranks_step_times_add_up_to_its_pass_time(runs, backend):
 
 
 @pytest.mark.parametrize("backend", ("fsdp2", "megatron_ddp"))
-def test_a_rank_with_less_work_is_measured_waiting_for_the_other(runs, backend):
-    result = runs[backend]["uneven"]
+def test_a_rank_with_less_work_is_measured_waiting_for_the_other(backend_runs, backend):
+    result = _passes(backend_runs, backend)["uneven"]
     balance = measured_balance(timeline_record([result.timeline]), lockstep=backend == "fsdp2")
     busy = balance["busy_s"]
     # rank 0 holds 2,900 tokens, rank 1 128; a step's fixed cost (FSDP2's per-layer all-gathers run on the rank's own
