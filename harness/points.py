@@ -123,9 +123,9 @@ def add_baselines(jobs: Sequence[Sequence[str]], compose: Callable[[Sequence[str
         head = configs[0]
         if not _select(head, "bench.baseline", True) or _select(head, "dry_run", False) or _select(head, "target.url"):
             continue
-        if any(_select(c, "mtpm") is None and _select(c, "mbs") == 1 for c in configs):
+        if any(_budget(c) is None and _batch_size(c) == 1 for c in configs):
             continue
-        if all(_select(c, "mtpm") == "auto" for c in configs):
+        if all(_budget(c) == "auto" for c in configs):
             continue
         baseline = [o for o in members[0] if override_key(o) not in BATCHING_KEYS] + list(BASELINE)
         added[key] = baseline
@@ -138,6 +138,19 @@ def add_baselines(jobs: Sequence[Sequence[str]], compose: Callable[[Sequence[str
             out.append(added[key])
         out.append(list(job))
     return out
+
+
+def _budget(cfg: Any) -> Any:
+    """The budget a point runs with: ``backend.max_tokens_per_microbatch`` (which ``mtpm`` interpolates), so
+    ``-m backend.max_tokens_per_microbatch=2048`` is a budget as ``-m mtpm=2048`` is."""
+    if _select(cfg, "mtpm") == "auto":
+        return "auto"
+    return _select(cfg, "backend.max_tokens_per_microbatch", _select(cfg, "mtpm"))
+
+
+def _batch_size(cfg: Any) -> Any:
+    """The micro-batch size a point runs with: ``backend.micro_batch_size`` (which ``mbs`` interpolates)."""
+    return _select(cfg, "backend.micro_batch_size", _select(cfg, "mbs"))
 
 
 def _select(cfg: Any, key: str, default: Any = None) -> Any:

@@ -92,6 +92,15 @@ def test_the_baseline_drops_batching_keys_and_keeps_the_setting():
     assert _with_baselines(jobs)[0] == ["model.dtype=bfloat16", "mtpm=null", "mbs=1"]
 
 
+@pytest.mark.parametrize("budget", ["backend.max_tokens_per_microbatch=2048", "backend.micro_batch_size=2"])
+def test_a_budget_spelled_under_backend_gets_its_baseline_as_the_top_level_spelling_does(budget):
+    out = _with_baselines([["backend=fsdp2", budget]])
+    assert out == [["backend=fsdp2", "mtpm=null", "mbs=1"], ["backend=fsdp2", budget]]
+    # and an mbs=1 point spelled under backend is the baseline already
+    has = ["backend=fsdp2", "backend.max_tokens_per_microbatch=null", "backend.micro_batch_size=1"]
+    assert _with_baselines([has, ["backend=fsdp2", budget]]) == [has, ["backend=fsdp2", budget]]
+
+
 @pytest.mark.parametrize("jobs", [
     [["mtpm=16384", "bench.baseline=false"]],  # turned off
     [["mtpm=16384", "dry_run=true"]],  # a dry run times nothing
