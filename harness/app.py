@@ -703,16 +703,41 @@ def _log_candidate(label: str, c, limit: int) -> None:
 
 
 def _log_answer(label: str, doc: dict[str, Any]) -> None:
-    """mtpm=auto's last line: the answer, as the report's first line says it."""
+    """mtpm=auto's last line: the answer, as the report's first line says it (the paired speedup results.json holds,
+    with its interval; the ratio to the search's own mbs=1 run only where nothing was paired, and called unpaired)."""
     auto = doc["auto"]
     fb = doc["passes"]["forward_backward"]
     base = (auto.get("baseline") or {}).get("tok_per_s")
+    paired = doc.get("speedup") if isinstance(doc.get("speedup"), dict) else None
+    ci = (paired or {}).get("ci")
+    if paired is not None and paired.get("median") is not None:
+        speed = paired["median"]
+        interval = f", 95% interval {ci[0]:.2f}–{ci[1]:.2f}" if ci else ""
+        versus = f"{speed:.2f}× mbs=1 ({len(paired.get('pairs') or [])} pairs{interval})"
+    elif base:
+        speed = fb["tok_per_s"] / base
+        versus = f"{speed:.2f}× mbs=1 (unpaired)"
+    else:
+        speed, versus = None, "no mbs=1 run"
     peaks = [p for p in fb.get("mem_peak_bytes") or [] if p is not None]
-    log.info("%s%s: set mtpm=%d (%s, %s): %s tok/s fwd+bwd, %s, peak %s of %.1f GiB%s", label, doc["backend"],
-             doc["mtpm"], doc["planner"], doc["layout"], f"{fb['tok_per_s']:,.0f}",
-             f"{fb['tok_per_s'] / base:.2f}× mbs=1" if base else "no mbs=1 run",
-             f"{max(peaks) / 2**30:.1f} GiB" if peaks else "unknown", auto["limit_bytes"] / 2**30,
-             f"; mbs=1 ran faster ({base:,.0f} tok/s): no budget pays here" if base and base > fb["tok_per_s"] else "")
+    if ci and ci[0] <= 1.0 <= ci[1]:
+        verdict = "; not told apart from mbs=1 here (its interval holds 1.0)"
+    elif speed is not None and speed < 1:
+        verdict = "; mbs=1 ran faster: no budget pays here"
+    else:
+        verdict = ""
+    log.info("%s%s: set mtpm=%d (%s, %s): %s tok/s fwd+bwd, %s, peak %s of %.1f GiB%s%s", label, doc["backend"],
+             doc["mtpm"], doc["planner"], doc["layout"], f"{fb['tok_per_s']:,.0f}", versus,
+             f"{max(peaks) / 2**30:.1f} GiB" if peaks else "unknown", auto["limit_bytes"] / 2**30, verdict,
+             _tie_phrase(auto.get("tie")))
+
+
+def _tie_phrase(tie: Optional[dict]) -> str:
+    """"; ties with mtpm=32,768 (...): chosen by ..." when the leading budgets could not be told apart, else ""."""
+    if not tie:
+        return ""
+    others = ", ".join(f"mtpm={m:,}" for m in tie["with"])
+    return f"; ties with {others} (95% intervals overlap after {tie['pairs']} pairs each): chosen by {tie['rule']}"
 
 
 def _log_plan(label: str, st, n_examples: int, max_seqs: Optional[int] = None) -> None:

@@ -256,3 +256,34 @@ def test_two_budgets_share_a_measurement_only_when_the_plan_and_everything_else_
     assert key("mtpm=65536", *greedy) != key("mtpm=131072", *greedy, "bench.repeat=5")  # another protocol
     assert key("mtpm=32768") == key("mtpm=65536")  # balanced packed: one micro-batch per rank at both
     assert key("mtpm=32768") != key("mtpm=32768", "layout=padded")
+
+
+# -- mtpm=auto's answer line ----------------------------------------------------------------------------
+def _auto_doc(speedup=None, tie=None):
+    """An mtpm=auto point's results.json, as _record_auto_choice leaves it: the search's mbs=1 run at 100 tok/s
+    (measured at another time), the chosen budget at 283 tok/s."""
+    return {"backend": "fsdp2", "mtpm": 16384, "planner": "balanced", "layout": "packed",
+            "passes": {"forward_backward": {"tok_per_s": 283.0, "mem_peak_bytes": [GiB, 2 * GiB]}},
+            "auto": {"baseline": {"status": "ok", "tok_per_s": 100.0}, "limit_bytes": 8 * GiB, "tie": tie},
+            "speedup": speedup}
+
+
+def test_the_auto_answer_line_says_the_paired_speedup_and_its_interval_that_results_json_holds(caplog):
+    from harness.app import _log_answer
+
+    paired = {"median": 2.14, "ci": [1.9, 2.4], "pairs": [2.0, 2.14, 2.3]}
+    with caplog.at_level("INFO", logger="harness"):
+        _log_answer("", _auto_doc(paired))
+    line = caplog.records[-1].getMessage()
+    assert "2.14× mbs=1 (3 pairs, 95% interval 1.90–2.40)" in line and "2.83" not in line, line
+    # mbs=1 ran faster, paired, though the unpaired ratio says 2.83×; an interval holding 1.0 is said as such
+    for speedup, words in (({"median": 0.9, "ci": [0.85, 0.95], "pairs": [0.9] * 3}, "mbs=1 ran faster"),
+                           ({"median": 1.1, "ci": [0.7, 1.6], "pairs": [1.1] * 3}, "not told apart from mbs=1")):
+        caplog.clear()
+        with caplog.at_level("INFO", logger="harness"):
+            _log_answer("", _auto_doc(speedup))
+        assert words in caplog.records[-1].getMessage()
+    caplog.clear()
+    with caplog.at_level("INFO", logger="harness"):
+        _log_answer("", _auto_doc(None))  # bench.paired=false: the search's own mbs=1 run, and it says so
+    assert "2.83× mbs=1 (unpaired)" in caplog.records[-1].getMessage()
