@@ -17,9 +17,10 @@ Formats (``workload.format``), as TRL's ``SFTTrainer`` reads them:
   prompt with the generation prompt); trained tokens are the completion's.
 - ``text``: ``{"text": ...}`` plus the end-of-sequence token; every token is trained.
 
-Every row is tokenized once per (files, sizes, modification times, tokenizer files, chat template, format,
-field) and cached (``workload.cache_dir``); truncation, sampling and ``train_on`` apply to the cached tokens,
-so changing them does not tokenize again.
+Every row is tokenized once per (files' contents, tokenizer files, chat template, format, field) and cached
+(``workload.cache_dir``); truncation, sampling and ``train_on`` apply to the cached tokens, so changing them does
+not tokenize again. A file's content is its SHA-256, not its size and modification time: ``cp -p``, rsync, tar and
+``touch -r`` keep an edited file's time (hashing reads the file once, about 0.9 s per GB here).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ FORMATS = ("messages", "prompt_completion", "text")
 TRAIN_ON = ("completion", "all")
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
 DEFAULT_FIELD = {"messages": "messages", "text": "text"}  # the row's key for a format (prompt_completion: two)
-CACHE_VERSION = 1  # bumped when what is cached, or how it is computed, changes
+CACHE_VERSION = 2  # bumped when what is cached, or how it is computed, changes
 # The files of a tokenizer folder that decide how text becomes ids (their bytes go into the cache key).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model", "chat_template.jinja",
@@ -92,7 +93,9 @@ def _json_rows(p: Path) -> Iterator[tuple[str, Any]]:
             for i, row in enumerate(doc):
                 yield _where(p, i, "json"), row
             return
-    for lineno, line in enumerate(text.splitlines(), start=1):
+    # Lines end at \n only: str.splitlines() also breaks at U+2028, U+2029, U+0085 and other characters that
+    # json.dumps(ensure_ascii=False) leaves raw inside a string, cutting a row in two and miscounting lines after it.
+    for lineno, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
         try:
@@ -178,16 +181,32 @@ def _messages(where: str, value: Any, key: str) -> list[dict]:
     if not isinstance(value, list) or not value:
         raise UserError(f"workload.path: {where}: {need}, got {_kind(value)}")
     for i, m in enumerate(value):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            got = f"keys {', '.join(map(str, m))}" if isinstance(m, dict) else _kind(m)
-            raise UserError(f"workload.path: {where}: {key}[{i}] is not a {{role, content}} object of strings ({got}; {need})")
+        if not isinstance(m, dict):
+            raise UserError(f"workload.path: {where}: {key}[{i}] is not a {{role, content}} object of strings "
+                            f"({_kind(m)}; {need})")
+        for part in ("role", "content"):
+            if part not in m:
+                raise UserError(f"workload.path: {where}: {key}[{i}] has no '{part}' (keys "
+                                f"{', '.join(map(str, m)) or 'none'}; {need} of strings)")
+            if not isinstance(m[part], str):
+                parts = (" (a list of content parts, as multimodal rows have, is not read: give the text as one "
+                         "string)" if part == "content" and isinstance(m[part], list) else "")
+                raise UserError(f"workload.path: {where}: {key}[{i}].{part} is {_kind(m[part])} "
+                                f"({_shown(m[part])}), not a string{parts}")
     return value
+
+
+def _shown(value: Any, limit: int = 60) -> str:
+    """A value as JSON, cut to ``limit`` characters, for a one-line message."""
+    text = json.dumps(value, ensure_ascii=False, default=str)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def _kind(value: Any) -> str:
     if isinstance(value, list):
         return "an empty list" if not value else "a list"
-    return {dict: "an object", str: "a string", type(None): "null"}.get(type(value), type(value).__name__)
+    return {dict: "an object", str: "a string", type(None): "null", bool: "a boolean", int: "a number",
+            float: "a number"}.get(type(value), type(value).__name__)
 
 
 class Renderer:
@@ -199,6 +218,13 @@ class Renderer:
         self.key = field or DEFAULT_FIELD.get(fmt)
         self.tok = tok
         self.tokenizer_path = tokenizer_path
+        self.roles: dict[str, list[int]] = {}  # role -> [turns, rows with it]: a role the masks miss is warned of
+
+    def _count_roles(self, messages: list[dict]) -> None:
+        for role in {m["role"] for m in messages}:
+            self.roles.setdefault(role, [0, 0])[1] += 1
+        for m in messages:
+            self.roles[m["role"]][0] += 1
 
     def _template(self, where: str, messages: list[dict], generation_prompt: bool) -> str:
         if not getattr(self.tok, "chat_template", None):
@@ -211,6 +237,20 @@ class Renderer:
             raise UserError(f"workload.path: {where}: the chat template of '{self.tokenizer_path}' refused this row "
                             f"({first_line(str(exc), 200)})") from None
 
+    def _opening(self, where: str, first: dict) -> str:
+        """What a template writes before a conversation's opening assistant turn's content: its rendering of no
+        messages with the generation prompt; where that is not how the turn starts (or a template refuses no
+        messages), the text before the content."""
+        alone = self._template(where, [first], False)
+        try:
+            opening = self.tok.apply_chat_template([], tokenize=False, add_generation_prompt=True)
+        except Exception:  # a template that reads messages[0] unconditionally
+            opening = None
+        if isinstance(opening, str) and alone.startswith(opening):
+            return opening
+        at = alone.find(first["content"]) if first["content"] else -1
+        return alone[:at] if at >= 0 else ""
+
     def _chat(self, where: str, messages: list[dict]) -> Rendered:
         """The conversation rendered once; each assistant turn's span from two renderings of its prefix."""
         full = self._template(where, messages, False)
@@ -218,7 +258,9 @@ class Renderer:
         for i, m in enumerate(messages):
             if m["role"] != "assistant" or not self.masks:
                 continue
-            start = self._template(where, messages[:i], True) if i else ""
+            # The turn's role header is the prompt's, trained for no turn: the rendering before it, with the
+            # generation prompt (for a first turn, that of no messages: the header and any default system prompt).
+            start = self._template(where, messages[:i], True) if i else self._opening(where, messages[0])
             end = self._template(where, messages[: i + 1], False)
             if not (full.startswith(start) and full.startswith(end) and len(end) >= len(start)):
                 raise UserError(f"workload.path: {where}: the chat template renders turn {i} differently inside the "
@@ -253,7 +295,9 @@ class Renderer:
                             f"here: {', '.join(map(str, row)) or 'none'}; workload.field names another key)")
         value = row[self.key]
         if self.fmt == "messages":
-            return self._chat(where, _messages(where, value, self.key))
+            messages = _messages(where, value, self.key)
+            self._count_roles(messages)
+            return self._chat(where, messages)
         if not isinstance(value, str):
             raise UserError(f"workload.path: {where}: '{self.key}' must be a string, got {_kind(value)}")
         return Rendered(value, [(0, len(value))], True, True)
@@ -267,6 +311,7 @@ class Tokenized:
     ids: np.ndarray  # int64
     trained: np.ndarray  # bool: the token is a completion / assistant token
     offsets: np.ndarray  # int64, rows + 1
+    roles: dict = dataclass_field(default_factory=dict)  # role -> [turns, rows with it] (format=messages)
 
     @property
     def rows(self) -> int:
@@ -326,7 +371,7 @@ def tokenize_rows(rows: Iterator[tuple[str, Any]], renderer: Renderer, tok, what
     flush()
     empty = np.zeros(0, dtype=np.int64)
     return Tokenized(np.concatenate(ids) if ids else empty, np.concatenate(trained) if trained else empty.astype(bool),
-                     np.cumsum(lengths, dtype=np.int64))
+                     np.cumsum(lengths, dtype=np.int64), {r: list(n) for r, n in sorted(renderer.roles.items())})
 
 
 # -- the cache ------------------------------------------------------------------------------------------------
@@ -338,12 +383,35 @@ def default_cache_dir() -> Path:
     return Path(base) / "balance_batch" / "tokenized"
 
 
+# path -> ((size, mtime_ns, ctime_ns, inode), sha256): a sweep's points hash each file once per process. The
+# change time is in the stamp because no copy tool can keep it: an edit always moves it.
+_HASHED: dict[str, tuple[tuple[int, int, int, int], str]] = {}
+
+
+def file_sha256(path: Path) -> str:
+    """The SHA-256 of a file's bytes (read in chunks; remembered in this process while the file is unchanged)."""
+    st = path.stat()
+    stamp = (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+    name = str(path.resolve())
+    known = _HASHED.get(name)
+    if known is not None and known[0] == stamp:
+        return known[1]
+    try:
+        with open(path, "rb") as f:
+            digest = hashlib.file_digest(f, "sha256").hexdigest()
+    except OSError as exc:
+        raise UserError(f"workload.path: cannot read '{path}' ({exc.strerror or exc})") from None
+    _HASHED[name] = (stamp, digest)
+    return digest
+
+
 def cache_key(files: Sequence[Path], fmt: str, field: Optional[str], tokenizer: dict, masks: bool = True) -> str:
-    """The key of a dataset's tokens (``masks``: trained spans found, for train_on=completion)."""
+    """The key of a dataset's tokens (``masks``: trained spans found, for train_on=completion): the files' contents,
+    not their sizes and times, which a copy that keeps times (``cp -p``, rsync, tar) makes equal for other bytes."""
     made_of = {
         "version": CACHE_VERSION,
         "masks": masks,
-        "files": [{"path": str(f.resolve()), "size": f.stat().st_size, "mtime_ns": f.stat().st_mtime_ns} for f in files],
+        "files": [{"path": str(f.resolve()), "sha256": file_sha256(f)} for f in files],
         "format": fmt,
         "field": field,
         "tokenizer": tokenizer,
@@ -359,7 +427,8 @@ def read_cache(path: Path, key: str) -> Optional[Tokenized]:
         with np.load(path, allow_pickle=False) as z:
             if str(z["key"]) != key:
                 return None
-            return Tokenized(z["ids"].astype(np.int64), z["trained"].astype(bool), z["offsets"].astype(np.int64))
+            return Tokenized(z["ids"].astype(np.int64), z["trained"].astype(bool), z["offsets"].astype(np.int64),
+                             json.loads(str(z["roles"])))
     except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile):
         return None
 
@@ -371,12 +440,16 @@ def write_cache(path: Path, key: str, tokens: Tokenized) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         ids = tokens.ids.astype(np.int32) if tokens.ids.size == 0 or tokens.ids.max() < 2**31 else tokens.ids
         with open(tmp, "wb") as f:
-            np.savez(f, key=np.asarray(key), ids=ids, trained=tokens.trained, offsets=tokens.offsets)
+            np.savez(f, key=np.asarray(key), ids=ids, trained=tokens.trained, offsets=tokens.offsets,
+                     roles=np.asarray(json.dumps(tokens.roles)))
         os.replace(tmp, path)
     except OSError as exc:
         log.warning("workload.cache_dir: cannot write the tokenized dataset to %s (%s); it is tokenized again next "
                     "run", path, exc.strerror or exc)
-        tmp.unlink(missing_ok=True)
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:  # under a path that is no folder there is nothing to remove
+            pass
 
 
 # -- the workload ----------------------------------------------------------------------------------------------
@@ -411,17 +484,37 @@ def check_options(spec) -> None:
                         "workload.field names the key of format=messages or format=text")
 
 
+def cache_folder(spec) -> Path:
+    """The folder tokens are cached in, absolute; with the cache on, a UserError (before anything is tokenized) when
+    it is a file or lies under one: nothing could ever be written there."""
+    key = "workload.cache_dir" if spec.cache_dir else "workload.cache_dir (default: $BALANCE_BATCH_CACHE or ~/.cache)"
+    folder = Path(os.path.abspath(Path(spec.cache_dir).expanduser() if spec.cache_dir else default_cache_dir()))
+    if spec.cache:
+        existing = next(p for p in (folder, *folder.parents) if p.exists())
+        if not existing.is_dir():
+            where = "is a file" if existing == folder else f"lies under the file '{existing}'"
+            raise UserError(f"{key}: '{folder}' {where}, not a folder (expected a folder for the tokenized rows, "
+                            "created if absent; or workload.cache=false)")
+    return folder
+
+
+def _absolute(path: Any) -> str:
+    """A path as results record it: absolute (a relative one means nothing once read from another folder)."""
+    return os.path.abspath(Path(path).expanduser())
+
+
 def load_dataset(spec, model_path: Optional[str]) -> DatasetExamples:
     """``workload=dataset``: the rows tokenized (or read from the cache), truncated, sampled and ordered."""
     if not spec.path:
         raise UserError("workload.path: not set (give a local .jsonl, .json or .parquet file, or a folder of them)")
     check_options(spec)
+    folder = cache_folder(spec)
     files = dataset_files(spec.path)
     tok, tokenizer_folder = load_tokenizer(spec.tokenizer, model_path)
     fingerprint = tokenizer_fingerprint(tokenizer_folder, tok)
     masks = spec.train_on != "all"  # train_on=all trains every token: no spans to find (nor templates to check)
     key = cache_key(files, spec.format, spec.field, fingerprint, masks)
-    cache_path = Path(spec.cache_dir or default_cache_dir()).expanduser() / f"{key}.npz"
+    cache_path = folder / f"{key}.npz"
     tokens = read_cache(cache_path, key) if spec.cache else None
     hit = tokens is not None
     what = str(files[0]) if len(files) == 1 else f"{len(files)} files under {spec.path}"
@@ -438,16 +531,28 @@ def load_dataset(spec, model_path: Optional[str]) -> DatasetExamples:
     else:
         log.info("read %s's tokens from the cache %s (%s rows, %s tokens)", what, cache_path, f"{tokens.rows:,}",
                  f"{tokens.ids.size:,}")
+    if masks:
+        _warn_of_roles(tokens, spec.path)
     return select(tokens, spec, {
-        "path": str(Path(spec.path).expanduser()),
-        "files": [str(f) for f in files],
+        "path": _absolute(spec.path),
+        "files": [_absolute(f) for f in files],
         "format": spec.format,
         "field": spec.field or DEFAULT_FIELD.get(spec.format),
         "train_on": spec.train_on,
-        "tokenizer": {"path": str(tokenizer_folder), "class": type(tok).__name__, "vocab_size": len(tok),
+        "tokenizer": {"path": _absolute(tokenizer_folder), "class": type(tok).__name__, "vocab_size": len(tok),
                       "chat_template_sha256": fingerprint["chat_template_sha256"]},
         "cache": {"key": key, "path": str(cache_path) if spec.cache else None, "hit": hit},
     })
+
+
+def _warn_of_roles(tokens: Tokenized, path: str) -> None:
+    """One warning for turns whose role is 'assistant' in another case or with spaces ('Assistant'): roles are
+    matched exactly, as a trainer matches them, so those turns train nothing."""
+    for role, (turns, rows) in tokens.roles.items():
+        if role != "assistant" and role.strip().lower() == "assistant":
+            log.warning("workload.path: %s: %s turns in %s of %s rows have the role %r, which is not 'assistant' "
+                        "(roles are matched exactly): none of their tokens is trained; write 'assistant'", path,
+                        f"{turns:,}", f"{rows:,}", f"{tokens.rows:,}", role)
 
 
 def select(tokens: Tokenized, spec, record: dict) -> DatasetExamples:
@@ -466,12 +571,15 @@ def select(tokens: Tokenized, spec, record: dict) -> DatasetExamples:
         chosen = rng.permutation(chosen)
     limit = spec.max_len or None
     ids, trained = [], []
-    truncated = cut = 0
+    truncated = cut = emptied = 0
     for i in chosen:
         row_ids, row_trained = tokens.row(int(i))
         if limit is not None and row_ids.size > limit:
             truncated += 1
             cut += int(row_ids.size - limit)
+            # an example whose trained tokens all lie past max_len still runs, but trains on nothing
+            emptied += bool(example_weights(row_trained, spec.train_on).any()
+                            and not example_weights(row_trained[:limit], spec.train_on).any())
             row_ids, row_trained = row_ids[:limit], row_trained[:limit]
         ids.append(row_ids)
         trained.append(row_trained)
@@ -482,6 +590,10 @@ def select(tokens: Tokenized, spec, record: dict) -> DatasetExamples:
         raise UserError(f"workload.train_on: completion, but none of the {len(ids):,} examples has a completion or "
                         f"assistant token{' left after truncation to workload.max_len' if truncated else ''} to train "
                         "on (use train_on=all, or check the rows' roles)")
+    if emptied:
+        log.warning("workload.max_len=%d cut every trained token from %s of the %s examples (%s truncated): they run "
+                    "but train on nothing; a larger max_len keeps them", limit, f"{emptied:,}", f"{len(ids):,}",
+                    f"{truncated:,}")
     examples.record = {
         **record,
         "rows": tokens.rows,

@@ -173,7 +173,10 @@ def _one_line(exc) -> str:
     ("empty_folder", r"the folder '.*empty' holds no .jsonl"),
     ("bad_line", r"workload.path: .*bad.jsonl:2: not a JSON object"),
     ("no_key", r"workload.path: .*nokey.jsonl:1: no 'messages' key .*keys here: conversation"),
-    ("not_messages", r"nomsg.jsonl:1: messages\[1\] is not a \{role, content\} object of strings"),
+    ("not_messages", r"nomsg.jsonl:1: messages\[1\].content is a number \(3\), not a string"),
+    ("content_parts", r"parts.jsonl:1: messages\[0\].content is a list \(\[\{\"type\": \"text\", .*…\), not a "
+                      r"string \(a list of content parts"),
+    ("no_role", r"norole.jsonl:1: messages\[0\] has no 'role' \(keys content; "),
     ("empty_file", r"workload.path: .*empty.jsonl holds no rows"),
     ("not_parquet", r"workload.path: .*fake.parquet is not a readable Parquet file"),
     ("array", r"holds a JSON dict, not an array of rows"),
@@ -189,6 +192,9 @@ def test_bad_data_is_one_line_naming_the_file_and_row(tmp_path, demo_data, case,
         "bad_line": tmp_path / "bad.jsonl",
         "no_key": write_jsonl(tmp_path / "nokey.jsonl", [{"conversation": CHAT}]),
         "not_messages": write_jsonl(tmp_path / "nomsg.jsonl", [{"messages": [CHAT[0], {"role": "user", "content": 3}]}]),
+        "content_parts": write_jsonl(tmp_path / "parts.jsonl", [{"messages": [
+            {"role": "user", "content": [{"type": "text", "text": "What is a budget, in tokens per micro-batch?"}]}]}]),
+        "no_role": write_jsonl(tmp_path / "norole.jsonl", [{"messages": [{"content": "hi"}]}]),
         "empty_file": tmp_path / "empty.jsonl",
         "not_parquet": tmp_path / "fake.parquet",
         "array": tmp_path / "obj.json",
@@ -269,3 +275,89 @@ def test_the_demo_data_is_made_the_same_way_twice_and_fits_the_tiny_model(tmp_pa
     assert len(tok) == VOCAB_SIZE and tok.chat_template == CHAT_TEMPLATE
     rows = [json.loads(line) for line in open(demo_data["chats"])]
     assert len(rows) == 300 and {m["role"] for r in rows for m in r["messages"]} == {"system", "user", "assistant"}
+
+
+def test_an_edit_that_keeps_the_size_and_time_is_tokenized_again(tmp_path, demo_data):
+    # cp -p, rsync, tar and touch -r give an edited file its old time: the cache is keyed on the bytes
+    import os
+
+    f = tmp_path / "t.jsonl"
+    write_jsonl(f, [{"text": "the budget is small"}, {"text": "pad nothing"}])
+    s = spec(f, demo_data["tokenizer"], tmp_path / "cache", format="text")
+    first = load_dataset(s, None)
+    stat = f.stat()
+    write_jsonl(f, [{"text": "the budget is large"}, {"text": "pad nothing"}])  # same size
+    os.utime(f, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert f.stat().st_size == stat.st_size and f.stat().st_mtime_ns == stat.st_mtime_ns
+    edited = load_dataset(s, None)
+    assert not edited.record["cache"]["hit"] and edited.record["cache"]["key"] != first.record["cache"]["key"]
+    assert edited.ids[0].tolist() != first.ids[0].tolist()
+    assert load_dataset(s, None).record["cache"]["hit"]  # and read back from the cache next time
+
+
+def test_an_opening_assistant_turn_trains_its_reply_not_its_role_header(tmp_path, demo_data, tok):
+    chat = [{"role": "assistant", "content": "Hello, ask me about budgets."}, *CHAT[1:]]
+    d = load_dataset(spec(write_jsonl(tmp_path / "a.jsonl", [{"messages": chat}]), demo_data["tokenizer"],
+                          tmp_path / "cache"), None)
+    ids, trained = d.ids[0], d.trained[0]
+    # every assistant turn alike: its content and end of turn, never "<|im_start|>assistant\n"
+    assert tok.decode(ids[trained]) == ("Hello, ask me about budgets.<|im_end|>\nTokens per micro-batch.<|im_end|>\n"
+                                        "Sequences end to end, no padding.<|im_end|>\n")
+    assert tok.decode(ids[~trained]).startswith("<|im_start|>assistant\n")
+
+
+def test_a_cache_dir_that_is_a_file_is_one_line_before_anything_is_tokenized(tmp_path, demo_data):
+    blocker = tmp_path / "cache_file"
+    blocker.write_text("")
+    for cache_dir, where in ((blocker, "is a file"), (blocker / "sub", "lies under the file")):
+        with pytest.raises(UserError, match=rf"workload.cache_dir: '.*' {where}.* not a folder .*workload.cache=false"
+                           ) as e:
+            load_dataset(spec(demo_data["text"], demo_data["tokenizer"], cache_dir, format="text"), None)
+        _one_line(e)
+        assert load_dataset(spec(demo_data["text"], demo_data["tokenizer"], cache_dir, format="text", cache=False),
+                            None).record["cache"]["path"] is None
+
+
+@pytest.mark.parametrize("sep", ["\u2028", "\u2029", "\u0085"])
+def test_json_lines_split_at_newlines_only(tmp_path, demo_data, tok, sep):
+    # json.dumps(ensure_ascii=False) leaves these raw inside a string; they end no line
+    f = tmp_path / "u.jsonl"
+    f.write_text(json.dumps({"text": f"one{sep}two"}, ensure_ascii=False) + "\n\n{broken\n", encoding="utf-8")
+    with pytest.raises(UserError, match=r"u.jsonl:3: not a JSON object"):
+        load_dataset(spec(f, demo_data["tokenizer"], tmp_path / "cache", format="text"), None)
+    f.write_text(json.dumps({"text": f"one{sep}two"}, ensure_ascii=False) + "\r\n", encoding="utf-8")
+    d = load_dataset(spec(f, demo_data["tokenizer"], tmp_path / "cache", format="text"), None)
+    assert d.record["rows"] == 1 and tok.decode(d.ids[0]) == f"one{sep}two<|im_end|>"
+
+
+def test_a_miscased_assistant_role_and_a_max_len_that_cuts_every_trained_token_are_warned_once(tmp_path, demo_data,
+                                                                                             caplog):
+    import logging
+
+    rows = [{"messages": CHAT}, {"messages": [CHAT[1], {"role": "Assistant", "content": "Tokens."}]}]
+    s = spec(write_jsonl(tmp_path / "r.jsonl", rows), demo_data["tokenizer"], tmp_path / "cache")
+    for _ in range(2):  # tokenized, then read from the cache: warned both times
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="harness"):
+            load_dataset(s, None)
+        (line,) = [r.getMessage() for r in caplog.records]
+        assert "1 turns in 1 of 2 rows have the role 'Assistant'" in line and "write 'assistant'" in line
+    whole = load_dataset(spec(demo_data["chats"], demo_data["tokenizer"], tmp_path / "cache"), None)
+    limit = 64
+    emptied = sum(1 for t in whole.trained if t.size > limit and t[1:].any() and not t[1:limit].any())
+    assert emptied > 0
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="harness"):
+        load_dataset(spec(demo_data["chats"], demo_data["tokenizer"], tmp_path / "cache", max_len=limit), None)
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert f"workload.max_len=64 cut every trained token from {emptied} of the 300 examples" in line
+
+
+def test_relative_paths_are_recorded_absolute(tmp_path, demo_data, monkeypatch):
+    import os
+
+    monkeypatch.chdir(demo_data["chats"].parent)
+    d = load_dataset(spec("chats.jsonl", "tokenizer", "cache_rel"), None)
+    rec = d.record
+    assert rec["path"] == rec["files"][0] == str(demo_data["chats"]) and os.path.isabs(rec["tokenizer"]["path"])
+    assert rec["tokenizer"]["path"] == str(demo_data["tokenizer"]) and os.path.isabs(rec["cache"]["path"])
