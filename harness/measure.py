@@ -16,7 +16,7 @@ from backends.model import compiling
 from backends.messages import PASS_TYPES, Example, PassCommand, PassResult, make_command
 from harness.balance import merge_timelines, timeline_record
 from harness.samplers import make_sampler
-from harness.spread import METHOD, needs_more, paired_speedup, summary
+from harness.spread import METHOD, WIDE_PCT, needs_more, paired_speedup, summary
 
 log = logging.getLogger(__name__)
 
@@ -321,7 +321,10 @@ def _log_spread(label: str, pass_type: str, record: "PassRecord", repeat: int) -
     """One line: the median and interval of the pass's tok/s (and of its paired speedup), flagged when noisy."""
     d = record.spread_fields()
     ci = d["tok_per_s_ci"]
-    interval = f", 95% interval {ci[0]:,.0f}–{ci[1]:,.0f} (±{d['tok_per_s_ci_pct']:.1f}%)" if ci else ""
+    # a wide interval is lopsided on this scale: its bounds, not a ± that would read as reaching below zero
+    width = f" (±{d['tok_per_s_ci_pct']:.1f}%)" if ci and d["tok_per_s_ci_pct"] <= WIDE_PCT else ""
+    few = " from only 2 repeats: too few for a usable interval" if d["repeats"] == 2 else ""
+    interval = f", 95% interval {ci[0]:,.0f}–{ci[1]:,.0f}{width}{few}" if ci else ""
     extra = f" after {d['repeats']} repeats" if d["repeats"] > repeat else ""
     speed = d.get("speedup")
     paired = ""

@@ -57,6 +57,24 @@ def half_width_pct(ci: Optional[Sequence[float]]) -> Optional[float]:
     return 100.0 * (math.sqrt(hi / lo) - 1.0)
 
 
+# Above this half width (in % of the centre) an interval is shown by its bounds: "±1548%" would read as reaching
+# below zero, while an interval on the logarithms never does (it is lopsided: 1,017–277,111 around 16,788).
+WIDE_PCT = 25.0
+
+
+def interval_text(ci: Optional[Sequence[float]], n: Optional[int], fmt: str = "{:,.0f}", unit: str = "repeats") -> str:
+    """A figure's 95% interval as a table cell shows it after the figure: " ±3.1%" while narrow, else its bounds,
+    " (95% 1,017–277,111)"; ", only 2 repeats" where two values made it (Student's t with one degree of freedom is
+    12.7: two values give an interval that wide whatever they are). "" without an interval."""
+    if not ci or len(ci) != 2 or not ci[0]:
+        return ""
+    width = half_width_pct(ci)
+    few = f", only {n} {unit}" if n is not None and n == 2 else ""
+    if width <= WIDE_PCT:
+        return f" ±{width:.1f}%" + (f" ({few[2:]})" if few else "")
+    return f" (95% {fmt.format(ci[0])}–{fmt.format(ci[1])}{few})"
+
+
 def summary(values: Sequence[float]) -> dict:
     """``median``, ``min``, ``max``, ``ci`` ([low, high], null below two values), ``ci_pct`` (its half width in % of
     the centre), ``n`` and ``noisy`` (max / min above ``NOISY_RATIO``) of repeated measurements."""

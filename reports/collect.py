@@ -214,6 +214,9 @@ def row_of(path: Path, doc: dict) -> dict:
         row[f"{p}_tok_per_s_ci"] = rec.get("tok_per_s_ci")
         row[f"{p}_tok_per_s_ci_pct"] = rec.get("tok_per_s_ci_pct")
         row[f"{p}_noisy"] = rec.get("noisy")
+        # how many timed repeats the interval is made of (results before ``repeats``: the elapsed times recorded)
+        row[f"{p}_repeats"] = rec.get("repeats") or (len(rec["elapsed_s"]) if isinstance(rec.get("elapsed_s"), list)
+                                                     else None)
         row[f"{p}_idle_fraction"] = rec.get("idle_fraction")
         if rec.get("mem_pct") is not None:
             mems.append(rec["mem_pct"])

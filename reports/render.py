@@ -9,7 +9,7 @@ from typing import Optional, Sequence
 
 import pandas as pd
 
-from harness.spread import half_width_pct
+from harness.spread import WIDE_PCT, interval_text
 from reports.collect import BACKEND_LABEL, settings_of
 
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
@@ -169,31 +169,50 @@ def speedups(df: pd.DataFrame) -> list[Optional[float]]:
     return out
 
 
-def _pct_of(ci) -> str:
-    """" ±3.1%": an interval's half width in % of its centre (geometric), "" without one."""
-    if not isinstance(ci, (list, tuple)) or len(ci) != 2 or not ci[0]:
-        return ""
-    return f" ±{half_width_pct(ci):.1f}%"
+def _pairs(paired: dict) -> int:
+    return paired.get("n") or len(paired.get("pairs") or [])
 
 
 def _speedup_cell(r, speedup: Optional[float]) -> str:
-    """"1.38× ±3.1% (3 pairs)" measured in pairs, "1.38× (unpaired)" from the mbs=1 row, the baseline's own."""
+    """"1.38× ±3.1% (3 pairs)" measured in pairs (a wide interval by its bounds), "1.38× (unpaired)" from the mbs=1
+    row, the baseline's own."""
     if _missing(speedup):
         return "—"
     if _is_baseline(r):
         return "1.00× (baseline)"
     paired = _paired(r)
     if paired is not None:
-        return f"{speedup:.2f}×{_pct_of(paired.get('ci'))} ({len(paired.get('pairs') or [])} pairs)"
+        n = _pairs(paired)
+        shown = interval_text(paired.get("ci"), n, "{:.2f}", "pairs")
+        return f"{speedup:.2f}×{shown}" + ("" if "pairs" in shown else f" ({n} pairs)")
     return f"{speedup:.2f}× (unpaired)"
 
 
+def _repeats(r, pass_type: str) -> Optional[int]:
+    n = getattr(r, f"{pass_type}_repeats", None)
+    return None if _missing(n) else int(n)
+
+
 def _tok_cell(r, pass_type: str) -> str:
-    """A pass's tok/s with its interval's half width: "10,874 ±2.3%" (repeats written before intervals: the number)."""
+    """A pass's tok/s with its interval: "10,874 ±2.3%", a wide one by its bounds (repeats written before intervals:
+    the number)."""
     tok = getattr(r, f"{pass_type}_tok_per_s")
     if _missing(tok):
         return "—"
-    return f"{tok:,.0f}{_pct_of(getattr(r, f'{pass_type}_tok_per_s_ci', None))}"
+    return f"{tok:,.0f}{interval_text(getattr(r, f'{pass_type}_tok_per_s_ci', None), _repeats(r, pass_type))}"
+
+
+def _two_values(r) -> bool:
+    """A row with an interval made of two values (2 repeats or 2 pairs): t(1) = 12.7 makes it wide."""
+    paired = _paired(r)
+    return (any(_repeats(r, p) == 2 for p in ("forward", "forward_backward"))
+            or (paired is not None and _pairs(paired) == 2))
+
+
+TWO_VALUES_NOTE = ("Only 2 repeats (or pairs): the 95% interval of two values multiplies their spread by Student's "
+                   "t(1) = 12.7, so it is wide whatever the machine did; intervals wider than "
+                   f"±{WIDE_PCT:.0f}% show their bounds (they are lopsided, never below zero). "
+                   "Raise bench.repeat to 3 or more for a usable interval.")
 
 
 def is_noisy(r) -> bool:
@@ -342,6 +361,8 @@ def markdown_tables(df: pd.DataFrame, base: Optional[Path] = None) -> str:
         text += f"{label}\n\n" + table_frame(sub, base).to_markdown(index=False, disable_numparse=True)
         if any(is_noisy(r) for r in sub.itertuples(index=False)):
             text += "\n\n" + NOISY_NOTE
+        if any(_two_values(r) for r in sub.itertuples(index=False)):
+            text += "\n\n" + TWO_VALUES_NOTE
         parts.append(text)
     return "\n\n".join(parts)
 
@@ -400,7 +421,9 @@ def portable_path(path, base: Path) -> str:
 
 def write_csv(df: pd.DataFrame, path: Path, base: Optional[Path] = None) -> None:
     """The frame as CSV; ``path`` relative to ``base`` (default: the CSV's folder), so another clone writes the same file."""
-    out = df.drop(columns=["plan_png", "lengths_png", "profile_png"], errors="ignore")  # figures' paths on this machine, not measurements
+    # figures' paths on this machine, not measurements; the repeat counts only say how a cell shows its interval
+    out = df.drop(columns=["plan_png", "lengths_png", "profile_png", "forward_repeats", "forward_backward_repeats"],
+                  errors="ignore")
     if "auto" in out:  # the search's summary as JSON (results.json has it whole)
         import json
 

@@ -209,3 +209,22 @@ def test_the_table_and_the_answer_show_the_paired_interval_and_say_when_it_canno
     base = json.loads((tmp_path / "d" / "sweep" / "0" / "results.json").read_text())
     ratio = point["passes"]["forward_backward"]["tok_per_s"] / base["passes"]["forward_backward"]["tok_per_s"]
     assert f"{ratio:.2f}× (unpaired)" in row and f"{ratio:.2f}× mbs=1" in answer and "pairs" not in answer
+
+
+def test_two_repeats_show_the_intervals_bounds_never_a_plus_minus_below_zero_and_say_two_is_the_cause(tmp_path):
+    point = _point_doc({"median": 3.63, "ci": list(interval([1.1, 12.0])), "pairs": [1.1, 12.0], "n": 2})
+    fb = point["passes"]["forward_backward"]
+    fb["elapsed_s"] = fb["elapsed_s"][:2]
+    fb["elapsed_s"][1] = fb["elapsed_s"][0] * 1.6  # two repeats far apart, as on a loaded machine
+    fb["tok_per_s_ci"] = list(interval([fb["real_tokens"] / t for t in fb["elapsed_s"]]))
+    fb["repeats"] = 2
+    assert half_width_pct(fb["tok_per_s_ci"]) > 100  # as a ± it would reach below zero
+    row, _, report = _fsdp2_report(tmp_path, point)
+    lo, hi = fb["tok_per_s_ci"]
+    assert f"(95% {lo:,.0f}–{hi:,.0f}, only 2 repeats)" in row, row
+    slo, shi = interval([1.1, 12.0])
+    assert f"3.63× (95% {slo:.2f}–{shi:.2f}, only 2 pairs)" in row, row
+    assert "±" not in row.split("|")[9] + row.split("|")[11], row  # the fwd+bwd tok/s and speedup cells
+    from reports.render import TWO_VALUES_NOTE
+
+    assert TWO_VALUES_NOTE in report and "t(1) = 12.7" in TWO_VALUES_NOTE
