@@ -212,7 +212,29 @@ def read_cached(folder: Path, key: str, ident: dict) -> Optional[dict]:
     if not isinstance(doc, dict) or doc.get("identity") != ident or not isinstance(doc.get("fit"), dict):
         log.warning("calibration cache %s is not a fit of this setting; calibrating again", path)
         return None
+    problem = _fit_problem(doc["fit"])
+    if problem:
+        log.warning("calibration cache %s holds no usable fit (%s); calibrating again", path, problem)
+        return None
     return doc["fit"]
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _fit_problem(fit: dict) -> str:
+    """What makes a cached fit unusable (a file edited or written by another tool), or "" for a usable one: the
+    planner needs the four coefficients as finite numbers >= 0, and the log line its R² and worst error."""
+    k = fit.get("coefficients")
+    if not isinstance(k, dict):
+        return "no coefficients"
+    bad = [name for name in COEFFICIENTS if not (_number(k.get(name)) and k[name] >= 0)]
+    if bad:
+        return f"coefficient {bad[0]} is {k.get(bad[0])!r}, not a number >= 0"
+    if not (fit.get("r2") is None or _number(fit["r2"])) or not _number(fit.get("worst_rel_err")):
+        return "no r2 or worst_rel_err"
+    return ""
 
 
 def write_cached(folder: Path, key: str, ident: dict, fit: dict) -> Optional[Path]:

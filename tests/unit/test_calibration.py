@@ -106,6 +106,18 @@ def test_a_cached_fit_is_read_back_only_for_the_setting_it_was_made_for(tmp_path
         (tmp_path / f"{key}.json").write_text("{torn")
         assert read_cached(tmp_path, key, ident) is None
     assert "calibrating again" in caplog.text
+    # the right identity, but a fit the planner cannot use: refused like the others, not a KeyError
+    import json
+
+    for broken in ({"r2": 0.99, "worst_rel_err": 0.05}, {**fit, "coefficients": {"c0": 1e-4}},
+                   {**fit, "coefficients": {**fit["coefficients"], "c_sq": "fast"}}, {**fit, "worst_rel_err": None}):
+        (tmp_path / f"{key}.json").write_text(json.dumps({"identity": ident, "fit": broken}))
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            assert read_cached(tmp_path, key, ident) is None
+        assert "holds no usable fit" in caplog.text and "calibrating again" in caplog.text
+    with pytest.raises(UserError, match="none is cached"):  # a dry run has no backend: the one line, not a KeyError
+        calibrated_cost_model(CalibrationConfig(cache_dir=str(tmp_path)), ident)
     blocked = tmp_path / "file"
     blocked.write_text("")
     with caplog.at_level(logging.WARNING):
