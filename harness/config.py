@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
@@ -150,6 +151,12 @@ def composition_error_line(exc: BaseException) -> str:
     while cause is not None and not isinstance(cause, OmegaConfBaseException):
         cause = cause.__cause__ or cause.__context__
     first = str(exc).splitlines()[0].strip() if str(exc).strip() else type(exc).__name__
+    ambiguous = _AMBIGUOUS.fullmatch(first)
+    if ambiguous:  # Hydra's advice follows on lines of its own, which the one-line policy would cut
+        key, value = ambiguous.group(1), ambiguous.group(2)
+        return (f"{key}: the value {value} has a comma, which Hydra reads as a list or a sweep; for one string quote "
+                f"it, \"{key}='{value}'\" (the double quotes keep the single ones from the shell); for a list "
+                f"write {key}=[{value}]; to sweep over it add -m")
     override = getattr(exc, "override", None) or _override_in(first)
     if isinstance(cause, (ConfigKeyError, ConfigAttributeError)):
         key = getattr(cause, "full_key", None) or "?"
@@ -157,6 +164,10 @@ def composition_error_line(exc: BaseException) -> str:
     if isinstance(cause, OmegaConfBaseException):
         return config_error_line(cause) + (f" (from {override})" if override else "")
     return first
+
+
+# Hydra's first line for a value with a comma outside a sweep: "Ambiguous value for argument 'key=a,b'".
+_AMBIGUOUS = re.compile(r"Ambiguous value for argument '([^=']+)=(.*)'")
 
 
 def _override_in(message: str) -> str:

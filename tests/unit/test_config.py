@@ -68,3 +68,11 @@ def test_every_grid_point_is_accepted_by_hydra(sweep_file):
         if "batching" in point and point["batching"].startswith("fixed_mbs"):
             assert job["mtpm"] is None and job["mbs"] == int(point["batching"][9:])
         assert job["logger"]["mode"] == "online"
+
+
+def test_a_value_with_a_comma_is_one_line_that_keeps_hydras_advice():
+    line = config_error("dry_run=true", "workload=dataset", "workload.path=/data/a,b.jsonl")
+    assert "\n" not in line and line.startswith("workload.path: the value /data/a,b.jsonl has a comma"), line
+    assert "\"workload.path='/data/a,b.jsonl'\"" in line and "add -m" in line, line
+    # the quoted form the line offers is one string
+    assert compose_config("workload=dataset", "workload.path='/data/a,b.jsonl'").workload.path == "/data/a,b.jsonl"
