@@ -129,6 +129,25 @@ def plan_for(lengths: Sequence[int], setup: Setup, mtpm: Any = "setup"):
                       max_seqs_per_microbatch=setup.max_seqs_per_microbatch)
 
 
+def slow_compile_warning(spec: HarnessConfig) -> Optional[str]:
+    """One line when ``backend.compile=true`` will run in float32 on a CPU: of every form of this run the slowest
+    (minutes of compiling in the warm-up, for the precision a GPU run does not use); None otherwise."""
+    b = spec.backend
+    if not b.compile or spec.dry_run or spec.target.url:
+        return None
+    import torch
+
+    from backends.model.build import resolve_dtype
+    from backends.runtime.devices import resolve_device
+
+    device = resolve_device(b.device)
+    if device.type != "cpu" or resolve_dtype(spec.model.dtype, device) != torch.float32:
+        return None
+    return ("backend.compile=true in float32 on CPU: the slowest form of this run (the warm-up compiles for minutes, "
+            "in a precision GPU runs do not use); model.dtype=bfloat16 measures the published precision, "
+            "backend.compile=false skips compiling")
+
+
 def _null(value: Optional[int]) -> str:
     """A knob's value as the command line spells it (None is null)."""
     return "null" if value is None else str(value)
@@ -181,6 +200,9 @@ class Point:
         b = spec.backend
         self.label = _label(b.name, b.max_tokens_per_microbatch, b.micro_batch_size)
         launcher_sets_world_size(b, self.hydra_run.overrides)
+        slow = slow_compile_warning(spec)
+        if slow:
+            log.warning("%s%s", self.label, slow)
         if not spec.dry_run and not spec.target.url and is_distributed(b.name):
             from backends.runtime.job import launch_env
 
@@ -232,9 +254,17 @@ class Point:
         self.label = f"[{spec.backend.name} mtpm=auto] "
         lengths = workload.lengths
         setup = Setup.dry_run(spec) if spec.dry_run else None
+        # Ranks that cannot start under bench.memory_limit_gb are the search's first result, not its end: every
+        # candidate would start the same ranks, so each is recorded out of memory with that start-up's message.
+        start_failed: list[BackendError] = []
         if setup is None:
-            backend = self._start_own_backend(spec)
-            setup = Setup.of_backend(spec, backend)
+            try:
+                setup = Setup.of_backend(spec, self._start_own_backend(spec))
+            except BackendError as exc:
+                if exc.status != "oom":
+                    raise
+                start_failed.append(exc)
+                setup = Setup.dry_run(spec)
         setup.cost_model = self._planner_cost_model(spec, lengths, setup, self.backend)
         self.cost_model = setup.cost_model
         budgets = power_of_two_budgets(lengths, setup.world_size, setup.layout)
@@ -265,6 +295,16 @@ class Point:
             from harness.measure import measure_pass
 
             layout, planner = (setup.layout, setup.planner) if mtpm is not None else ("padded", "greedy")
+            if self.backend is None:  # started when there is something to measure, not after the last failure
+                if start_failed:
+                    return Measured("oom", error=str(start_failed[0]))
+                try:
+                    self._start_own_backend(spec)
+                except BackendError as exc:
+                    if exc.status != "oom":
+                        raise
+                    start_failed.append(exc)
+                    return Measured("oom", error=str(exc))
             command_for = self._command_for(spec, examples, mtpm, 1, layout, planner)
             pairing = self._pairing(spec, examples, "forward_backward", mtpm=mtpm)
             if pairing is not None:
@@ -277,10 +317,9 @@ class Point:
                 if exc.status != "oom":
                     raise
                 log.info("%sout of memory: a result; the search goes on below it", _label(setup.name, mtpm, 1))
-                if self.backend.failure() is not None:  # its ranks are gone: a fresh backend for the next candidate
+                if self.backend.failure() is not None:  # its ranks are gone: the next candidate starts fresh ones
                     self.backend.close()
                     self.backend = None
-                    self._start_own_backend(spec)
                 return Measured("oom", error=str(exc))
             runs[mtpm] = (record, result)
             peaks = [p for p in record.mem_peak_bytes or [] if p is not None]
@@ -305,7 +344,8 @@ class Point:
             save()
             raise BackendError(
                 f"mtpm=auto: no budget fits in {limit / 2**30:.2f} GiB per rank ({source})"
-                + (f"; the smallest, mtpm={smallest.mtpm}, ended {smallest.status}" if smallest else ""), status="oom")
+                + (f"; the smallest, mtpm={smallest.mtpm}, ended {smallest.status}" if smallest else "")
+                + (f": {smallest.reason}" if smallest and smallest.reason else ""), status="oom")
         self._record_auto_choice(spec, workload, setup, chosen, examples, runs)
         _log_answer(self.label, self.results.doc)
 
@@ -316,6 +356,8 @@ class Point:
 
         setup.mtpm = spec.backend.max_tokens_per_microbatch = chosen.mtpm
         self.label = _label(setup.name, setup.mtpm, setup.mbs)
+        if self.backend is None:  # a larger candidate ran out of memory and took the ranks with it
+            self._start_own_backend(spec)
         plan = self._plan(spec, lengths := workload.lengths, setup)
         self.results.update(**_setup_fields(spec, workload, setup, plan))
         command_for = self._command_for(spec, examples, chosen.mtpm, 1, setup.layout, setup.planner)

@@ -64,9 +64,13 @@ class PassRecord:
         out = {"tok_per_s_median": s["median"], "tok_per_s_min": s["min"], "tok_per_s_max": s["max"],
                "tok_per_s_ci": s["ci"], "tok_per_s_ci_pct": s["ci_pct"], "ci_method": METHOD, "noisy": s["noisy"],
                "repeats": len(self.elapsed_s), "target_ci_pct": self.target_ci_pct}
+        target = self.target_ci_pct
+        reached = None if target is None else not needs_more(per_repeat, target)
         if self.baseline_elapsed_s is not None:
             base = [self.real_tokens / t for t in self.baseline_elapsed_s]
             speed = paired_speedup(per_repeat, base)
+            if target is not None:
+                reached = reached and not needs_more(speed["pairs"], target)
             speed["baseline_tok_per_s"] = summary(base)
             speed["baseline_elapsed_s"] = list(self.baseline_elapsed_s)
             speed["baseline_plan"] = self.baseline_plan
@@ -74,6 +78,8 @@ class PassRecord:
             speed["method"] = ("paired: each timed repeat beside an mbs=1 pass, in alternating order, each timed pass "
                                "after an untimed one of its own shape; median pair ratio, " + METHOD)
             out["speedup"] = speed
+        # bench.target_ci_pct met by every interval it applies to (None: no target); false: max_repeats ran out first
+        out["target_ci_reached"] = reached
         return out
 
     def as_dict(self) -> dict:
@@ -303,7 +309,21 @@ def measure_pass(
         settling_passes=settled if pairing is not None else None,
     )
     _log_spread(label, pass_type, record, repeat)
+    if record.spread_fields()["target_ci_reached"] is False:
+        _log_target_missed(label, pass_type, record, limit)
     return record, result
+
+
+def _log_target_missed(label: str, pass_type: str, record: "PassRecord", limit: int) -> None:
+    """One line when bench.target_ci_pct was not reached: the repeats ran out (bench.max_repeats) first."""
+    d = record.spread_fields()
+    widths = [f"tok/s ±{d['tok_per_s_ci_pct']:.1f}%" if d["tok_per_s_ci_pct"] is not None else "tok/s: no interval"]
+    speed = d.get("speedup")
+    if speed and speed.get("ci_pct") is not None:
+        widths.append(f"speedup ±{speed['ci_pct']:.1f}%")
+    log.warning("%s%s: bench.target_ci_pct=%g not reached after %d repeats (the most bench.max_repeats=%d allows): "
+                "%s; results.json records target_ci_reached false and the wider interval", label, pass_type,
+                record.target_ci_pct, len(record.elapsed_s), limit, ", ".join(widths))
 
 
 def _timed(result: PassResult) -> float:

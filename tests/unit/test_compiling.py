@@ -191,3 +191,14 @@ def test_a_size_guard_is_told_from_other_guards():
     assert compiling.SHAPE_GUARD.search("5/0: seq_len == 658")
     assert not compiling.SHAPE_GUARD.search("1/0: len(args) == 2")
     assert not compiling.SHAPE_GUARD.search("0/0: tensor 'args[0]' requires_grad mismatch. expected requires_grad=0")
+
+
+def test_compiling_in_float32_on_cpu_says_in_one_line_that_it_is_the_slowest_form():
+    from harness.app import slow_compile_warning
+
+    line = slow_compile_warning(resolve_config(_compose("backend.compile=true", "backend.device=cpu")))
+    assert line and line.startswith("backend.compile=true in float32 on CPU") and "\n" not in line
+    assert "model.dtype=bfloat16" in line and "backend.compile=false" in line
+    for quiet in (("backend.compile=true", "backend.device=cpu", "model.dtype=bfloat16"),
+                  ("backend.device=cpu",), ("backend.compile=true", "backend.device=cpu", "dry_run=true")):
+        assert slow_compile_warning(resolve_config(_compose(*quiet))) is None, quiet

@@ -228,3 +228,17 @@ def test_two_repeats_show_the_intervals_bounds_never_a_plus_minus_below_zero_and
     from reports.render import TWO_VALUES_NOTE
 
     assert TWO_VALUES_NOTE in report and "t(1) = 12.7" in TWO_VALUES_NOTE
+
+
+def test_a_target_interval_not_reached_after_the_most_repeats_is_one_warning_and_recorded(caplog):
+    with caplog.at_level("WARNING", logger="harness.measure"):
+        capped, _ = measure_pass(DriftingBackend(drift=0.0, noise=0.2), EXAMPLES, "forward", 0, 3, _commands(1000),
+                                 sample_interval_s=0.05, target_ci_pct=0.5, max_repeats=4)
+    lines = [r.getMessage() for r in caplog.records if "target_ci_pct" in r.getMessage()]
+    assert len(lines) == 1 and "bench.target_ci_pct=0.5 not reached after 4 repeats" in lines[0], lines
+    assert capped.as_dict()["target_ci_reached"] is False
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="harness.measure"):
+        loose, _ = measure_pass(DriftingBackend(drift=0.0, noise=0.01), EXAMPLES, "forward", 0, 3, _commands(1000),
+                                sample_interval_s=0.05, target_ci_pct=50.0, max_repeats=4)
+    assert loose.as_dict()["target_ci_reached"] is True and not caplog.records
