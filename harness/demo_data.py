@@ -22,6 +22,7 @@ import ast
 import json
 import random
 import re
+import shlex
 import sys
 from pathlib import Path
 from typing import Iterator, Optional
@@ -36,6 +37,8 @@ CHAT_TEMPLATE = (
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
 )
+# What Hydra reads as a plain value (its grammar's unquoted characters, less the ones with a meaning: $, \, spaces).
+_HYDRA_PLAIN = re.compile(r"[A-Za-z0-9_\-/+.%*@?|~]+")
 SYSTEM_PROMPTS = (
     "You are a helpful assistant for ML infrastructure engineers.",
     "Answer questions about the balance-batch harness precisely, in the project's own words.",
@@ -138,6 +141,23 @@ def write(out: Path, rows: int = 300, root: Path = ROOT) -> dict[str, Path]:
     return paths
 
 
+def follow_up(paths: dict[str, Path]) -> str:
+    """The command that runs the benchmark on what was written, pasteable into a shell as it is: absolute paths,
+    quoted for Hydra where it would read a character otherwise (a comma as a list, a quote, a space), and for the
+    shell where it would split or expand one."""
+    def arg(key: str, path: Path) -> str:
+        value = str(path.resolve())
+        if not _HYDRA_PLAIN.fullmatch(value):
+            value = "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+        text = f"{key}={value}"
+        if shlex.quote(text) == text:
+            return text
+        return f'"{text}"' if not re.search(r'[$`"\\!]', text) else shlex.quote(text)
+
+    return (f"python -m harness workload=dataset {arg('workload.path', paths['chats'])} "
+            f"{arg('workload.tokenizer', paths['tokenizer'])}")
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m harness.demo_data", description=__doc__.split("\n\n")[0])
     ap.add_argument("out", type=Path, help="the folder to write (created; its files are replaced)")
@@ -154,7 +174,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     n = sum(1 for _ in paths["chats"].open(encoding="utf-8"))
     print(f"wrote {n} chat rows to {paths['chats']}, {paths['prompt_completion'].name}, {paths['text'].name} and a "
           f"{VOCAB_SIZE}-id tokenizer to {paths['tokenizer']}")
-    print(f"python -m harness workload=dataset workload.path={paths['chats']} workload.tokenizer={paths['tokenizer']}")
+    print(follow_up(paths))
     return 0
 
 

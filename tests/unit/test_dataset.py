@@ -361,3 +361,19 @@ def test_relative_paths_are_recorded_absolute(tmp_path, demo_data, monkeypatch):
     rec = d.record
     assert rec["path"] == rec["files"][0] == str(demo_data["chats"]) and os.path.isabs(rec["tokenizer"]["path"])
     assert rec["tokenizer"]["path"] == str(demo_data["tokenizer"]) and os.path.isabs(rec["cache"]["path"])
+
+
+@pytest.mark.parametrize("folder", ["plain", "my data, v2", "it's here", "a~b$HOME"])
+def test_the_demo_datas_follow_up_command_pastes_into_a_shell_as_it_is(tmp_path, folder):
+    import shlex
+
+    from harness.demo_data import follow_up
+    from tests.conftest import compose_config
+
+    out = tmp_path / folder
+    line = follow_up({"chats": out / "chats.jsonl", "tokenizer": out / "tokenizer"})
+    argv = shlex.split(line)  # what the shell passes
+    assert argv[:4] == ["python", "-m", "harness", "workload=dataset"]
+    cfg = compose_config(*argv[3:])
+    assert (cfg.workload.path, cfg.workload.tokenizer) == (str(out / "chats.jsonl"), str(out / "tokenizer"))
+    assert ("'" not in line) == (folder == "plain")
