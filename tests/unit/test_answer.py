@@ -251,10 +251,10 @@ def test_two_budgets_share_a_measurement_only_when_the_plan_and_everything_else_
     greedy = ("planner=greedy", "layout=padded")
     assert key("mtpm=65536", *greedy) == key("mtpm=131072", *greedy)  # one plan
     assert key("mtpm=65536", *greedy, "logger=none", "bench.share_plans=false") == key("mtpm=131072", *greedy)
-    assert key("mtpm=32768", *greedy) != key("mtpm=65536", *greedy)  # another plan
+    assert key("mtpm=16384", *greedy) != key("mtpm=32768", *greedy)  # another plan (2 micro-batches per rank, not 1)
     assert key("mtpm=65536", *greedy) != key("mtpm=131072", *greedy, "model.dtype=bfloat16")  # another setting
     assert key("mtpm=65536", *greedy) != key("mtpm=131072", *greedy, "bench.repeat=5")  # another protocol
-    assert key("mtpm=32768") == key("mtpm=65536")  # balanced packed: one micro-batch per rank at both
+    assert key("mtpm=16384") == key("mtpm=65536")  # balanced packed: one micro-batch per rank at both
     assert key("mtpm=32768") != key("mtpm=32768", "layout=padded")
 
 
