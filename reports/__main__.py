@@ -145,16 +145,18 @@ def report(args: argparse.Namespace) -> int:
         print(f"{readme}: results block matches {source} ({len(df)} runs)")
         return 0
 
-    print(markdown_tables(df))
     if df.empty:
+        print(markdown_tables(df))
         return 0
     here = f"the report goes into {out_dir}"
     csv = args.csv or out_dir / "results.csv"
     csv = csv / "results.csv" if csv.is_dir() else csv
     _write(plots[0], lambda: write_plots(df, out_dir), here)
-    write_plan_figures(df, out_dir)  # a figure it cannot write is a warning
-    write_length_histograms(df, out_dir)  # each setting's workload: sequences and tokens by length
-    write_profile_figures(df, out_dir)  # each profiled point: seconds per category, per pass type and rank
+    # A figure it cannot draw is a warning, and the report links only the figures drawn.
+    df["plan_png"] = write_plan_figures(df, out_dir)
+    df["lengths_png"] = write_length_histograms(df, out_dir)  # each setting's workload: sequences and tokens by length
+    df["profile_png"] = write_profile_figures(df, out_dir)  # each profiled point: seconds per category, pass and rank
+    print(markdown_tables(df))
     if committed:  # the README's plan figures are committed files: only the committed run redraws them
         _write(plan_pngs[0] if plan_pngs else PACKAGE, lambda: draw_side_by_side(plans, plan_pngs), here)
     _write(csv, lambda: write_csv(df, csv), "give --csv a path in a writable folder" if args.csv else here)

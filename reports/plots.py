@@ -102,7 +102,9 @@ def _histogram_sources(df: pd.DataFrame, out_dir: Path) -> dict:
 
     sources: dict = {}
     for setting in settings_of(df):
-        for results_path in df.loc[df["setting"] == setting, "path"]:
+        # an unreadable results.json says nothing of its workload: its plan.json is not drawn as that workload
+        readable = df.loc[(df["setting"] == setting) & (df["status"] != "unreadable"), "path"]
+        for results_path in readable:
             plan = Path(results_path).parent / PLAN_FILE
             if plan.is_file():
                 sources[setting] = (Path(out_dir) / "plots" / f"lengths-{point_name(Path(results_path), out_dir)}.png", plan)
@@ -126,13 +128,16 @@ def write_length_histograms(df: pd.DataFrame, out_dir: Path) -> list:
 
     drawn: dict = {}
     for setting, (png, plan) in _histogram_sources(df, out_dir).items():
+        source = plan  # the file a failure is about, named in the warning
         try:
             lengths = json.loads(plan.read_text())["lengths"]
-            doc = json.loads((plan.parent / "results.json").read_text())
+            source = plan.parent / "results.json"
+            doc = json.loads(source.read_text())
             workload = (doc.get("workload") if isinstance(doc, dict) else None) or {}
+            source = png
             drawn[setting] = draw_length_histogram(lengths, png, workload)
         except (OSError, ValueError, KeyError, TypeError) as exc:
-            logging.getLogger(__name__).warning("length histogram %s not drawn from %s: %s", png, plan, exc)
+            logging.getLogger(__name__).warning("length histogram %s not drawn: %s: %s", png, source, exc)
     return [drawn.get(s) for s in df["setting"]]
 
 

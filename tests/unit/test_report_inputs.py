@@ -255,3 +255,23 @@ def test_a_settings_histogram_is_drawn_from_the_point_that_has_a_plan(tmp_path):
     expected = sweep / "plots" / "lengths-1.png"
     assert length_histogram_paths(df, sweep) == [expected, expected]
     assert write_length_histograms(df, sweep) == [expected, expected] and expected.is_file()
+
+
+def test_a_torn_results_json_beside_an_intact_plan_blames_only_itself_and_the_report_links_only_drawn_figures(
+        tmp_path, caplog):
+    import re
+    import shutil
+
+    from reports.__main__ import main
+
+    sweep = _sweep(tmp_path / "sweep", {"0": _ok_doc(), "1": '{"status": "ok", "pas'})
+    for name in "01":  # both points planned: their plan.json files are whole
+        shutil.copy(COMMITTED / "0" / "plan.json", sweep / name / "plan.json")
+    with caplog.at_level(logging.WARNING):
+        assert main([str(sweep)]) == 0
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warnings and all("plan.json" not in w for w in warnings), warnings
+    assert any(str(sweep / "1" / "results.json") in w for w in warnings), warnings
+    report = (sweep / "report.md").read_text()
+    links = re.findall(r"\]\(([^)]+\.png)\)", report)
+    assert links and all((sweep / link).is_file() for link in links), links
