@@ -3,6 +3,7 @@ ids, or your own data tokenized from a local dataset (harness/dataset.py), and t
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -246,12 +247,43 @@ def file_lengths(spec: WorkloadSpec) -> Workload:
     return Workload(lengths.tolist(), record)
 
 
+# The keys of workload.* each kind reads (name, kind, n_examples and seed: all of them); another kind's key must
+# keep the value that means "not set" (the schema's default, or the 0 / null a preset writes), else it is refused:
+# results.json would record, as a setting of the run, a value that did nothing.
+READS = {"mixed": {"min_len", "max_len"}, "chat": {"min_len", "max_len"}, "lengths_file": {"path"},
+         "dataset": {"max_len", "path", "format", "tokenizer", "field", "train_on", "shuffle", "cache", "cache_dir"}}
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(WorkloadSpec)}
+UNSET = {"min_len": (0, None, _DEFAULTS["min_len"]), "max_len": (0, None, _DEFAULTS["max_len"]),
+         **{key: (_DEFAULTS[key],) for key in ("path", "format", "tokenizer", "field", "train_on", "shuffle", "cache",
+                                              "cache_dir")}}
+_KIND_WORDS = {"mixed": "generated lengths", "chat": "generated lengths", "lengths_file": "lengths read from a file",
+               "dataset": "your own rows, tokenized"}
+
+
+def check_unused(spec: WorkloadSpec) -> None:
+    """A UserError naming the first workload key that ``spec.kind`` does not read but that is set."""
+    reads = READS.get(spec.kind)
+    if reads is None:
+        return  # an unknown kind is refused by load_workload, naming the valid ones
+    for key, unset in UNSET.items():
+        value = getattr(spec, key)
+        if key in reads or any(value == u and type(value) is type(u) for u in unset):
+            continue
+        kinds = [k for k, keys in READS.items() if key in keys]
+        users = ", ".join(kinds[:-1]) + f" or {kinds[-1]}" if len(kinds) > 1 else kinds[0]
+        shown = "null" if value is None else str(value).lower() if isinstance(value, bool) else value
+        raise UserError(f"workload.{key}: {shown} is set, but workload {spec.name} (kind {spec.kind}: "
+                        f"{_KIND_WORDS[spec.kind]}) does not read it, only workloads of kind {users} do; drop it "
+                        "(results.json would record a setting that did nothing)")
+
+
 def load_workload(spec: WorkloadSpec, model=None, check_vocabulary: bool = True) -> Workload:
     """The workload's lengths in request order (and, from a lengths file or a dataset, what was read).
 
     ``model`` (backends.specs.ModelSpec): a dataset's tokenizer defaults to its folder, and its ids are checked
     against its vocabulary before anything starts (``check_vocabulary``; a server's is checked when it answers).
     """
+    check_unused(spec)
     if spec.kind == "lengths_file":
         return file_lengths(spec)
     if spec.kind == "dataset":

@@ -76,3 +76,24 @@ def test_a_value_with_a_comma_is_one_line_that_keeps_hydras_advice():
     assert "\"workload.path='/data/a,b.jsonl'\"" in line and "add -m" in line, line
     # the quoted form the line offers is one string
     assert compose_config("workload=dataset", "workload.path='/data/a,b.jsonl'").workload.path == "/data/a,b.jsonl"
+
+
+@pytest.mark.parametrize("overrides, key, users", [
+    (["workload.train_on=all"], "workload.train_on: all", "only workloads of kind dataset do"),
+    (["workload=cpu_chat", "workload.train_on=bogus"], "workload.train_on: bogus", "only workloads of kind dataset"),
+    (["workload=smoke", "workload.format=text"], "workload.format: text", "only workloads of kind dataset"),
+    (["workload=lengths_file", "workload.path={lengths}", "workload.min_len=5"], "workload.min_len: 5",
+     "only workloads of kind mixed or chat do"),
+    (["workload=lengths_file", "workload.path={lengths}", "workload.max_len=100"], "workload.max_len: 100",
+     "only workloads of kind mixed, chat or dataset do"),
+    (["workload=dataset", "workload.path={lengths}", "workload.min_len=16"], "workload.min_len: 16",
+     "only workloads of kind mixed or chat do"),
+])
+def test_a_workload_key_the_workload_does_not_read_is_refused_not_recorded(tmp_path, overrides, key, users):
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("100\n200\n")
+    line = config_error("dry_run=true", *(o.format(lengths=lengths) for o in overrides))
+    assert line is not None and "\n" not in line, line
+    assert line.startswith(key + " is set, but workload ") and users in line, line
+    kept = [o.format(lengths=lengths) for o in overrides[:-1]]  # the same workload without the key: accepted
+    assert config_error("dry_run=true", *kept) is None or kept[0] == "workload=dataset"
