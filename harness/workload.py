@@ -4,6 +4,7 @@ ids, or your own data tokenized from a local dataset (harness/dataset.py), and t
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -242,7 +243,8 @@ def file_lengths(spec: WorkloadSpec) -> Workload:
         lengths, order = table.shuffled(spec.seed), "shuffled"
     else:
         lengths, order = table.lengths, "file order"
-    record = {"path": table.path, "format": table.format, "distinct_lengths": table.distinct_lengths,
+    # absolute: a relative path in results.json names nothing once it is read from another folder
+    record = {"path": os.path.abspath(table.path), "format": table.format, "distinct_lengths": table.distinct_lengths,
               "sequences": table.sequences, "sampled": n or None, "order": order}
     return Workload(lengths.tolist(), record)
 

@@ -231,3 +231,11 @@ def test_a_negative_n_examples_for_a_lengths_file_names_the_key(tmp_path):
         load_workload(_file_spec(f, n_examples=-3))
     with pytest.raises(UserError, match=r"^workload.n_examples: must be a positive integer, got null$"):
         load_workload(WorkloadSpec(name="x", n_examples=None))
+
+
+def test_a_relative_lengths_file_is_recorded_absolute(tmp_path, monkeypatch):
+    (tmp_path / "lengths.txt").write_text("100\n200\n")
+    monkeypatch.chdir(tmp_path)
+    workload = load_workload(WorkloadSpec(name="lengths_file", kind="lengths_file", path="lengths.txt", n_examples=0,
+                                          min_len=0, max_len=0))
+    assert workload.file["path"] == str(tmp_path / "lengths.txt")
