@@ -345,7 +345,8 @@ class Point:
             raise BackendError(
                 f"mtpm=auto: no budget fits in {limit / 2**30:.2f} GiB per rank ({source})"
                 + (f"; the smallest, mtpm={smallest.mtpm}, ended {smallest.status}" if smallest else "")
-                + (f": {smallest.reason}" if smallest and smallest.reason else ""), status="oom")
+                + (f": {smallest.reason}" if smallest and smallest.reason else ""), status="oom",
+                details=start_failed[0].details if start_failed else None)
         self._record_auto_choice(spec, workload, setup, chosen, examples, runs)
         _log_answer(self.label, self.results.doc)
 
@@ -522,6 +523,10 @@ class Point:
 
         if spec.cost_model != CALIBRATED or spec.target.url:
             return setup.cost_model  # a client plans as its server does (Setup.of_backend warns when that differs)
+        if setup.planner == "greedy":  # it fills micro-batches by count and budget: no cost model enters its plan
+            log.info("%scost_model=calibrated: the greedy planner plans with no cost model, so nothing is calibrated "
+                     "(results.json: cost_model flops, the model its plan statistics use)", self.label)
+            return setup.cost_model
         b = spec.backend
         longest = spread_longest(spec.calibration.max_len or max(lengths))
         ident = identity(setup.name, setup.world_size, setup.device or {}, spec.model, setup.layout,

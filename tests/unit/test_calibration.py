@@ -190,3 +190,31 @@ def test_calibration_settings_are_checked_in_one_line(tmp_path):
         with pytest.raises(UserError, match=word.replace("(", r"\(").replace(")", r"\)")):
             validate(spec(**{key: value}))
     validate(spec(cost_model="calibrated"))
+
+
+@pytest.mark.parametrize("planner, recorded", [("greedy", "flops"), ("balanced", "calibrated")])
+def test_the_greedy_planner_uses_no_cost_model_so_nothing_is_calibrated_or_recorded_as_calibrated(tmp_path, planner,
+                                                                                                    recorded):
+    """A dry run with a fit cached for its setting: the balanced planner plans with it; the greedy planner, which
+    balances nothing, neither reads nor measures one, and results.json says the FLOP model (what its stats used)."""
+    import json
+
+    from harness.app import HydraRun, Point, Setup
+    from harness.config import resolve_config
+    from harness.workload import load_workload
+    from tests.conftest import compose_config
+
+    overrides = ["dry_run=true", "workload=smoke", "mtpm=4096", f"planner={planner}", "layout=padded",
+                 "cost_model=calibrated", f"calibration.cache_dir={tmp_path / 'cache'}", "logger=none"]
+    cfg = compose_config(*overrides)
+    spec = resolve_config(cfg)
+    setup = Setup.dry_run(spec)
+    ident = identity(setup.name, setup.world_size, setup.device, spec.model, setup.layout, False, False,
+                     spec.backend.logprob_chunk_tokens, spread_longest(max(load_workload(spec.workload).lengths)))
+    fit = {"coefficients": {"c0": 0.01, "c_seq": 1e-4, "c_tok": 2e-5, "c_sq": 1e-9}, "r2": 0.98, "worst_rel_err": 0.1}
+    write_cached(tmp_path / "cache", cache_key(ident), ident, fit)
+    run = HydraRun(out_dir=tmp_path / "run", overrides=overrides, folder_key="hydra.run.dir", group=None)
+    assert Point(cfg, run).run() == 0
+    doc = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert (doc["planner"], doc["cost_model"]) == (planner, recorded)
+    assert ("coefficients" in doc["plan"]["cost_model"]) == (recorded == "calibrated")
