@@ -23,6 +23,9 @@ class BackendSpec:
     world_size: Optional[int] = None  # None = one per visible GPU, else 2 CPU ranks (1 for pytorch)
     device: str = "auto"  # auto, cpu or cuda
     dist_timeout_s: float = 600.0  # torch.distributed collective time-out
+    # Start-up (ranks joining the group and loading the model) ending past this is stopped, naming the cause: a rank
+    # that cannot start a thread under bench.memory_limit_gb waits in the group's set-up forever. None: no deadline.
+    startup_timeout_s: Optional[float] = 1800.0
     memory_limit_gb: Optional[float] = None  # per worker: an OS limit on CPU, the memory fraction on GPU
     # Target log-probs this many tokens at a time (no [tokens × vocab] logits); None = unchunked.
     logprob_chunk_tokens: Optional[int] = 1024

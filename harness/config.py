@@ -252,6 +252,10 @@ def validate(cfg: HarnessConfig) -> None:
         value = getattr(cfg.bench, key)
         if value is not None and value <= 0:
             raise UserError(f"bench.{key}: must be a positive number or null, got {value}")
+    timeout = cfg.backend.startup_timeout_s
+    if timeout is not None and not timeout > 0:
+        raise UserError(f"backend.startup_timeout_s: must be a positive number of seconds or null (no deadline), "
+                        f"got {timeout}")
     if not 0 <= cfg.bench.memory_headroom < 1:
         raise UserError(f"bench.memory_headroom: must be a fraction in [0, 1), got {cfg.bench.memory_headroom}")
     if cfg.backend.compile and cfg.backend.gradient_checkpointing:

@@ -49,3 +49,11 @@ class FSDP2Rank1DropsItsDummies(FSDP2Hooks):
     def pad(self, local):
         schedule = super().pad(local)
         return [b for b in schedule if b is not None] if self.rank == 1 else schedule
+
+
+class FSDP2HangAtStartUp(FSDP2Hooks):
+    """Every rank sleeps far past any deadline before joining the process group (as a rank does that could not
+    start a thread of gloo's under a memory limit)."""
+
+    def setup(self):
+        time.sleep(3600)

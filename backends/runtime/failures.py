@@ -19,7 +19,7 @@ from backends.errors import first_line
 from backends.messages import PassCommand
 from backends.planning import microbatch_tokens
 from backends.registry import is_lockstep
-from backends.runtime.memory import is_out_of_memory, oom_message
+from backends.runtime.memory import is_out_of_memory, is_thread_start_failure, oom_message
 from backends.runtime.ranks import rank_share
 from backends.specs import BackendSpec
 
@@ -41,11 +41,16 @@ def failure_report(exc: BaseException, rank: int, spec: Optional[BackendSpec], c
     pass names the pass and the largest micro-batch this rank ran.
     """
     details = traceback.format_exc()
-    if not is_out_of_memory(exc):
-        return "error", rank, (f"{type(exc).__name__}: {exc}", details)
     limit_gb = spec.memory_limit_gb if spec is not None else None
+    # A thread that cannot start at start-up under a memory limit is the limit, not a fault of the rank.
+    starved = command is None and limit_gb is not None and is_thread_start_failure(exc)
+    if not (is_out_of_memory(exc) or starved):
+        return "error", rank, (f"{type(exc).__name__}: {exc}", details)
     if command is None:
-        return "oom", rank, (oom_message("start-up", f" on rank {rank}", 0, limit_gb, exc), details)
+        limit = f" (bench.memory_limit_gb={limit_gb:g})" if limit_gb is not None else ""
+        cause = "could not start a thread: " if starved else ""
+        return "oom", rank, (f"out of memory in start-up on rank {rank}{limit}: {cause}"
+                             f"{first_line(str(exc), 200) or type(exc).__name__}", details)
     if world_size is None:
         world_size = dist.get_world_size()
     _, local = rank_share(command, rank, world_size, is_lockstep(spec.name))

@@ -133,7 +133,7 @@ class LaunchedBackend(Backend):
         job.send("start", {"spec": spec, "model": model, "hooks": hooks_path})
         self.thread = threading.Thread(target=self._serve, name="rank0", daemon=True)
         self.thread.start()
-        built, self.load_info = self._wait("start-up", None)
+        built, self.load_info = self._wait("start-up", spec.startup_timeout_s, "backend.startup_timeout_s")
         self.model_info, self.precision = split_precision(built)
         log.info("%s: rank 0 ready (the other ranks are checked at each pass)", spec.name)
 
@@ -152,10 +152,10 @@ class LaunchedBackend(Backend):
             kind, _, payload = failure_report(exc, 0, self.spec, command)
             self.replies.put((kind, payload))
 
-    def _wait(self, what: str, timeout_s: Optional[float]) -> Any:
+    def _wait(self, what: str, timeout_s: Optional[float], timeout_key: str = "bench.pass_timeout_s") -> Any:
         """Rank 0's reply; a rank that posts a failure or stops beating ends the wait, naming it."""
         try:
-            return self._wait_for_reply(what, timeout_s)
+            return self._wait_for_reply(what, timeout_s, timeout_key)
         except KeyboardInterrupt:
             # The launcher stops every rank (SIGTERM) when a rank or a node fails; often before the
             # heartbeats can name it. Record what rank 0 saw; a plain interrupt stays an interrupt.
@@ -179,7 +179,7 @@ class LaunchedBackend(Backend):
             return None
         return payload[0] if kind != "done" else None
 
-    def _wait_for_reply(self, what: str, timeout_s: Optional[float]) -> Any:
+    def _wait_for_reply(self, what: str, timeout_s: Optional[float], timeout_key: str) -> Any:
         start = last_check = time.monotonic()
         while True:
             try:
@@ -189,7 +189,7 @@ class LaunchedBackend(Backend):
                     last_check = time.monotonic()
                     self._check_peers(what)
                 if timeout_s is not None and time.monotonic() - start > timeout_s:
-                    self._abort(f"{what} ran past bench.pass_timeout_s={timeout_s:g} s; every rank was stopped",
+                    self._abort(f"{what} ran past {timeout_key}={timeout_s:g} s; every rank was stopped",
                                 status="timeout")
                 continue
             if kind == "done":

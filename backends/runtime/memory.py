@@ -25,6 +25,15 @@ def is_out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(m in str(exc).lower() for m in _OOM_MARKERS)
 
 
+_THREAD_START_MARKERS = ("can't start new thread", "resource temporarily unavailable")
+
+
+def is_thread_start_failure(exc: BaseException) -> bool:
+    """A thread that could not start (Python's, or a C++ std::thread's EAGAIN): under RLIMIT_DATA, its stack did
+    not fit in what the limit left."""
+    return isinstance(exc, (RuntimeError, OSError)) and any(m in str(exc).lower() for m in _THREAD_START_MARKERS)
+
+
 @dataclass(frozen=True)
 class MemoryLimit:
     """A memory cap ``limit_memory`` set, and the value that undoes it.

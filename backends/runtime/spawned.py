@@ -14,6 +14,8 @@ import logging.handlers
 import os
 import queue
 import signal
+import sys
+import tempfile
 import threading
 import time
 from datetime import timedelta
@@ -39,6 +41,7 @@ from backends.specs import BackendSpec, ModelSpec
 log = logging.getLogger(__name__)
 
 _STARTUP_POLL_S = 0.2
+_THREAD_ROOM_BYTES = 64 * 1024**2  # a rank this close to its memory limit cannot count on starting a thread
 
 
 def _device_for_rank(base: torch.device, rank: int) -> torch.device:
@@ -77,6 +80,7 @@ def worker_main(
     log_queue,
     parent_pid: int,
     environ: dict[str, str],
+    startup_log: Optional[str] = None,
 ) -> None:
     """Entry point of one rank: join the group, build the model, then serve commands until told to stop."""
     # The rank's parent is the fork server, which exits when the controller does once the rank has let go of it
@@ -92,15 +96,20 @@ def worker_main(
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _setup_worker_logging(log_queue)
     wlog = logging.getLogger(f"backends.{spec.name}")
+    saved_stderr = _capture_stderr(startup_log)
     try:
         base = resolve_device(spec.device)
         if base.type == "cpu":
             torch.set_num_threads(max(1, usable_cpu_cores() // world_size))
         device = _device_for_rank(base, rank)
+        # The reply queue's feeder thread starts with its first message: started before the memory limit, so a rank
+        # that cannot start threads under the limit can still say why.
+        replies.put(("starting", rank, None))
         limit_memory(spec.memory_limit_gb, device)
         store = dist.TCPStore("127.0.0.1", store_port, world_size + 1, is_master=False,
                               timeout=timedelta(seconds=spec.dist_timeout_s))
         hooks, model, built, method, load = start_rank(spec, model_spec, hooks_path, rank, world_size, device, store)
+        _restore_stderr(saved_stderr, startup_log)  # before "ready": the controller then removes the file
         replies.put(("ready", rank, {"built": built, "method": method, "load": load}))
     except BaseException as exc:  # noqa: BLE001 - reported to the controller, which names the rank
         replies.put(failure_report(exc, rank, spec, None))
@@ -124,6 +133,35 @@ def worker_main(
     try:
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - best effort on the way out
+        pass
+
+
+def _capture_stderr(path: Optional[str]) -> Optional[int]:
+    """Start-up's native output (the C library's "cannot allocate memory for thread-local data: ABORT", C++'s
+    "terminate called ...") into ``path``: a start-up that fails is one line on the console, that text in the
+    point's error.txt. The rank's Python logging goes through the log queue, not here. Returns the saved stderr."""
+    if path is None:
+        return None
+    saved = os.dup(2)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+    os.dup2(fd, 2)
+    os.close(fd)
+    return saved
+
+
+def _restore_stderr(saved: Optional[int], path: Optional[str]) -> None:
+    """A start-up that succeeded: stderr back, and what start-up wrote there (warnings) shown after all."""
+    if saved is None:
+        return
+    sys.stderr.flush()
+    os.dup2(saved, 2)
+    os.close(saved)
+    try:
+        with open(path, "rb") as f:
+            text = f.read()
+        if text:
+            os.write(2, text)
+    except OSError:
         pass
 
 
@@ -164,6 +202,12 @@ def _describe_exit(code: Optional[int]) -> str:
     return f"exited with code {code}"
 
 
+def _startup_log(name: str, rank: int) -> str:
+    fd, path = tempfile.mkstemp(prefix=f"{name}-rank{rank}-start-up-", suffix=".log")
+    os.close(fd)
+    return path
+
+
 class DistributedBackend(Backend):
     """The controller: starts the ranks, sends each pass, collects rank 0's reply, stops everything on failure."""
 
@@ -200,6 +244,7 @@ class DistributedBackend(Backend):
         self.logs = _LogForwarder(self.log_queue)
         self.command_queues = [ctx.Queue() for _ in range(self.world_size)]
         self.procs = []
+        self.startup_logs = [_startup_log(spec.name, rank) for rank in range(self.world_size)]
         for rank in range(self.world_size):
             p = ctx.Process(
                 target=worker_main,
@@ -216,22 +261,50 @@ class DistributedBackend(Backend):
                     self.log_queue,
                     os.getpid(),
                     dict(os.environ),
+                    self.startup_logs[rank],
                 ),
                 daemon=True,
             )
             p.start()
             self.procs.append(p)
         try:
-            ready = self._collect("ready", timeout_s=None, what="start-up", progress_every_s=30.0)
+            ready = self._collect("ready", timeout_s=spec.startup_timeout_s, what="start-up", progress_every_s=30.0,
+                                  timeout_key="backend.startup_timeout_s")
             self.model_info, self.precision = split_precision(ready[0]["built"])
             self.load_info = merge_load_records(ready[0]["method"], [ready[r]["load"] for r in range(self.world_size)])
+        except BackendError as exc:
+            self.close()
+            exc.details = "\n".join(filter(None, [exc.details, self._startup_output()])) or None
+            raise
         except BaseException:
             self.close()
             raise
+        finally:
+            self._remove_startup_logs()
         log.info("%s: %d ranks ready on %s", spec.name, self.world_size, self.device.type)
 
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs if p.pid is not None]
+
+    def _startup_output(self) -> Optional[str]:
+        """What the ranks wrote to stderr during a start-up that failed (for error.txt), or None."""
+        parts = []
+        for rank, path in enumerate(self.startup_logs):
+            try:
+                with open(path, errors="replace") as f:
+                    text = f.read().strip()
+            except OSError:
+                continue
+            if text:
+                parts.append(f"rank {rank} stderr during start-up:\n{text}")
+        return "\n".join(parts) or None
+
+    def _remove_startup_logs(self) -> None:
+        for path in self.startup_logs:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
 
     def failure(self) -> Optional[str]:
         if self.failure_reason is not None:
@@ -243,8 +316,8 @@ class DistributedBackend(Backend):
             return f"rank {dead} {_describe_exit(self.procs[dead].exitcode)}"
         return None
 
-    def _collect(self, kind: str, timeout_s: Optional[float], what: str,
-                 progress_every_s: Optional[float] = None) -> dict[int, Any]:
+    def _collect(self, kind: str, timeout_s: Optional[float], what: str, progress_every_s: Optional[float] = None,
+                 timeout_key: str = "bench.pass_timeout_s") -> dict[int, Any]:
         """Wait for one reply per rank; any error or death ends the wait at once, naming the rank."""
         got: dict[int, Any] = {}
         start = last_progress = time.monotonic()
@@ -257,15 +330,43 @@ class DistributedBackend(Backend):
             except queue.Empty:
                 for rank, p in enumerate(self.procs):
                     if rank not in got and not p.is_alive():
-                        self._abort(f"rank {rank} {_describe_exit(p.exitcode)} during {what}")
-                if timeout_s is not None and time.monotonic() - start > timeout_s:
-                    self._abort(f"{what} ran past bench.pass_timeout_s={timeout_s:g} s; every rank was stopped", status="timeout")
+                        self._abort(*self._under_limit(f"rank {rank} {_describe_exit(p.exitcode)} during {what}",
+                                                       what, "error"))
+                elapsed = time.monotonic() - start
+                if timeout_s is not None and elapsed > timeout_s:
+                    starved = [r for r, p in enumerate(self.procs) if r not in got and self._at_limit(p.pid)]
+                    message = (f"{what}: {len(got)}/{self.world_size} ranks ready after {elapsed:.0f} s, past "
+                               f"{timeout_key}={timeout_s:g}; every rank was stopped")
+                    if starved:
+                        self._abort(*self._under_limit(f"{message} (rank {starved[0]} at its limit)", what, "timeout"))
+                    self._abort(message, status="timeout")
                 continue
             if msg_kind in ("error", "oom"):
                 self._fail(msg_kind, rank, payload, what)
             if msg_kind == kind:
                 got[rank] = payload
         return got
+
+    def _at_limit(self, pid: Optional[int]) -> bool:
+        """Whether a rank's data segment (what RLIMIT_DATA counts) is within _THREAD_ROOM_BYTES of
+        bench.memory_limit_gb: too close to be sure of starting another thread (its stack alone is 8 MiB)."""
+        if self.spec.memory_limit_gb is None or pid is None or self.device.type != "cpu":
+            return False
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                data = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmData:"))
+        except (OSError, StopIteration, ValueError, IndexError):
+            return False
+        return data > self.spec.memory_limit_gb * 1024**3 - _THREAD_ROOM_BYTES
+
+    def _under_limit(self, message: str, what: str, status: str) -> tuple[str, None, str]:
+        """A start-up that died with no report of its own, or hung at its limit, as ``_abort``'s arguments: under
+        ``bench.memory_limit_gb`` that is the limit (a rank that cannot start a thread under it aborts in the C
+        library, or waits in the process group's set-up forever), so the status is ``oom``."""
+        if what != "start-up" or self.spec.memory_limit_gb is None:
+            return message, None, status
+        return (f"out of memory in start-up: bench.memory_limit_gb={self.spec.memory_limit_gb:g} leaves a rank too "
+                f"little to start its threads and load the model ({message})", None, "oom")
 
     def _fail(self, kind: str, rank: int, payload, what: str) -> None:
         """Stop every rank and raise the failure ``blame`` names (a rank out of memory, else a dead one, else ``rank``)."""

@@ -105,6 +105,41 @@ def test_a_hung_worker_times_out(workdir):
     assert wait_session_empty(proc.pid) == []
 
 
+def test_a_start_up_that_hangs_ends_at_its_deadline_in_one_line(workdir):
+    """Ranks that never become ready (as under a memory limit that left one unable to start gloo's thread, which
+    then waited forever) are stopped at backend.startup_timeout_s, the same wait a real start-up has."""
+    run = workdir / "run"
+    proc = run_harness("backend=fsdp2", "world_size=2", "workload=smoke", "backend.hooks=tests.faults:FSDP2HangAtStartUp",
+                       "backend.startup_timeout_s=2", f"hydra.run.dir={run}", cwd=workdir)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    res = load_json(run / "results.json")
+    assert res["status"] == "timeout"
+    assert res["error"].startswith("start-up: 0/2 ranks ready after ") and "backend.startup_timeout_s=2" in res["error"]
+    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "[ERROR]" in line]
+    assert len(errors) == 1 and res["error"] in errors[0], proc.stdout + proc.stderr
+
+
+def test_auto_whose_ranks_cannot_start_under_the_limit_records_an_oom_candidate(workdir):
+    """0.3 GB is less than a megatron rank holds once forked: its threads cannot start (the C library aborts it).
+    Out of memory, the search's answer, in one line: the baseline and the smallest budget oom, the rest above it."""
+    run = workdir / "run"
+    proc = run_harness("backend=megatron_ddp", "mtpm=auto", "bench.memory_limit_gb=0.3", "workload=smoke",
+                       "backend.startup_timeout_s=120", f"hydra.run.dir={run}", cwd=workdir)
+    assert proc.returncode == 0, proc.stdout + proc.stderr  # out of memory is a result
+    res = load_json(run / "results.json")
+    assert res["status"] == "oom" and res["error"].startswith("mtpm=auto: no budget fits in 0.30 GiB per rank")
+    auto = res["auto"]
+    assert auto["baseline"]["status"] == "oom" and "start-up" in auto["baseline"]["error"]
+    smallest, *larger = auto["candidates"]
+    assert smallest["status"] == "oom" and "memory_limit_gb=0.3" in smallest["reason"], smallest
+    assert larger and all(c["status"] == "over_limit" for c in larger)
+    console = proc.stdout + proc.stderr
+    errors = [line for line in console.splitlines() if "[ERROR]" in line]
+    assert len(errors) == 1 and "start-up" in errors[0], console
+    assert "Traceback" not in console and "ABORT" not in console and "terminate called" not in console, console
+    assert console.count("starting megatron_ddp") == 1  # nothing measurable is left to start ranks for again
+
+
 def test_an_interrupted_sweep_resumes_where_it_stopped(workdir):
     sweep = workdir / "sweep"
     args = ["-m", "mtpm=600,5000,100000", "bench.baseline=false", "backend=fsdp2", "workload=cpu_mixed", "workload.n_examples=8",
