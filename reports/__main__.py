@@ -1,4 +1,4 @@
-"""``python -m reports [DIR ...] [--readme PATH] [--check] [--csv PATH]``: results.json files → table, CSV, plots.
+"""``python -m reports [DIR ...] [--readme PATH] [--check] [--csv PATH] [--out DIR]``: results.json files → table, CSV, plots.
 
 Without DIR it reads the results committed under reports/results and, with
 --check, compares README.md's results block against them.
@@ -23,6 +23,7 @@ PACKAGE = Path(__file__).resolve().parent
 REPO = PACKAGE.parent
 COMMITTED = PACKAGE / "results"
 PLANS = PACKAGE / "plans"  # dry-run plan.json files the README draws (reports/plans/<name>/plan.json)
+COMBINED = "combined-report"  # where several DIRs' report goes by default: a folder of its own in their common one
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -33,6 +34,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--readme", type=Path, help="rewrite the block between the results markers of this file")
     ap.add_argument("--check", action="store_true", help="exit 1 when the README block differs from the results")
     ap.add_argument("--csv", type=Path, help="write the collected frame as CSV here")
+    ap.add_argument("--out", type=Path, help="the folder report.md, results.csv and plots/ go into (default: DIR; "
+                    f"with several DIRs, {COMBINED} in the folder they all lie in, never one sweep's own)")
     return ap.parse_args(argv)
 
 
@@ -126,7 +129,7 @@ def report(args: argparse.Namespace) -> int:
     # Before anything is written: a README the command cannot check or rewrite stops it here.
     text = readme_text(readme, "check" if args.check else "rewrite") if readme is not None else None
     df = collect(dirs)
-    out_dir = PACKAGE if committed else (dirs[0] if dirs[0].is_dir() else dirs[0].parent)
+    out_dir = args.out or (PACKAGE if committed else report_folder(dirs))
     source = "reports/results" if committed else ", ".join(str(d) for d in dirs)
     plots = plot_paths(out_dir)
     if not df.empty:
@@ -148,7 +151,8 @@ def report(args: argparse.Namespace) -> int:
     if df.empty:
         print(markdown_tables(df))
         return 0
-    here = f"the report goes into {out_dir}"
+    here = f"the report goes into {out_dir}; --out DIR chooses another folder"
+    _write(out_dir, lambda: out_dir.mkdir(parents=True, exist_ok=True), here)
     csv = args.csv or out_dir / "results.csv"
     csv = csv / "results.csv" if csv.is_dir() else csv
     _write(plots[0], lambda: write_plots(df, out_dir), here)
@@ -164,7 +168,21 @@ def report(args: argparse.Namespace) -> int:
     if readme is not None:
         _write(readme, lambda: readme.write_text(replace_block(text, block, readme)), "--readme must be writable")
         print(f"{readme}: results block rewritten ({len(df)} runs)")
+    if len(dirs) > 1 or args.out:
+        print(f"report of {len(dirs)} folder(s), {len(df)} runs: {out_dir / 'report.md'} "
+              f"(results.csv{'' if args.csv else ' and'} plots/ beside it)")
     return 0
+
+
+def report_folder(dirs) -> Path:
+    """Where a report of ``dirs`` goes: the one folder given (or a results.json file's); for several, a folder of its
+    own (``COMBINED``) in the folder they all lie in: a combined table never overwrites one sweep's own report."""
+    import os
+
+    folders = [(d if d.is_dir() else d.parent).resolve() for d in dirs]
+    if len(set(folders)) == 1:
+        return Path(dirs[0]) if Path(dirs[0]).is_dir() else Path(dirs[0]).parent
+    return Path(os.path.commonpath(folders)) / COMBINED
 
 
 if __name__ == "__main__":

@@ -53,12 +53,17 @@ def workload_name(plan_path: Path) -> Optional[str]:
 
 
 def point_name(results_path: Path, out_dir: Path) -> str:
-    """A point's name for its figure: its folder relative to the report's folder ('0', 'sweepA-3'), else its own name."""
+    """A point's name for its figure: its folder relative to the report's folder ('0', 'sweepA-3'); a point outside
+    it (a combined report of several sweeps) relative to the folder both lie in ('sweepB-0'), so two sweeps' point 0
+    never share a figure."""
+    import os
+
     folder = Path(results_path).parent.resolve()
+    out = Path(out_dir).resolve()
     try:
-        rel = folder.relative_to(Path(out_dir).resolve())
+        rel = folder.relative_to(out)
     except ValueError:
-        rel = Path(folder.name)
+        rel = folder.relative_to(os.path.commonpath([folder, out]))
     return "-".join(rel.parts) or folder.name
 
 

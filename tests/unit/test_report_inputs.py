@@ -275,3 +275,28 @@ def test_a_torn_results_json_beside_an_intact_plan_blames_only_itself_and_the_re
     report = (sweep / "report.md").read_text()
     links = re.findall(r"\]\(([^)]+\.png)\)", report)
     assert links and all((sweep / link).is_file() for link in links), links
+
+
+def test_a_report_of_several_sweeps_goes_to_its_own_folder_and_each_sweeps_point_has_its_own_figures(
+        tmp_path, capsys):
+    import re
+    import shutil
+
+    from reports.__main__ import main
+
+    sweeps = [_sweep(tmp_path / name, {"0": _ok_doc()}) for name in ("A", "B")]
+    for sweep in sweeps:
+        shutil.copy(COMMITTED / "0" / "plan.json", sweep / "0" / "plan.json")
+    assert main([str(sweeps[0])]) == 0
+    own = {f: (sweeps[0] / f).read_text() for f in ("report.md", "results.csv")}
+    capsys.readouterr()
+    assert main([str(s) for s in sweeps]) == 0
+    assert {f: (sweeps[0] / f).read_text() for f in own} == own  # A's own report is left as it was
+    combined = tmp_path / "combined-report"  # in the folder both sweeps lie in
+    assert str(combined / "report.md") in capsys.readouterr().out  # and the command says where it went
+    report = (combined / "report.md").read_text()
+    assert report.count("| FSDP2") == 2 and (combined / "results.csv").is_file()
+    links = re.findall(r"\]\(([^)]+\.png)\)", report)
+    plans = [link for link in links if "/plan-" in link]
+    assert sorted(plans) == ["plots/plan-A-0.png", "plots/plan-B-0.png"], links
+    assert all((combined / link).is_file() for link in links), links
