@@ -320,7 +320,9 @@ def sort_rows(df: pd.DataFrame) -> pd.DataFrame:
             "unrecorded": df["setting"] == "",  # rows whose results.json records no setting: their table last
             "setting": df["setting"],
             "backend": df["backend"].map(lambda b: BACKEND_ORDER.get(b, 9)),
-            "budget": df["mtpm"].isna().map(lambda fixed: 0 if fixed else 1),
+            # fixed-mbs rows first; an mtpm=auto row (a budget, chosen or not yet) among the budgets
+            "budget": [0 if fixed and not isinstance(auto, dict) else 1 for fixed, auto in zip(df["mtpm"].isna(),
+                                                                                                 df["auto"])],
             "mtpm": df["mtpm"].fillna(0),
             "mbs": df["mbs"].fillna(0),
             "planner": df["planner"].map(lambda p: PLANNER_ORDER.get(p, 9)),

@@ -125,8 +125,9 @@ def _plan_link(png, base: Optional[Path]) -> str:
 
 
 def _is_baseline(r) -> bool:
-    """The row every other is compared with: fixed micro-batches of one sequence, measured."""
-    return _missing(r.mtpm) and not _missing(r.mbs) and int(r.mbs) == 1 and r.status == "ok"
+    """The row every other is compared with: fixed micro-batches of one sequence, measured (never an mtpm=auto row)."""
+    return (_missing(r.mtpm) and not _missing(r.mbs) and int(r.mbs) == 1 and r.status == "ok"
+            and _auto_of(r) is None)
 
 
 def _auto_of(r) -> Optional[dict]:
@@ -308,12 +309,13 @@ def table_frame(df: pd.DataFrame, base: Optional[Path] = None) -> pd.DataFrame:
     rows = []
     for r, speedup in zip(df.itertuples(index=False), speedups(df)):
         budget = not _missing(r.mtpm)
+        searched = _auto_of(r) is not None  # mtpm=auto: "auto" until a budget is chosen, then the chosen one
         rows.append(
             [
                 "—" if _missing(r.backend) else BACKEND_LABEL.get(r.backend, str(r.backend)),
                 _text(r.devices),
-                "—" if budget or _missing(r.mbs) else f"{int(r.mbs)}",
-                f"{int(r.mtpm):,}" if budget else "—",
+                "—" if budget or searched or _missing(r.mbs) else f"{int(r.mbs)}",
+                (f"{int(r.mtpm):,}" + (" (auto)" if searched else "")) if budget else "auto" if searched else "—",
                 _text(r.planner),
                 _text(r.layout),
                 _tok_cell(r, "forward"),

@@ -300,3 +300,27 @@ def test_a_report_of_several_sweeps_goes_to_its_own_folder_and_each_sweeps_point
     plans = [link for link in links if "/plan-" in link]
     assert sorted(plans) == ["plots/plan-A-0.png", "plots/plan-B-0.png"], links
     assert all((combined / link).is_file() for link in links), links
+
+
+def test_a_point_that_failed_before_it_ran_says_what_it_was_asked_to_run_never_the_baseline(tmp_path):
+    from harness.results import base_document
+    from reports.render import table_frame
+    from tests.conftest import compose_config
+
+    def failed(status: str, *overrides: str) -> dict:  # what a point leaves when it fails before its backend reports
+        doc = base_document(compose_config(*overrides), list(overrides))
+        return {**doc, "status": status, "error": "failed at start" if status != "planned" else None,
+                "process": None}
+
+    docs = {"0": _ok_doc(),  # the real mbs=1 baseline
+            "1": failed("error", "mtpm=auto"), "2": failed("oom", "mtpm=auto"), "3": failed("planned", "mtpm=auto"),
+            "4": failed("error", "mtpm=4096"), "5": failed("error", "backend.max_tokens_per_microbatch=4096")}
+    df = collect([_sweep(tmp_path / "sweep", docs)])
+    frame = table_frame(df)
+    rows = {Path(p).parent.name: r for p, r in zip(df["path"], frame.to_dict("records"))}
+    assert (rows["0"]["mbs"], rows["0"]["mtpm"]) == ("1", "—")
+    for name in "123":  # mtpm=auto, whatever became of it
+        assert (rows[name]["mbs"], rows[name]["mtpm"]) == ("—", "auto"), rows[name]
+    for name in "45":  # a budget defaults to the balanced planner's packed rows, however it is spelled
+        assert (rows[name]["mtpm"], rows[name]["planner"], rows[name]["layout"]) == ("4,096", "balanced", "packed")
+    assert [rows[n]["status"] for n in "12345"] == ["error", "OOM", "planned", "error", "error"]
