@@ -35,6 +35,8 @@ class Backend:
     load_info: Optional[dict] = None
     # The precision policy as it runs (backends.model.build.describe_precision): params, adapters, compute, reduce, grads.
     precision: Optional[dict] = None
+    # Compute threads per rank on CPU (backends.runtime.devices.threads_per_rank), as torch reports them; None on GPU.
+    threads_per_rank: Optional[int] = None
 
     def __init__(self, spec: BackendSpec, model: ModelSpec):
         self.spec = spec

@@ -24,7 +24,7 @@ from backends.model.step import (
     synchronize,
     total_loss_weight,
 )
-from backends.runtime.devices import resolve_device
+from backends.runtime.devices import resolve_device, use_threads_per_rank
 from backends.runtime.job import resolve_world_size
 from backends.runtime.profiling import profiled
 from backends.runtime.timeline import StepClock, busy_clock, step_clock_name
@@ -53,6 +53,10 @@ class PyTorchBackend(Backend):
         if self.device.type == "cuda":
             torch.cuda.set_device(0)
         self._previous_limit = limit_memory(spec.memory_limit_gb, self.device)
+        # One rank in this process: its threads by the rule every backend's ranks follow; put back at close.
+        self._previous_threads = torch.get_num_threads()
+        if self.device.type == "cpu":
+            self.threads_per_rank = use_threads_per_rank(1)
         try:
             with LoadMeter(self.device) as meter:
                 self.model = build_model(model, self.device, spec.gradient_checkpointing)
@@ -64,6 +68,7 @@ class PyTorchBackend(Backend):
             self.load_info = merge_load_records(load_method(model), [meter.as_dict()])
         except BaseException:
             restore_memory_limit(self._previous_limit)
+            torch.set_num_threads(self._previous_threads)
             raise
 
     def _run_pass(self, command: PassCommand) -> PassResult:
@@ -148,3 +153,4 @@ class PyTorchBackend(Backend):
         release_cached_memory(self.device)
         restore_memory_limit(self._previous_limit)
         self._previous_limit = None
+        torch.set_num_threads(self._previous_threads)

@@ -79,6 +79,7 @@ class Setup:
     built: Optional[dict] = None
     precision: Optional[dict] = None
     load: Optional[dict] = None
+    threads_per_rank: Optional[int] = None  # compute threads each rank ran with on CPU (None: a GPU, a dry run)
 
     @classmethod
     def dry_run(cls, spec: HarnessConfig) -> "Setup":
@@ -118,7 +119,7 @@ class Setup:
         cost_model = CostModel.from_dict(served_cost) if served_cost else cost_model_for(spec.model)
         return cls(backend.name, backend.world_size, backend.describe_device(), mtpm, mbs, layout, planner,
                    cost_model, max_seqs_per_microbatch=cap, built=backend.model_info, precision=backend.precision,
-                   load=backend.load_info)
+                   load=backend.load_info, threads_per_rank=getattr(backend, "threads_per_rank", None))
 
 
 def plan_for(lengths: Sequence[int], setup: Setup, mtpm: Any = "setup"):
@@ -425,7 +426,7 @@ class Point:
     def _share(self, shared: tuple[Path, dict, Setup, Any]) -> None:
         """This point's record takes the measurements of ``shared`` (same plan, same setting); ``shares`` says whose."""
         folder, doc = shared[:2]
-        for key in ("device", "precision", "load", "peak", "launch", "passes", "speedup"):
+        for key in ("device", "precision", "load", "threads_per_rank", "peak", "launch", "passes", "speedup"):
             if key in doc:
                 self.results.update(**{key: doc[key]})
         for measured in (self.results.doc.get("passes") or {}).values():  # bench.profile: the traces stay in its folder
@@ -698,6 +699,7 @@ def _setup_fields(spec: HarnessConfig, workload: Workload, setup: Setup, plan) -
         # what the backend built runs in (params, adapters, compute, reduce); a dry run builds nothing
         precision=setup.precision,
         load=setup.load,  # how the backend loaded the weights: time and host/device peaks per rank
+        threads_per_rank=setup.threads_per_rank,  # what ran (backends.runtime.devices.threads_per_rank's rule)
         hot=spec.hot and not spec.target.url,
         target={"url": spec.target.url} if spec.target.url else None,
     )

@@ -30,7 +30,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # two threads beside the other worker's waits at every parallel region for a thread without a core (two pytest
 # processes side by side, test_harness_cli's runs beside test_reports', test_tracking's and
 # test_batching_invariance's: 187 s and 335 core-seconds with torch's default of one thread per core, 160 s and 284
-# with one). Spawned ranks set their own count (cores / ranks), as in any run.
+# with one). Every backend's ranks follow it, as in any run (backends.runtime.devices.threads_per_rank).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # The processes the tests start get Ctrl-C as from a terminal, even when the suite itself was started in the

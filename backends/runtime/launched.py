@@ -17,7 +17,7 @@ from backends.backend import Backend, split_precision
 from backends.errors import BackendError, first_line
 from backends.messages import PassCommand, PassResult
 from backends.model.loading import merge_load_records
-from backends.runtime.devices import resolve_device, usable_cpu_cores
+from backends.runtime.devices import resolve_device, use_threads_per_rank
 from backends.runtime.failures import Failure, blame, failure_report
 from backends.runtime.job import LaunchedJob, check_world_size, launched_job
 from backends.runtime.liveness import HEARTBEAT_EVERY_S, STALE_AFTER_S
@@ -75,7 +75,7 @@ def follow(job: LaunchedJob) -> int:
             if kind == "start":
                 spec, command = payload["spec"], None
                 if spec.device == "cpu" or not torch.cuda.is_available():
-                    torch.set_num_threads(_threads_per_rank())
+                    use_threads_per_rank(_local_ranks())
                 rank = _Rank(job, spec, payload["model"], payload["hooks"])
             elif kind == "examples":
                 examples = payload
@@ -94,12 +94,11 @@ def follow(job: LaunchedJob) -> int:
     return 0
 
 
-def _threads_per_rank() -> int:
+def _local_ranks() -> int:
+    """The job's ranks on this node (torchrun's LOCAL_WORLD_SIZE, Slurm's tasks per node)."""
     import os
 
-    cores = usable_cpu_cores()
-    local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0] or 1)
-    return max(1, cores // max(1, local))
+    return int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0] or 1)
 
 
 class LaunchedBackend(Backend):
@@ -127,7 +126,7 @@ class LaunchedBackend(Backend):
         self.commands: queue.Queue = queue.Queue()
         self.replies: queue.Queue = queue.Queue()
         if self.device.type == "cpu":
-            torch.set_num_threads(_threads_per_rank())
+            self.threads_per_rank = use_threads_per_rank(_local_ranks())
         log.info("%s: rank 0 of %d ranks on %d node(s), started by %s", spec.name, self.world_size,
                  job.env.nnodes, job.env.launcher)
         job.send("start", {"spec": spec, "model": model, "hooks": hooks_path})

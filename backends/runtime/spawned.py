@@ -29,7 +29,7 @@ from backends.errors import BackendError, UserError
 from backends.messages import PassCommand, PassResult
 from backends.model.loading import merge_load_records
 from backends.registry import BY_NAME, is_lockstep
-from backends.runtime.devices import resolve_device, usable_cpu_cores
+from backends.runtime.devices import resolve_device, usable_cpu_cores, use_threads_per_rank
 from backends.runtime.failures import Failure, blame, failure_report
 from backends.runtime.forkserver import apply_environment, rank_context, release_fork_server
 from backends.runtime.job import resolve_world_size
@@ -99,8 +99,8 @@ def worker_main(
     saved_stderr = _capture_stderr(startup_log)
     try:
         base = resolve_device(spec.device)
-        if base.type == "cpu":
-            torch.set_num_threads(max(1, usable_cpu_cores() // world_size))
+        if base.type == "cpu":  # every rank of this backend runs on this host
+            use_threads_per_rank(world_size)
         device = _device_for_rank(base, rank)
         # The reply queue's feeder thread starts with its first message: started before the memory limit, so a rank
         # that cannot start threads under the limit can still say why.
@@ -110,7 +110,7 @@ def worker_main(
                               timeout=timedelta(seconds=spec.dist_timeout_s))
         hooks, model, built, method, load = start_rank(spec, model_spec, hooks_path, rank, world_size, device, store)
         _restore_stderr(saved_stderr, startup_log)  # before "ready": the controller then removes the file
-        replies.put(("ready", rank, {"built": built, "method": method, "load": load}))
+        replies.put(("ready", rank, {"built": built, "method": method, "load": load, "threads": torch.get_num_threads()}))
     except BaseException as exc:  # noqa: BLE001 - reported to the controller, which names the rank
         replies.put(failure_report(exc, rank, spec, None))
         return
@@ -272,6 +272,7 @@ class DistributedBackend(Backend):
                                   timeout_key="backend.startup_timeout_s")
             self.model_info, self.precision = split_precision(ready[0]["built"])
             self.load_info = merge_load_records(ready[0]["method"], [ready[r]["load"] for r in range(self.world_size)])
+            self.threads_per_rank = ready[0]["threads"]  # what the ranks run with (every rank sets the same)
         except BackendError as exc:
             self.close()
             exc.details = "\n".join(filter(None, [exc.details, self._startup_output()])) or None

@@ -19,6 +19,8 @@ def test_a_sweep_measures_its_baseline_shares_identical_plans_and_answers_first(
     base, first, second = sweep_results(sweep)
     assert (base["mtpm"], base["mbs"], base["planner"], base["layout"]) == (None, 1, "greedy", "padded")
     assert base["status"] == first["status"] == second["status"] == "ok"
+    # what ran: the tests' OMP_NUM_THREADS=1 (backends.runtime.devices.threads_per_rank), a shared point's its source's
+    assert base["threads_per_rank"] == first["threads_per_rank"] == second["threads_per_rank"] == 1
     assert (first["planner"], first["layout"]) == ("balanced", "packed")  # the default with a budget
     assert "shares" not in first and second["shares"]["mtpm"] == 16384 and second["mtpm"] == 32768
     assert second["passes"] == first["passes"] and second["measurement_key"] == first["measurement_key"]

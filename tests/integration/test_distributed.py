@@ -253,9 +253,11 @@ def test_ranks_get_the_environment_of_their_start_not_the_fork_servers(monkeypat
     start_early()
     assert forkserver._forkserver._forkserver_pid is not None  # running before the variable is set
     monkeypatch.setenv("BALANCE_BATCH_TEST_PROBE", "set-after-the-fork-server")
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the ranks' threads follow it, as the in-process backend's do
     with FSDP2Backend(BackendSpec(name="fsdp2", world_size=2, device="cpu"), ModelSpec(),
                       hooks_path="tests.probes:FSDP2SeesItsControllersEnvironment") as backend:
         assert backend.run_pass(make_command("forward", EXAMPLES[:2], None, 1)).outputs
+        assert backend.threads_per_rank == 3
     monkeypatch.delenv("BALANCE_BATCH_TEST_PROBE")
     with pytest.raises(BackendError, match="BALANCE_BATCH_TEST_PROBE=None"):
         FSDP2Backend(BackendSpec(name="fsdp2", world_size=2, device="cpu"), ModelSpec(),

@@ -21,3 +21,32 @@ def test_each_rank_is_sent_only_its_share_of_the_examples():
             assert c.all_lengths() == [len(e) for e in examples]
             assert all(c.examples[i] is examples[i] for i in shares[rank])
             assert c.plan(3, lockstep).schedules == command.plan(3, lockstep).schedules
+
+
+def test_threads_per_rank_is_one_rule_and_the_in_process_backend_follows_it(monkeypatch):
+    """The cores shared by the ranks on the host, or OMP_NUM_THREADS where set, for spawned, launched and in-process
+    ranks alike: the in-process PyTorch backend no longer keeps torch's default (a thread per core, whatever ran
+    beside it), says what it ran with, and gives the process its own count back at close."""
+    import torch
+
+    from backends.pytorch import PyTorchBackend
+    from backends.runtime.devices import threads_per_rank, usable_cpu_cores
+    from backends.specs import BackendSpec, ModelSpec
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("backends.runtime.devices.usable_cpu_cores", lambda: 8)
+    assert [threads_per_rank(n) for n in (1, 2, 3, 8, 16)] == [8, 4, 2, 1, 1]
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert threads_per_rank(2) == 3
+    monkeypatch.undo()
+
+    before = torch.get_num_threads()
+    monkeypatch.setenv("OMP_NUM_THREADS", str(before + 1))  # not what this process runs: the backend must set it
+    backend = PyTorchBackend(BackendSpec(name="pytorch", device="cpu"), ModelSpec())
+    try:
+        assert backend.threads_per_rank == torch.get_num_threads() == before + 1
+    finally:
+        backend.close()
+    assert torch.get_num_threads() == before
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert threads_per_rank(1) == usable_cpu_cores()
