@@ -258,6 +258,8 @@ class Point:
         # Ranks that cannot start under bench.memory_limit_gb are the search's first result, not its end: every
         # candidate would start the same ranks, so each is recorded out of memory with that start-up's message.
         start_failed: list[BackendError] = []
+        if setup is None and spec.hot:
+            self._release_hot_backend()
         if setup is None:
             try:
                 setup = Setup.of_backend(spec, self._start_own_backend(spec))
@@ -373,6 +375,18 @@ class Point:
                                         pairing=pairing)
             record = merge_records(record, more)
         self._measure(spec, lengths, self.backend, examples, command_for, measured={"forward_backward": (record, result)})
+
+    def _release_hot_backend(self) -> None:
+        """A hot sweep's loaded backend is closed before mtpm=auto starts its own: the search measures each budget's
+        peak against the limit with its ranks alone on the device, not beside idle ranks holding a model (whose
+        memory no limit accounts for). The sweep's next point loads the hot backend again; this one records
+        ``hot: false``, the backend it ran on being its own."""
+        from harness.hot import HOT
+
+        if HOT.backend is not None:
+            log.info("%shot: the sweep's loaded %s is released first, so the search's ranks are alone under the "
+                     "memory limit; the next point loads it again", self.label, HOT.backend.name)
+        HOT.close()
 
     def _start_own_backend(self, spec: HarnessConfig):
         """A backend for this point alone (mtpm=auto sets each candidate's budget in its commands, not a control file)."""
@@ -700,7 +714,7 @@ def _setup_fields(spec: HarnessConfig, workload: Workload, setup: Setup, plan) -
         precision=setup.precision,
         load=setup.load,  # how the backend loaded the weights: time and host/device peaks per rank
         threads_per_rank=setup.threads_per_rank,  # what ran (backends.runtime.devices.threads_per_rank's rule)
-        hot=spec.hot and not spec.target.url,
+        hot=spec.hot and not spec.target.url and spec.mtpm != AUTO,  # mtpm=auto runs on a backend of its own
         target={"url": spec.target.url} if spec.target.url else None,
     )
 

@@ -47,3 +47,18 @@ def test_hot_and_cold_sweeps_agree_and_hot_loads_once(tmp_path):
             assert (ran["planner"], ran["layout"], ran["max_microbatch_size"]) == ("greedy", "padded", 1), r["speedup"]
             assert sum(ran["n_microbatches"]) == r["workload"]["n_examples"] and r["plan"]["max_microbatch_size"] > 1
             assert len(r["speedup"]["pairs"]) == 1 and r["speedup"]["median"] > 0
+
+
+def test_an_auto_point_in_a_hot_sweep_releases_the_loaded_backend_and_records_its_own(tmp_path):
+    """mtpm=auto starts a backend of its own: the sweep's loaded one is closed first (the search's peaks are measured
+    against the limit with nothing else resident), and the point records hot: false, the backend it ran on."""
+    sweep = tmp_path / "sweep"
+    proc = run_harness("-m", "mtpm=700,auto", "hot=true", "backend=pytorch", "workload=smoke", "workload.n_examples=1",
+                       "bench.warmup=0", "bench.repeat=1", "bench.baseline=false", f"hydra.sweep.dir={sweep}",
+                       cwd=tmp_path)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log
+    budget, auto = sweep_results(sweep)
+    assert budget["hot"] is True and auto["hot"] is False and auto["status"] == "ok" and auto["auto"]["chosen"]
+    released = log.index("hot: the sweep's loaded pytorch is released first")
+    assert log.index("loaded once for the sweep") < released < log.index("[pytorch mtpm=auto] starting pytorch")
