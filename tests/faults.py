@@ -57,3 +57,12 @@ class FSDP2HangAtStartUp(FSDP2Hooks):
 
     def setup(self):
         time.sleep(3600)
+
+
+class FSDP2OutOfMemoryInTraining(FSDP2Hooks):
+    """Every forward_backward pass runs out of memory on every rank (as under a limit no budget fits)."""
+
+    def start_pass(self, model, pass_type):
+        super().start_pass(model, pass_type)
+        if pass_type == "forward_backward":
+            raise MemoryError("injected: out of memory")

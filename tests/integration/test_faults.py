@@ -140,6 +140,22 @@ def test_auto_whose_ranks_cannot_start_under_the_limit_records_an_oom_candidate(
     assert console.count("starting megatron_ddp") == 1  # nothing measurable is left to start ranks for again
 
 
+def test_auto_starts_ranks_again_only_for_a_budget_left_to_measure(workdir):
+    """An out of memory takes the ranks with it: the next candidate starts fresh ones, and after the last one nothing
+    does (it started ranks with nothing left to measure)."""
+    run = workdir / "run"
+    proc = run_harness("backend=fsdp2", "mtpm=auto", "workload=smoke", "workload.n_examples=4", "bench.warmup=0",
+                       "bench.repeat=1", "backend.hooks=tests.faults:FSDP2OutOfMemoryInTraining",
+                       f"hydra.run.dir={run}", cwd=workdir)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log
+    res = load_json(run / "results.json")
+    assert res["status"] == "oom" and res["auto"]["baseline"]["status"] == "oom"
+    smallest, *larger = res["auto"]["candidates"]
+    assert smallest["status"] == "oom" and larger and all(c["status"] == "over_limit" for c in larger)
+    assert log.count("ranks ready") == 2, log  # the baseline's ranks, then the smallest budget's
+
+
 def test_an_interrupted_sweep_resumes_where_it_stopped(workdir):
     sweep = workdir / "sweep"
     args = ["-m", "mtpm=600,5000,100000", "bench.baseline=false", "backend=fsdp2", "workload=cpu_mixed", "workload.n_examples=8",
