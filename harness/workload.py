@@ -139,7 +139,7 @@ def load_lengths_file(path: str) -> LengthsFile:
     decided = ""  # what decided the format, for the message of a line that does not fit it
     lengths: list[int] = []
     counts: list[int] = []
-    for lineno, raw in enumerate(text.splitlines(), start=1):
+    for lineno, raw in enumerate(text.split("\n"), start=1):  # not splitlines(): U+2028 in a comment ends no line
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue

@@ -239,3 +239,12 @@ def test_a_relative_lengths_file_is_recorded_absolute(tmp_path, monkeypatch):
     workload = load_workload(WorkloadSpec(name="lengths_file", kind="lengths_file", path="lengths.txt", n_examples=0,
                                           min_len=0, max_len=0))
     assert workload.file["path"] == str(tmp_path / "lengths.txt")
+
+
+def test_a_lengths_files_lines_are_counted_at_newlines_only(tmp_path):
+    f = tmp_path / "lengths.txt"
+    f.write_text("# from a doc\u2028with a line separator\u0085in the comment\n100\nabc\n", encoding="utf-8")
+    with pytest.raises(UserError, match=r"lengths.txt:3: 'abc' is not an integer"):
+        read_lengths_file(str(f))
+    f.write_text("# note\u2029\n100\r\n200\n", encoding="utf-8")
+    assert read_lengths_file(str(f)) == [100, 200]
