@@ -247,7 +247,7 @@ class Point:
     # -- mtpm=auto: the fastest budget that fits (harness/auto.py) --------------------------------------
     def _run_auto(self, spec: HarnessConfig, workload: Workload) -> None:
         """Search the budgets on one loaded backend; the point's record is then the chosen budget's, with ``auto``."""
-        from harness.auto import candidates_of, memory_limit, power_of_two_budgets, search
+        from harness.auto import PlanningProgress, candidates_of, memory_limit, power_of_two_budgets, search
 
         if spec.target.url:
             raise UserError("mtpm: auto searches on a backend it starts itself; against a server (target.url) set "
@@ -271,7 +271,9 @@ class Point:
         setup.cost_model = self._planner_cost_model(spec, lengths, setup, self.backend)
         self.cost_model = setup.cost_model
         budgets = power_of_two_budgets(lengths, setup.world_size, setup.layout)
-        cands = candidates_of(lengths, budgets, lambda m: plan_for(lengths, setup, m), setup.layout)
+        progress = PlanningProgress(self.label, budgets, len(lengths), spec.bench.progress_every_s)
+        cands = candidates_of(lengths, budgets, lambda m: plan_for(lengths, setup, m), setup.layout,
+                              on_planned=progress)
         limit, source = memory_limit(spec.bench.memory_limit_gb, setup.device or {}, setup.world_size,
                                      spec.bench.memory_headroom)
         headroom = spec.bench.memory_headroom  # applied to the device's memory; limit_source says which limit ruled

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -141,12 +142,17 @@ def attention_term(lengths: Sequence[int], microbatch: Sequence[int], layout: st
 
 
 def candidates_of(lengths: Sequence[int], budgets: Sequence[int], plan_at: Callable[[int], object],
-                  layout: str) -> list[Candidate]:
-    """One candidate per distinct plan over ``budgets`` (ascending); ``plan_at(b)`` plans the workload at budget b."""
+                  layout: str, on_planned: Optional[Callable[[int, int, int], None]] = None) -> list[Candidate]:
+    """One candidate per distinct plan over ``budgets`` (ascending); ``plan_at(b)`` plans the workload at budget b.
+
+    ``on_planned(done, total, budget)`` is called after each budget is planned (progress: PlanningProgress)."""
     out: list[Candidate] = []
     previous = None
-    for b in sorted(set(budgets)):
+    ordered = sorted(set(budgets))
+    for done, b in enumerate(ordered, 1):
         plan = plan_at(b)
+        if on_planned is not None:
+            on_planned(done, len(ordered), b)
         schedules = plan.schedules
         if previous is not None and schedules == previous:
             out[-1].same_plan.append(b)
@@ -156,6 +162,25 @@ def candidates_of(lengths: Sequence[int], budgets: Sequence[int], plan_at: Calla
         out.append(Candidate(mtpm=b, tokens=int(plan.stats.max_microbatch_padded_tokens),
                              square=max(attention_term(lengths, mb, layout) for mb in mbs), steps=int(plan.stats.steps)))
     return out
+
+
+class PlanningProgress:
+    """Planning the candidates, on the console: a line as it starts, then one every ``every_s`` while it lasts
+    (a million sequences take about 3 s a budget: 20 budgets were a minute of silence)."""
+
+    def __init__(self, label: str, budgets: Sequence[int], n_sequences: int, every_s: float,
+                 clock: Callable[[], float] = time.monotonic):
+        self.label, self.every_s, self.clock = label, every_s, clock
+        self.start = self.last = clock()
+        log.info("%smtpm=auto: planning %d budgets (mtpm=%s to %s) for %s sequences", label, len(budgets),
+                 f"{min(budgets):,}", f"{max(budgets):,}", f"{n_sequences:,}")
+
+    def __call__(self, done: int, total: int, budget: int) -> None:
+        now = self.clock()
+        if now - self.last >= self.every_s and done < total:
+            self.last = now
+            log.info("%smtpm=auto: planned %d/%d budgets (up to mtpm=%s) in %.0f s", self.label, done, total,
+                     f"{budget:,}", now - self.start)
 
 
 @dataclass
@@ -314,5 +339,5 @@ def memory_limit(limit_gb: Optional[float], device: dict, world_size: int, headr
     return int(total * (1 - headroom)), f"device memory less {headroom:.0%}"
 
 
-__all__ = ["Candidate", "Measured", "MemoryModel", "SearchResult", "candidates_of", "fit_memory_model",
-           "memory_limit", "power_of_two_budgets", "search"]
+__all__ = ["Candidate", "Measured", "MemoryModel", "PlanningProgress", "SearchResult", "candidates_of",
+           "fit_memory_model", "memory_limit", "power_of_two_budgets", "search"]

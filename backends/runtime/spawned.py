@@ -110,7 +110,8 @@ def worker_main(
                               timeout=timedelta(seconds=spec.dist_timeout_s))
         hooks, model, built, method, load = start_rank(spec, model_spec, hooks_path, rank, world_size, device, store)
         _restore_stderr(saved_stderr, startup_log)  # before "ready": the controller then removes the file
-        replies.put(("ready", rank, {"built": built, "method": method, "load": load, "threads": torch.get_num_threads()}))
+        replies.put(("ready", rank, {"built": built, "method": method, "load": load,
+                                     "threads": torch.get_num_threads()}))
     except BaseException as exc:  # noqa: BLE001 - reported to the controller, which names the rank
         replies.put(failure_report(exc, rank, spec, None))
         return

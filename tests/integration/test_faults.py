@@ -109,8 +109,8 @@ def test_a_start_up_that_hangs_ends_at_its_deadline_in_one_line(workdir):
     """Ranks that never become ready (as under a memory limit that left one unable to start gloo's thread, which
     then waited forever) are stopped at backend.startup_timeout_s, the same wait a real start-up has."""
     run = workdir / "run"
-    proc = run_harness("backend=fsdp2", "world_size=2", "workload=smoke", "backend.hooks=tests.faults:FSDP2HangAtStartUp",
-                       "backend.startup_timeout_s=2", f"hydra.run.dir={run}", cwd=workdir)
+    proc = run_harness("backend=fsdp2", "world_size=2", "workload=smoke", "backend.startup_timeout_s=2",
+                       "backend.hooks=tests.faults:FSDP2HangAtStartUp", f"hydra.run.dir={run}", cwd=workdir)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     res = load_json(run / "results.json")
     assert res["status"] == "timeout"

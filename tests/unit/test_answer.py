@@ -287,3 +287,25 @@ def test_the_auto_answer_line_says_the_paired_speedup_and_its_interval_that_resu
     with caplog.at_level("INFO", logger="harness"):
         _log_answer("", _auto_doc(None))  # bench.paired=false: the search's own mbs=1 run, and it says so
     assert "2.83× mbs=1 (unpaired)" in caplog.records[-1].getMessage()
+
+
+def test_planning_the_candidates_shows_progress_while_it_lasts(caplog):
+    """A million sequences plan for seconds a budget: a line as planning starts, then one per bench.progress_every_s
+    (a fake clock: 4 s a budget, a line every 10 s), none once every budget is planned."""
+    from harness.auto import PlanningProgress
+
+    lengths = [100, 200, 300, 400]
+    budgets = [256, 512, 1024, 2048, 4096, 8192, 16384]
+    now = [0.0]
+
+    def plan_at(b):
+        now[0] += 4.0
+        return plan_batch(lengths, 1, b, layout="packed", planner="balanced")
+
+    with caplog.at_level("INFO", logger="harness.auto"):
+        progress = PlanningProgress("[x] ", budgets, len(lengths), 10.0, clock=lambda: now[0])
+        candidates_of(lengths, budgets, plan_at, "packed", on_planned=progress)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["[x] mtpm=auto: planning 7 budgets (mtpm=256 to 16,384) for 4 sequences",
+                     "[x] mtpm=auto: planned 3/7 budgets (up to mtpm=1,024) in 12 s",
+                     "[x] mtpm=auto: planned 6/7 budgets (up to mtpm=8,192) in 24 s"], lines
