@@ -66,3 +66,17 @@ class FSDP2OutOfMemoryInTraining(FSDP2Hooks):
         super().start_pass(model, pass_type)
         if pass_type == "forward_backward":
             raise MemoryError("injected: out of memory")
+
+
+class FSDP2HangAtItsMemoryLimit(FSDP2Hooks):
+    """Every rank maps (without touching) all but 16 MiB of what bench.memory_limit_gb leaves it, then waits before
+    joining the process group: a rank too close to its limit to start a thread, as gloo's set-up left one."""
+
+    def setup(self):
+        import mmap
+
+        with open("/proc/self/status") as f:
+            data = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmData:"))
+        room = int(self.spec.memory_limit_gb * 1024**3) - data - 16 * 1024**2
+        self._held = mmap.mmap(-1, room, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        time.sleep(3600)

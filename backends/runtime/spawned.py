@@ -338,10 +338,11 @@ class DistributedBackend(Backend):
                 if timeout_s is not None and elapsed > timeout_s:
                     starved = [r for r, p in enumerate(self.procs) if r not in got and self._at_limit(p.pid)]
                     message = (f"{what}: {len(got)}/{self.world_size} ranks ready after {elapsed:.0f} s, past "
-                               f"{timeout_key}={timeout_s:g}; every rank was stopped")
+                               f"{timeout_key}={timeout_s:g}")
                     if starved:
-                        self._abort(*self._under_limit(f"{message} (rank {starved[0]} at its limit)", what, "timeout"))
-                    self._abort(message, status="timeout")
+                        self._abort(*self._under_limit(f"{message}, rank {starved[0]} at its limit; every rank was "
+                                                       "stopped", what, "timeout"))
+                    self._abort(f"{message}; every rank was stopped", status="timeout")
                 continue
             if msg_kind in ("error", "oom"):
                 self._fail(msg_kind, rank, payload, what)

@@ -118,6 +118,14 @@ def test_a_start_up_that_hangs_ends_at_its_deadline_in_one_line(workdir):
     errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "[ERROR]" in line]
     assert len(errors) == 1 and res["error"] in errors[0], proc.stdout + proc.stderr
 
+    # Under bench.memory_limit_gb, ranks that hang at their limit are the limit: out of memory, a result (exit 0).
+    proc = run_harness("backend=fsdp2", "world_size=2", "workload=smoke", "backend.startup_timeout_s=2",
+                       "bench.memory_limit_gb=8", "backend.hooks=tests.faults:FSDP2HangAtItsMemoryLimit",
+                       f"hydra.run.dir={run}-at-limit", cwd=workdir)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    res = load_json(workdir / "run-at-limit" / "results.json")
+    assert res["status"] == "oom" and "bench.memory_limit_gb=8" in res["error"] and "at its limit" in res["error"]
+
 
 def test_auto_whose_ranks_cannot_start_under_the_limit_records_an_oom_candidate(workdir):
     """0.3 GB is less than a megatron rank holds once forked: its threads cannot start (the C library aborts it).
