@@ -35,6 +35,7 @@ from tests.unit.test_sweeps import SWEEP_FILES, grid_points
         ("seed=-1", "seed", ">= 0"),
         ("workload.seed=-1", "workload.seed", "0..4294967295"),
         ("backend.logprob_chunk_tokens=0", "backend.logprob_chunk_tokens", "positive integer or null"),
+        ("backend.startup_timeout_s=0", "backend.startup_timeout_s", "positive number of seconds or null"),
     ],
 )
 def test_bad_input_is_one_line_naming_the_key(override, key, valid):
