@@ -352,8 +352,54 @@ class Point:
                 + (f"; the smallest, mtpm={smallest.mtpm}, ended {smallest.status}" if smallest else "")
                 + (f": {smallest.reason}" if smallest and smallest.reason else ""), status="oom",
                 details=start_failed[0].details if start_failed else None)
+        chosen = self._settle_lead(spec, examples, setup, cands, chosen, runs, auto)
+        save()
         self._record_auto_choice(spec, workload, setup, chosen, examples, runs)
         _log_answer(self.label, self.results.doc)
+
+    def _settle_lead(self, spec: HarnessConfig, examples, setup: Setup, cands, chosen, runs, auto: dict):
+        """The two fastest candidates, measured in pairs, get more pairs while their intervals overlap
+        (harness/lead.py); returns the candidate chosen, ``auto.tie`` saying what it tied with and the rule."""
+        from harness.lead import Leader, settle
+        from harness.measure import measure_pass, merge_records
+
+        auto["tie"] = None
+        fitting = [c for c in cands if c.status == "ok" and c.speedup is not None and c.mtpm in runs]
+        if len(fitting) < 2:
+            return chosen
+        top = sorted(fitting, key=lambda c: (c.speedup, c is chosen), reverse=True)[:2]
+
+        def pairs_of(mtpm: int) -> list[float]:
+            return runs[mtpm][0].spread_fields()["speedup"]["pairs"]
+
+        def more(lead: Leader, n: int) -> list[float]:
+            record = runs[lead.mtpm][0]
+            extra, result = measure_pass(
+                self.backend, examples, "forward_backward", 0, n,
+                self._command_for(spec, examples, lead.mtpm, 1, setup.layout, setup.planner), spec.bench.util_sample_s,
+                label=_label(setup.name, lead.mtpm, 1), release_first=False,
+                pairing=self._pairing(spec, examples, "forward_backward", mtpm=lead.mtpm))
+            runs[lead.mtpm] = (merge_records(record, extra), result)
+            return pairs_of(lead.mtpm)
+
+        settled = settle([Leader(c.mtpm, c.measured_peak_bytes, pairs_of(c.mtpm)) for c in top], more,
+                         spec.bench.repeat, spec.bench.max_repeats)
+        for c in top:
+            c.speedup = runs[c.mtpm][0].spread_fields()["speedup"]["median"]
+        auto.update(candidates=[c.as_dict() for c in cands], chosen=settled.chosen.mtpm, tie=settled.as_dict())
+        shown = ", ".join(f"mtpm={lead.mtpm} {lead.option()['median']:.2f}×" + (
+            f" ({lead.option()['ci'][0]:.2f}–{lead.option()['ci'][1]:.2f})" if lead.option()["ci"] else "")
+            for lead in [settled.chosen, *settled.tied])
+        if settled.tied:
+            log.info("%smtpm=auto: the leaders cannot be told apart after %d pairs each (%s): they tie; mtpm=%d chosen "
+                     "for %s", self.label, settled.pairs, shown, settled.chosen.mtpm, settled.rule)
+        elif settled.pairs < 2:
+            log.info("%smtpm=auto: mtpm=%d leads on one pair each (%s): bench.repeat=1 gives no interval to tell the "
+                     "leaders apart", self.label, settled.chosen.mtpm, shown)
+        else:
+            log.info("%smtpm=auto: mtpm=%d leads clearly after %d pairs each (%s)", self.label, settled.chosen.mtpm,
+                     settled.pairs, ", ".join(f"mtpm={c.mtpm} {c.speedup:.2f}×" for c in top))
+        return next(c for c in top if c.mtpm == settled.chosen.mtpm)
 
     def _record_auto_choice(self, spec: HarnessConfig, workload: Workload, setup: Setup, chosen, examples, runs) -> None:
         """The chosen budget's record, as any point's: its plan, its fwd+bwd topped up to ``bench.repeat`` timed
@@ -798,11 +844,12 @@ def _log_answer(label: str, doc: dict[str, Any]) -> None:
 
 
 def _tie_phrase(tie: Optional[dict]) -> str:
-    """"; ties with mtpm=32,768 (...): chosen by ..." when the leading budgets could not be told apart, else ""."""
+    """"; ties with mtpm=32768 (...): chosen by ..." when the leading budgets could not be told apart, else ""."""
+    from harness.spread import tie_text
+
     if not tie:
         return ""
-    others = ", ".join(f"mtpm={m:,}" for m in tie["with"])
-    return f"; ties with {others} (95% intervals overlap after {tie['pairs']} pairs each): chosen by {tie['rule']}"
+    return "; " + tie_text([f"mtpm={m}" for m in tie["with"]], tie["rule"], tie.get("pairs"))
 
 
 def _log_plan(label: str, st, n_examples: int, max_seqs: Optional[int] = None) -> None:

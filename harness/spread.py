@@ -106,3 +106,54 @@ def needs_more(values: Sequence[float], target_pct: Optional[float]) -> bool:
         return False
     width = half_width_pct(interval(values))
     return width is None or width > target_pct
+
+
+# -- choosing among settings that cannot be told apart ----------------------------------------------------
+TIE_RULE = "its interval above 1 (shown faster than mbs=1), then the least peak memory, then the smallest budget"
+
+
+def overlap(a: Optional[Sequence[float]], b: Optional[Sequence[float]]) -> bool:
+    """Whether two 95% intervals overlap (False where either is missing: nothing says the two are alike)."""
+    if not a or not b:
+        return False
+    return a[0] <= b[1] and b[0] <= a[1]
+
+
+def choose(options: Sequence[dict], floor: Optional[float] = None) -> tuple[int, list[int], Optional[str]]:
+    """The setting to recommend of ``options`` (each ``median``, ``ci``, ``peak_bytes``, ``budget``; higher median
+    is better): (its index, the indices it ties with, the rule that chose among them, or None without a tie).
+
+    The leader is the highest median. Every option whose 95% interval overlaps the leader's cannot be told apart
+    from it: ranking those by their medians would be a coin toss, so the tie is settled by ``TIE_RULE``, what a
+    user paying for the run would want of equals: one shown better than ``floor`` (speedups over mbs=1: 1.0) over
+    one that is not, then the one that peaks lower in memory (peaks within 1% are alike), then the smaller budget
+    (``budget`` None: fixed micro-batches, after any budget).
+    """
+    lead = max(range(len(options)), key=lambda i: options[i]["median"])
+    tied = [i for i in range(len(options)) if i != lead and overlap(options[i].get("ci"), options[lead].get("ci"))]
+    if not tied:
+        return lead, [], None
+    group = [lead] + tied
+    rules = []
+    shown = [i for i in group if floor is not None and options[i].get("ci") and options[i]["ci"][0] > floor]
+    if shown and len(shown) < len(group):
+        rules.append("its interval above 1 (shown faster than mbs=1)")
+    low = shown or group
+    peak = lambda i: options[i].get("peak_bytes") or math.inf  # noqa: E731
+    least = min(peak(i) for i in low)
+    if len(low) > 1:
+        lowest = [i for i in low if peak(i) <= least * 1.01]
+        if len(lowest) < len(low):
+            rules.append("the least peak memory")
+        if len(lowest) > 1:
+            rules.append("the smallest budget")
+        low = lowest
+    budget = lambda i: options[i].get("budget") if options[i].get("budget") is not None else math.inf  # noqa: E731
+    pick = min(low, key=lambda i: (budget(i), group.index(i)))
+    return pick, [i for i in group if i != pick], ", then ".join(rules)
+
+
+def tie_text(names: Sequence[str], rule: str, pairs: Optional[int] = None) -> str:
+    """"ties with mtpm=32,768 (95% intervals overlap after 5 pairs each): chosen for the least peak memory"."""
+    after = f" after {pairs} pairs each" if pairs else ""
+    return f"ties with {', '.join(names)} (95% intervals overlap{after}): chosen for {rule}"

@@ -9,7 +9,7 @@ from typing import Optional, Sequence
 
 import pandas as pd
 
-from harness.spread import WIDE_PCT, interval_text
+from harness.spread import WIDE_PCT, choose, interval_text, tie_text
 from reports.collect import BACKEND_LABEL, settings_of
 
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
@@ -247,8 +247,9 @@ def _setting_phrase(r) -> str:
     return f"mtpm={int(r.mtpm):,}{seqs} ({r.planner}, {r.layout}{calibrated})"
 
 
-def _answer(r, speedup: Optional[float], n_measured: int) -> str:
-    """A backend's answer: what to set, how fast it ran, against mbs=1, and its memory (of the limit, for auto)."""
+def _answer(r, speedup: Optional[float], n_measured: int, tie: str = "") -> str:
+    """A backend's answer: what to set, how fast it ran, against mbs=1, and its memory (of the limit, for auto);
+    ``tie``: the settings it could not be told apart from, and the rule that chose it."""
     parts = [f"{r.forward_backward_tok_per_s:,.0f} tok/s fwd+bwd"]
     paired = _paired(r)
     ci = (paired or {}).get("ci")
@@ -270,11 +271,17 @@ def _answer(r, speedup: Optional[float], n_measured: int) -> str:
         parts.append("mbs=1 ran faster: no budget pays here")
     if is_noisy(r):
         parts.append("noisy")
+    searched_tie = (auto or {}).get("tie")
+    if searched_tie:  # mtpm=auto settled a tie among its candidates (harness/app.py)
+        tie = tie_text([f"mtpm={m:,}" for m in searched_tie["with"]], searched_tie["rule"], searched_tie.get("pairs"))
+    if tie:
+        parts.append(tie)
     if auto:
         tried = [c for c in auto.get("candidates") or [] if c.get("status") in ("ok", "oom")]
-        how = f"mtpm=auto: the fastest of {len(tried)} budgets measured, of {len(auto.get('candidates') or [])} distinct plans"
+        how = (f"mtpm=auto: {'chosen' if tie else 'the fastest'} of {len(tried)} budgets measured, "
+               f"of {len(auto.get('candidates') or [])} distinct plans")
     else:
-        how = f"the fastest of {n_measured} measured settings"
+        how = f"{'chosen' if tie else 'the fastest'} of {n_measured} measured settings"
     return f"{BACKEND_LABEL.get(r.backend, str(r.backend))}: set {_setting_phrase(r)}: {', '.join(parts)} ({how})"
 
 
@@ -292,11 +299,27 @@ def fastest_lines(df: pd.DataFrame) -> list[str]:
             continue
         searched = ok[ok["auto"].map(lambda a: isinstance(a, dict))] if "auto" in ok else ok.iloc[:0]
         pool = searched if not searched.empty else ok
-        ranked = pool["speedup"] if pool["speedup"].notna().all() else pool["forward_backward_tok_per_s"]
-        best = pool.loc[ranked.astype(float).idxmax()]
+        by_pairs = bool(pool["speedup"].notna().all())
+        pick, tied, rule = choose(_options(pool, by_pairs), floor=1.0 if by_pairs else None)
+        best = pool.iloc[pick]
+        tie = tie_text([_setting_phrase(pool.iloc[i]).split(" (")[0] for i in tied], rule) if tied else ""
         measured = ok["shares_mtpm"].isna().sum() if "shares_mtpm" in ok else len(ok)  # shared rows measured nothing
-        lines.append(_answer(best, best.speedup, int(measured)))
+        lines.append(_answer(best, best.speedup, int(measured), tie))
     return lines
+
+
+def _options(pool: pd.DataFrame, by_pairs: bool) -> list[dict]:
+    """What ``choose`` ranks a backend's rows by: the paired speedup and its interval where every row was paired,
+    else the fwd+bwd tok/s and its interval; each row's peak memory and budget for a tie."""
+    out = []
+    for r in pool.itertuples(index=False):
+        ci = (_paired(r) or {}).get("ci") if by_pairs else r.forward_backward_tok_per_s_ci
+        peaks = r.peak_mem_bytes_per_rank if isinstance(r.peak_mem_bytes_per_rank, (list, tuple)) else []
+        known = [p for p in peaks if p is not None]
+        out.append({"median": float(r.speedup if by_pairs else r.forward_backward_tok_per_s),
+                    "ci": list(ci) if isinstance(ci, (list, tuple)) and len(ci) == 2 else None,
+                    "peak_bytes": max(known) if known else None, "budget": None if _missing(r.mtpm) else r.mtpm})
+    return out
 
 
 def table_frame(df: pd.DataFrame, base: Optional[Path] = None) -> pd.DataFrame:

@@ -51,13 +51,16 @@ def _auto_checks(doc: dict) -> dict:
     if doc["bench"]["paired"]:
         # ranked by each candidate's pair ratio over an mbs=1 pass run beside it (bench.paired), not by raw tok/s
         assert all(c["speedup"] > 0 for c in measured)
-        assert chosen["speedup"] == max(c["speedup"] for c in measured)
-        assert doc["speedup"]["median"] > 0 and len(doc["speedup"]["pairs"]) == doc["bench"]["repeat"]
+        # the fastest, or, where the two leaders' intervals still overlap after more pairs, the tie rule's pick
+        tie = auto.get("tie")
+        assert chosen["speedup"] == max(c["speedup"] for c in measured) or tie and chosen["mtpm"] not in tie["with"]
+        # the leaders may be measured past bench.repeat while they cannot be told apart (harness/lead.py)
+        assert doc["speedup"]["median"] > 0 and len(doc["speedup"]["pairs"]) >= doc["bench"]["repeat"]
     else:  # no pairs measured: ranked by tok/s
         assert all(c["speedup"] is None for c in auto["candidates"]) and doc.get("speedup") is None
         assert chosen["tok_per_s"] == max(c["tok_per_s"] for c in measured)
     assert set(doc["passes"]) == {"forward", "forward_backward"}
-    assert len(doc["passes"]["forward_backward"]["elapsed_s"]) == doc["bench"]["repeat"]
+    assert len(doc["passes"]["forward_backward"]["elapsed_s"]) >= doc["bench"]["repeat"]
     assert auto["baseline"]["status"] == "ok" and auto["baseline"]["tok_per_s"] > 0
     for c in auto["candidates"]:
         assert c["status"] in ("ok", "oom", "over_limit"), c
