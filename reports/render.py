@@ -185,7 +185,9 @@ def _speedup_cell(r, speedup: Optional[float]) -> str:
     if paired is not None:
         n = _pairs(paired)
         shown = interval_text(paired.get("ci"), n, "{:.2f}", "pairs")
-        return f"{speedup:.2f}×{shown}" + ("" if "pairs" in shown else f" ({n} pairs)")
+        if "pairs" not in shown:  # the count inside the bounds' brackets, or after the ±
+            shown = f"{shown[:-1]}, {n} pairs)" if shown.endswith(")") else f"{shown} ({n} pairs)"
+        return f"{speedup:.2f}×{shown}"
     return f"{speedup:.2f}× (unpaired)"
 
 
@@ -302,7 +304,9 @@ def fastest_lines(df: pd.DataFrame) -> list[str]:
         by_pairs = bool(pool["speedup"].notna().all())
         pick, tied, rule = choose(_options(pool, by_pairs), floor=1.0 if by_pairs else None)
         best = pool.iloc[pick]
-        tie = tie_text([_setting_phrase(pool.iloc[i]).split(" (")[0] for i in tied], rule) if tied else ""
+        # a row sharing another's measurement (same plan) is that row again: not named as a setting of its own
+        names = [_setting_phrase(pool.iloc[i]) for i in tied if _missing(pool.iloc[i].get("shares_mtpm"))]
+        tie = tie_text(names, rule) if names else ""
         measured = ok["shares_mtpm"].isna().sum() if "shares_mtpm" in ok else len(ok)  # shared rows measured nothing
         lines.append(_answer(best, best.speedup, int(measured), tie))
     return lines

@@ -64,4 +64,4 @@ def test_the_reports_answer_says_a_tie_and_prefers_the_budget_shown_faster_than_
     report = _report(tmp_path, {"0": base, "1": wide, "2": narrow})
     (answer,) = [line for line in report.splitlines() if line.startswith("- FSDP2:")]
     assert answer.startswith("- FSDP2: set mtpm=32,768"), answer
-    assert "ties with mtpm=16,384 (95% intervals overlap): chosen for its interval above 1" in answer, answer
+    assert "ties with mtpm=16,384 (balanced, packed) (95% intervals overlap): chosen for its interval above 1" in answer
