@@ -1,7 +1,9 @@
-"""``python -m reports [DIR ...] [--readme PATH] [--check] [--csv PATH] [--out DIR]``: results.json files → table, CSV, plots.
+"""``python -m reports [DIR ...] [--readme PATH] [--check] [--csv PATH] [--out DIR]``: results.json → table, CSV, plots.
 
 Without DIR it reads the results committed under reports/results and, with
---check, compares README.md's results block against them.
+--check, compares README.md's results block against them. One DIR: the report
+goes into it. Several: one combined report in combined-report/ of the folder
+they all lie in (--out DIR: elsewhere), never over one sweep's own report.
 ``python -m reports plan PATH [-o OUT.png]`` draws one plan (a point folder or a plan.json);
 ``python -m reports balance DIR [DIR ...]`` compares modeled and measured balance over repeated sweeps.
 """
