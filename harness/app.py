@@ -374,6 +374,8 @@ class Point:
 
         def more(lead: Leader, n: int) -> list[float]:
             record = runs[lead.mtpm][0]
+            if self.backend is None:  # a larger candidate ran out of memory and took the ranks with it
+                self._start_own_backend(spec)
             extra, result = measure_pass(
                 self.backend, examples, "forward_backward", 0, n,
                 self._command_for(spec, examples, lead.mtpm, 1, setup.layout, setup.planner), spec.bench.util_sample_s,
