@@ -23,6 +23,7 @@ from backends.model.configs import check_model_spec
 from backends.planning import LAYOUTS, PLANNERS
 from backends.registry import backend_entry
 from backends.specs import BackendSpec, ModelSpec
+from harness.batching import AUTO, batching_by_budget
 from harness.calibration import check_cost_model
 from harness.workload import WorkloadSpec
 
@@ -177,21 +178,12 @@ def _override_in(message: str) -> str:
     return ""
 
 
-AUTO = "auto"
-
-
 def check_mtpm(value: Any) -> None:
     """mtpm is a positive integer, null or auto (the schema takes any value so that "auto" composes)."""
     if value is None or value == AUTO:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise UserError(f"mtpm: must be a positive integer, null (fixed mbs slices) or auto (search), got {value!r}")
-
-
-def batching_by_budget(has_budget: bool) -> tuple[str, str]:
-    """The planner and layout a null knob means: the balanced planner's packed rows with a token budget, the
-    original greedy padded slices without one (mbs=1 rows read as they always did)."""
-    return ("balanced", "packed") if has_budget else ("greedy", "padded")
 
 
 def fill_batching_defaults(spec: HarnessConfig) -> None:

@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from backends.runtime.atomic import write_text_atomic
 from backends.runtime.liveness import process_record, recorded_process_gone
+from harness.batching import AUTO, batching_by_budget
 
 RESULTS_FILE = "results.json"
 OUTPUTS_FILE = "example_outputs.json"
@@ -74,8 +75,6 @@ def base_document(cfg: DictConfig, overrides: Sequence[str]) -> dict[str, Any]:
     def knob(key: str) -> Any:  # the backend's key, which the top-level knob interpolates (either may be set)
         value = get(f"backend.{key}")
         return value if value is not None else get(_KNOB.get(key, key))
-
-    from harness.config import AUTO, batching_by_budget
 
     auto = get("mtpm") == AUTO
     budget = None if auto else knob("max_tokens_per_microbatch")  # mtpm=auto: the chosen budget, once chosen
