@@ -26,8 +26,6 @@ from backends.model.step import (
 )
 from backends.runtime.devices import resolve_device, use_threads_per_rank
 from backends.runtime.job import resolve_world_size
-from backends.runtime.profiling import profiled
-from backends.runtime.timeline import StepClock, busy_clock, step_clock_name
 from backends.runtime.memory import (
     MemoryHistory,
     is_out_of_memory,
@@ -38,6 +36,8 @@ from backends.runtime.memory import (
     reset_peak_memory,
     restore_memory_limit,
 )
+from backends.runtime.profiling import profiled
+from backends.runtime.timeline import StepClock, busy_clock, step_clock_name
 from backends.specs import BackendSpec, ModelSpec
 
 log = logging.getLogger(__name__)

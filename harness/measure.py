@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 from backends.backend import Backend
-from backends.model import compiling
 from backends.messages import PASS_TYPES, Example, PassCommand, PassResult, make_command
+from backends.model import compiling
 from harness.balance import merge_timelines, timeline_record
 from harness.samplers import make_sampler
 from harness.spread import METHOD, WIDE_PCT, needs_more, paired_speedup, summary

@@ -314,7 +314,8 @@ def load_workload(spec: WorkloadSpec, model=None, check_vocabulary: bool = True)
 
 def dataset_workload(spec: WorkloadSpec, model=None, check_vocabulary: bool = True) -> Workload:
     """``workload=dataset``: the dataset's examples (harness/dataset.py), their ids checked against ``model``'s vocabulary."""
-    from harness.dataset import check_vocabulary as check, load_dataset
+    from harness.dataset import check_vocabulary as check
+    from harness.dataset import load_dataset
 
     data = load_dataset(spec, model.path if model is not None else None)
     if model is not None and check_vocabulary:

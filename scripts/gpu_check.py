@@ -40,6 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as python scripts/gpu_check.py: the backends come from the registry
     sys.path.insert(0, str(REPO))
 from backends.registry import BACKENDS  # noqa: E402
+
 GPU_CPU_RTOL = 1e-3  # float32 on a GPU against float32 on CPU: different kernels, same math
 BF16_RTOL = 3e-2  # bf16 rounds differently per layout and per kernel
 KERNEL_MODULES = ("fla", "flash_attn", "causal_conv1d")  # the fast paths' packages, by import name

@@ -10,7 +10,13 @@ import torch
 
 from backends.errors import UserError
 from backends.model import kernels
-from backends.model.checkpoint import check_checkpoint, check_model_path, check_weight_files, load_config, weights_loaded
+from backends.model.checkpoint import (
+    check_checkpoint,
+    check_model_path,
+    check_weight_files,
+    load_config,
+    weights_loaded,
+)
 from backends.model.configs import TINY_CONFIG
 from backends.model.logprobs import install_logprob_head
 from backends.model.packing import prepare_model_for_packing

@@ -20,6 +20,7 @@ a Megatron rank's waiting is its gradient sync after the last step
 from __future__ import annotations
 
 import time
+
 import torch
 
 # Rounded in results.json: a microsecond is well below what a step's time means on either clock.

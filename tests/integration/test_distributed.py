@@ -11,10 +11,10 @@ import psutil
 import pytest
 
 from backends.errors import BackendError
-from backends.runtime.forkserver import is_fork_server
 from backends.fsdp2 import FSDP2Backend
 from backends.megatron_ddp import MegatronDDPBackend
 from backends.messages import make_command
+from backends.runtime.forkserver import is_fork_server
 from backends.specs import BackendSpec, ModelSpec
 from backends.start import make_backend
 from harness.workload import make_examples, mixed_lengths

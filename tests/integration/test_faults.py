@@ -11,7 +11,16 @@ import time
 
 import psutil
 
-from tests.conftest import REPO, harness_env, load_json, rank_processes, run_harness, start_harness, sweep_results, wait_session_empty
+from tests.conftest import (
+    REPO,
+    harness_env,
+    load_json,
+    rank_processes,
+    run_harness,
+    start_harness,
+    sweep_results,
+    wait_session_empty,
+)
 from tests.wandb_records import run_contents
 
 

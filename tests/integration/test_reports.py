@@ -11,8 +11,8 @@ import pytest
 
 from reports.collect import collect
 from reports.render import BEGIN, END, table_frame
-from tests.unit.test_reports import _committed_points, _workload_lengths
 from tests.conftest import REPO, run_cli, sweep_results
+from tests.unit.test_reports import _committed_points, _workload_lengths
 
 README_TEXT = f"# A project\n\nIntro stays.\n\n{BEGIN}\nold table\n{END}\n\nOutro stays.\n"
 

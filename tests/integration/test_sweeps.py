@@ -7,6 +7,7 @@ import yaml
 
 from tests.conftest import run_harness, run_python, sweep_results
 
+
 def test_seed_b200_preset_plans_the_published_setting_on_this_machine(tmp_path):
     sweep = tmp_path / "sweep"
     proc = run_harness("-m", "experiment=seed_b200", "dry_run=true", f"hydra.sweep.dir={sweep}", cwd=tmp_path)

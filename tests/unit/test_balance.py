@@ -11,8 +11,14 @@ import torch
 from backends.planning import CostModel, plan_batch
 from backends.planning.stats import plan_stats
 from backends.runtime.timeline import StepClock, busy_clock
-from harness.balance import (balance_fields, measured_balance, merge_timelines, microbatch_times,
-                             prediction_quality, timeline_record)
+from harness.balance import (
+    balance_fields,
+    measured_balance,
+    merge_timelines,
+    microbatch_times,
+    prediction_quality,
+    timeline_record,
+)
 
 
 def _spin(seconds: float) -> None:

@@ -10,10 +10,22 @@ import pytest
 
 from backends.errors import UserError
 from backends.planning import CostModel, microbatch_cost, plan_batch
-from backends.specs import ModelSpec
 from backends.planning.stats import plan_stats
-from harness.calibration import (COEFFICIENTS, Shape, cache_key, calibrated_cost_model, calibration_command,
-                                 cost_model_of, fit_times, identity, read_cached, spread, spread_longest, write_cached)
+from backends.specs import ModelSpec
+from harness.calibration import (
+    COEFFICIENTS,
+    Shape,
+    cache_key,
+    calibrated_cost_model,
+    calibration_command,
+    cost_model_of,
+    fit_times,
+    identity,
+    read_cached,
+    spread,
+    spread_longest,
+    write_cached,
+)
 from harness.config import CalibrationConfig
 
 CPU = {"type": "cpu", "name": "test cpu", "count": 2, "cores": 2, "memory_bytes": 1}
@@ -168,8 +180,8 @@ def test_a_per_sequence_cost_evens_out_the_sequence_counts_the_flop_model_leaves
 
 
 def test_calibration_settings_are_checked_in_one_line(tmp_path):
-    from harness.config import HarnessConfig, validate
     from backends.specs import BackendSpec
+    from harness.config import HarnessConfig, validate
     from harness.workload import WorkloadSpec
 
     def spec(**kw):

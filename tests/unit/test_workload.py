@@ -6,8 +6,15 @@ import numpy as np
 import pytest
 
 from backends.errors import UserError
-from harness.workload import (WorkloadSpec, load_lengths_file, load_workload, make_examples, mixed_lengths, read_lengths_file,
-                              workload_lengths)
+from harness.workload import (
+    WorkloadSpec,
+    load_lengths_file,
+    load_workload,
+    make_examples,
+    mixed_lengths,
+    read_lengths_file,
+    workload_lengths,
+)
 
 
 def test_seed_workload_is_the_published_one():
