@@ -33,7 +33,8 @@ class Backend:
     model_info: Optional[dict] = None  # what was built (backends.model.build.describe_model), once started
     # How the weights were loaded and what it cost (backends.model.loading.merge_load_records), once started.
     load_info: Optional[dict] = None
-    # The precision policy as it runs (backends.model.build.describe_precision): params, adapters, compute, reduce, grads.
+    # The precision policy as it runs (backends.model.build.describe_precision): params, adapters, compute, reduce,
+    # grads.
     precision: Optional[dict] = None
     # Compute threads per rank on CPU (backends.runtime.devices.threads_per_rank), as torch reports them; None on GPU.
     threads_per_rank: Optional[int] = None

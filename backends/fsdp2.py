@@ -63,7 +63,8 @@ def check_equal_step_counts(steps: int, world_size: int, device: torch.device) -
         listed = ", ".join(f"rank {r} has {n}" for r, n in enumerate(per_rank))
         raise StepCountMismatch(
             f"FSDP2 ranks would run different numbers of steps in this pass ({listed}); every rank must call "
-            "the model equally often (short ranks are padded with dummy steps), so the pass was stopped before its first step"
+            "the model equally often (short ranks are padded with dummy steps), so the pass was stopped before its "
+            "first step"
         )
 
 
@@ -72,7 +73,8 @@ class FSDP2Hooks(RankHooks):
 
     def load_model(self, model_spec: ModelSpec) -> tuple[torch.nn.Module, Optional[dict], str]:
         # Built on meta and sharded before any weight is read: no rank ever holds the unsharded model.
-        # The others wait for rank 0's read on the job's store, not in a collective (backends/model/loading.py ReadGate).
+        # The others wait for rank 0's read on the job's store, not in a collective (backends/model/loading.py
+        # ReadGate).
         return load_sharded(model_spec, self.device, self.spec.gradient_checkpointing, self.wrap, self.rank,
                             store=self.store, read=self.read_weights, progress_every_s=self.load_progress_every_s,
                             timeout_s=self.spec.dist_timeout_s)

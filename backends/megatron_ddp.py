@@ -61,7 +61,8 @@ class MegatronDDPHooks(RankHooks):
             calculate_per_token_loss=True,
         )
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True,  # recorded by reduce_dtype overlap_grad_reduce=False, use_distributed_optimizer=False
+            # recorded by reduce_dtype overlap_grad_reduce=False, use_distributed_optimizer=False
+            grad_reduce_in_fp32=True,
         )
         return DistributedDataParallel(config, ddp_config, model)
 

@@ -154,7 +154,8 @@ class PassResult:
     step_s: Optional[float] = None
     # What ran: {op: {implementation: calls}} summed over ranks (backends/model/kernels.py); None where unknown.
     kernels: Optional[dict] = None
-    # A profiled pass (PassCommand.profile_dir): per rank, {"trace": path, "breakdown": ...} (backends/runtime/profiling.py)
+    # A profiled pass (PassCommand.profile_dir): per rank, {"trace": path, "breakdown": ...}
+    # (backends/runtime/profiling.py)
     profile: Optional[list] = None
     # backend.compile: what compiling cost inside this pass, over ranks (backends/model/compiling.py ``merge``:
     # compilations, recompilations, seconds, graph breaks, what dynamo traced); None when nothing is compiled.

@@ -82,7 +82,10 @@ class PyTorchBackend(Backend):
             log.info, f"pytorch {pass_type}", plan.stats.real_tokens, command.progress_every_s
         )
         total_weight = total_loss_weight(examples)
-        with profiled(command.profile_dir, pass_type, 0, self.device) as profile, compiling.PassMeter(self.model) as compiled:
+        with (
+            profiled(command.profile_dir, pass_type, 0, self.device) as profile,
+            compiling.PassMeter(self.model) as compiled,
+        ):
             pending, grad_norm, step_s, timeline = self._timed_steps(command, plan, progress, total_weight)
         mem = peak_memory(self.device)
         ran = kernels.snapshot()

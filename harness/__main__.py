@@ -1,4 +1,5 @@
-"""``python -m harness``: the benchmark, a Hydra app over conf/ (under torchrun / srun: rank 0 runs it, the other ranks follow)."""
+"""``python -m harness``: the benchmark, a Hydra app over conf/ (under torchrun / srun: rank 0 runs it, the other ranks
+follow)."""
 
 from __future__ import annotations
 

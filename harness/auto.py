@@ -159,8 +159,14 @@ def candidates_of(lengths: Sequence[int], budgets: Sequence[int], plan_at: Calla
             continue
         previous = schedules
         mbs = [mb for sched in schedules for mb in sched if mb]
-        out.append(Candidate(mtpm=b, tokens=int(plan.stats.max_microbatch_padded_tokens),
-                             square=max(attention_term(lengths, mb, layout) for mb in mbs), steps=int(plan.stats.steps)))
+        out.append(
+            Candidate(
+                mtpm=b,
+                tokens=int(plan.stats.max_microbatch_padded_tokens),
+                square=max(attention_term(lengths, mb, layout) for mb in mbs),
+                steps=int(plan.stats.steps),
+            )
+        )
     return out
 
 
@@ -253,7 +259,10 @@ def search(
             note(c)
             return True
         if got.peak_bytes is not None and got.peak_bytes > limit_bytes:
-            c.status, c.reason = "over_limit", f"measured peak {_gib(got.peak_bytes)} over the limit {_gib(limit_bytes)}"
+            c.status, c.reason = (
+                "over_limit",
+                f"measured peak {_gib(got.peak_bytes)} over the limit {_gib(limit_bytes)}",
+            )
         else:
             c.status = "ok"
         if got.peak_bytes is not None:

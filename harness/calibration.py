@@ -1,4 +1,5 @@
-"""``cost_model=calibrated``: the planner's cost model fitted to micro-batch times measured on the hardware that runs it.
+"""``cost_model=calibrated``: the planner's cost model fitted to micro-batch times measured on the hardware that runs
+it.
 
 The FLOP model (a·L + b·L² per sequence, backends/planning/cost.py) leaves out
 what the hardware adds: a cost per micro-batch (launches, FSDP2's per-layer
@@ -89,7 +90,9 @@ def spread(longest: int, layout: str) -> list[Shape]:
     def drawn(scale: int, k: int) -> tuple[int, ...]:
         return tuple(int(n) for n in scale - rng.integers(0, scale // 4 + 1, size=k))
 
-    scales = [SHORTEST << i for i in range(int(math.log2(longest // SHORTEST)) + 1)] if longest >= SHORTEST else [longest]
+    scales = (
+        [SHORTEST << i for i in range(int(math.log2(longest // SHORTEST)) + 1)] if longest >= SHORTEST else [longest]
+    )
     shapes = []
     for scale in scales:
         full = longest // scale
@@ -171,9 +174,14 @@ def identity(backend: str, world_size: int, device: dict, model, layout: str, gc
         "backend": backend,
         "world_size": world_size,
         "device": {k: device.get(k) for k in ("type", "name", "count", "cores")},
-        "model": {"name": model.name, "path": model.path, "lora_rank": model.lora_rank, "dtype": str(dtype).split(".")[-1],
-                  "attn_implementation": model.attn_implementation,
-                  "config": hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]},
+        "model": {
+            "name": model.name,
+            "path": model.path,
+            "lora_rank": model.lora_rank,
+            "dtype": str(dtype).split(".")[-1],
+            "attn_implementation": model.attn_implementation,
+            "config": hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16],
+        },
         "layout": layout,
         "gc": bool(gc),
         "compile": bool(compile),
@@ -200,7 +208,8 @@ def cache_folder(cfg) -> Path:
 
 
 def read_cached(folder: Path, key: str, ident: dict) -> Optional[dict]:
-    """The cached fit for ``key``, or None (absent, unreadable, or made for something else: then it is measured again)."""
+    """The cached fit for ``key``, or None (absent, unreadable, or made for something else: then it is measured
+    again)."""
     path = folder / f"{key}.json"
     try:
         doc = json.loads(path.read_text())
@@ -314,8 +323,15 @@ def calibrate(backend, shapes: Sequence[Shape], layout: str, vocab_size: int, wa
     for s, shape in enumerate(shapes):
         measured = [times[r * len(shapes) + s] for r in range(world)]
         _, n, tokens, sq = shape.features(layout)
-        residuals.append({"sequences": n, "tokens": tokens, "sum_sq": sq, "measured_s": round(float(np.mean(measured)), 6),
-                          "predicted_s": round(float(predicted[s]), 6)})
+        residuals.append(
+            {
+                "sequences": n,
+                "tokens": tokens,
+                "sum_sq": sq,
+                "measured_s": round(float(np.mean(measured)), 6),
+                "predicted_s": round(float(predicted[s]), 6),
+            }
+        )
     residuals.sort(key=lambda r: (r["tokens"], r["sequences"]))
     fit.update(pass_type="forward_backward", layout=layout, shapes=len(shapes), ranks=world, repeats=repeat,
                micro_batches=len(times), seconds=round(time.perf_counter() - t0, 2),
@@ -340,8 +356,8 @@ def calibrated_cost_model(cfg, ident: dict, backend=None, vocab_size: Optional[i
         where = f"cache {folder / (key + '.json')}"
     if fit is None:
         if backend is None:
-            raise UserError(f"cost_model: calibrated needs a fit measured on this backend, model, precision, device and "
-                            f"layout, and none is cached in {folder} (key {key}); a run without dry_run=true "
+            raise UserError("cost_model: calibrated needs a fit measured on this backend, model, precision, device "
+                            f"and layout, and none is cached in {folder} (key {key}); a run without dry_run=true "
                             "calibrates and caches one")
         shapes = spread(ident["longest"], ident["layout"])
         log.info("%scalibrating the cost model: %d micro-batch shapes up to %s tokens, %d warm-up + %d timed passes "
@@ -356,10 +372,12 @@ def calibrated_cost_model(cfg, ident: dict, backend=None, vocab_size: Optional[i
                 where += f", cached in {written}"
     _MEMO[key] = fit
     k = fit["coefficients"]
-    (log.debug if where == "this run" else log.info)("%scalibrated cost model (%s): %.3g s per micro-batch + %.3g s per sequence + %.3g s per token + "
+    (log.debug if where == "this run" else log.info)("%scalibrated cost model (%s): %.3g s per micro-batch + %.3g s "
+                                                     "per sequence + %.3g s per token + "
              "%.3g s per token², R² %s, worst relative error %.1f%%", label, where, k["c0"], k["c_seq"], k["c_tok"],
              k["c_sq"], "—" if fit["r2"] is None else f"{fit['r2']:.4f}", 100 * fit["worst_rel_err"])
-    source = (f"calibrated: {ident['backend']} on {ident['world_size']} × {ident['device'].get('name') or ident['device'].get('type')}, "
+    source = (f"calibrated: {ident['backend']} on {ident['world_size']} × "
+              f"{ident['device'].get('name') or ident['device'].get('type')}, "
               f"{ident['model']['name']} {ident['model']['dtype']}, {ident['layout']}, seconds of forward + backward")
     return cost_model_of(fit, source)
 

@@ -1,4 +1,5 @@
-"""Hydra callbacks: check a single run's folder before it starts; after a multirun, write the report (table, CSV, plots, plan figures) into the sweep folder."""
+"""Hydra callbacks: check a single run's folder before it starts; after a multirun, write the report (table, CSV,
+plots, plan figures) into the sweep folder."""
 
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ def record_sweep_status(sweep_dir: Path) -> None:
 
 
 class RunFolderCallback(Callback):
-    """Before a single run: its folder must be writable and hold no other run's results (multiruns: the sweeper checks)."""
+    """Before a single run: its folder must be writable and hold no other run's results (multiruns: the sweeper
+    checks)."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         from backends.errors import UserError
@@ -85,8 +87,11 @@ class ReportCallback(Callback):
             (sweep_dir / "report.md").write_text(table + "\n")
             write_csv(df, sweep_dir / "results.csv")
             write_plots(df, sweep_dir)
-            log.info("report: %s (table), %s, %s", sweep_dir / "report.md", sweep_dir / "results.csv", sweep_dir / "plots")
+            log.info(
+                "report: %s (table), %s, %s", sweep_dir / "report.md", sweep_dir / "results.csv", sweep_dir / "plots"
+            )
             print(table, flush=True)
         except Exception as exc:  # noqa: BLE001 - the results are already on disk
-            log.warning("report for %s failed (%s: %s); results.json files are intact; retry with: python -m reports %s",
+            log.warning("report for %s failed (%s: %s); results.json files are intact; "
+                        "retry with: python -m reports %s",
                         sweep_dir, type(exc).__name__, exc, sweep_dir)

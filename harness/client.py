@@ -52,7 +52,9 @@ class RemoteBackend(Backend):
         # (max_tokens_per_microbatch, micro_batch_size) every pass of this run must report in its plan
         self.batching: Optional[tuple[Optional[int], int]] = None
 
-    def _request(self, method: str, path: str, body: Any = None, timeout: Optional[float] = None, token: Optional[str] = None):
+    def _request(
+        self, method: str, path: str, body: Any = None, timeout: Optional[float] = None, token: Optional[str] = None
+    ):
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(self.url + path, data=data, method=method)
         if data is not None:
@@ -65,7 +67,7 @@ class RemoteBackend(Backend):
         except urllib.error.HTTPError as exc:
             try:
                 detail = json.loads(exc.read()).get("detail")
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - a body that is not our JSON: the status's reason says enough
                 detail = exc.reason
             raise BackendError(f"server {self.url}{path} answered {exc.code}: {detail}") from None
         except (urllib.error.URLError, OSError) as exc:
@@ -80,7 +82,9 @@ class RemoteBackend(Backend):
         """
         token = os.environ.get(TOKEN_ENV)
         if token:
-            self._request("POST", "/admin/set_max_tokens_per_microbatch", {"value": max_tokens_per_microbatch}, 30, token)
+            self._request(
+                "POST", "/admin/set_max_tokens_per_microbatch", {"value": max_tokens_per_microbatch}, 30, token
+            )
             self._request("POST", "/admin/set_micro_batch_size", {"value": micro_batch_size}, 30, token)
             self.batching = (max_tokens_per_microbatch, micro_batch_size)
             return self.batching
@@ -110,7 +114,11 @@ class RemoteBackend(Backend):
     def run_pass(self, command: dict[str, Any]) -> PassResult:
         body = {
             "examples": [
-                {"input_ids": e.input_ids.tolist(), "target_tokens": e.target_tokens.tolist(), "weights": e.weights.tolist()}
+                {
+                    "input_ids": e.input_ids.tolist(),
+                    "target_tokens": e.target_tokens.tolist(),
+                    "weights": e.weights.tolist(),
+                }
                 for e in command.examples
             ]
         }
@@ -122,7 +130,8 @@ class RemoteBackend(Backend):
             raise BackendError(
                 f"the server ran this {command.pass_type} pass with max_tokens_per_microbatch={_show(used[0])}, "
                 f"micro_batch_size={used[1]}, but this run records {_show(self.batching[0])}, {self.batching[1]}: "
-                "its batching was changed during the run (another client's admin call?); the point is not recorded as ok"
+                "its batching was changed during the run (another client's admin call?); "
+                "the point is not recorded as ok"
             )
         return PassResult.from_dict(reply)
 

@@ -68,7 +68,8 @@ def dataset_files(path: str) -> list[Path]:
     if p.is_dir():
         files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in DATA_SUFFIXES)
         if not files:
-            raise UserError(f"workload.path: the folder '{p}' holds no .jsonl, .json or .parquet file (expected {expected})")
+            raise UserError(f"workload.path: the folder '{p}' holds no .jsonl, .json or .parquet file (expected "
+                            f"{expected})")
         return files
     if not p.is_file():
         raise UserError(f"workload.path: no such file or folder '{p}' (expected {expected})")
@@ -111,7 +112,7 @@ def _parquet_rows(p: Path) -> Iterator[tuple[str, Any]]:
         import pyarrow.parquet as pq
 
         reader = pq.ParquetFile(p)
-    except Exception as exc:  # pyarrow raises ArrowInvalid (and OSError) for a file it cannot read
+    except Exception as exc:  # noqa: BLE001 - pyarrow raises ArrowInvalid (and OSError) for a file it cannot read
         raise UserError(f"workload.path: {p} is not a readable Parquet file ({first_line(str(exc), 160)})") from None
     i = 0
     for batch in reader.iter_batches(batch_size=1024):
@@ -131,8 +132,9 @@ def load_tokenizer(path: Optional[str], model_path: Optional[str]):
     """A fast Hugging Face tokenizer from a local folder (``workload.tokenizer``, else ``model.path``), and that
     folder; nothing is downloaded."""
     if path is None and model_path is None:
-        raise UserError("workload.tokenizer: not set, and the model has no folder to take it from (model.path is null): "
-                        "give a local tokenizer folder, e.g. one written by python -m harness.demo_data OUT")
+        raise UserError("workload.tokenizer: not set, and the model has no folder to take it from "
+                        "(model.path is null): give a local tokenizer folder, "
+                        "e.g. one written by python -m harness.demo_data OUT")
     key = "workload.tokenizer" if path is not None else "workload.tokenizer (default: model.path)"
     folder = Path(path if path is not None else model_path).expanduser()
     if not folder.is_dir():
@@ -142,7 +144,7 @@ def load_tokenizer(path: Optional[str], model_path: Optional[str]):
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-    except Exception as exc:  # transformers raises OSError, ValueError, KeyError... for a folder it cannot read
+    except Exception as exc:  # noqa: BLE001 - transformers raises OSError, ValueError, KeyError... for such a folder
         raise UserError(f"{key}: '{folder}' does not load as a tokenizer ({type(exc).__name__}: "
                         f"{first_line(str(exc), 200)})") from None
     if not getattr(tok, "is_fast", False):
@@ -233,7 +235,7 @@ class Renderer:
                             "format=text)")
         try:
             return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
-        except Exception as exc:  # jinja2's TemplateError, or the template's own raise_exception
+        except Exception as exc:  # noqa: BLE001 - jinja2's TemplateError, or the template's own raise_exception
             raise UserError(f"workload.path: {where}: the chat template of '{self.tokenizer_path}' refused this row "
                             f"({first_line(str(exc), 200)})") from None
 
@@ -244,7 +246,7 @@ class Renderer:
         alone = self._template(where, [first], False)
         try:
             opening = self.tok.apply_chat_template([], tokenize=False, add_generation_prompt=True)
-        except Exception:  # a template that reads messages[0] unconditionally
+        except Exception:  # noqa: BLE001 - a template that reads messages[0] unconditionally
             opening = None
         if isinstance(opening, str) and alone.startswith(opening):
             return opening
@@ -376,7 +378,8 @@ def tokenize_rows(rows: Iterator[tuple[str, Any]], renderer: Renderer, tok, what
 
 # -- the cache ------------------------------------------------------------------------------------------------
 def default_cache_dir() -> Path:
-    """Where tokens are cached when ``workload.cache_dir`` is null: $BALANCE_BATCH_CACHE, else the user's cache folder."""
+    """Where tokens are cached when ``workload.cache_dir`` is null: $BALANCE_BATCH_CACHE, else the user's cache
+    folder."""
     if os.environ.get("BALANCE_BATCH_CACHE"):
         return Path(os.environ["BALANCE_BATCH_CACHE"]).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or str(Path("~/.cache").expanduser())
@@ -434,7 +437,8 @@ def read_cache(path: Path, key: str) -> Optional[Tokenized]:
 
 
 def write_cache(path: Path, key: str, tokens: Tokenized) -> None:
-    """Write atomically (a run killed mid-write leaves no half file); a cache folder that cannot be written is a warning."""
+    """Write atomically (a run killed mid-write leaves no half file); a cache folder that cannot be written is a
+    warning."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -556,7 +560,8 @@ def _warn_of_roles(tokens: Tokenized, path: str) -> None:
 
 
 def select(tokens: Tokenized, spec, record: dict) -> DatasetExamples:
-    """Rows with tokens, truncated to ``max_len``, ``n_examples`` drawn with ``seed`` and shuffled (or in file order)."""
+    """Rows with tokens, truncated to ``max_len``, ``n_examples`` drawn with ``seed`` and shuffled (or in file
+    order)."""
     lengths = np.diff(tokens.offsets)
     usable = np.flatnonzero(lengths > 0)
     if usable.size == 0:
@@ -624,9 +629,9 @@ def example_weights(trained: np.ndarray, train_on: str) -> np.ndarray:
 def check_vocabulary(largest_id: int, vocab_size: int, what: str) -> None:
     """One line when the tokenizer's ids do not fit the model's embedding."""
     if largest_id >= vocab_size:
-        raise UserError(f"workload.tokenizer: token id {largest_id:,} (the largest in the dataset's examples) is outside "
-                        f"the vocabulary of {what}, {vocab_size:,} ids (0..{vocab_size - 1:,}): use the model's own "
-                        "tokenizer, or a model with a vocabulary of at least "
+        raise UserError(f"workload.tokenizer: token id {largest_id:,} (the largest in the dataset's examples) is "
+                        f"outside the vocabulary of {what}, {vocab_size:,} ids (0..{vocab_size - 1:,}): "
+                        "use the model's own tokenizer, or a model with a vocabulary of at least "
                         f"{largest_id + 1:,} (model.vocab_size for the tiny model)")
 
 

@@ -72,7 +72,7 @@ def readme_sections(readme: Path) -> Iterator[tuple[str, str]]:
     heading, lines = None, []
     for line in text.splitlines() + ["# end"]:
         if line.startswith("#"):
-            prose = "\n".join(l for l in lines if not l.lstrip().startswith("|")).strip()
+            prose = "\n".join(row for row in lines if not row.lstrip().startswith("|")).strip()
             if heading and len(prose) > 80:
                 yield heading, re.sub(r"\n{3,}", "\n\n", prose)
             heading, lines = line.lstrip("#").strip(), []

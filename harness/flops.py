@@ -55,7 +55,8 @@ GPU_PEAK_BF16 = (
     ("A100", 312e12),
 )
 FULL_FINE_TUNING_FACTOR = 3.0  # forward + backward = 3 forwards when every weight is trained
-DELTA_RULE_CHUNK = 64  # chunk size of the chunked gated delta rule (transformers' and backends/model/packing.py's default)
+# chunk size of the chunked gated delta rule (transformers' and backends/model/packing.py's default)
+DELTA_RULE_CHUNK = 64
 
 
 def gpu_peak_flops(name: str) -> Optional[float]:
@@ -110,7 +111,8 @@ def device_peak(device: dict, world_size: int, compute_dtype: str = "float32") -
     # CPU ranks split the machine's cores between them (backends/runtime/ranks.py), so each gets its share.
     return {
         "flops_per_device": machine / max(1, world_size),
-        "source": f"measured: {dtype} {n}³ matmul on all cores = {machine / 1e9:.1f} GFLOP/s, split over {world_size} rank(s)",
+        "source": f"measured: {dtype} {n}³ matmul on all cores = {machine / 1e9:.1f} GFLOP/s, split over {world_size} "
+                  "rank(s)",
     }
 
 
@@ -323,8 +325,16 @@ def flops_record(
     if cost_model is None and plan.get("cost_model"):
         cost_model = CostModel.from_dict(plan["cost_model"])
     layout = plan.get("layout", "padded")
-    model, hardware = pass_flops(pass_type, lengths, flops_model, plan.get("cost_per_rank") or [], gradient_checkpointing,
-                                 cost_model=cost_model, schedules=schedules, layout=layout)
+    model, hardware = pass_flops(
+        pass_type,
+        lengths,
+        flops_model,
+        plan.get("cost_per_rank") or [],
+        gradient_checkpointing,
+        cost_model=cost_model,
+        schedules=schedules,
+        layout=layout,
+    )
     mean_s = sum(elapsed_s) / len(elapsed_s)
     per_device = model / mean_s / max(1, world_size)
     peak_flops = peak.get("flops_per_device")
@@ -339,6 +349,10 @@ def flops_record(
             "model": training.as_dict()["counted"] + f" (lora_rank={training.lora_rank})",
             "hardware": ("micro-batches as run" if schedules is not None else "plan cost scaled")
             + (", padding included" if layout == "padded" else "")
-            + (", + one forward recomputed (gradient checkpointing)" if gradient_checkpointing and pass_type != "forward" else ""),
+            + (
+                ", + one forward recomputed (gradient checkpointing)"
+                if gradient_checkpointing and pass_type != "forward"
+                else ""
+            ),
         },
     }

@@ -418,7 +418,9 @@ def profile_pass(backend: Backend, pass_type: str, command_for: Callable[[str], 
 
     out_dir = Path(out_dir).resolve()  # every rank writes there, whatever its working folder
     t0 = time.perf_counter()
-    result = backend.run_pass(command_for(pass_type).replace(profile_dir=str(out_dir / PROFILE_DIR), release_memory=False))
+    result = backend.run_pass(
+        command_for(pass_type).replace(profile_dir=str(out_dir / PROFILE_DIR), release_memory=False)
+    )
     ranks = result.profile or []
     if not ranks or any(r is None for r in ranks):
         raise RuntimeError(f"{pass_type}: the backend ran the profiled pass but returned no profile for every rank")

@@ -228,7 +228,7 @@ def make_sampler(backend: Backend, interval_s: float):
     if backend.device.type == "cuda":
         try:
             return GpuSampler(range(backend.world_size), interval_s)
-        except Exception as exc:  # NVML missing: utilisation unknown, the benchmark still runs
+        except Exception as exc:  # noqa: BLE001 - NVML missing: utilisation unknown, the benchmark still runs
             log.warning("GPU utilisation not sampled (%s)", exc)
             return None
     return CpuSampler([os.getpid(), *backend.pids()], interval_s)

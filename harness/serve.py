@@ -58,7 +58,8 @@ def parse_setting(body: Any, name: str, ceiling: int, allow_null: bool = True) -
     if value is None and allow_null:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise RequestError(422, f"{name}: value must be a positive integer{' or null' if allow_null else ''}, got {json.dumps(value)}")
+        raise RequestError(422, f"{name}: value must be a positive integer{' or null' if allow_null else ''}, got "
+                                f"{json.dumps(value)}")
     if value > ceiling:
         raise RequestError(422, f"{name}: value {value} is above the server's ceiling {ceiling}")
     return value
@@ -71,7 +72,8 @@ def parse_examples(body: Any, vocab_size: int, max_tokens: int):
     from backends.messages import Example
 
     if not isinstance(body, dict) or not isinstance(body.get("examples"), list) or not body["examples"]:
-        raise RequestError(422, 'examples: expected {"examples": [{"input_ids": [...], "target_tokens": [...], "weights": [...]}, ...]} with at least one example')
+        raise RequestError(422, 'examples: expected {"examples": [{"input_ids": [...], "target_tokens": [...], '
+                                '"weights": [...]}, ...]} with at least one example')
     total = 0
     total_weight = 0.0
     out = []
@@ -85,9 +87,15 @@ def parse_examples(body: Any, vocab_size: int, max_tokens: int):
             if not isinstance(value, list) or not value:
                 raise RequestError(422, f"{where}.{key}: expected a non-empty list")
             if key == "weights":
-                if not all(isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) and 0 <= w <= MAX_WEIGHT
-                           for w in value):
-                    raise RequestError(422, f"{where}.weights: every weight must be a finite number in 0..{MAX_WEIGHT:g}")
+                if not all(
+                    isinstance(w, (int, float))
+                    and not isinstance(w, bool)
+                    and math.isfinite(w)
+                    and 0 <= w <= MAX_WEIGHT
+                    for w in value
+                ):
+                    raise RequestError(422, f"{where}.weights: every weight must be a finite number in "
+                                            f"0..{MAX_WEIGHT:g}")
                 arrays[key] = np.asarray(value, dtype=np.float32)
                 total_weight += float(arrays[key].sum(dtype=np.float64))
                 if total_weight > MAX_WEIGHT:
@@ -97,16 +105,19 @@ def parse_examples(body: Any, vocab_size: int, max_tokens: int):
                     raise RequestError(422, f"{where}.{key}: every token must be an integer")
                 arr = np.asarray(value, dtype=np.int64)
                 if arr.min() < 0 or arr.max() >= vocab_size:
-                    raise RequestError(422, f"{where}.{key}: token ids must lie in 0..{vocab_size - 1} (the model's vocabulary)")
+                    raise RequestError(422, f"{where}.{key}: token ids must lie in 0..{vocab_size - 1} (the model's "
+                                            "vocabulary)")
                 arrays[key] = arr
         n = {k: len(v) for k, v in arrays.items()}
         if len(set(n.values())) != 1:
             raise RequestError(
-                422, f"{where}: input_ids, target_tokens and weights must have the same length, got {n['input_ids']}, {n['target_tokens']}, {n['weights']}"
+                422, f"{where}: input_ids, target_tokens and weights must have the same length, got {n['input_ids']}, "
+                     f"{n['target_tokens']}, {n['weights']}"
             )
         total += n["input_ids"]
         if total > max_tokens:
-            raise RequestError(413, f"examples: more than {max_tokens} tokens in one request (server.max_request_tokens)")
+            raise RequestError(413, f"examples: more than {max_tokens} tokens in one request "
+                                    "(server.max_request_tokens)")
         out.append(Example(arrays["input_ids"], arrays["target_tokens"], arrays["weights"]))
     return out
 
@@ -149,7 +160,9 @@ class ServedBackend:
         try:
             self.backend = self._start()
         except Exception as exc:  # noqa: BLE001 - reported to the client and on /healthz
-            self.down_reason = f"the workers were down ({self._cause}) and did not start again: {first_line(str(exc), 300)}"
+            self.down_reason = (
+                f"the workers were down ({self._cause}) and did not start again: {first_line(str(exc), 300)}"
+            )
             log.error("%s", self.down_reason)
             raise BackendError(self.down_reason) from None
         self.down_reason = None
@@ -206,7 +219,8 @@ class ServerState:
         if length is None:
             raise RequestError(411, "a Content-Length header is required")
         if int(length) > self.server.max_request_bytes:
-            raise RequestError(413, f"request body of {int(length)} bytes is above server.max_request_bytes ({self.server.max_request_bytes})")
+            raise RequestError(413, f"request body of {int(length)} bytes is above server.max_request_bytes "
+                                    f"({self.server.max_request_bytes})")
         try:
             raw = await request.body()
         except ClientDisconnect:
@@ -243,9 +257,17 @@ class ServerState:
             return JSONResponse({"status": "down", "reason": why, "restarts": served.restarts,
                                  "recovery": "the workers are started again at the next pass"}, status_code=503)
         backend = served.backend
-        return {"status": "ok", **self.info, **self.control.read().as_dict(), "model": backend.model_info,
-                "precision": backend.precision, "load": backend.load_info, "pids": [os.getpid(), *backend.pids()], "restarts": served.restarts,
-                "pending": self.pending}  # passes running or queued
+        return {
+            "status": "ok",
+            **self.info,
+            **self.control.read().as_dict(),
+            "model": backend.model_info,
+            "precision": backend.precision,
+            "load": backend.load_info,
+            "pids": [os.getpid(), *backend.pids()],
+            "restarts": served.restarts,
+            "pending": self.pending,
+        }  # passes running or queued
 
     async def admin_set(self, request: Request, name: str, ceiling: int, apply: Callable[[Optional[int]], Any]) -> Any:
         """An admin set request: authorised, its value checked against ``ceiling``, applied through the control file."""
@@ -274,7 +296,8 @@ class ServerState:
         body = await self.json_body(request)
         examples = parse_examples(body, self.vocab_size, self.server.max_request_tokens)
         if self.pending > self.server.queue_size:
-            raise RequestError(503, f"busy: {self.pending} passes running or queued (server.queue_size={self.server.queue_size}); retry later")
+            raise RequestError(503, f"busy: {self.pending} passes running or queued "
+                                    f"(server.queue_size={self.server.queue_size}); retry later")
         self.pending += 1
         try:
             async with self.passes:
@@ -346,7 +369,9 @@ def bind_port(host: str, port: int) -> socket.socket:
         sock.bind(address)
     except OSError as exc:
         sock.close()
-        raise UserError(f"server.port: cannot listen on {host}:{port} ({exc.strerror}); choose another server.port") from None
+        raise UserError(
+            f"server.port: cannot listen on {host}:{port} ({exc.strerror}); choose another server.port"
+        ) from None
     return sock
 
 

@@ -93,7 +93,8 @@ def paired_speedup(point: Sequence[float], baseline: Sequence[float]) -> dict:
     ``median`` is the median pair ratio, ``ci`` the 95% interval of their geometric mean, ``pairs`` every ratio.
     """
     if len(point) != len(baseline):
-        raise ValueError(f"paired measurements need as many baseline runs as point runs ({len(baseline)} vs {len(point)})")
+        raise ValueError(f"paired measurements need as many baseline runs as point runs ({len(baseline)} vs "
+                         f"{len(point)})")
     ratios = [p / b for p, b in zip(point, baseline) if p and b]
     out = summary(ratios)
     out["pairs"] = ratios

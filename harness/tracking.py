@@ -92,7 +92,9 @@ class Tracker:
             log.warning("W&B run not started (%s: %s); results.json is unaffected", type(exc).__name__, exc)
             self.run = None
 
-    def log_repeat(self, pass_type: str, repeat: int, elapsed_s: float, tok_per_s: float, util_pct: Optional[float]) -> None:
+    def log_repeat(
+        self, pass_type: str, repeat: int, elapsed_s: float, tok_per_s: float, util_pct: Optional[float]
+    ) -> None:
         if self.run is None:
             return
         self._safe(
@@ -163,5 +165,5 @@ class Tracker:
     def _safe(fn, *args, **kwargs) -> None:
         try:
             fn(*args, **kwargs)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - W&B is a copy: results.json holds everything
             log.warning("W&B: %s failed (%s: %s)", getattr(fn, "__name__", "call"), type(exc).__name__, exc)

@@ -100,7 +100,8 @@ class LengthsFile:
         return self.lengths[np.searchsorted(ends, rng.integers(0, int(ends[-1]), size=n), side="right")]
 
     def shuffled(self, seed: int) -> np.ndarray:
-        """Every sequence once, in an order drawn with default_rng(``seed``) (not the sorted order a histogram lists)."""
+        """Every sequence once, in an order drawn with default_rng(``seed``) (not the sorted order a histogram
+        lists)."""
         return np.random.default_rng(seed).permutation(self.expanded())
 
 
@@ -115,7 +116,8 @@ def _file_text(p: Path) -> str:
 
 
 def _positive(where: str, what: str, text: str, needs: str) -> int:
-    """``text`` as a positive integer, or a UserError: ``where`` (path:line), ``what`` (length, count), ``needs`` (why > 0)."""
+    """``text`` as a positive integer, or a UserError: ``where`` (path:line), ``what`` (length, count), ``needs`` (why
+    > 0)."""
     if not _LENGTH.fullmatch(text):
         raise UserError(f"workload.path: {where}: {what} {text!r} is not an integer "
                         "(expected length,count lines of two positive integers, in ASCII digits 0-9)")
@@ -160,11 +162,13 @@ def load_lengths_file(path: str) -> LengthsFile:
             if not _LENGTH.fullmatch(line):
                 expected = ("one positive length per line, in ASCII digits 0-9, or length,count lines"
                             if decided == f"line {lineno} is"  # the first data line: either format would do
-                            else f"a positive length in ASCII digits 0-9: this file is one length per line, as {decided}")
+                            else "a positive length in ASCII digits 0-9: this file is one length per line, as "
+                                 f"{decided}")
                 raise UserError(f"workload.path: {where}: {line!r} is not an integer (expected {expected})")
             n = int(line)
             if n <= 0:
-                raise UserError(f"workload.path: {where}: length {n} is not positive (every sequence needs at least 1 token)")
+                raise UserError(f"workload.path: {where}: length {n} is not positive (every sequence needs at least 1 "
+                                "token)")
             lengths.append(n)
             continue
         fields = [f.strip() for f in line.split(",")]
@@ -172,9 +176,11 @@ def load_lengths_file(path: str) -> LengthsFile:
             raise UserError(f"workload.path: {where}: {line!r} has {len(fields)} fields (expected length,count: "
                             "two positive integers)")
         lengths.append(_positive(where, "length", fields[0], "every sequence needs at least 1 token"))
-        counts.append(_positive(where, "count", fields[1], "a count says how many sequences have that length: at least 1"))
+        counts.append(_positive(where, "count", fields[1],
+                                "a count says how many sequences have that length: at least 1"))
     if not lengths:
-        raise UserError(f"workload.path: {p} holds no lengths (expected one positive integer per line, or length,count lines)")
+        raise UserError(f"workload.path: {p} holds no lengths (expected one positive integer per line, or length,count "
+                        "lines)")
     ones = np.ones(len(lengths), dtype=np.int64)
     return LengthsFile(str(p), fmt, np.asarray(lengths, dtype=np.int64),
                        np.asarray(counts, dtype=np.int64) if fmt == HISTOGRAM else ones)
@@ -190,7 +196,8 @@ class WorkloadSpec:
     """What the harness needs to know of a workload config (see conf/workload/)."""
 
     name: str
-    kind: str = "mixed"  # "mixed" (the published generator), "chat" (many short, a long tail), "lengths_file", "dataset"
+    # "mixed" (the published generator), "chat" (many short, a long tail), "lengths_file", "dataset"
+    kind: str = "mixed"
     # mixed: how many to generate. lengths_file, dataset: how many to draw (0 or null: every sequence in it).
     n_examples: Optional[int] = 128
     min_len: int = 64
@@ -231,7 +238,8 @@ def file_lengths(spec: WorkloadSpec) -> Workload:
     0 or null takes every sequence, a plain file in its own order and a histogram shuffled with ``seed``
     (a histogram lists lengths sorted, and requests in sorted order are no workload)."""
     if not spec.path:
-        raise UserError("workload.path: not set (give a text file with one sequence length per line, or length,count lines)")
+        raise UserError("workload.path: not set (give a text file with one sequence length per line, or length,count "
+                        "lines)")
     n = spec.n_examples or 0
     if n < 0:
         raise UserError(f"workload.n_examples: must be >= 0 or null for a lengths file (0 or null: every sequence in "
@@ -305,15 +313,18 @@ def load_workload(spec: WorkloadSpec, model=None, check_vocabulary: bool = True)
         return Workload(chat_lengths(spec.n_examples, spec.min_len, spec.max_len, spec.seed))
     # The generator's three bands: [min_len, 256], [257, 3/4 max_len), [3/4 max_len, max_len].
     if spec.min_len > 256:
-        raise UserError(f"workload.min_len: the mixed generator's short band is min_len..256, so min_len must be <= 256, got {spec.min_len}")
+        raise UserError("workload.min_len: the mixed generator's short band is min_len..256, so min_len must be <= "
+                        f"256, got {spec.min_len}")
     n_mid = spec.n_examples - 2 * max(1, int(0.15 * spec.n_examples))
     if n_mid > 0 and max(spec.min_len, 3 * spec.max_len // 4) <= 257:
-        raise UserError(f"workload.max_len: the mixed generator's middle band 257..3/4 max_len needs max_len >= 344, got {spec.max_len}")
+        raise UserError("workload.max_len: the mixed generator's middle band 257..3/4 max_len needs max_len >= 344, "
+                        f"got {spec.max_len}")
     return Workload(mixed_lengths(spec.n_examples, spec.min_len, spec.max_len, spec.seed))
 
 
 def dataset_workload(spec: WorkloadSpec, model=None, check_vocabulary: bool = True) -> Workload:
-    """``workload=dataset``: the dataset's examples (harness/dataset.py), their ids checked against ``model``'s vocabulary."""
+    """``workload=dataset``: the dataset's examples (harness/dataset.py), their ids checked against ``model``'s
+    vocabulary."""
     from harness.dataset import check_vocabulary as check
     from harness.dataset import load_dataset
 

@@ -64,13 +64,23 @@ def balance_rows(dirs: Iterable[Path]) -> list[list[str]]:
         ranks = max((len(i) for i in idle), default=0)
         idle_mean = [_mean([i[r] for i in idle if r < len(i)]) for r in range(ranks)]
         backend, workload, mtpm, planner, layout, model = key
-        rows.append([
-            BACKEND_LABEL.get(backend, str(backend)), str(workload), "—" if mtpm is None else f"{mtpm:,}",
-            str(planner), str(layout), model, str(len(members)), "/".join(sorted({str(d["plan"]["steps"]) for d in docs})),
-            " / ".join(f"{m:.3f}" for m in sorted(modeled)), f"{statistics.mean(measured):.3f}{spread}",
-            ", ".join("—" if v is None else f"{100 * v:.1f}" for v in idle_mean),
-            _prediction(passes, "flops"), _prediction(passes, "calibrated"),
-        ])
+        rows.append(
+            [
+                BACKEND_LABEL.get(backend, str(backend)),
+                str(workload),
+                "—" if mtpm is None else f"{mtpm:,}",
+                str(planner),
+                str(layout),
+                model,
+                str(len(members)),
+                "/".join(sorted({str(d["plan"]["steps"]) for d in docs})),
+                " / ".join(f"{m:.3f}" for m in sorted(modeled)),
+                f"{statistics.mean(measured):.3f}{spread}",
+                ", ".join("—" if v is None else f"{100 * v:.1f}" for v in idle_mean),
+                _prediction(passes, "flops"),
+                _prediction(passes, "calibrated"),
+            ]
+        )
     return rows
 
 

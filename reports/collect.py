@@ -45,7 +45,8 @@ def _overrides(path: Path, doc: dict) -> list[str]:
 
 
 def _devices(doc: dict) -> Optional[str]:
-    """The devices a run used, as recorded; without a recorded device only its rank count, if that (None: nothing known)."""
+    """The devices a run used, as recorded; without a recorded device only its rank count, if that (None: nothing
+    known)."""
     dev = doc.get("device") or {}
     count = dev.get("count") or doc.get("world_size")
     if dev.get("type") == "cuda":
@@ -131,7 +132,8 @@ def _kernels(passes: dict) -> Optional[str]:
 
 
 def _cap(doc: dict, plan: dict) -> Optional[int]:
-    """The cap on sequences per micro-batch that ran (the plan a backend reports), else the one recorded; None: no cap."""
+    """The cap on sequences per micro-batch that ran (the plan a backend reports), else the one recorded; None: no
+    cap."""
     cap = plan.get("max_seqs_per_microbatch")
     return cap if cap is not None else doc.get("max_seqs_per_microbatch")
 
@@ -238,9 +240,23 @@ _JSON_TYPE = {dict: "an object", list: "an array", str: "a string", bool: "true 
 _KINDS = {"object": (dict,), "number": (int, float), "string": (str,), "list": (list,)}
 _SHAPE = {
     "object": ("device", "model", "workload", "bench", "plan", "passes", "precision", "shares", "auto", "speedup"),
-    "number": ("mtpm", "mbs", "max_seqs_per_microbatch", "world_size", "workload.n_examples", "workload.total_tokens",
-               "workload.min_len", "workload.max_len", "plan.pad_efficiency", "plan.critical_path", "plan.cost_imbalance",
-               "plan.steps", "plan.lower_bound_steps", "plan.max_microbatch_padded_tokens", "plan.max_seqs_per_microbatch"),
+    "number": (
+        "mtpm",
+        "mbs",
+        "max_seqs_per_microbatch",
+        "world_size",
+        "workload.n_examples",
+        "workload.total_tokens",
+        "workload.min_len",
+        "workload.max_len",
+        "plan.pad_efficiency",
+        "plan.critical_path",
+        "plan.cost_imbalance",
+        "plan.steps",
+        "plan.lower_bound_steps",
+        "plan.max_microbatch_padded_tokens",
+        "plan.max_seqs_per_microbatch",
+    ),
     "string": ("status", "backend", "planner", "layout", "started_at", "plan.planner", "plan.layout"),
     "list": ("overrides", "plan.n_microbatches", "plan.n_dummy", "plan.idle_fraction"),
 }
@@ -281,7 +297,8 @@ def shape_problem(doc) -> Optional[str]:
 
 
 def read_results(path: Path) -> dict:
-    """``path``'s results.json document; one that cannot be read as such is a warning naming it and an "unreadable" row."""
+    """``path``'s results.json document; one that cannot be read as such is a warning naming it and an "unreadable"
+    row."""
     try:
         doc = json.loads(Path(path).read_text())
         problem = shape_problem(doc)

@@ -203,7 +203,9 @@ def measured_blocks(pb: PlanBlocks, timeline: dict) -> Optional[PlanBlocks]:
                 continue
             b, real, padding = x
             idle = (step_cost[s] - real - padding) if pb.lockstep else 0.0
-            new.append(Block(b.rank, b.step, b.n_sequences, b.real_tokens, b.padding_tokens, real, padding, idle, b.dummy))
+            new.append(
+                Block(b.rank, b.step, b.n_sequences, b.real_tokens, b.padding_tokens, real, padding, idle, b.dummy)
+            )
         blocks.append(new)
     return PlanBlocks(
         backend=pb.backend, planner=pb.planner, layout=pb.layout, lockstep=pb.lockstep, budget=pb.budget,

@@ -1,4 +1,5 @@
-"""Drawing plan figures: one row per rank, real tokens, padding and waiting on a modeled-cost axis; a report's figures and README lines."""
+"""Drawing plan figures: one row per rank, real tokens, padding and waiting on a modeled-cost axis; a report's figures
+and README lines."""
 
 from __future__ import annotations
 
@@ -81,7 +82,8 @@ def _renderer():
 
 
 def text_width_in(text: str, fontsize: float, weight: str = "normal") -> float:
-    """How wide ``text`` is drawn, in inches, in matplotlib's default font at ``fontsize`` points (measured by Agg at DPI)."""
+    """How wide ``text`` is drawn, in inches, in matplotlib's default font at ``fontsize`` points (measured by Agg at
+    DPI)."""
     from matplotlib.font_manager import FontProperties
 
     width, _, _ = _renderer().get_text_width_height_descent(text, FontProperties(size=fontsize, weight=weight),
@@ -89,7 +91,9 @@ def text_width_in(text: str, fontsize: float, weight: str = "normal") -> float:
     return width / DPI
 
 
-def _wrap(parts: Sequence[str], width_in: float, fontsize: float, sep: str = " · ", weight: str = "normal") -> list[str]:
+def _wrap(
+    parts: Sequence[str], width_in: float, fontsize: float, sep: str = " · ", weight: str = "normal"
+) -> list[str]:
     """Join ``parts`` with ``sep`` into lines no wider than ``width_in`` inches as drawn (a part is never split)."""
     lines: list[str] = []
     for part in parts:
@@ -275,7 +279,8 @@ def _draw_panel(ax, pb: PlanBlocks, lay: Layout, per_in: float, xmax: float, fir
 
 
 def figure_name(plan_path: Path) -> str:
-    """A plan's figure name in a folder: ``plan-<point>.png`` for a point's plan.json (as the report's plots/), else ``<name>.png``."""
+    """A plan's figure name in a folder: ``plan-<point>.png`` for a point's plan.json (as the report's plots/), else
+    ``<name>.png``."""
     plan_path = Path(plan_path)
     if plan_path.name == PLAN_FILE:
         return f"plan-{plan_path.resolve().parent.name}.png"
@@ -303,7 +308,8 @@ def plan_png_path(out, plan_path: Path) -> Path:
 
 
 def draw_plan_file(path: Path, out_png=None, **kwargs) -> Path:
-    """Draw the plan at ``path`` (a point folder or a plan.json) into ``out_png`` (see ``plan_png_path``); returns the PNG written."""
+    """Draw the plan at ``path`` (a point folder or a plan.json) into ``out_png`` (see ``plan_png_path``); returns the
+    PNG written."""
     plan_path = find_plan(path)
     doc = load_plan(plan_path)
     out = plan_png_path(out_png, plan_path)
@@ -354,10 +360,10 @@ def readme_plan_lines(figures: Sequence[Path], plans: Sequence[Path], base: Path
     sources = ", ".join(f"`{Path(os.path.relpath(p, base)).as_posix()}`" for p in plans)
     return [
         "",
-        f"The plans behind a budget, from dry runs ({sources}): one row per rank, each micro-batch's real tokens, "
-        "padding and the time it waits for the slowest rank, on the modeled cost a·L + b·L², both on one scale "
-        "(1.0: the same sequences with no padding and no waiting). "
-        "Draw any run's plan with `python -m reports plan POINT_DIR`.",
+        (f"The plans behind a budget, from dry runs ({sources}): one row per rank, each micro-batch's real tokens, "
+         "padding and the time it waits for the slowest rank, on the modeled cost a·L + b·L², both on one scale "
+         "(1.0: the same sequences with no padding and no waiting). "
+         "Draw any run's plan with `python -m reports plan POINT_DIR`."),
         "",
         f"<p>{imgs}</p>",
     ]

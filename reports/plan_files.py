@@ -1,4 +1,5 @@
-"""Finding and reading plan.json files: the one a user means, checked; the README's published plans; a point's figure path."""
+"""Finding and reading plan.json files: the one a user means, checked; the README's published plans; a point's figure
+path."""
 
 from __future__ import annotations
 
@@ -68,16 +69,20 @@ def point_name(results_path: Path, out_dir: Path) -> str:
 
 
 def plan_figure_paths(df, out_dir: Path) -> list[Optional[Path]]:
-    """Per row of ``df``: where its figure goes (``out_dir/plots/plan-<point>.png``); None where there is no plan.json."""
+    """Per row of ``df``: where its figure goes (``out_dir/plots/plan-<point>.png``); None where there is no
+    plan.json."""
     out: list[Optional[Path]] = []
     for results_path in df["path"]:
         has_plan = (Path(results_path).parent / PLAN_FILE).is_file()
-        out.append(Path(out_dir) / "plots" / f"plan-{point_name(Path(results_path), out_dir)}.png" if has_plan else None)
+        out.append(
+            Path(out_dir) / "plots" / f"plan-{point_name(Path(results_path), out_dir)}.png" if has_plan else None
+        )
     return out
 
 
 def published_plans(plans_dir: Path) -> list[Path]:
-    """The README's plans, ``plans_dir/<name>/plan.json``: by budget, the original greedy planner first, padded before packed."""
+    """The README's plans, ``plans_dir/<name>/plan.json``: by budget, the original greedy planner first, padded before
+    packed."""
     docs = []
     for path in sorted(Path(plans_dir).glob(f"*/{PLAN_FILE}")):
         try:

@@ -1,4 +1,5 @@
-"""Plots: tok/s against mtpm per backend, pass, planner, layout, cap and cost model (fixed-mbs runs as reference lines), pad efficiency against mtpm."""
+"""Plots: tok/s against mtpm per backend, pass, planner, layout, cap and cost model (fixed-mbs runs as reference
+lines), pad efficiency against mtpm."""
 
 from __future__ import annotations
 
@@ -107,13 +108,17 @@ def _histogram_sources(df: pd.DataFrame, out_dir: Path) -> dict:
         for results_path in readable:
             plan = Path(results_path).parent / PLAN_FILE
             if plan.is_file():
-                sources[setting] = (Path(out_dir) / "plots" / f"lengths-{point_name(Path(results_path), out_dir)}.png", plan)
+                sources[setting] = (
+                    Path(out_dir) / "plots" / f"lengths-{point_name(Path(results_path), out_dir)}.png",
+                    plan,
+                )
                 break
     return sources
 
 
 def length_histogram_paths(df: pd.DataFrame, out_dir: Path) -> list:
-    """Per row: its setting's length histogram (see ``_histogram_sources``); None where no point of it has a plan.json."""
+    """Per row: its setting's length histogram (see ``_histogram_sources``); None where no point of it has a
+    plan.json."""
     sources = _histogram_sources(df, out_dir)
     return [sources[s][0] if s in sources else None for s in df["setting"]]
 
@@ -166,7 +171,9 @@ def draw_length_histogram(lengths, png: Path, workload: dict) -> Path:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
     source = (workload.get("dataset") or {}).get("path") or (workload.get("file") or {}).get("path")
-    name = f"workload {workload.get('name')}" + (f" ({Path(source).name})" if source else "") if workload else "workload"
+    name = (
+        f"workload {workload.get('name')}" + (f" ({Path(source).name})" if source else "") if workload else "workload"
+    )
     data = workload.get("dataset") or {}
     cut = f", {data['truncated']:,} truncated to {data['max_len']:,}" if data.get("truncated") else ""
     fig.suptitle(f"{name}: {n.size:,} sequences, {int(n.sum()):,} tokens, {int(n.min()):,}–{int(n.max()):,} per "
@@ -220,7 +227,8 @@ def write_profile_figures(df: pd.DataFrame, out_dir: Path) -> list:
 
 
 def draw_profile(profiles: dict, png: Path) -> Path:
-    """One stacked bar per pass type and rank: the profiled pass's seconds by category (backends/runtime/profiling.py)."""
+    """One stacked bar per pass type and rank: the profiled pass's seconds by category
+    (backends/runtime/profiling.py)."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -42,7 +42,8 @@ def main() -> None:
     ap.add_argument("--budgets", type=int, nargs="+", default=[16384, 32768])
     ap.add_argument("--lora-rank", type=int, default=32)
     ap.add_argument("--gc", action="store_true", help="gradient checkpointing")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (a 2-rank CPU run gives each rank 1 of 2 cores)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (a 2-rank CPU run gives each rank 1 of 2 cores)")
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--only", nargs="*", help="run only these settings (e.g. mbs1 packed:16384)")
     ap.add_argument("--profile", help="profile one pass of this setting (torch.profiler) and print the top operators")
@@ -76,12 +77,16 @@ def main() -> None:
     for name, (schedule, layout) in settings.items():
         wall, cpu_s = min(w for w, _ in runs[name]), min(c for _, c in runs[name])
         computed = sum(len(b) * max(lengths[i] for i in b) for b in schedule) if layout == "padded" else real
-        results[name] = dict(steps=len(schedule), computed_tokens=computed, wall_s=wall, cpu_s=cpu_s, tok_per_s=real / cpu_s)
+        results[name] = dict(
+            steps=len(schedule), computed_tokens=computed, wall_s=wall, cpu_s=cpu_s, tok_per_s=real / cpu_s
+        )
         print(f"{name:>14}: {len(schedule):3d} steps, {computed:7,} tokens computed, best wall {wall:6.2f} s, "
               f"best CPU {cpu_s:6.2f} s, {real / cpu_s:7,.0f} tok/s (CPU)", flush=True)
     if "mbs1" in results:
         base = results["mbs1"]["tok_per_s"]
-        print("speedup vs mbs1 (CPU time):", json.dumps({k: round(v["tok_per_s"] / base, 2) for k, v in results.items()}))
+        print(
+            "speedup vs mbs1 (CPU time):", json.dumps({k: round(v["tok_per_s"] / base, 2) for k, v in results.items()})
+        )
     if args.profile:
         schedule, layout = schedules(lengths, args.budgets)[args.profile]
         from torch.profiler import ProfilerActivity, profile

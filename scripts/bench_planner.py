@@ -1,4 +1,5 @@
-"""Planner benchmark (a script, not a test): the published workload's plans, and how planning time grows with the corpus.
+"""Planner benchmark (a script, not a test): the published workload's plans, and how planning time grows with the
+corpus.
 
     PYTHONPATH=. python scripts/bench_planner.py [--out reports/planner_benchmark.md]
     PYTHONPATH=. python scripts/bench_planner.py --sizes 10000,100000 --ranks 1,8   # a quicker look
@@ -57,7 +58,8 @@ MILLION_RANKS = (1, 8)
 
 
 def short_lengths(n: int, seed: int = 0) -> list[int]:
-    """A BERT-style pre-training corpus, 1-512 tokens: a fifth of the documents fill the 512 cap, the rest log-normal around 160."""
+    """A BERT-style pre-training corpus, 1-512 tokens: a fifth of the documents fill the 512 cap, the rest log-normal
+    around 160."""
     rng = np.random.default_rng(seed)
     lengths = np.clip(np.round(rng.lognormal(np.log(160), 0.9, n)), 1, 511).astype(np.int64)
     lengths[rng.random(n) < 0.2] = 512
@@ -159,10 +161,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--large", type=int, default=100_000, help="lengths in part 1's large case (0 skips it)")
     ap.add_argument("--out", type=Path, default=None, help="also write the markdown here")
-    ap.add_argument("--sizes", type=parse_ints, default=SCALE_SIZES, help="part 2's corpus sizes, ascending (none: skip part 2)")
+    ap.add_argument("--sizes", type=parse_ints, default=SCALE_SIZES,
+                    help="part 2's corpus sizes, ascending (none: skip part 2)")
     ap.add_argument("--budgets", type=parse_ints, default=SCALE_BUDGETS, help="part 2's budgets")
     ap.add_argument("--ranks", type=parse_ints, default=SCALE_RANKS, help="part 2's rank counts")
-    ap.add_argument("--distributions", default=",".join(DISTRIBUTIONS), help="part 2's distributions: " + ", ".join(DISTRIBUTIONS))
+    ap.add_argument(
+        "--distributions", default=",".join(DISTRIBUTIONS), help="part 2's distributions: " + ", ".join(DISTRIBUTIONS)
+    )
     ap.add_argument("--no-published", action="store_true", help="skip part 1")
     ap.add_argument("--no-million", action="store_true", help="skip part 3")
     args = ap.parse_args(argv)
@@ -170,12 +175,14 @@ def main(argv=None) -> int:
     if unknown:
         print(f"--distributions: unknown {', '.join(unknown)} (valid: {', '.join(DISTRIBUTIONS)})", file=sys.stderr)
         return 2
-    command = "PYTHONPATH=. python scripts/bench_planner.py" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
+    command = "PYTHONPATH=. python scripts/bench_planner.py" + "".join(
+        f" {a}" for a in (argv if argv is not None else sys.argv[1:])
+    )
     out = [
         "# Planner benchmark",
         "",
-        f"`{command}` on {platform.processor() or platform.machine()}, Python {platform.python_version()}. "
-        "Lock-step plans (as FSDP2 runs them). Planning times are wall-clock on a shared machine: upper bounds.",
+        (f"`{command}` on {platform.processor() or platform.machine()}, Python {platform.python_version()}. "
+         "Lock-step plans (as FSDP2 runs them). Planning times are wall-clock on a shared machine: upper bounds."),
     ]
     if not args.no_published:
         out += published(args.large)
@@ -212,7 +219,11 @@ def published(large: int) -> list[str]:
     out.append(table(header, rows))
     if large:
         big = mixed_lengths(large, 64, 32768, 42)
-        out += ["", f"### {large:,} lengths (the original workload generator, seed 42), 8 ranks, {sum(big):,} tokens", ""]
+        out += [
+            "",
+            f"### {large:,} lengths (the original workload generator, seed 42), 8 ranks, {sum(big):,} tokens",
+            "",
+        ]
         big_rows = []
         for planner, layout in CASES:
             for budget in BUDGETS:
@@ -225,19 +236,28 @@ def published(large: int) -> list[str]:
 def scaling(args) -> list[str]:
     sizes = tuple(sorted(args.sizes))
     names = args.distributions.split(",")
-    header = ["planner", "layout", "ranks", "budget", *(f"ms at {n:,}" for n in sizes),
-              *(f"growth ×10 ({a:,}→{b:,})" if b == 10 * a else f"growth {a:,}→{b:,}" for a, b in zip(sizes, sizes[1:])),
-              f"steps / bound at {sizes[-1]:,}", "packing eff.", "of the bound's", "cost max/mean"]
+    header = [
+        "planner",
+        "layout",
+        "ranks",
+        "budget",
+        *(f"ms at {n:,}" for n in sizes),
+        *(f"growth ×10 ({a:,}→{b:,})" if b == 10 * a else f"growth {a:,}→{b:,}" for a, b in zip(sizes, sizes[1:])),
+        f"steps / bound at {sizes[-1]:,}",
+        "packing eff.",
+        "of the bound's",
+        "cost max/mean",
+    ]
     out = [
         "",
         "## Part 2: planning time against corpus size",
         "",
-        "Growth is t(larger) / t(smaller): about ×10 per ×10 sequences is linear, ×100 quadratic. "
-        "Packing efficiency (1 rank; with more, the balanced planner spreads the work over every slot of its steps) "
-        "is real tokens / (micro-batches × budget) at the largest size "
-        "(a sequence over the budget, alone in its micro-batch, counts as full); "
-        "*of the bound's* is the lower bound's micro-batches / the plan's (100% is the bound). "
-        "Cost model: tokens (a sequence costs its length).",
+        ("Growth is t(larger) / t(smaller): about ×10 per ×10 sequences is linear, ×100 quadratic. "
+         "Packing efficiency (1 rank; with more, the balanced planner spreads the work over every slot of its steps) "
+         "is real tokens / (micro-batches × budget) at the largest size "
+         "(a sequence over the budget, alone in its micro-batch, counts as full); "
+         "*of the bound's* is the lower bound's micro-batches / the plan's (100% is the bound). "
+         "Cost model: tokens (a sequence costs its length)."),
     ]
     all_ratios: dict[str, list[float]] = {}
     for name in names:
@@ -252,13 +272,27 @@ def scaling(args) -> list[str]:
 
 
 def million() -> list[str]:
-    header = ["distribution", "budget", "planner", "layout", "ranks", "ms at 100,000", f"ms at {MILLION:,}", "growth ×10",
-              "steps / bound", "packing eff.", "of the bound's", "cost max/mean"]
+    header = [
+        "distribution",
+        "budget",
+        "planner",
+        "layout",
+        "ranks",
+        "ms at 100,000",
+        f"ms at {MILLION:,}",
+        "growth ×10",
+        "steps / bound",
+        "packing eff.",
+        "of the bound's",
+        "cost max/mean",
+    ]
     out = ["", f"## Part 3: {MILLION:,} sequences", "",
            "Each distribution at the budget it is usually trained with; cost model: tokens.", ""]
     rows = []
     for name, budget in MILLION_CASES:
-        part, _ = scaling_rows(name, (100_000, MILLION), (budget,), MILLION_RANKS, CASES, lambda line: print(line, flush=True))
+        part, _ = scaling_rows(
+            name, (100_000, MILLION), (budget,), MILLION_RANKS, CASES, lambda line: print(line, flush=True)
+        )
         rows += [[name, r[3], r[0], r[1], r[2], *r[4:]] for r in part]
     out.append(table(header, rows))
     return out

@@ -92,7 +92,7 @@ def environment() -> dict:
             from importlib import metadata
 
             info[dist_name] = metadata.version(dist_name)
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - not installed, or metadata unreadable: recorded as None
             info[dist_name] = None
     info["imports"] = {name: try_import(name) for name in KERNEL_MODULES}
     return info
@@ -105,7 +105,8 @@ def try_import(module: str) -> dict:
     try:
         mod = importlib.import_module(module)
     except BaseException as exc:  # noqa: BLE001 - an extension's import can fail in many ways
-        return {"imported": False, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"}
+        return {"imported": False, "error": f"{type(exc).__name__}: "
+                                            f"{str(exc).splitlines()[0][:200] if str(exc) else ''}"}
     return {"imported": True, "version": getattr(mod, "__version__", None)}
 
 
@@ -304,8 +305,15 @@ def main() -> int:
         save()
     if on_gpu and n_gpus < 2:
         # 3. The multi-rank path one GPU allows: 2 CPU ranks (gloo) on this host, compared with the GPU's single rank.
-        rc, sweep = run("cpu_ranks", "backend=" + ",".join(b.name for b in BACKENDS if b.distributed), "backend.device=cpu", "world_size=2", "mtpm=700",
-                        "model.dtype=float32", limit_s=200)
+        rc, sweep = run(
+            "cpu_ranks",
+            "backend=" + ",".join(b.name for b in BACKENDS if b.distributed),
+            "backend.device=cpu",
+            "world_size=2",
+            "mtpm=700",
+            "model.dtype=float32",
+            limit_s=200,
+        )
         cpu_runs, gpu_runs = runs_in(sweep), runs_in(runs_dir / "agree_float32")
         entry: dict = {"exit_code": rc, "rtol": GPU_CPU_RTOL, "backends": {}}
         for name, cpu_run in cpu_runs.items():

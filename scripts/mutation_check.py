@@ -43,7 +43,9 @@ MUTATIONS = (
         "backends/model/packing.py",
         "    torch_chunk_gated_delta_rule = _eager(torch_chunk_gated_delta_rule)\n",
         "",
-        ("tests/unit/test_compiling.py::test_compiling_wraps_each_decoder_layer_once_and_keeps_the_boundary_kernels_eager",),
+        (
+            "tests/unit/test_compiling.py::test_compiling_wraps_each_decoder_layer_once_and_keeps_the_boundary_kernels_eager",
+        ),
     ),
     Mutation(
         "ranks' compile seconds added up, though they compile side by side",
@@ -64,7 +66,9 @@ MUTATIONS = (
         "backends/model/compiling.py",
         'config.dynamic_values = ",".join(str(n) for n in sorted(sizes - model_sizes))',
         "config.dynamic_values = before",
-        ("tests/unit/test_compiling.py::test_plan_sizes_are_symbolic_from_the_first_compile_and_a_size_guard_is_counted",),
+        (
+            "tests/unit/test_compiling.py::test_plan_sizes_are_symbolic_from_the_first_compile_and_a_size_guard_is_counted",
+        ),
     ),
     Mutation(
         "loss divided by each micro-batch's token count, not the batch's weight",
@@ -92,28 +96,36 @@ MUTATIONS = (
         "backends/planning/balanced.py",
         "t = min(room // length, k // nb, cap - self.cnt[g])",
         "t = min(room // length, k // nb)",
-        ("tests/unit/test_planner_scaling.py::test_the_cap_holds_where_a_few_cheap_micro_batches_take_many_short_sequences",),
+        (
+            "tests/unit/test_planner_scaling.py::test_the_cap_holds_where_a_few_cheap_micro_batches_take_many_short_sequences",
+        ),
     ),
     Mutation(
         "the lower bound leaves out the cap on sequences",
         "backends/planning/stats.py",
         "    if max_seqs:\n        most = min(most, max_seqs)\n",
         "",
-        ("tests/unit/test_planner_scaling.py::test_the_cap_is_part_of_the_lower_bound_and_the_balanced_planner_reaches_it",),
+        (
+            "tests/unit/test_planner_scaling.py::test_the_cap_is_part_of_the_lower_bound_and_the_balanced_planner_reaches_it",
+        ),
     ),
     Mutation(
         "FSDP2 drops its dummy steps",
         "backends/fsdp2.py",
         "return list(local) + [None] * (int(count.item()) - len(local))",
         "return [b for b in local if b is not None]",
-        ("tests/integration/test_distributed.py::test_fsdp2_a_short_rank_runs_a_dummy_step_and_the_gradient_is_the_oracles",),
+        (
+            "tests/integration/test_distributed.py::test_fsdp2_a_short_rank_runs_a_dummy_step_and_the_gradient_is_the_oracles",
+        ),
     ),
     Mutation(
         "FSDP2's other ranks wait for rank 0's read in their first broadcast, not on the store",
         "backends/model/loading.py",
         "    else:\n        gate.wait()\n",
         "",
-        ("tests/integration/test_loading.py::test_fsdp2_ranks_wait_for_a_rank0_read_longer_than_the_collective_timeout",),
+        (
+            "tests/integration/test_loading.py::test_fsdp2_ranks_wait_for_a_rank0_read_longer_than_the_collective_timeout",
+        ),
     ),
     Mutation(
         "FSDP2 ranks do not compare their step counts",
@@ -137,7 +149,9 @@ MUTATIONS = (
         "harness/app.py",
         'if previous.get("status") == "ok":',
         'if previous.get("status") == "never":',
-        ("tests/integration/test_harness_cli.py::test_resume_keeps_finished_results_and_finds_points_by_their_overrides",),
+        (
+            "tests/integration/test_harness_cli.py::test_resume_keeps_finished_results_and_finds_points_by_their_overrides",
+        ),
     ),
     Mutation(
         "an allocator's refusal is not classified as out of memory",
@@ -156,7 +170,8 @@ MUTATIONS = (
     Mutation(
         "packed cu_seqlens make the whole row one sequence",
         "backends/model/packing.py",
-        "    cu_seqlens = torch.from_numpy(cu).to(device, non_blocking=True)\n    remember_bounds(cu_seqlens, cu.tolist())",
+        "    cu_seqlens = torch.from_numpy(cu).to(device, non_blocking=True)\n"
+        "    remember_bounds(cu_seqlens, cu.tolist())",
         "    cu_seqlens = torch.from_numpy(cu[[0, -1]].copy()).to(device, non_blocking=True)\n"
         "    remember_bounds(cu_seqlens, cu[[0, -1]].tolist())",
         (
@@ -192,14 +207,17 @@ MUTATIONS = (
         "backends/model/build.py",
         "    if dtype not in HALF_DTYPES:\n        return 0\n    import types",
         "    if True:\n        return 0\n    import types",
-        ("tests/unit/test_precision.py::test_lora_adapters_compute_in_bf16_and_keep_float32_weights_and_gradients",
-         "tests/integration/test_precision.py::test_fsdp2_and_megatron_compute_lora_alike_in_bf16"),
+        (
+            "tests/unit/test_precision.py::test_lora_adapters_compute_in_bf16_and_keep_float32_weights_and_gradients",
+            "tests/integration/test_precision.py::test_fsdp2_and_megatron_compute_lora_alike_in_bf16",
+        ),
     ),
     Mutation(
         "padded rows keep transformers' delta rule while packed rows run the project's scan",
         "backends/model/packing.py",
         "        if cu_seqlens is None:\n            # A padded batch runs the same scan",
-        "        if cu_seqlens is None:\n            return torch_delta_rule(query, key, value, chunk_size=chunk_size, **common, **kwargs)\n"
+        "        if cu_seqlens is None:\n"
+        "            return torch_delta_rule(query, key, value, chunk_size=chunk_size, **common, **kwargs)\n"
         "            # A padded batch runs the same scan",
         ("tests/unit/test_kernels.py::test_each_layout_records_what_ran_and_both_run_the_same_scan_and_convolution",),
     ),
@@ -208,7 +226,9 @@ MUTATIONS = (
         "backends/model/packing.py",
         "return (original if fused else torch_conv1d)(hidden_states",
         "return original(hidden_states",
-        ("tests/unit/test_kernels.py::test_cpu_tensors_never_reach_a_gpu_kernel_even_where_the_kernel_packages_import",),
+        (
+            "tests/unit/test_kernels.py::test_cpu_tensors_never_reach_a_gpu_kernel_even_where_the_kernel_packages_import",
+        ),
     ),
     Mutation(
         "a LoRA backward counted as 3 forwards (weight gradients for the frozen base)",
@@ -236,42 +256,54 @@ MUTATIONS = (
         "harness/points.py",
         "        added[key] = baseline\n",
         "        added.pop(key, None)\n",
-        ("tests/unit/test_answer.py::test_a_sweep_without_mbs1_gets_one_ahead_of_each_setting_and_one_that_has_it_gets_none",),
+        (
+            "tests/unit/test_answer.py::test_a_sweep_without_mbs1_gets_one_ahead_of_each_setting_and_one_that_has_it_gets_none",
+        ),
     ),
     Mutation(
         "budgets of different plans share one measurement",
         "harness/app.py",
         'what = {"config": conf, "layout": plan.stats.layout, "schedules": plan.schedules}',
         'what = {"config": conf, "layout": plan.stats.layout}',
-        ("tests/unit/test_answer.py::test_two_budgets_share_a_measurement_only_when_the_plan_and_everything_else_match",),
+        (
+            "tests/unit/test_answer.py::test_two_budgets_share_a_measurement_only_when_the_plan_and_everything_else_match",
+        ),
     ),
     Mutation(
         "mtpm=auto runs candidates predicted over the limit",
         "harness/auto.py",
         "            if c.predicted_peak_bytes > limit_bytes:",
         "            if False:",
-        ("tests/unit/test_answer.py::test_the_search_runs_what_fits_skips_what_is_predicted_over_and_chooses_the_fastest",),
+        (
+            "tests/unit/test_answer.py::test_the_search_runs_what_fits_skips_what_is_predicted_over_and_chooses_the_fastest",
+        ),
     ),
     Mutation(
         "mtpm=auto chooses the slowest candidate",
         "harness/auto.py",
         "chosen = max(fitting, key=lambda c: c.speedup if paired else c.tok_per_s) if fitting else None",
         "chosen = min(fitting, key=lambda c: c.speedup if paired else c.tok_per_s) if fitting else None",
-        ("tests/unit/test_answer.py::test_the_search_runs_what_fits_skips_what_is_predicted_over_and_chooses_the_fastest",),
+        (
+            "tests/unit/test_answer.py::test_the_search_runs_what_fits_skips_what_is_predicted_over_and_chooses_the_fastest",
+        ),
     ),
     Mutation(
         "a budget defaults to the original greedy padded planner",
         "harness/config.py",
         'return ("balanced", "packed") if has_budget else ("greedy", "padded")',
         'return ("greedy", "padded")',
-        ("tests/unit/test_answer.py::test_a_budget_defaults_to_the_balanced_packed_planner_and_the_presets_keep_the_original",),
+        (
+            "tests/unit/test_answer.py::test_a_budget_defaults_to_the_balanced_packed_planner_and_the_presets_keep_the_original",
+        ),
     ),
     Mutation(
         "a client records its own planner and layout, not the server's",
         "harness/app.py",
         "layout, planner = backend.layout or layout, backend.planner or planner",
         "layout, planner = b.layout, b.planner",
-        ("tests/integration/test_serve.py::test_a_packed_server_is_recorded_as_it_runs_by_its_client_and_keeps_its_budget",),
+        (
+            "tests/integration/test_serve.py::test_a_packed_server_is_recorded_as_it_runs_by_its_client_and_keeps_its_budget",
+        ),
     ),
     Mutation(
         "a committed result edited by hand (pad efficiency)",
@@ -297,7 +329,8 @@ MUTATIONS = (
     Mutation(
         "the token cache key forgets the files' size and modification time",
         "harness/dataset.py",
-        '"files": [{"path": str(f.resolve()), "size": f.stat().st_size, "mtime_ns": f.stat().st_mtime_ns} for f in files],',
+        '"files": [{"path": str(f.resolve()), "size": f.stat().st_size, "mtime_ns": f.stat().st_mtime_ns} '
+        'for f in files],',
         '"files": [{"path": str(f.resolve())} for f in files],',
         ("tests/unit/test_dataset.py::test_the_cache_is_read_on_a_second_run_and_invalidated_by_a_change",),
     ),
@@ -327,8 +360,10 @@ MUTATIONS = (
         "backends/runtime/timeline.py",
         "    if lockstep and torch.get_num_threads() == 1:",
         "    if False:",
-        ("tests/unit/test_balance.py::test_a_cpu_rank_clock_times_each_step_and_counts_blocked_time_as_busy_only_where_no_collective_is_inside",
-         "tests/integration/test_balance.py::test_a_rank_with_less_work_is_measured_waiting_for_the_other"),
+        (
+            "tests/unit/test_balance.py::test_a_cpu_rank_clock_times_each_step_and_counts_blocked_time_as_busy_only_where_no_collective_is_inside",
+            "tests/integration/test_balance.py::test_a_rank_with_less_work_is_measured_waiting_for_the_other",
+        ),
     ),
     Mutation(
         "the end of a pass's last step is not marked: its time is lost",
@@ -356,7 +391,9 @@ MUTATIONS = (
         "backends/planning/stats.py",
         "        if cost_model.fixed:\n",
         "        if False:\n",
-        ("tests/unit/test_balance.py::test_a_fixed_cost_per_micro_batch_is_counted_once_per_micro_batch_and_never_for_a_dummy",),
+        (
+            "tests/unit/test_balance.py::test_a_fixed_cost_per_micro_batch_is_counted_once_per_micro_batch_and_never_for_a_dummy",
+        ),
     ),
     Mutation(
         "the calibration cache is keyed without the layout: a padded fit plans packed rows",
@@ -370,50 +407,65 @@ MUTATIONS = (
         "harness/measure.py",
         "        baseline_first = pairing is not None and i % 2 == 1\n",
         "        baseline_first = False\n",
-        ("tests/unit/test_spread.py::test_a_drifting_machine_fools_points_measured_one_after_the_other_and_not_paired_repeats",),
+        (
+            "tests/unit/test_spread.py::test_a_drifting_machine_fools_points_measured_one_after_the_other_and_not_paired_repeats",
+        ),
     ),
     Mutation(
         "no settling pass: the first timed pass after a switch of shape pays for the switch",
         "harness/measure.py",
         "        if pairing is None or last == which:\n            return\n",
         "        if True:\n            return\n",
-        ("tests/unit/test_spread.py::test_every_timed_pass_of_a_pair_follows_one_of_its_own_shape_so_a_switch_costs_neither_side",),
+        (
+            "tests/unit/test_spread.py::test_every_timed_pass_of_a_pair_follows_one_of_its_own_shape_so_a_switch_costs_neither_side",
+        ),
     ),
     Mutation(
         "a normal quantile in place of Student's t: an interval of 3 repeats half as wide as it should be",
         "harness/spread.py",
         "    if df <= len(_T975):\n        return _T975[df - 1]\n",
         "",
-        ("tests/unit/test_spread.py::test_the_interval_is_students_t_on_the_logs_and_covers_the_geometric_mean_as_often_as_it_says",),
+        (
+            "tests/unit/test_spread.py::test_the_interval_is_students_t_on_the_logs_and_covers_the_geometric_mean_as_often_as_it_says",
+        ),
     ),
     Mutation(
         "bench.target_ci_pct is ignored for a pass's own tok/s: it stops at bench.repeat however wide the interval",
         "harness/measure.py",
         "        if needs_more([real_tokens / t for t in elapsed], target_ci_pct):\n            return True\n",
         "",
-        ("tests/unit/test_spread.py::test_repeats_go_on_until_the_interval_is_as_tight_as_asked_and_stop_at_the_most_allowed",),
+        (
+            "tests/unit/test_spread.py::test_repeats_go_on_until_the_interval_is_as_tight_as_asked_and_stop_at_the_most_allowed",
+        ),
     ),
     Mutation(
         "a spread over 10% is never flagged noisy",
         "harness/spread.py",
         '"noisy": min(known) > 0 and max(known) / min(known) > NOISY_RATIO}',
         '"noisy": False}',
-        ("tests/unit/test_spread.py::test_a_figure_records_its_median_spread_interval_and_whether_it_is_noisy",
-         "tests/unit/test_reports.py::test_committed_results_are_a_real_sweep_of_this_machine"),
+        (
+            "tests/unit/test_spread.py::test_a_figure_records_its_median_spread_interval_and_whether_it_is_noisy",
+            "tests/unit/test_reports.py::test_committed_results_are_a_real_sweep_of_this_machine",
+        ),
     ),
     Mutation(
         "the report divides by the sweep's mbs=1 row though the point measured its speedup in pairs",
         "reports/render.py",
         '        if paired is not None and r.status == "ok":\n',
         '        if False:\n',
-        ("tests/unit/test_spread.py::test_the_table_and_the_answer_show_the_paired_interval_and_say_when_it_cannot_tell_or_is_noisy",),
+        (
+            "tests/unit/test_spread.py::test_the_table_and_the_answer_show_the_paired_interval_and_say_when_it_cannot_tell_or_is_noisy",
+        ),
     ),
     Mutation(
-        "the answer ranks rows by tok/s though they were measured in pairs: a point timed while the machine ran fast wins",
+        "the answer ranks rows by tok/s though they were measured in pairs: "
+        "a point timed while the machine ran fast wins",
         "reports/render.py",
         '        ranked = pool["speedup"] if pool["speedup"].notna().all() else pool["forward_backward_tok_per_s"]\n',
         '        ranked = pool["forward_backward_tok_per_s"]\n',
-        ("tests/unit/test_spread.py::test_the_table_and_the_answer_show_the_paired_interval_and_say_when_it_cannot_tell_or_is_noisy",),
+        (
+            "tests/unit/test_spread.py::test_the_table_and_the_answer_show_the_paired_interval_and_say_when_it_cannot_tell_or_is_noisy",
+        ),
     ),
     Mutation(
         "a hot backend's paired baseline runs with the point's budget: the control file is not switched to mbs=1",
@@ -432,8 +484,10 @@ MUTATIONS = (
     Mutation(
         "mtpm=0 accepted as a budget",
         "harness/config.py",
-        "    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:\n        raise UserError(f\"mtpm: must",
-        "    if isinstance(value, bool) or not isinstance(value, int) or value < 0:\n        raise UserError(f\"mtpm: must",
+        "    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:\n"
+        "        raise UserError(f\"mtpm: must",
+        "    if isinstance(value, bool) or not isinstance(value, int) or value < 0:\n"
+        "        raise UserError(f\"mtpm: must",
         ("tests/unit/test_config.py",),
     ),
 )
@@ -486,7 +540,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", help="run the mutations whose name contains this text")
     parser.add_argument("--list", action="store_true", help="list the mutations and exit")
-    parser.add_argument("--baseline", action="store_true", help="first run each mutation's tests unmutated (they must pass)")
+    parser.add_argument("--baseline", action="store_true",
+                        help="first run each mutation's tests unmutated (they must pass)")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="per mutation (default 600)")
     parser.add_argument("--verbose", action="store_true", help="print pytest's last lines for every mutation")
     args = parser.parse_args(argv)

@@ -1,1 +1,2 @@
-"""The tests: tests/unit in-process (make test-fast), tests/integration real processes; helpers both tiers share live here."""
+"""The tests: tests/unit in-process (make test-fast), tests/integration real processes; helpers both tiers share live
+here."""

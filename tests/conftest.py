@@ -262,7 +262,10 @@ def unwritable_dir(tmp_path):
     folder.chmod(0o555)
     immutable = False
     if os.access(folder, os.W_OK):
-        immutable = bool(shutil.which("chattr")) and subprocess.run(["chattr", "+i", str(folder)], capture_output=True).returncode == 0
+        immutable = (
+            bool(shutil.which("chattr"))
+            and subprocess.run(["chattr", "+i", str(folder)], capture_output=True).returncode == 0
+        )
         if not immutable:
             pytest.skip("cannot make a read-only folder here")
     yield folder
@@ -273,7 +276,8 @@ def unwritable_dir(tmp_path):
 
 @pytest.fixture(scope="session")
 def demo_data(tmp_path_factory) -> dict:
-    """The offline dataset and tokenizer of ``python -m harness.demo_data``: chats, prompt/completion, text, tokenizer."""
+    """The offline dataset and tokenizer of ``python -m harness.demo_data``: chats, prompt/completion, text,
+    tokenizer."""
     from harness.demo_data import write
 
     return write(tmp_path_factory.mktemp("demo_data"))

@@ -22,8 +22,11 @@ from backends.messages import Example
 from backends.model.configs import TINY_CONFIG
 
 
-def tiny_examples(lengths=(9, 5, 14, 7, 3, 11), vocab_size: int = TINY_CONFIG["vocab_size"], seed: int = 7) -> list[Example]:
-    """A few short examples with uneven, non-integer weights (zeros among them), so no normalisation is accidentally right."""
+def tiny_examples(
+    lengths=(9, 5, 14, 7, 3, 11), vocab_size: int = TINY_CONFIG["vocab_size"], seed: int = 7
+) -> list[Example]:
+    """A few short examples with uneven, non-integer weights (zeros among them), so no normalisation is accidentally
+    right."""
     rng = np.random.default_rng(seed)
     out = []
     for n in lengths:
@@ -47,7 +50,9 @@ def plain_model(init_seed: int = 0, lora_rank: int = 32) -> torch.nn.Module:
     if lora_rank > 0:
         from peft import LoraConfig, get_peft_model
 
-        config = LoraConfig(r=lora_rank, lora_alpha=lora_rank, lora_dropout=0.0, target_modules="all-linear", bias="none")
+        config = LoraConfig(
+            r=lora_rank, lora_alpha=lora_rank, lora_dropout=0.0, target_modules="all-linear", bias="none"
+        )
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(init_seed + 1)
             model = get_peft_model(model, config)

@@ -1,4 +1,5 @@
-"""plan.json documents (the format harness writes) for the plan-figure tests: from today's greedy planner, or by hand."""
+"""plan.json documents (the format harness writes) for the plan-figure tests: from today's greedy planner, or by
+hand."""
 
 from __future__ import annotations
 

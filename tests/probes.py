@@ -111,5 +111,6 @@ class FSDP2SeesItsControllersEnvironment(FSDP2Hooks):
         import os
 
         if os.environ.get("BALANCE_BATCH_TEST_PROBE") != "set-after-the-fork-server":
-            raise RuntimeError(f"rank environment: BALANCE_BATCH_TEST_PROBE={os.environ.get('BALANCE_BATCH_TEST_PROBE')!r}")
+            raise RuntimeError("rank environment: "
+                               f"BALANCE_BATCH_TEST_PROBE={os.environ.get('BALANCE_BATCH_TEST_PROBE')!r}")
         super().setup()

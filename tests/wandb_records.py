@@ -36,7 +36,8 @@ def records(path: Path) -> list[pb.Record]:
 
 
 def run_contents(path: Path) -> dict:
-    """The run's name, group, config, summary, logged history rows (decoded from JSON values) and exit code (None: not finished)."""
+    """The run's name, group, config, summary, logged history rows (decoded from JSON values) and exit code (None: not
+    finished)."""
     out = {"config": {}, "summary": {}, "history": [], "name": None, "group": None, "exit_code": None}
     for rec in records(path):
         kind = rec.WhichOneof("record_type")
@@ -54,5 +55,7 @@ def run_contents(path: Path) -> dict:
         elif kind == "exit":
             out["exit_code"] = rec.exit.exit_code
         elif kind == "history":
-            out["history"].append({(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in rec.history.item})
+            out["history"].append(
+                {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in rec.history.item}
+            )
     return out

@@ -1,4 +1,5 @@
-"""``python -m harness`` (or ``reports``) for the tests, forked from an interpreter that already imported the heavy modules.
+"""``python -m harness`` (or ``reports``) for the tests, forked from an interpreter that already imported the heavy
+modules.
 
 A CLI process imports torch, transformers, peft, hydra and matplotlib before it does anything (about 4 s of CPU
 on the 2-core machine CI runs on), and the suite starts about a hundred of them. One warm server per pytest

@@ -1,4 +1,5 @@
-"""Building and running the model, the same on every backend: build, configs, checkpoint checks, loading, packing, the log-prob head, the shared step, the kernel record.
+"""Building and running the model, the same on every backend: build, configs, checkpoint checks, loading, packing, the
+log-prob head, the shared step, the kernel record.
 
 build.py       the model from a config or a local checkpoint, LoRA, the precision policy, what was built
 configs.py     the tiny model's config and the shipped configs a dry run plans with

@@ -152,7 +152,8 @@ def build_model(
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
-    # Packed rows kept apart, padded and packed on the same kernels, every kernel call recorded (backends/model/packing.py).
+    # Packed rows kept apart, padded and packed on the same kernels, every kernel call recorded
+    # (backends/model/packing.py).
     prepare_model_for_packing(model)
     return model
 

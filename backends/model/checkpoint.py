@@ -1,4 +1,5 @@
-"""A checkpoint directory, checked before it is measured: its config, its weight files, and that they are the model's weights.
+"""A checkpoint directory, checked before it is measured: its config, its weight files, and that they are the model's
+weights.
 
 ``check_checkpoint`` is what the harness and the server run (through
 ``build.model_vocab_size``) before any process is started or any weight read:
@@ -36,7 +37,12 @@ log = logging.getLogger(__name__)
 TINY_MODEL_NAME = "tiny"
 
 # transformers' file names, in the order it looks for them in a local directory.
-SAFE, SAFE_INDEX, BIN, BIN_INDEX = "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json"
+SAFE, SAFE_INDEX, BIN, BIN_INDEX = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 SHOWN_KEYS = 3  # weight names quoted in a one-line error
 
 
@@ -87,8 +93,13 @@ def weight_files(path: Path) -> list[Path]:
         if not name.endswith(".index.json"):
             return [file]
         weight_map = read_json_file(file, "a sharded checkpoint's index").get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map or not all(isinstance(v, str) for v in weight_map.values()):
-            raise UserError(f"model.path: {file} has no weight_map from tensor names to files (as save_pretrained writes it)")
+        if (
+            not isinstance(weight_map, dict)
+            or not weight_map
+            or not all(isinstance(v, str) for v in weight_map.values())
+        ):
+            raise UserError(f"model.path: {file} has no weight_map from tensor names to files "
+                            "(as save_pretrained writes it)")
         names = sorted(set(weight_map.values()))
         absent = [n for n in names if not (path / n).is_file()]
         if absent:
@@ -118,7 +129,9 @@ def _weight_shapes(files: list[Path]) -> dict:
         except Exception as exc:  # noqa: BLE001 - whatever the reader says, it is this file that cannot be read
             reason = first_line(str(exc), 200).removeprefix("Error while deserializing header: ") or type(exc).__name__
             hint = ""
-            if any(s in reason for s in ("incomplete metadata", "header too small", "failed finding central directory")):
+            if any(
+                s in reason for s in ("incomplete metadata", "header too small", "failed finding central directory")
+            ):
                 hint = ": the file is shorter than it says, a copy or download that did not finish?"
             raise UserError(f"model.path: {file} is not a readable {kind} file ({reason}{hint})") from None
     return shapes
@@ -184,7 +197,8 @@ _checked: dict[tuple, Optional[tuple[list[str], list[str]]]] = {}
 
 
 def check_checkpoint(spec: ModelSpec) -> Optional[Path]:
-    """The checkpoint directory, with its config, files and weight names checked (see the module); None for the tiny model.
+    """The checkpoint directory, with its config, files and weight names checked (see the module); None for the tiny
+    model.
 
     Cheap to call again (a hot sweep calls it per point): the key report is
     kept per directory while none of its files changes.
@@ -219,12 +233,15 @@ def weights_loaded(spec: ModelSpec, missing: list[str], unexpected: list[str],
     if missing or unexpected:
         parts = []
         if missing:
-            parts.append(f"{len(missing)} of the model's weights missing ({_some(missing)}), which would run randomly initialised")
+            parts.append(f"{len(missing)} of the model's weights missing ({_some(missing)}), "
+                         "which would run randomly initialised")
         if unexpected:
             parts.append(f"{len(unexpected)} unexpected ({_some(unexpected)}), which the model has no place for")
         what = f"the weights in {spec.path} do not match its config.json: " + "; ".join(parts)
         if not spec.allow_missing_weights:
             raise UserError(f"model.path: {what}; use a complete checkpoint, or model.allow_missing_weights=true "
                             "to measure it anyway (results.json then lists them under model.built)")
-        log.log(level, "%s (model.allow_missing_weights=true: measured anyway, listed in results.json model.built)", what)
+        log.log(
+            level, "%s (model.allow_missing_weights=true: measured anyway, listed in results.json model.built)", what
+        )
     return {"missing_weights": missing, "unexpected_weights": unexpected}

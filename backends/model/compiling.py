@@ -1,4 +1,5 @@
-"""``backend.compile=true``: torch.compile on each decoder layer, and what compiling cost (time, recompilations, graph breaks).
+"""``backend.compile=true``: torch.compile on each decoder layer, and what compiling cost (time, recompilations, graph
+breaks).
 
 What is compiled: each decoder layer's ``forward``, not the whole model.
 
@@ -162,8 +163,15 @@ def compiled_layers(model: torch.nn.Module) -> int:
 
 def describe(model: torch.nn.Module) -> dict:
     """``model.built.compile`` of results.json: what is compiled, and how."""
-    return {"scope": SCOPE, "layers": compiled_layers(model), "dynamic": "plan_sizes", "backend": "inductor",
-            "mode": "default", "eager_inside": list(EAGER_INSIDE), "recompile_limit": torch._dynamo.config.recompile_limit}
+    return {
+        "scope": SCOPE,
+        "layers": compiled_layers(model),
+        "dynamic": "plan_sizes",
+        "backend": "inductor",
+        "mode": "default",
+        "eager_inside": list(EAGER_INSIDE),
+        "recompile_limit": torch._dynamo.config.recompile_limit,
+    }
 
 
 # The operations each compiled layer runs eagerly (backends/model/packing.py ``_eager``)

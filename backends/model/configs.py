@@ -1,4 +1,5 @@
-"""Model architectures as plain dicts (no torch): the tiny test model, the benchmark model's shipped config, and their cost models."""
+"""Model architectures as plain dicts (no torch): the tiny test model, the benchmark model's shipped config, and their
+cost models."""
 
 from __future__ import annotations
 
@@ -104,7 +105,8 @@ def model_config(spec: ModelSpec) -> tuple[dict[str, Any], str]:
 
 
 def read_json_file(path: Path, what: str) -> dict[str, Any]:
-    """A JSON object from ``path`` (``what`` it should be, for the error), or one line naming the file and the problem."""
+    """A JSON object from ``path`` (``what`` it should be, for the error), or one line naming the file and the
+    problem."""
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:

@@ -1,4 +1,5 @@
-"""Which implementation ran for each kernel-backed operation, counted as the model runs, and which kernels a device lacks.
+"""Which implementation ran for each kernel-backed operation, counted as the model runs, and which kernels a device
+lacks.
 
 Five operations of the benchmark model have a fast CUDA kernel and a torch
 fallback: full attention, the gated delta rule, the short causal convolution,
@@ -45,7 +46,8 @@ TRANSFORMERS_TORCH_CHUNK = "transformers-torch-chunk"  # transformers' own torch
 CAUSAL_CONV1D = "causal-conv1d"
 TORCH_CONV1D = "torch-conv1d"
 GROUPED_MM = "grouped_mm"  # torch's grouped GEMM over all experts at once
-GROUPED_MM_LOOP = "grouped_mm-fallback-loop"  # transformers' fallback when torch's grouped_mm cannot run: one mm per expert
+# transformers' fallback when torch's grouped_mm cannot run: one mm per expert
+GROUPED_MM_LOOP = "grouped_mm-fallback-loop"
 
 _lock = threading.Lock()
 _calls: Counter = Counter()
@@ -139,7 +141,7 @@ def package_imports(name: str) -> bool:
         return False
     try:
         importlib.import_module(name)
-    except Exception:  # a broken build is the same as none: the torch path is exact, only slower
+    except Exception:  # noqa: BLE001 - a broken build is the same as none: the torch path is exact, only slower
         return False
     return True
 
@@ -173,7 +175,9 @@ def check_cuda_kernels(device_type: str, require: bool, log: Optional[logging.Lo
     """
     if device_type != "cuda":
         return []
-    lines = [f"{dist} does not import: {cost} (pip install {dist})" for dist, _, cost in missing_cuda_kernels(available)]
+    lines = [
+        f"{dist} does not import: {cost} (pip install {dist})" for dist, _, cost in missing_cuda_kernels(available)
+    ]
     if lines and require:
         raise MissingKernels("backend.require_kernels=true: " + "; ".join(lines))
     for line in lines:

@@ -100,7 +100,8 @@ class _Heartbeat:
 
 
 def read_source(spec: ModelSpec, device: torch.device) -> torch.nn.Module:
-    """Rank 0's copy of the weights in host memory: the checkpoint with from_pretrained, or the tiny model from its seed."""
+    """Rank 0's copy of the weights in host memory: the checkpoint with from_pretrained, or the tiny model from its
+    seed."""
     return build_model(spec, device, False, place="cpu")
 
 
@@ -156,7 +157,8 @@ def load_sharded(
 
 
 class BroadcastProgress:
-    """Rank 0's progress through the broadcasts: tensors and GB sent, GB/s, at most every ``every_s`` (and at the end)."""
+    """Rank 0's progress through the broadcasts: tensors and GB sent, GB/s, at most every ``every_s`` (and at the
+    end)."""
 
     def __init__(self, total_tensors: int, total_bytes: int, every_s: float = LOAD_PROGRESS_EVERY_S,
                  emit: Callable[[str], None] = log.info):
@@ -215,7 +217,8 @@ def fill_from_rank0(model: torch.nn.Module, source: Optional[torch.nn.Module], d
         # Rank 0 alone can compare; its error stops every rank (the controller ends them all).
         names = {name for name, _ in targets}
         if names != set(sources):
-            raise RuntimeError(f"the meta build and the loaded model differ in names: {sorted(names ^ set(sources))[:5]}")
+            raise RuntimeError("the meta build and the loaded model differ in names: "
+                               f"{sorted(names ^ set(sources))[:5]}")
         differ = [f"{n}: {tuple(sources[n].shape)} {sources[n].dtype} vs {tuple(t.shape)} {t.dtype}"
                   for n, t in targets if sources[n].shape != t.shape or sources[n].dtype != t.dtype]
         if differ:

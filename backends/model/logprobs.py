@@ -23,7 +23,9 @@ from torch import nn
 from backends.model import kernels
 
 
-def _chunk_softmax_parts(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor):
+def _chunk_softmax_parts(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor
+):
     """One chunk's target log-probs [n] and its softmax [n, vocab] (float32, one buffer, computed in place).
 
     The steps are log_softmax's own (shift by the row maximum, sum the
@@ -40,7 +42,8 @@ def _chunk_softmax_parts(hidden: torch.Tensor, weight: torch.Tensor, bias: Optio
 
 
 def _minus_softmax_plus_onehot_(probs: torch.Tensor, targets: torch.Tensor, scale: Optional[torch.Tensor] = None):
-    """In place: ``scale · (onehot(targets) − probs)``, the gradient of ``scale · logprob[target]`` w.r.t. the logits."""
+    """In place: ``scale · (onehot(targets) − probs)``, the gradient of ``scale · logprob[target]`` w.r.t. the
+    logits."""
     if scale is None:
         probs.neg_()
         return probs.scatter_add_(-1, targets.unsqueeze(-1), torch.ones_like(probs[:, :1]))

@@ -106,8 +106,8 @@ def check_packable(model: torch.nn.Module) -> None:
     model_type = getattr(getattr(hf, "config", None), "model_type", None)
     if model_type not in PACKED_MODEL_TYPES:
         name = type(hf).__name__ if hf is not None else type(model).__name__
-        raise ValueError(f"layout=packed cannot run {name} (model_type {model_type!r}): packed rows are kept apart only "
-                         f"in Qwen3.5-MoE models (model_type {' / '.join(PACKED_MODEL_TYPES)}); use layout=padded")
+        raise ValueError(f"layout=packed cannot run {name} (model_type {model_type!r}): packed rows are kept apart "
+                         f"only in Qwen3.5-MoE models (model_type {' / '.join(PACKED_MODEL_TYPES)}); use layout=padded")
     _PACKABLE[model] = True
 
 
@@ -238,7 +238,9 @@ def _segment_attention(original: Callable, implementation: str, module, query, k
     kernels.note("attention", kernels.SDPA_PER_SEQUENCE)
     # SDPA once per sequence: the cost is the sum of per-sequence costs, and a
     # sequence alone is exactly what the padded and mbs=1 paths compute.
-    plain = {k: v for k, v in kwargs.items() if k not in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")}
+    plain = {
+        k: v for k, v in kwargs.items() if k not in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+    }
     bounds = _bounds(cu)
     lengths = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
     # torch.split, not slices: one backward that concatenates, where each slice's
@@ -317,7 +319,9 @@ def _packed_conv1d(original: Callable) -> Callable:
             # causal-conv1d keeps sequences apart by seq_idx (the layer hands it a channel-last view)
             bounds = cu.long()
             seg = torch.repeat_interleave(
-                torch.arange(bounds.numel() - 1, device=cu.device), bounds[1:] - bounds[:-1], output_size=hidden_states.shape[-1]
+                torch.arange(bounds.numel() - 1, device=cu.device),
+                bounds[1:] - bounds[:-1],
+                output_size=hidden_states.shape[-1],
             )
             return original(hidden_states, weight, bias, activation=activation, seq_idx=seg.to(torch.int32)[None])
         return segment_causal_conv1d(hidden_states, weight, bias, activation, cu)
@@ -413,7 +417,9 @@ def segment_chunk_gated_delta_rule(
     system = (k_beta @ k.transpose(-1, -2)) * pair_decay
     intra = (q @ k.transpose(-1, -2)) * pair_decay
     corrected_v = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
-    state_keys = torch.linalg.solve_triangular(system, k_beta * cum.exp().unsqueeze(-1), upper=False, unitriangular=True)
+    state_keys = torch.linalg.solve_triangular(
+        system, k_beta * cum.exp().unsqueeze(-1), upper=False, unitriangular=True
+    )
     q_read = q * cum.exp().unsqueeze(-1)
     k_write = k * (cum[..., -1:] - cum).exp().unsqueeze(-1)
     chunk_decay = cum[..., -1].exp()[..., None, None]
@@ -487,7 +493,14 @@ def _packed_delta_rule(original: Callable) -> Callable:
             )
             return out.reshape(batch, length, *out.shape[2:]), None
         out = segment_chunk_gated_delta_rule(
-            query, key, value, g, beta, cu_seqlens, chunk_size=chunk_size, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel
+            query,
+            key,
+            value,
+            g,
+            beta,
+            cu_seqlens,
+            chunk_size=chunk_size,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         )
         return out, None
 
@@ -553,7 +566,9 @@ def prepare_model_for_packing(model: torch.nn.Module) -> torch.nn.Module:
     modules = list(model.modules())
     configs = {id(m.config): m.config for m in modules if isinstance(getattr(m, "config", None), PretrainedConfig)}
     # where the model's own eager attention lives (only needed when the model runs eager)
-    modeling = next((type(m).__module__ for m in modules if hasattr(sys.modules[type(m).__module__], "eager_attention_forward")), "")
+    modeling = next(
+        (type(m).__module__ for m in modules if hasattr(sys.modules[type(m).__module__], "eager_attention_forward")), ""
+    )
     for config in configs.values():
         impl = config._attn_implementation or "sdpa"
         if not (impl.startswith(PACKED_PREFIX) or impl.startswith("flash_attention")):

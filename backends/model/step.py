@@ -200,7 +200,9 @@ def outputs_to_host(pending: Sequence[PendingStep], examples: Sequence[Example])
         per_token = losses.double().cpu().numpy()
         start = 0
         for i, n in zip(batch, packed_lengths):
-            outputs[i] = ExampleOutput(logprobs=lp[start : start + n].copy(), loss=float(per_token[start : start + n].sum()))
+            outputs[i] = ExampleOutput(
+                logprobs=lp[start : start + n].copy(), loss=float(per_token[start : start + n].sum())
+            )
             start += n
     return outputs
 

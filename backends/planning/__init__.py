@@ -1,4 +1,5 @@
-"""Micro-batch planning over sequence lengths, Python and numpy (no torch): greedy and balanced planners, cost model, statistics."""
+"""Micro-batch planning over sequence lengths, Python and numpy (no torch): greedy and balanced planners, cost model,
+statistics."""
 
 from backends.planning.balanced import balanced_schedules, fewest_padded_microbatches
 from backends.planning.cost import (

@@ -65,7 +65,7 @@ _EXACT_MAX = 16
 _EXACT_NODES = 20_000
 _MIN_CALL = 50_000  # evaluations one search for a transfer between two ranks may always use
 _OVERRUN = 200_000  # the last round of transfers may finish its searches this far past the budget
-_PADDED_IMBALANCE = 1.005  # padded: per-rank cost max/mean worth a step more (issue 10)
+_PADDED_IMBALANCE = 1.005  # padded: a per-rank cost max/mean above this is worth a step more
 _PADDED_RETRIES = 8  # padded: at most this many steps more than the fewest, each a whole planning pass
 _PADDED_FEW_STEPS = 64  # padded: only plans of at most this many steps try other cuts and more steps
 _PADDED_SEARCH = 8  # padded: the retries together use at most this many times one plan's refinement work
@@ -164,7 +164,8 @@ class _Bins:
 
 
 class _Rooms:
-    """Micro-batches by room left (0..budget tokens): add one, or take one with the least room >= x, in O(1) big-int steps.
+    """Micro-batches by room left (0..budget tokens): add one, or take one with the least room >= x, in O(1) big-int
+    steps.
 
     Two levels of bit sets: bit r % 1024 of ``low[r // 1024]`` says some
     micro-batch has room r, bit k of ``high`` says ``low[k]`` is not empty.
@@ -211,7 +212,8 @@ class _Rooms:
 
 
 class _Packer:
-    """Packed micro-batches built on the histogram of lengths: micro-batches that hold the same lengths move as one group.
+    """Packed micro-batches built on the histogram of lengths: micro-batches that hold the same lengths move as one
+    group.
 
     Sequences of one length are interchangeable, and so are micro-batches that
     hold the same lengths, so both packers below place a length's sequences
@@ -338,7 +340,8 @@ class _Packer:
             heapq.heappush(heap, (rank, self.cost[g], g))
 
     def bfd(self) -> None:
-        """Best-fit decreasing (each sequence, longest first, into the fullest micro-batch with room): as many as it needs."""
+        """Best-fit decreasing (each sequence, longest first, into the fullest micro-batch with room): as many as it
+        needs."""
         B, cap = self.B, self.cap
         rooms = _Rooms(B)
         for length, k in self.hist:
@@ -393,7 +396,8 @@ class _Packer:
         return out
 
     def groups(self, pools: dict) -> list[list[int]]:
-        """Every micro-batch's sequences (longest first, ties by index), ``pools[length]`` giving the indices of each length."""
+        """Every micro-batch's sequences (longest first, ties by index), ``pools[length]`` giving the indices of each
+        length."""
         taken = {length: 0 for length in pools}
         out: list[list[int]] = []
         for g, nb in enumerate(self.nb):
@@ -417,7 +421,8 @@ class _Packer:
 
 
 def fewest_padded_microbatches(lengths: Sequence[int], budget: int, max_seqs: Optional[int] = None) -> list[list[int]]:
-    """Greedy ``count * longest <= budget`` (and ``count <= max_seqs``) over the globally sorted lengths: the fewest padded micro-batches.
+    """Greedy ``count * longest <= budget`` (and ``count <= max_seqs``) over the globally sorted lengths: the fewest
+    padded micro-batches.
 
     Optimal: some optimal plan holds the longest sequences together in one
     micro-batch (swapping a shorter one in never raises another's longest).
@@ -472,7 +477,9 @@ class _Runs:
         best = 0.0
         for p, k, runs in self.spans:
             last = p + (runs - 1) * k
-            best = max(best, min(k, self.n - last) * costs[self.order[last]], k * costs[self.order[p]] if runs > 1 else 0.0)
+            best = max(
+                best, min(k, self.n - last) * costs[self.order[last]], k * costs[self.order[p]] if runs > 1 else 0.0
+            )
         return best
 
     def groups(self) -> list[list[int]]:
@@ -485,7 +492,8 @@ class _Runs:
 
 def _padded_groups(lengths: Sequence[int], costs: Sequence[float], budget: int, n_bins: int,
                    max_seqs: Optional[int] = None) -> list[list[int]]:
-    """At most ``n_bins`` contiguous runs of the sorted lengths with the smallest costliest run (bisection on the cap)."""
+    """At most ``n_bins`` contiguous runs of the sorted lengths with the smallest costliest run (bisection on the
+    cap)."""
     runs = _Runs(lengths, costs, budget, max_seqs)
     lo = max(costs)  # no run can cost less than the costliest sequence alone
     # The budget alone (no cap) gives the fewest runs, no more than n_bins; its costliest run bounds the cap.
@@ -612,7 +620,9 @@ class _Grid:
                 break
         return work
 
-    def _delta(self, s: int, j: int, cost_j: float, t: int, k: int, cost_k: float, second_s: float, mx_t: float) -> float:
+    def _delta(
+        self, s: int, j: int, cost_j: float, t: int, k: int, cost_k: float, second_s: float, mx_t: float
+    ) -> float:
         """Change of the sum of step maxima when j (the costliest of step s) becomes cost_j and k becomes cost_k."""
         mx_s = self.bins.cost[j]
         if s != t:
@@ -843,7 +853,8 @@ def balanced_schedules(
 def _padded_attempt(lengths: Sequence[int], costs: Sequence[float], B: int, W: int, cost_model: CostModel,
                     n_steps: int, groups: Sequence[Sequence[int]], work: int,
                     max_seqs: Optional[int] = None) -> tuple[_Bins, _Grid, list[list[int]], int]:
-    """Steps 3-5 of the module docstring for padded micro-batches ``groups`` over ``n_steps`` steps; the last item is the work used."""
+    """Steps 3-5 of the module docstring for padded micro-batches ``groups`` over ``n_steps`` steps; the last item is
+    the work used."""
     bins = _Bins(lengths, costs, B, "padded", cost_model, max_seqs)
     for g in groups:
         bins.add_bin(g, presorted=True)
@@ -869,7 +880,9 @@ def _padded_plan(lengths: Sequence[int], costs: Sequence[float], B: int, W: int,
     plan's refinement work (each attempt also counting its n sequences), so
     many ranks over few steps, or many sequences, still plan in seconds.
     """
-    greedy_steps = max(len(_greedy_token_budget(d, lengths, B, max_seqs)) for d in deal_to_ranks(sort_by_length(lengths), W))
+    greedy_steps = max(
+        len(_greedy_token_budget(d, lengths, B, max_seqs)) for d in deal_to_ranks(sort_by_length(lengths), W)
+    )
     last = min(max(n_steps, greedy_steps), n_steps + _PADDED_RETRIES)
     if n_steps > _PADDED_FEW_STEPS:
         last = n_steps  # many micro-batches per rank are fine enough: what is left uneven, another cut will not fix

@@ -23,16 +23,23 @@ def sort_by_length(lengths: Sequence[int]) -> list[int]:
 
 
 def length_order(lengths: Sequence[int]) -> tuple[list[int], np.ndarray]:
-    """``sort_by_length``'s order, and the lengths in that order (one gather, for callers that read them in sequence)."""
+    """``sort_by_length``'s order, and the lengths in that order (one gather, for callers that read them in
+    sequence)."""
     L = np.asarray(lengths, dtype=np.int64)
     # a stable sort of the negated lengths keeps equal ones in index order: key (-length, index), in numpy
     by_length = np.argsort(-L, kind="stable")
     return by_length.tolist(), L[by_length]
 
 
-def _greedy_token_budget(order: Sequence[int], lengths: Sequence[int], max_tokens: int,
-                         max_seqs: Optional[int] = None, order_lengths: Optional[Sequence[int]] = None) -> list[MicroBatch]:
-    """``order_lengths``: the lengths of ``order``'s examples, in that order, where the caller has them (read in sequence)."""
+def _greedy_token_budget(
+    order: Sequence[int],
+    lengths: Sequence[int],
+    max_tokens: int,
+    max_seqs: Optional[int] = None,
+    order_lengths: Optional[Sequence[int]] = None,
+) -> list[MicroBatch]:
+    """``order_lengths``: the lengths of ``order``'s examples, in that order, where the caller has them (read in
+    sequence)."""
     cap = max_seqs or len(order) + 1
     batches: list[MicroBatch] = []
     current: MicroBatch = []
@@ -121,7 +128,8 @@ def microbatches_for_rank(
 def greedy_packed_microbatches(order: Sequence[int], lengths: Sequence[int], max_tokens: int,
                                max_seqs: Optional[int] = None,
                                order_lengths: Optional[Sequence[int]] = None) -> list[MicroBatch]:
-    """Greedy over ``order`` for packed micro-batches: a new one starts when the sum of lengths would pass ``max_tokens``.
+    """Greedy over ``order`` for packed micro-batches: a new one starts when the sum of lengths would pass
+    ``max_tokens``.
 
     Sequences are laid end to end with no padding, so the budget bounds the sum,
     not ``count * longest``. A sequence longer than ``max_tokens`` sits alone.

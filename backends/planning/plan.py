@@ -1,4 +1,5 @@
-"""One pass's plan: which rank runs which examples in which step, by the chosen planner and layout; its plan.json and the check of one."""
+"""One pass's plan: which rank runs which examples in which step, by the chosen planner and layout; its plan.json and
+the check of one."""
 
 from __future__ import annotations
 
@@ -57,7 +58,8 @@ class Plan:
 
 
 def check_plan_json(doc) -> None:
-    """Raise ValueError naming the first thing that makes ``doc`` no plan.json document (the format of ``Plan.to_json``)."""
+    """Raise ValueError naming the first thing that makes ``doc`` no plan.json document (the format of
+    ``Plan.to_json``)."""
     if not isinstance(doc, dict):
         raise ValueError("not a JSON object")
     version = doc.get("version")
@@ -165,7 +167,8 @@ def plan_batch(
         cost_model = CostModel.tokens()
     if planner == "balanced":
         if max_tokens_per_microbatch is None:
-            raise ValueError("planner 'balanced' needs max_tokens_per_microbatch (fixed-size slices have no budget to balance)")
+            raise ValueError("planner 'balanced' needs max_tokens_per_microbatch (fixed-size slices have no budget to "
+                             "balance)")
         if max_tokens_per_microbatch <= 0:
             raise ValueError(f"max_tokens must be a positive integer, got {max_tokens_per_microbatch}")
         grid = balanced_schedules(lengths, world_size, max_tokens_per_microbatch, layout, cost_model, cap)

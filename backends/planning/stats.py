@@ -169,7 +169,9 @@ def plan_stats(
             cost_per_rank.append(0.0)
             continue
         sizes = np.fromiter((len(schedule[k]) for k in at), dtype=np.int64, count=len(at))
-        flat = np.fromiter(itertools.chain.from_iterable(schedule[k] for k in at), dtype=np.int64, count=int(sizes.sum()))
+        flat = np.fromiter(
+            itertools.chain.from_iterable(schedule[k] for k in at), dtype=np.int64, count=int(sizes.sum())
+        )
         starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
         lens = L[flat]
         real = np.add.reduceat(lens, starts)

@@ -27,7 +27,11 @@ UNSET = "unset"
 
 def default_control_path(prefix: str = "balance-batch") -> Path:
     """A path no other server on this machine uses: /dev/shm when it exists, else the temp folder."""
-    base = Path("/dev/shm") if Path("/dev/shm").is_dir() and os.access("/dev/shm", os.W_OK) else Path(tempfile.gettempdir())
+    base = (
+        Path("/dev/shm")
+        if Path("/dev/shm").is_dir() and os.access("/dev/shm", os.W_OK)
+        else Path(tempfile.gettempdir())
+    )
     return base / f"{prefix}-{os.getpid()}-{secrets.token_hex(4)}.ctl"
 
 
@@ -74,14 +78,17 @@ class ControlFile:
 
     def _write(self, settings: BatchingSettings) -> None:
         data = {
-            "max_tokens_per_microbatch": UNSET if settings.max_tokens_per_microbatch is None else settings.max_tokens_per_microbatch,
+            "max_tokens_per_microbatch": UNSET
+            if settings.max_tokens_per_microbatch is None
+            else settings.max_tokens_per_microbatch,
             "micro_batch_size": settings.micro_batch_size,
         }
         write_text_atomic(self.path, json.dumps(data), mode=0o600)
         self._last_good = settings
 
     def read(self) -> BatchingSettings:
-        """The values in the file; on unreadable or corrupt content, the last good ones (one warning per bad content)."""
+        """The values in the file; on unreadable or corrupt content, the last good ones (one warning per bad
+        content)."""
         try:
             text = self.path.read_text()
             settings = _parse(text, self.budget_required)
@@ -90,7 +97,8 @@ class ControlFile:
             if marker != self._warned_for:
                 self._warned_for = marker
                 log.warning(
-                    "control file %s unreadable or corrupt (%s); keeping max_tokens_per_microbatch=%s, micro_batch_size=%s",
+                    "control file %s unreadable or corrupt (%s); keeping max_tokens_per_microbatch=%s, "
+                    "micro_batch_size=%s",
                     self.path, marker, self._last_good.max_tokens_per_microbatch, self._last_good.micro_batch_size,
                 )
             return self._last_good

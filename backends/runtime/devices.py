@@ -1,4 +1,5 @@
-"""Devices and cores: which device a backend name means, what results.json says of it, the cores this process may use."""
+"""Devices and cores: which device a backend name means, what results.json says of it, the cores this process may
+use."""
 
 from __future__ import annotations
 

@@ -49,8 +49,8 @@ def failure_report(exc: BaseException, rank: int, spec: Optional[BackendSpec], c
     if command is None:
         limit = f" (bench.memory_limit_gb={limit_gb:g})" if limit_gb is not None else ""
         cause = "could not start a thread: " if starved else ""
-        return "oom", rank, (f"out of memory in start-up on rank {rank}{limit}: {cause}"
-                             f"{first_line(str(exc), 200) or type(exc).__name__}", details)
+        return "oom", rank, ((f"out of memory in start-up on rank {rank}{limit}: {cause}"
+                              f"{first_line(str(exc), 200) or type(exc).__name__}"), details)
     if world_size is None:
         world_size = dist.get_world_size()
     _, local = rank_share(command, rank, world_size, is_lockstep(spec.name))

@@ -104,7 +104,9 @@ def detect_launch(environ=None) -> Optional[LaunchEnv]:
     if slurm and "SLURM_PROCID" in env and ntasks and ntasks > 1:
         nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "127.0.0.1"
         # a port of the job's own, so two jobs (or two steps of one job) sharing a node do not meet
-        port = _int(env, "MASTER_PORT") or 20000 + (int(env["SLURM_JOB_ID"]) + (_int(env, "SLURM_STEP_ID") or 0)) % 20000
+        port = (
+            _int(env, "MASTER_PORT") or 20000 + (int(env["SLURM_JOB_ID"]) + (_int(env, "SLURM_STEP_ID") or 0)) % 20000
+        )
         return LaunchEnv("slurm", int(env["SLURM_PROCID"]), ntasks, _int(env, "SLURM_LOCALID") or 0,
                          _int(env, "SLURM_STEP_NUM_NODES", "SLURM_NNODES") or 1,
                          env.get("MASTER_ADDR") or first_host(nodelist), port)
@@ -126,7 +128,8 @@ class LaunchedJob:
         self._base = self._connect(is_master=self._hosts_store())
         self.store = dist.PrefixStore("balance-batch/ctl/", self._base)
         beat_client = self._connect(is_master=False)
-        beat_client.set_timeout(timedelta(seconds=_BEAT_STORE_TIMEOUT_S))  # a stopped store host must not block the beat
+        # a stopped store host must not block the beat
+        beat_client.set_timeout(timedelta(seconds=_BEAT_STORE_TIMEOUT_S))
         self._beat_store = dist.PrefixStore("balance-batch/ctl/", beat_client)
         self._beat_watch = Heartbeats(self._beat_store)  # the beat thread's reads (its own client)
         self._peers = Heartbeats(self.store)  # rank 0's peer checks
@@ -146,8 +149,12 @@ class LaunchedJob:
 
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         args = [str(os.getpid()), str(self.rank), self.env.master_addr, str(self.env.master_port)]
-        self._watchdog = subprocess.Popen([sys.executable, "-c", "from backends.runtime.job import watch; watch()", *args],
-                                          env=env, stdin=subprocess.DEVNULL, close_fds=True)
+        self._watchdog = subprocess.Popen(
+            [sys.executable, "-c", "from backends.runtime.job import watch; watch()", *args],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            close_fds=True,
+        )
 
     # -- the store ------------------------------------------------------------------------------
     def _hosts_store(self) -> bool:
@@ -183,7 +190,8 @@ class LaunchedJob:
                     reason = self._beat_store.get("abort").decode(errors="replace")
                     self.exit_now(f"rank {self.rank}: the job was ended by rank 0 ({reason})")
                 if self._beat_watch.stale(0):
-                    self.exit_now(f"rank {self.rank}: rank 0 stopped answering (no heartbeat for {STALE_AFTER_S:g} s); exiting")
+                    self.exit_now(f"rank {self.rank}: rank 0 stopped answering (no heartbeat for {STALE_AFTER_S:g} s); "
+                                  "exiting")
             except Exception as exc:  # noqa: BLE001 - the store is gone: the launcher ended the job
                 if self._stop.is_set():
                     return
@@ -191,7 +199,8 @@ class LaunchedJob:
                     self.store_lost = (f"lost the job's store at {self.env.master_addr}:{self.env.master_port} "
                                        f"({type(exc).__name__}): the launcher ended the job (a rank or a node failed)")
                     return
-                self.exit_now(f"rank {self.rank}: lost the job's store at {self.env.master_addr}:{self.env.master_port} "
+                self.exit_now(f"rank {self.rank}: lost the job's store at "
+                              f"{self.env.master_addr}:{self.env.master_port} "
                                f"({type(exc).__name__}); the job has ended; exiting")
 
     def exit_now(self, line: str) -> None:
@@ -364,7 +373,7 @@ def end_after_failure(exit_code: int) -> None:
     for handler in logging.getLogger().handlers:
         try:
             handler.flush()
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - a handler that cannot flush must not stop the exit
             pass
     sys.stdout.flush()
     sys.stderr.flush()

@@ -1,4 +1,5 @@
-"""The ranks of a job torchrun or Slurm started (backends/runtime/job.py): rank 0's backend, and the loop every other rank runs."""
+"""The ranks of a job torchrun or Slurm started (backends/runtime/job.py): rank 0's backend, and the loop every other
+rank runs."""
 
 from __future__ import annotations
 

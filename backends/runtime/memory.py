@@ -56,7 +56,8 @@ class MemoryLimit:
 def plan_memory_limit(
     limit_gb: Optional[float], device_type: str, total_bytes: int, current: Any, device_index: Optional[int] = None
 ) -> Optional[MemoryLimit]:
-    """What to set for a cap of ``limit_gb`` (pure): ``current`` is the fraction in force (CUDA) or (soft, hard) RLIMIT_DATA."""
+    """What to set for a cap of ``limit_gb`` (pure): ``current`` is the fraction in force (CUDA) or (soft, hard)
+    RLIMIT_DATA."""
     if limit_gb is None:
         return None
     limit = int(limit_gb * 1024**3)
@@ -111,7 +112,8 @@ def _malloc_trim() -> None:
 
 
 def release_cached_memory(device: torch.device) -> None:
-    """Free what earlier work left cached: unreachable objects, the CUDA caching allocator's blocks, glibc's free heap."""
+    """Free what earlier work left cached: unreachable objects, the CUDA caching allocator's blocks, glibc's free
+    heap."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.synchronize(device)

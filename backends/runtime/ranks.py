@@ -35,7 +35,8 @@ class RankHooks:
 
     def __init__(self, spec: BackendSpec, rank: int, world_size: int, device: torch.device):
         self.spec, self.rank, self.world_size, self.device = spec, rank, world_size, device
-        self.store = None  # the job's TCPStore (start_rank sets it): waits that must not ride on a collective's time-out
+        # the job's TCPStore (start_rank sets it): waits that must not ride on a collective's time-out
+        self.store = None
 
     def setup(self) -> None:
         """After the process group exists, before the model is built."""
@@ -143,7 +144,8 @@ def rank_commands(command: PassCommand, world_size: int, lockstep: bool) -> list
 def run_command(
     command: PassCommand, model, hooks: RankHooks, rank: int, world_size: int, device: torch.device, wlog
 ) -> Optional[PassResult]:
-    """One rank's pass: its micro-batches of the global plan, timed; rank 0 returns the gathered result, the others None."""
+    """One rank's pass: its micro-batches of the global plan, timed; rank 0 returns the gathered result, the others
+    None."""
     # ``examples``: all of them (a list), or this rank's share keyed by index (see rank_commands).
     examples = command.examples
     pass_type = command.pass_type

@@ -125,7 +125,7 @@ def worker_main(
             reply = run_command(command, model, hooks, rank, world_size, device, wlog)
             replies.put(("done", rank, reply))
             continue
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:  # noqa: BLE001 - any failure of a step is reported to the controller
             failure = failure_report(exc, rank, spec, command, world_size)
         # Reported once the failed step's frames are released; the other ranks may now be
         # blocked in a collective, and the controller stops them all.
@@ -368,11 +368,12 @@ class DistributedBackend(Backend):
         library, or waits in the process group's set-up forever), so the status is ``oom``."""
         if what != "start-up" or self.spec.memory_limit_gb is None:
             return message, None, status
-        return (f"out of memory in start-up: bench.memory_limit_gb={self.spec.memory_limit_gb:g} leaves a rank too "
-                f"little to start its threads and load the model ({message})", None, "oom")
+        return ((f"out of memory in start-up: bench.memory_limit_gb={self.spec.memory_limit_gb:g} leaves a rank too "
+                 f"little to start its threads and load the model ({message})"), None, "oom")
 
     def _fail(self, kind: str, rank: int, payload, what: str) -> None:
-        """Stop every rank and raise the failure ``blame`` names (a rank out of memory, else a dead one, else ``rank``)."""
+        """Stop every rank and raise the failure ``blame`` names (a rank out of memory, else a dead one, else
+        ``rank``)."""
         message, details = payload
 
         def find_peer() -> Optional[Failure]:
@@ -408,7 +409,9 @@ class DistributedBackend(Backend):
     def _run_pass(self, command: PassCommand) -> PassResult:
         if self.closed:
             raise BackendError(f"{self.spec.name}: workers are stopped")
-        for q, rank_command in zip(self.command_queues, rank_commands(command, self.world_size, is_lockstep(self.name))):
+        for q, rank_command in zip(
+            self.command_queues, rank_commands(command, self.world_size, is_lockstep(self.name))
+        ):
             q.put(rank_command)
         replies = self._collect("done", timeout_s=command.timeout_s, what=command.pass_type)
         return replies[0]
@@ -439,5 +442,5 @@ class DistributedBackend(Backend):
     def __del__(self):  # a controller dropped without close() still stops its ranks
         try:
             self.close(graceful=False)
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - nothing can be reported from __del__
             pass

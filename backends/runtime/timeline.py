@@ -85,7 +85,9 @@ class StepClock:
         if self.cuda:
             ms = [a.elapsed_time(b) / 1000.0 for a, b in zip(self._events, self._events[1:])]
             start = self._start_event.elapsed_time(self._events[0]) / 1000.0
-            sync = (self._events[-1].elapsed_time(end_event) / 1000.0) if end_event is not None else t_end - self._wall[-1]
+            sync = (
+                (self._events[-1].elapsed_time(end_event) / 1000.0) if end_event is not None else t_end - self._wall[-1]
+            )
             return _rounded(start, ms, ms, sync, elapsed)
         steps = [b - a for a, b in zip(self._wall, self._wall[1:])]
         busy = [b - a for a, b in zip(self._cpu, self._cpu[1:])] if self.busy == "thread-cpu" else steps

@@ -1,4 +1,5 @@
-"""Hydra's basic sweeper, plus: each point once, an mbs=1 baseline per setting, and a point's folder found by its overrides (see harness/points.py)."""
+"""Hydra's basic sweeper, plus: each point once, an mbs=1 baseline per setting, and a point's folder found by its
+overrides (see harness/points.py)."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def _compose(loader, config, job):
     """A job's composed config, or None when it does not compose (the point itself reports why)."""
     try:
         return loader.load_sweep_config(config, list(job))
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - the point reports why when it runs
         return None
 
 
@@ -62,5 +63,8 @@ class PointSweeper(BasicSweeper):
             # the points this run lists: an earlier point left out of the list does not decide its exit status
             STATE.sweep_folders = set(folders) if subdir == DEFAULT_SUBDIR and all(folders) else None
         if subdir == DEFAULT_SUBDIR:  # a user's own subdir pattern is left alone
-            jobs = [job + [f"hydra.sweep.subdir={folder}"] if folder is not None else job for job, folder in zip(jobs, folders)]
+            jobs = [
+                job + [f"hydra.sweep.subdir={folder}"] if folder is not None else job
+                for job, folder in zip(jobs, folders)
+            ]
         return [list(chunk) for chunk in BasicSweeper.split_overrides_to_chunks(jobs, max_batch_size)]

@@ -114,8 +114,15 @@ def test_calibrated_cost_model_fits_caches_and_plans_from_the_command_line(tmp_p
     assert load_json(tmp_path / "dry" / "plan.json")["schedules"] == load_json(
         sweep / _folder(sweep, cal) / "plan.json")["schedules"]
     # With no fit cached, a dry run cannot calibrate: it plans with FLOPs, says so in one line, records what planned
-    proc = run_harness("dry_run=true", "cost_model=calibrated", *common[:-2], f"calibration.cache_dir={tmp_path / 'none'}",
-                       "logger=none", f"hydra.run.dir={tmp_path / 'nofit'}", cwd=tmp_path)
+    proc = run_harness(
+        "dry_run=true",
+        "cost_model=calibrated",
+        *common[:-2],
+        f"calibration.cache_dir={tmp_path / 'none'}",
+        "logger=none",
+        f"hydra.run.dir={tmp_path / 'nofit'}",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     warnings = [line for line in (proc.stdout + proc.stderr).splitlines() if "cost_model: calibrated needs" in line]
     assert len(warnings) == 1 and "plans with the FLOP model instead" in warnings[0]
@@ -125,7 +132,10 @@ def test_calibrated_cost_model_fits_caches_and_plans_from_the_command_line(tmp_p
 
 def _folder(sweep, doc: dict) -> str:
     for path in sweep.glob("*/results.json"):
-        if load_json(path)["started_at"] == doc["started_at"] and load_json(path).get("cost_model") == doc.get("cost_model") \
-                and load_json(path)["mtpm"] == doc["mtpm"]:
+        if (
+            load_json(path)["started_at"] == doc["started_at"]
+            and load_json(path).get("cost_model") == doc.get("cost_model")
+            and load_json(path)["mtpm"] == doc["mtpm"]
+        ):
             return path.parent.name
     raise AssertionError("no such point")

@@ -53,7 +53,8 @@ def test_losses_and_gradient_do_not_depend_on_grouping(backend, examples, refere
         np.testing.assert_allclose(o.logprobs, r.logprobs, rtol=1e-4, atol=1e-5)
 
 
-PLANS = [(p, l) for p in ("greedy", "balanced") for l in ("padded", "packed") if (p, l) != ("greedy", "padded")]
+PLANS = [(planner, layout) for planner in ("greedy", "balanced") for layout in ("padded", "packed")
+         if (planner, layout) != ("greedy", "padded")]
 
 
 @pytest.mark.parametrize("planner, layout", PLANS)

@@ -28,15 +28,36 @@ def _data_args(demo_data, cache) -> list[str]:
 def test_each_backend_runs_the_dataset_and_matches_the_oracle(workdir, demo_data):
     cache = workdir / "cache"
     sweep = workdir / "sweep"
-    proc = run_harness("-m", "backend=pytorch,fsdp2,megatron_ddp", "model.dtype=float32,bfloat16", *_data_args(demo_data, cache),
-                       "mtpm=400", "bench.warmup=0", "bench.repeat=1", "bench.save_outputs=true", "bench.baseline=false",
-                       "bench.share_plans=false", "logger=none", f"hydra.sweep.dir={sweep}", cwd=workdir, timeout=1200)
+    proc = run_harness(
+        "-m",
+        "backend=pytorch,fsdp2,megatron_ddp",
+        "model.dtype=float32,bfloat16",
+        *_data_args(demo_data, cache),
+        "mtpm=400",
+        "bench.warmup=0",
+        "bench.repeat=1",
+        "bench.save_outputs=true",
+        "bench.baseline=false",
+        "bench.share_plans=false",
+        "logger=none",
+        f"hydra.sweep.dir={sweep}",
+        cwd=workdir,
+        timeout=1200,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     docs = sweep_results(sweep)
     assert len(docs) == 6 and all(d["status"] == "ok" for d in docs), [d.get("error") for d in docs]
     # the examples the points ran, rebuilt here the documented way, and the oracle's losses for them
-    spec = WorkloadSpec(name="dataset", kind="dataset", path=str(demo_data["chats"]), tokenizer=str(demo_data["tokenizer"]),
-                        cache_dir=str(workdir / "oracle-cache"), n_examples=N_EXAMPLES, max_len=MAX_LEN, seed=SEED)
+    spec = WorkloadSpec(
+        name="dataset",
+        kind="dataset",
+        path=str(demo_data["chats"]),
+        tokenizer=str(demo_data["tokenizer"]),
+        cache_dir=str(workdir / "oracle-cache"),
+        n_examples=N_EXAMPLES,
+        max_len=MAX_LEN,
+        seed=SEED,
+    )
     examples = load_workload(spec, ModelSpec()).examples(2048, 0)
     expected = oracle(examples, plain_model())["losses"]
     hits = []
@@ -45,7 +66,12 @@ def test_each_backend_runs_the_dataset_and_matches_the_oracle(workdir, demo_data
         wl = d["workload"]
         data = wl["dataset"]
         hits.append(data["cache"]["hit"])
-        assert (wl["n_examples"], data["format"], data["train_on"], data["rows"]) == (N_EXAMPLES, "messages", "completion", 300)
+        assert (wl["n_examples"], data["format"], data["train_on"], data["rows"]) == (
+            N_EXAMPLES,
+            "messages",
+            "completion",
+            300,
+        )
         assert data["tokenizer"]["vocab_size"] == 2048 and data["largest_id"] < 2048
         assert wl["max_len"] <= MAX_LEN and data["truncated"] == sum(1 for e in examples if len(e) == MAX_LEN)
         plan = load_json(folder / "plan.json")
@@ -59,7 +85,10 @@ def test_each_backend_runs_the_dataset_and_matches_the_oracle(workdir, demo_data
     assert {(d["backend"], d["precision"]["compute"]) for d in docs} == {
         (b, t) for b in ("pytorch", "fsdp2", "megatron_ddp") for t in ("float32", "bfloat16")}
     report = (sweep / "report.md").read_text()
-    assert "workload `dataset` from `chats.jsonl` (8 examples" in report and "Sequence lengths: [histogram](plots/lengths-" in report
+    assert (
+        "workload `dataset` from `chats.jsonl` (8 examples" in report
+        and "Sequence lengths: [histogram](plots/lengths-" in report
+    )
     assert any(p.name.startswith("lengths-") for p in (sweep / "plots").iterdir())
 
 

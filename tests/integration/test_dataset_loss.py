@@ -20,8 +20,16 @@ BF16_RTOL = 3e-2  # as tests/integration/test_precision.py
 
 @pytest.fixture(scope="module")
 def workload(demo_data, tmp_path_factory):
-    spec = WorkloadSpec(name="dataset", kind="dataset", path=str(demo_data["chats"]), tokenizer=str(demo_data["tokenizer"]),
-                        cache_dir=str(tmp_path_factory.mktemp("cache")), n_examples=6, max_len=96, seed=1)
+    spec = WorkloadSpec(
+        name="dataset",
+        kind="dataset",
+        path=str(demo_data["chats"]),
+        tokenizer=str(demo_data["tokenizer"]),
+        cache_dir=str(tmp_path_factory.mktemp("cache")),
+        n_examples=6,
+        max_len=96,
+        seed=1,
+    )
     return load_workload(spec, ModelSpec())
 
 
@@ -42,8 +50,9 @@ def test_dataset_examples_give_the_oracles_losses(workload, expected, dtype):
     try:
         for options in ({"mtpm": None, "mbs": 1}, {"mtpm": 200, "mbs": 1, "layout": "packed", "planner": "balanced"},
                         {"mtpm": 200, "mbs": 1, "layout": "padded", "planner": "greedy"}):
-            result = backend.run_pass(make_command("forward_backward", examples, options.pop("mtpm"), options.pop("mbs"),
-                                                   **options))
+            result = backend.run_pass(
+                make_command("forward_backward", examples, options.pop("mtpm"), options.pop("mbs"), **options)
+            )
             losses = np.array([o.loss for o in result.outputs])
             rtol = 1e-4 if dtype == "float32" else BF16_RTOL
             np.testing.assert_allclose(losses, expected["losses"], rtol=rtol, err_msg=str(options))

@@ -62,7 +62,9 @@ def run_cases(backend) -> dict:
     out = {}
     for name, (examples, mtpm, mbs, *options) in CASES.items():
         for pass_type in ("forward", "forward_backward"):
-            out[name, pass_type] = backend.run_pass(make_command(pass_type, examples, mtpm, mbs, **(options or [{}])[0]))
+            out[name, pass_type] = backend.run_pass(
+                make_command(pass_type, examples, mtpm, mbs, **(options or [{}])[0])
+            )
     return out
 
 
@@ -79,7 +81,9 @@ CHUNKS = (None, 37)
 
 def run_chunk_cases(backend) -> dict:
     command = make_command("forward_backward", EXAMPLES, 700, 1)
-    return {("mtpm=700", "forward_backward", c): backend.run_pass(command.replace(logprob_chunk_tokens=c)) for c in CHUNKS}
+    return {
+        ("mtpm=700", "forward_backward", c): backend.run_pass(command.replace(logprob_chunk_tokens=c)) for c in CHUNKS
+    }
 
 
 @pytest.fixture(scope="module", params=["fsdp2", "megatron_ddp"])
@@ -111,7 +115,11 @@ def test_same_losses_and_gradient_as_pytorch(reference, distributed, case):
 def test_chunked_logprobs_match_full_logits_on_each_backend(distributed, chunk):
     name, results, _ = distributed
     full = results["mtpm=700", "forward_backward", None]
-    got = results["mtpm=700", "forward_backward"] if chunk == "default" else results["mtpm=700", "forward_backward", chunk]
+    got = (
+        results["mtpm=700", "forward_backward"]
+        if chunk == "default"
+        else results["mtpm=700", "forward_backward", chunk]
+    )
     np.testing.assert_allclose([o.loss for o in got.outputs], [o.loss for o in full.outputs], rtol=1e-5)
     for o, r in zip(got.outputs, full.outputs):
         np.testing.assert_allclose(o.logprobs, r.logprobs, rtol=1e-5, atol=1e-6)
@@ -166,7 +174,11 @@ def test_the_gradient_is_the_hand_computed_one_on_two_ranks(distributed, case):
     for i, out in enumerate(got.outputs):
         np.testing.assert_allclose(out.logprobs, expected["logprobs"][i], rtol=1e-4, atol=1e-5)
         assert math.isclose(out.loss, expected["losses"][i], rel_tol=1e-4)
-    assert math.isclose(got.grad_norm, expected["grad_norm"], rel_tol=1e-4), (name, got.grad_norm, expected["grad_norm"])
+    assert math.isclose(got.grad_norm, expected["grad_norm"], rel_tol=1e-4), (
+        name,
+        got.grad_norm,
+        expected["grad_norm"],
+    )
 
 
 def test_workers_stop_at_close(distributed):
@@ -208,7 +220,7 @@ def test_fsdp2_a_short_rank_runs_a_dummy_step_and_the_gradient_is_the_oracles():
 
 @pytest.mark.parametrize("name", ["fsdp2", "megatron_ddp"])
 def test_every_rank_plans_with_the_cap_and_the_gradient_is_the_oracles(name):
-    """Issue 23: the cap on sequences per micro-batch rides in each rank's command and every rank plans its row with
+    """The cap on sequences per micro-batch rides in each rank's command and every rank plans its row with
     it: rows of 3 become rows of at most 2 on both ranks, the gathered plan's lower bound counts the cap (1 step
     without it), and the answer is still the hand-computed one."""
     from backends.planning import lower_bound_steps
@@ -219,7 +231,9 @@ def test_every_rank_plans_with_the_cap_and_the_gradient_is_the_oracles(name):
         result = backend.run_pass(make_command("forward_backward", examples, 30, 1, planner="balanced", layout="packed",
                                                max_seqs_per_microbatch=2))
     plan = result.plan
-    assert plan["max_microbatch_size"] == 2 and plan["n_microbatches"] == [2, 2] and plan["max_seqs_per_microbatch"] == 2
+    assert (
+        plan["max_microbatch_size"] == 2 and plan["n_microbatches"] == [2, 2] and plan["max_seqs_per_microbatch"] == 2
+    )
     assert plan["lower_bound_steps"] == lower_bound_steps(lengths, 2, 30, 1, max_seqs=2) == 2
     expected = oracle(examples)
     for i, out in enumerate(result.outputs):
@@ -274,7 +288,7 @@ def test_closing_leaves_no_process():
 
 
 def test_cli_backends_agree_and_leave_nothing_in_their_session(workdir):
-    """The issue's check through the CLI: outputs within 1e-4 of pytorch's, and the sweep's session empty at the end."""
+    """Through the CLI, the backends' outputs are within 1e-4 of pytorch's, and the sweep's session empty at the end."""
     sweep = workdir / "sweep"
     log = workdir / "log.txt"
     proc = start_harness(
@@ -310,7 +324,9 @@ def test_cli_backends_agree_and_leave_nothing_in_their_session(workdir):
     outs = [load_json(p.parent / "example_outputs.json") for p in sorted(sweep.glob("*/results.json"))]
     for out in outs[1:]:
         np.testing.assert_allclose(out["forward_backward"]["loss"], outs[0]["forward_backward"]["loss"], rtol=1e-4)
-        assert math.isclose(out["forward_backward"]["grad_norm"], outs[0]["forward_backward"]["grad_norm"], rel_tol=1e-4)
+        assert math.isclose(
+            out["forward_backward"]["grad_norm"], outs[0]["forward_backward"]["grad_norm"], rel_tol=1e-4
+        )
 
 
 @pytest.mark.parametrize("backend", ["fsdp2", "megatron_ddp"])

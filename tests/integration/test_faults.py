@@ -46,13 +46,26 @@ def _status(path):
 
 
 def test_out_of_memory_is_a_result_and_the_sweep_goes_on(workdir):
-    """The issue's check: under a 2 GB cap the 4096 budget fits, a budget holding everything does not (16 sequences
+    """Under a 2 GB cap the 4096 budget fits, a budget holding everything does not (16 sequences
     up to 4,096 tokens: each rank's one micro-batch of about 30,000 padded tokens runs out in forward_backward)."""
     sweep = workdir / "sweep"
     proc = start_harness(
-        "-m", "mtpm=4096,100000000", "planner=greedy", "layout=padded", "bench.baseline=false", "backend=fsdp2", "world_size=2", "workload=cpu_mixed", "workload.n_examples=16",
-        "workload.max_len=4096", "bench.warmup=0", "bench.repeat=1", "bench.memory_limit_gb=2",
-        f"hydra.sweep.dir={sweep}", cwd=workdir, log=workdir / "log.txt",
+        "-m",
+        "mtpm=4096,100000000",
+        "planner=greedy",
+        "layout=padded",
+        "bench.baseline=false",
+        "backend=fsdp2",
+        "world_size=2",
+        "workload=cpu_mixed",
+        "workload.n_examples=16",
+        "workload.max_len=4096",
+        "bench.warmup=0",
+        "bench.repeat=1",
+        "bench.memory_limit_gb=2",
+        f"hydra.sweep.dir={sweep}",
+        cwd=workdir,
+        log=workdir / "log.txt",
     )
     assert proc.wait(timeout=300) == 0, (workdir / "log.txt").read_text()  # only OOM failures: exit 0
     ok, oom = sweep_results(sweep)
@@ -70,8 +83,19 @@ def test_pytorch_backend_recovers_after_an_oom_point(workdir):
     """In-process OOM: memory is released, the next point runs; each point's W&B run is finished with its status."""
     sweep = workdir / "sweep"
     proc = run_harness(
-        "-m", "mtpm=100000000,2048", "planner=greedy", "layout=padded", "bench.baseline=false", "backend=pytorch", "workload=cpu_mixed", "workload.n_examples=16",
-        "bench.warmup=0", "bench.repeat=1", "bench.memory_limit_gb=3", f"hydra.sweep.dir={sweep}", cwd=workdir,
+        "-m",
+        "mtpm=100000000,2048",
+        "planner=greedy",
+        "layout=padded",
+        "bench.baseline=false",
+        "backend=pytorch",
+        "workload=cpu_mixed",
+        "workload.n_examples=16",
+        "bench.warmup=0",
+        "bench.repeat=1",
+        "bench.memory_limit_gb=3",
+        f"hydra.sweep.dir={sweep}",
+        cwd=workdir,
         env=harness_env(WANDB_MODE="offline"),
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -105,12 +129,24 @@ def test_a_hung_worker_times_out(workdir):
     run = workdir / "run"
     pidfile = workdir / "hung.pid"
     env = harness_env(BALANCE_BATCH_TEST_PIDFILE=str(pidfile))
-    proc = start_harness("backend=fsdp2", "world_size=2", "workload=smoke", "backend.hooks=tests.faults:FSDP2HangMidPass",
-                         "bench.pass_timeout_s=5", "bench.warmup=0", f"hydra.run.dir={run}", cwd=workdir, env=env)
+    proc = start_harness(
+        "backend=fsdp2",
+        "world_size=2",
+        "workload=smoke",
+        "backend.hooks=tests.faults:FSDP2HangMidPass",
+        "bench.pass_timeout_s=5",
+        "bench.warmup=0",
+        f"hydra.run.dir={run}",
+        cwd=workdir,
+        env=env,
+    )
     assert proc.wait(timeout=120) == 1
     res = load_json(run / "results.json")
     assert res["status"] == "timeout" and "pass_timeout_s=5" in res["error"]
-    assert not psutil.pid_exists(int(pidfile.read_text())) or psutil.Process(int(pidfile.read_text())).status() == psutil.STATUS_ZOMBIE
+    assert (
+        not psutil.pid_exists(int(pidfile.read_text()))
+        or psutil.Process(int(pidfile.read_text())).status() == psutil.STATUS_ZOMBIE
+    )
     assert wait_session_empty(proc.pid) == []
 
 
@@ -175,8 +211,17 @@ def test_auto_starts_ranks_again_only_for_a_budget_left_to_measure(workdir):
 
 def test_an_interrupted_sweep_resumes_where_it_stopped(workdir):
     sweep = workdir / "sweep"
-    args = ["-m", "mtpm=600,5000,100000", "bench.baseline=false", "backend=fsdp2", "workload=cpu_mixed", "workload.n_examples=8",
-            "bench.warmup=0", "bench.repeat=1", f"hydra.sweep.dir={sweep}"]
+    args = [
+        "-m",
+        "mtpm=600,5000,100000",
+        "bench.baseline=false",
+        "backend=fsdp2",
+        "workload=cpu_mixed",
+        "workload.n_examples=8",
+        "bench.warmup=0",
+        "bench.repeat=1",
+        f"hydra.sweep.dir={sweep}",
+    ]
     proc = start_harness(*args, cwd=workdir, log=workdir / "log.txt")
     # The second point is starting its ranks: a Ctrl-C then stops them too (tests/conftest.py says why a suite
     # started in the background once lost this signal).

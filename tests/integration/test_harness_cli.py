@@ -60,7 +60,8 @@ def test_single_run_writes_results_json(workdir):
         assert len(p["pass_wall_s"]) == len(p["host_s"]) == 2
         for elapsed, wall, host in zip(p["elapsed_s"], p["pass_wall_s"], p["host_s"]):
             assert elapsed < wall and math.isclose(elapsed + host, wall, rel_tol=1e-9)
-        # MFU: the training FLOPs of the real sequences (LoRA: well under 3x forward) over the measured time and CPU peak
+        # MFU: the training FLOPs of the real sequences (LoRA: well under 3x forward) over the measured time and CPU
+        # peak
         training = training_flops_for(ModelSpec())
         assert math.isclose(p["model_flops"], sum(training.sequence(pass_type, n) for n in lengths))
         if pass_type == "forward_backward":
@@ -107,7 +108,7 @@ def test_dry_run_of_the_seed_workload_plans_every_point(workdir):
 
 
 def test_multirun_outputs_agree_across_mbs_and_mtpm(workdir):
-    """The issue's check: mtpm in {null, 600, 100000} x mbs in {1, 3}, all six outputs agree to 1e-5."""
+    """mtpm in {null, 600, 100000} x mbs in {1, 3}: all six outputs agree to 1e-5 (batching never changes them)."""
     sweep = workdir / "sweep"
     proc = run_harness(
         "-m",
@@ -159,7 +160,9 @@ def test_bad_input_is_one_line_naming_the_key_and_exit_2(workdir, override, key)
 def test_zero_length_in_a_lengths_file_is_one_line(workdir):
     f = workdir / "lengths.txt"
     f.write_text("100\n0\n50\n")
-    proc = run_harness("dry_run=true", "workload=lengths_file", f"workload.path={f}", f"hydra.run.dir={workdir / 'run'}", cwd=workdir)
+    proc = run_harness(
+        "dry_run=true", "workload=lengths_file", f"workload.path={f}", f"hydra.run.dir={workdir / 'run'}", cwd=workdir
+    )
     assert proc.returncode == 2
     line = _one_error_line(proc)
     assert "workload.path" in line and "lengths.txt:2" in line
@@ -168,10 +171,12 @@ def test_zero_length_in_a_lengths_file_is_one_line(workdir):
 
 
 def test_lengths_files_as_editors_and_tools_write_them(workdir):
-    """A BOM is skipped; non-UTF-8 bytes, a folder and 1_000 are one line naming the path (issue 22, item 10)."""
+    """A BOM is skipped; non-UTF-8 bytes, a folder and 1_000 are one line naming the path."""
     bom = workdir / "bom.txt"
     bom.write_bytes("\ufeff100\n200\n".encode("utf-8"))
-    proc = run_harness("dry_run=true", "workload=lengths_file", f"workload.path={bom}", f"hydra.run.dir={workdir / 'bom'}", cwd=workdir)
+    proc = run_harness(
+        "dry_run=true", "workload=lengths_file", f"workload.path={bom}", f"hydra.run.dir={workdir / 'bom'}", cwd=workdir
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert load_json(workdir / "bom" / "results.json")["workload"]["total_tokens"] == 300
     latin1, underscores = workdir / "latin1.txt", workdir / "underscores.txt"
@@ -179,15 +184,20 @@ def test_lengths_files_as_editors_and_tools_write_them(workdir):
     underscores.write_text("100\n1_000\n")
     for i, (path, needle) in enumerate([(latin1, "is not UTF-8 text"), (workdir, "is a folder, not a file"),
                                         (underscores, "underscores.txt:2: '1_000' is not an integer")]):
-        proc = run_harness("dry_run=true", "workload=lengths_file", f"workload.path={path}", f"hydra.run.dir={workdir / str(i)}",
-                           cwd=workdir)
+        proc = run_harness(
+            "dry_run=true",
+            "workload=lengths_file",
+            f"workload.path={path}",
+            f"hydra.run.dir={workdir / str(i)}",
+            cwd=workdir,
+        )
         assert proc.returncode == 2, proc.stdout + proc.stderr
         line = _one_error_line(proc)
         assert "workload.path" in line and str(path) in line and needle in line, line
 
 
 def test_a_histogram_lengths_file_plans_a_drawn_batch_and_says_what_it_read(workdir):
-    """Issue 23: length,count lines, 5,000 sequences drawn from them by count; results.json says what was read."""
+    """A histogram: length,count lines, 5,000 sequences drawn from them by count; results.json says what was read."""
     hist = workdir / "lengths.csv"
     hist.write_text("length,count\n# a corpus of 1,000,000 sequences in 4 lines\n48,500000\n200, 300000\n"
                     "450 ,150000\n2000,50000\n")
@@ -207,7 +217,9 @@ def test_a_histogram_lengths_file_plans_a_drawn_batch_and_says_what_it_read(work
 
 
 def test_missing_checkpoint_is_one_line_naming_the_path(workdir):
-    proc = run_harness("model=qwen3_5_35b_a3b", "model.path=/no/such/ckpt", *FAST, f"hydra.run.dir={workdir / 'run'}", cwd=workdir)
+    proc = run_harness(
+        "model=qwen3_5_35b_a3b", "model.path=/no/such/ckpt", *FAST, f"hydra.run.dir={workdir / 'run'}", cwd=workdir
+    )
     assert proc.returncode == 2
     line = _one_error_line(proc)
     assert "model.path" in line and "/no/such/ckpt" in line
@@ -277,7 +289,7 @@ def test_dry_runs_plan_every_planner_and_layout_and_write_plan_json(workdir):
 
 @pytest.mark.parametrize("planner, layout", [("balanced", "packed"), ("greedy", "padded")])
 def test_a_cap_on_sequences_per_micro_batch_holds_in_every_plan_and_in_its_bound(workdir, planner, layout):
-    """Issue 23: max_seqs_per_microbatch=3 reaches the plan, plan.json, results.json and the lower bound; on the
+    """max_seqs_per_microbatch=3 reaches the plan, plan.json, results.json and the lower bound; on the
     smoke workload (16 short sequences, a few thousand tokens in all) it is what bounds the steps, not the budget."""
     from backends.planning import lower_bound_steps
 
@@ -316,8 +328,14 @@ def test_a_real_run_writes_the_plan_it_ran(workdir):
 
 def test_a_named_checkpoint_model_without_a_path_is_refused(workdir):
     """Building the tiny model under the 35B model's name would record a toy as the benchmark model."""
-    proc = run_harness("model=qwen3_5_35b_a3b", "model.path=null", *FAST, "logger=none", f"hydra.run.dir={workdir / 'run'}",
-                       cwd=workdir)
+    proc = run_harness(
+        "model=qwen3_5_35b_a3b",
+        "model.path=null",
+        *FAST,
+        "logger=none",
+        f"hydra.run.dir={workdir / 'run'}",
+        cwd=workdir,
+    )
     assert proc.returncode == 2
     line = _one_error_line(proc)
     assert "model.path" in line and "qwen3_5_35b_a3b" in line and "model=tiny" in line
@@ -332,7 +350,9 @@ def test_a_named_checkpoint_model_without_a_path_is_refused(workdir):
 
 def test_a_duplicated_sweep_value_is_measured_once(workdir):
     sweep = workdir / "sweep"
-    proc = run_harness("-m", "mtpm=512,4096,512", "dry_run=true", "workload=smoke", f"hydra.sweep.dir={sweep}", cwd=workdir)
+    proc = run_harness(
+        "-m", "mtpm=512,4096,512", "dry_run=true", "workload=smoke", f"hydra.sweep.dir={sweep}", cwd=workdir
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert [r["mtpm"] for r in sweep_results(sweep)] == [512, 4096]
     assert "mtpm=512 workload=smoke is listed 2 times; it is measured once" in proc.stdout + proc.stderr
@@ -358,7 +378,9 @@ def test_a_folder_holding_results_is_not_reused_without_resume(workdir):
     before = _tree_digest(run)
     again = run_harness("dry_run=true", "workload=smoke", "mtpm=512", f"hydra.run.dir={run}", cwd=workdir)
     assert again.returncode == 2 and "resume=true" in _one_error_line(again)
-    other = run_harness("dry_run=true", "workload=smoke", "mtpm=512", "resume=true", f"hydra.run.dir={run}", cwd=workdir)
+    other = run_harness(
+        "dry_run=true", "workload=smoke", "mtpm=512", "resume=true", f"hydra.run.dir={run}", cwd=workdir
+    )
     assert other.returncode == 2 and "another point" in _one_error_line(other)
     assert _tree_digest(run) == before
 
@@ -375,7 +397,7 @@ def test_an_unwritable_output_folder_is_one_line(workdir, unwritable_dir, multir
 
 
 def test_resume_keeps_finished_results_and_finds_points_by_their_overrides(workdir):
-    """The issue's case: a resumed sweep with a new point first must not overwrite the old point 0."""
+    """A resumed sweep with a new point first must not overwrite the old point 0."""
     import hashlib
 
     def digests(sweep):
@@ -392,7 +414,7 @@ def test_resume_keeps_finished_results_and_finds_points_by_their_overrides(workd
     first_config = (sweep / "multirun.yaml").read_text()
     resumed = run_harness("-m", "mtpm=2048,512,100000", "resume=true", *common, cwd=workdir)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    # Issue 22 (15): the first run's multirun.yaml is kept, not overwritten; multirun.yaml is the latest run's
+    # The first run's multirun.yaml is kept, not overwritten; multirun.yaml is the latest run's
     assert (sweep / "multirun.0.yaml").read_text() == first_config
     assert "mtpm=2048,512,100000" in (sweep / "multirun.yaml").read_text()
     assert (resumed.stdout + resumed.stderr).count("already ok") == 2
@@ -405,7 +427,11 @@ def test_resume_keeps_finished_results_and_finds_points_by_their_overrides(workd
     assert {k: digests(sweep)[k] for k in after} == after  # a dry run never replaces a measurement
     assert [(r["mtpm"], r["status"]) for r in sweep_results(sweep)][-1] == (300, "planned")
     assert len(sweep_results(sweep)) == 4
-    assert sorted(p.name for p in sweep.glob("multirun*.yaml")) == ["multirun.0.yaml", "multirun.1.yaml", "multirun.yaml"]
+    assert sorted(p.name for p in sweep.glob("multirun*.yaml")) == [
+        "multirun.0.yaml",
+        "multirun.1.yaml",
+        "multirun.yaml",
+    ]
 
 
 def test_more_ranks_than_cores_says_so(workdir):
@@ -429,7 +455,7 @@ def test_more_ranks_than_cores_says_so(workdir):
 
 
 def test_a_resume_that_drops_a_failed_point_says_so_and_its_exit_is_its_own(workdir):
-    """Issue 22 (9): resuming without an earlier failed point exited 1 with no line saying why."""
+    """Resuming without an earlier failed point once exited 1 with no line saying why."""
     sweep = workdir / "sweep"
     common = ["dry_run=true", "workload=smoke", "logger=none", f"hydra.sweep.dir={sweep}"]
     first = run_harness("-m", "mtpm=512,-5", *common, cwd=workdir)

@@ -13,8 +13,22 @@ POINTS = ["mtpm=null,700", "mbs=3"]
 
 def _sweep(tmp_path, name: str, *extra: str):
     sweep = tmp_path / name
-    proc = run_harness("-m", *POINTS, "backend=fsdp2", "workload=smoke", "workload.n_examples=8", "bench.warmup=0", "bench.repeat=1",
-                       "bench.save_outputs=true", "bench.baseline=false", "bench.paired=true", f"hydra.sweep.dir={sweep}", *extra, cwd=tmp_path, timeout=400)
+    proc = run_harness(
+        "-m",
+        *POINTS,
+        "backend=fsdp2",
+        "workload=smoke",
+        "workload.n_examples=8",
+        "bench.warmup=0",
+        "bench.repeat=1",
+        "bench.save_outputs=true",
+        "bench.baseline=false",
+        "bench.paired=true",
+        f"hydra.sweep.dir={sweep}",
+        *extra,
+        cwd=tmp_path,
+        timeout=400,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return sweep, proc.stdout + proc.stderr
 

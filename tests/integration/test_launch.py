@@ -1,4 +1,5 @@
-"""A point run under an external launcher: two real torchrun "nodes" on 127.0.0.1, and a conflicting world_size on the command line."""
+"""A point run under an external launcher: two real torchrun "nodes" on 127.0.0.1, and a conflicting world_size on the
+command line."""
 
 from __future__ import annotations
 
@@ -67,7 +68,8 @@ def rank_process(procs: list[subprocess.Popen], rank: int) -> psutil.Process:
 
 
 def test_conflicting_world_size_is_one_line_and_exit_2(workdir):
-    """RANK/WORLD_SIZE set by a launcher, world_size= disagreeing: one line naming world_size, status 2, no traceback."""
+    """RANK/WORLD_SIZE set by a launcher, world_size= disagreeing: one line naming world_size, status 2, no
+    traceback."""
     port = str(_free_port())
     # rank 1 of the job, started as the launcher would: it serves rank 0 and leaves when told to
     rank1 = subprocess.Popen([sys.executable, "-m", "harness", "backend=fsdp2", "world_size=3", *POINT], cwd=workdir,
@@ -84,7 +86,7 @@ def test_conflicting_world_size_is_one_line_and_exit_2(workdir):
 
 
 def test_under_torchrun_a_conflicting_world_size_is_named_in_torchruns_summary(workdir):
-    """Issue 22 (12): torchrun's summary said "To enable traceback see ..." for rank 0's exit 2; it names the line now.
+    """torchrun's summary once said "To enable traceback see ..." for rank 0's exit 2; it names the line now.
 
     torchrun itself exits 1 whenever a rank fails (its own status, not the harness's); the rank's exitcode is 2.
     """
@@ -122,7 +124,11 @@ def test_two_torchrun_nodes_match_the_spawned_ranks(workdir, backend):
         np.testing.assert_allclose(got[pass_type]["loss"], ref[pass_type]["loss"], rtol=1e-5)
     assert ref["forward_backward"]["grad_norm"] > 0
     assert math.isclose(got["forward_backward"]["grad_norm"], ref["forward_backward"]["grad_norm"], rel_tol=1e-5)
-    assert load_json(workdir / "spawned" / "results.json")["launch"] == {"launcher": "spawn", "nnodes": 1, "world_size": 2}
+    assert load_json(workdir / "spawned" / "results.json")["launch"] == {
+        "launcher": "spawn",
+        "nnodes": 1,
+        "world_size": 2,
+    }
     # Both ranks loaded the way the spawned ranks do, and rank 0 records each rank's load peak.
     load, ref_load = doc["load"], load_json(workdir / "spawned" / "results.json")["load"]
     assert load["method"] == ref_load["method"]
@@ -133,7 +139,8 @@ def test_two_torchrun_nodes_match_the_spawned_ranks(workdir, backend):
 
 @pytest.mark.parametrize("backend, sig", [("fsdp2", signal.SIGKILL), ("megatron_ddp", signal.SIGSTOP)])
 def test_a_killed_or_hung_rank_ends_the_point_on_every_node(workdir, backend, sig):
-    """Rank 1 killed (or stopped: hung) mid-run: rank 0 records the failure, both torchruns end within 60 s, nothing is left."""
+    """Rank 1 killed (or stopped: hung) mid-run: rank 0 records the failure, both torchruns end within 60 s, nothing is
+    left."""
     procs = start_nodes(workdir, f"backend={backend}", *POINT[:-3], "bench.repeat=15", "logger=none",
                         "hydra.run.dir=run")
     victim = rank_process(procs, 1)
@@ -176,7 +183,9 @@ def test_rank_0_keeps_the_store_until_a_late_rank_has_left(workdir):
     rank0 = start(0)
     deadline = time.monotonic() + 120
     while not (workdir / "run" / "results.json").exists():  # rank 0's dry run is done
-        assert rank0.poll() is None and time.monotonic() < deadline, rank0.stdout.read() if rank0.poll() else "no result"
+        assert rank0.poll() is None and time.monotonic() < deadline, (
+            rank0.stdout.read() if rank0.poll() else "no result"
+        )
         time.sleep(0.1)
     rank1 = start(1)
     out1, _ = rank1.communicate(timeout=120)

@@ -36,7 +36,8 @@ def checkpoint(tmp_path_factory):
 
 
 def test_fsdp2_loads_a_local_checkpoint_into_shards_built_on_meta(checkpoint):
-    """2 gloo ranks: meta before sharding, each rank only its chunk, weights equal to from_pretrained's, same answers."""
+    """2 gloo ranks: meta before sharding, each rank only its chunk, weights equal to from_pretrained's, same
+    answers."""
     ref, ref_load, ref_built = _run(BackendSpec(name="pytorch", device="cpu"), checkpoint)
     got, load, built = _run(BackendSpec(name="fsdp2", world_size=2, device="cpu", hooks=PROBE), checkpoint)
     np.testing.assert_allclose([o.loss for o in got.outputs], [o.loss for o in ref.outputs], rtol=1e-5)
@@ -50,9 +51,12 @@ def test_fsdp2_loads_a_local_checkpoint_into_shards_built_on_meta(checkpoint):
 
 @pytest.mark.parametrize("source", ["tiny", "checkpoint"])
 def test_fsdp2_sharded_load_is_bit_identical_to_the_unsharded_build_in_bf16(source, request):
-    """Shards, LoRA adapters and non-persistent buffers (rotary inv_freq) equal the unsharded build bit for bit, in bf16."""
+    """Shards, LoRA adapters and non-persistent buffers (rotary inv_freq) equal the unsharded build bit for bit, in
+    bf16."""
     model = ModelSpec() if source == "tiny" else request.getfixturevalue("checkpoint")
-    _, load, _ = _run(BackendSpec(name="fsdp2", world_size=2, device="cpu", hooks=PROBE), replace(model, dtype="bfloat16"))
+    _, load, _ = _run(
+        BackendSpec(name="fsdp2", world_size=2, device="cpu", hooks=PROBE), replace(model, dtype="bfloat16")
+    )
     assert load["method"] == f"meta+rank0-{'from_config' if source == 'tiny' else 'from_pretrained'}-broadcast"
 
 
@@ -84,7 +88,7 @@ def test_fsdp2_ranks_wait_for_a_rank0_read_longer_than_the_collective_timeout(ca
 @pytest.mark.parametrize("backend", ["fsdp2", "megatron_ddp"])
 def test_allowed_missing_weights_are_listed_by_the_distributed_backends_too(checkpoint, backend, tmp_path):
     """FSDP2 reads on rank 0 and broadcasts (the meta build knows nothing of the read), Megatron reads on every rank:
-    both report the same missing weights as the single-process load, and run (issue 22, item 2)."""
+    both report the same missing weights as the single-process load, and run."""
     import json
     import shutil
 

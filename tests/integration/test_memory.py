@@ -9,7 +9,8 @@ import pytest
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="VmHWM and clear_refs are Linux's")
 def test_hot_sweep_small_budget_after_a_large_one_reports_its_own_peak(tmp_path):
-    """One process, a large micro-batch then small ones: each pass's peak is the pass's own, not what the last one left cached."""
+    """One process, a large micro-batch then small ones: each pass's peak is the pass's own, not what the last one left
+    cached."""
     from tests.conftest import run_harness, sweep_results
 
     sweep = tmp_path / "hot"
@@ -24,4 +25,7 @@ def test_hot_sweep_small_budget_after_a_large_one_reports_its_own_peak(tmp_path)
         assert small_peak < big_peak, (pass_type, small_peak, big_peak)
         assert small["passes"][pass_type]["mem_peak_allocated_bytes"] is None  # CPU: no allocator figures
     # fwd+bwd of 16 sequences at once holds far more activations than one at a time
-    assert small["passes"]["forward_backward"]["mem_peak_bytes"][0] < 0.75 * big["passes"]["forward_backward"]["mem_peak_bytes"][0]
+    assert (
+        small["passes"]["forward_backward"]["mem_peak_bytes"][0]
+        < 0.75 * big["passes"]["forward_backward"]["mem_peak_bytes"][0]
+    )

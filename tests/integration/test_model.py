@@ -37,7 +37,7 @@ def test_harness_runs_a_local_checkpoint(tmp_path):
     assert len(load["host_peak_bytes"]) == 1 and load["host_peak_bytes"][0] > 0 and load["device_peak_bytes"] is None
 
 
-# ---------------------------------------------------------------- a row is what ran (issue 22)
+# ---------------------------------------------------------------- a row is what ran
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +61,12 @@ def test_a_checkpoint_missing_layers_is_refused_before_any_process_starts(saved,
     proc = run_harness(*_model_args(path, backend=backend), f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     line = _one_error_line(proc)
-    assert "model.path" in line and "missing" in line and "model.layers.4." in line and "allow_missing_weights=true" in line
+    assert (
+        "model.path" in line
+        and "missing" in line
+        and "model.layers.4." in line
+        and "allow_missing_weights=true" in line
+    )
     assert "starting" not in proc.stdout + proc.stderr  # refused before the backend (and its ranks) started
     res = load_json(tmp_path / "run" / "results.json")
     assert res["status"] == "error" and "model.layers.4." in res["error"]
@@ -75,7 +80,9 @@ def test_allowed_missing_weights_are_measured_and_listed_in_results_json(saved, 
     assert proc.returncode == 0, proc.stdout + proc.stderr
     built = load_json(run / "results.json")["model"]["built"]
     assert built["n_layers"] == 6 and built["unexpected_weights"] == []
-    assert built["missing_weights"] and all(k.startswith(("model.layers.4.", "model.layers.5.")) for k in built["missing_weights"])
+    assert built["missing_weights"] and all(
+        k.startswith(("model.layers.4.", "model.layers.5.")) for k in built["missing_weights"]
+    )
     assert "allow_missing_weights=true: measured anyway" in proc.stdout + proc.stderr  # and the log says so
 
 
@@ -84,7 +91,9 @@ def test_a_corrupt_config_json_or_safetensors_is_one_line_naming_the_file(saved,
     text = (bad_config / "config.json").read_text()
     (bad_config / "config.json").write_text(text[: len(text) // 2])
     for mode in ("dry_run=true", "dry_run=false"):  # a dry run reads config.json for its cost model
-        proc = run_harness(*_model_args(bad_config, mode), f"hydra.run.dir={tmp_path / ('a-' + mode.replace('=', '-'))}", cwd=tmp_path)
+        proc = run_harness(
+            *_model_args(bad_config, mode), f"hydra.run.dir={tmp_path / ('a-' + mode.replace('=', '-'))}", cwd=tmp_path
+        )
         assert proc.returncode == 2, proc.stdout + proc.stderr
         line = _one_error_line(proc)
         assert str(bad_config / "config.json") in line and "not valid JSON" in line
@@ -100,8 +109,17 @@ def test_a_corrupt_config_json_or_safetensors_is_one_line_naming_the_file(saved,
 def test_packed_layout_on_a_llama_checkpoint_is_refused_before_loading(tmp_path):
     path = llama_checkpoint(tmp_path / "llama")
     for mode in ("dry_run=true", "dry_run=false"):
-        proc = run_harness("model.path=" + str(path), "backend=pytorch", *QUICK, "layout=packed", "planner=balanced", "mtpm=4096",
-                           mode, f"hydra.run.dir={tmp_path / mode.replace('=', '-')}", cwd=tmp_path)
+        proc = run_harness(
+            "model.path=" + str(path),
+            "backend=pytorch",
+            *QUICK,
+            "layout=packed",
+            "planner=balanced",
+            "mtpm=4096",
+            mode,
+            f"hydra.run.dir={tmp_path / mode.replace('=', '-')}",
+            cwd=tmp_path,
+        )
         assert proc.returncode == 2, proc.stdout + proc.stderr
         line = _one_error_line(proc)
         assert "layout: packed" in line and "'llama'" in line and "qwen3_5_moe" in line and "layout=padded" in line
@@ -110,7 +128,11 @@ def test_packed_layout_on_a_llama_checkpoint_is_refused_before_loading(tmp_path)
 
 def test_vocab_size_with_a_checkpoint_is_refused(saved, tmp_path):
     for mode in ("dry_run=true", "dry_run=false"):
-        proc = run_harness(*_model_args(saved, "model.vocab_size=4096", mode), f"hydra.run.dir={tmp_path / mode.replace('=', '-')}", cwd=tmp_path)
+        proc = run_harness(
+            *_model_args(saved, "model.vocab_size=4096", mode),
+            f"hydra.run.dir={tmp_path / mode.replace('=', '-')}",
+            cwd=tmp_path,
+        )
         assert proc.returncode == 2, proc.stdout + proc.stderr
         line = _one_error_line(proc)
         assert "model.vocab_size" in line and "tiny model" in line and "2048" in line

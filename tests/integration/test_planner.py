@@ -14,7 +14,9 @@ import pytest
 
 from backends.planning import plan_batch
 
-_SPEC = importlib.util.spec_from_file_location("bench_planner", Path(__file__).resolve().parents[2] / "scripts" / "bench_planner.py")
+_SPEC = importlib.util.spec_from_file_location(
+    "bench_planner", Path(__file__).resolve().parents[2] / "scripts" / "bench_planner.py"
+)
 bench = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(bench)
 
@@ -42,8 +44,8 @@ def test_planning_time_grows_about_linearly(name, budget, world):
     """Ratios, not seconds: x10 the sequences may cost about x10 the CPU time, never the x100 of a quadratic planner.
 
     The bound (x40) leaves room for n log n, caches and a machine busy with the rest of the suite (x33 was
-    measured there once, with x25 as the bound); the planner this replaced took x79 on the first of these
-    (issue 23). The small plan, a few milliseconds, is timed at its best of 5.
+    measured there once, with x25 as the bound); the planner this replaced took x79 on the first of these.
+    The small plan, a few milliseconds, is timed at its best of 5.
     """
     make = bench.DISTRIBUTIONS[name][0]
     small, large = make(3_000), make(30_000)

@@ -1,4 +1,5 @@
-"""The published setting's precision on every backend: bf16 padded and packed run, agree with float32, and follow one policy."""
+"""The published setting's precision on every backend: bf16 padded and packed run, agree with float32, and follow one
+policy."""
 
 from __future__ import annotations
 
@@ -41,7 +42,10 @@ def test_bf16_runs_every_backend_and_layout_near_float32(runs, backend, layout):
         bf16, fp32 = runs[backend, "bfloat16"][layout, pass_type], runs[backend, "float32"][layout, pass_type]
         assert (bf16.plan["planner"], bf16.plan["layout"]) == LAYOUTS[layout]
         np.testing.assert_allclose(_losses(bf16), _losses(fp32), rtol=BF16_RTOL)
-    bf16, fp32 = runs[backend, "bfloat16"][layout, "forward_backward"], runs[backend, "float32"][layout, "forward_backward"]
+    bf16, fp32 = (
+        runs[backend, "bfloat16"][layout, "forward_backward"],
+        runs[backend, "float32"][layout, "forward_backward"],
+    )
     assert bf16.grad_norm > 0 and math.isclose(bf16.grad_norm, fp32.grad_norm, rel_tol=5e-2)
 
 

@@ -50,7 +50,8 @@ def test_a_profiled_pass_writes_a_trace_that_reads_back_to_its_breakdown(tmp_pat
 
 
 def test_the_command_line_profiles_every_rank_of_fsdp2_and_megatron(workdir):
-    """The issue's command (plus Megatron DDP beside it): a loadable trace per rank and pass type, a breakdown whose
+    """backend.profile on FSDP2 (plus Megatron DDP beside it): a loadable trace per rank and pass type, a breakdown
+    whose
     seconds add up to the profiled pass, collectives seen on every rank, the report's figure and the W&B artifact."""
     import glob
 

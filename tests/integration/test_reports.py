@@ -89,7 +89,9 @@ def test_rows_order_and_failed_points_stay(sweep, tmp_path):
     ok = _quiet(sweep_results(sweep)[0])
     docs = {
         "a": _variant(ok, backend="megatron_ddp", mtpm=65536),
-        "b": _variant(ok, backend="fsdp2", mtpm=131072, status="oom", error="out of memory in forward_backward", passes={}),
+        "b": _variant(
+            ok, backend="fsdp2", mtpm=131072, status="oom", error="out of memory in forward_backward", passes={}
+        ),
         "c": _variant(ok, backend="fsdp2", mtpm=None, mbs=2),
         "d": _variant(ok, backend="fsdp2", mtpm=16384),
         "e": _variant(ok, backend="fsdp2", mtpm=None, mbs=1),
@@ -129,13 +131,19 @@ def test_a_missing_folder_is_one_line(tmp_path):
 
 
 def test_committed_gradient_is_the_tiny_models_own():
-    """The committed gradient norm is what a plain forward of the tiny model gives on the point's examples (tests/loss_oracle.py)."""
+    """The committed gradient norm is what a plain forward of the tiny model gives on the point's examples
+    (tests/loss_oracle.py)."""
     from harness.workload import make_examples
     from tests.loss_oracle import oracle
 
     res = _load(_committed_points()[0] / "results.json")
-    assert res["model"]["name"] == "tiny" and res["model"]["lora_rank"] == 32 and not any("seed" in o for o in res["overrides"])
-    examples = make_examples(_workload_lengths(res), res["model"]["built"]["vocab_size"], seed=0)  # conf/config.yaml's seed
+    assert (
+        res["model"]["name"] == "tiny"
+        and res["model"]["lora_rank"] == 32
+        and not any("seed" in o for o in res["overrides"])
+    )
+    # conf/config.yaml's seed
+    examples = make_examples(_workload_lengths(res), res["model"]["built"]["vocab_size"], seed=0)
     assert res["passes"]["forward_backward"]["grad_norm"] == pytest.approx(oracle(examples)["grad_norm"], rel=1e-4)
 
 

@@ -97,7 +97,9 @@ def examples(lengths, vocab=2048, seed=0):
     out = []
     for n in lengths:
         ids = rng.integers(0, vocab, n).tolist()
-        out.append({"input_ids": ids, "target_tokens": ids[1:] + [0], "weights": [0.0] * (n // 2) + [1.0] * (n - n // 2)})
+        out.append(
+            {"input_ids": ids, "target_tokens": ids[1:] + [0], "weights": [0.0] * (n // 2) + [1.0] * (n - n // 2)}
+        )
     return out
 
 
@@ -192,7 +194,9 @@ def test_a_full_queue_answers_503_and_an_fsdp2_server_stops_clean(tmp_path):
     sid = s.proc.pid
     assert len(session_processes(sid)) >= 3  # the server and two ranks
     results = {}
-    first = threading.Thread(target=lambda: results.setdefault("first", s.call("POST", "/forward", {"examples": examples([30, 20])})))
+    first = threading.Thread(
+        target=lambda: results.setdefault("first", s.call("POST", "/forward", {"examples": examples([30, 20])}))
+    )
     rank1 = None
     try:
         status, health = s.call("GET", "/healthz", token=None)
@@ -218,7 +222,11 @@ def test_a_full_queue_answers_503_and_an_fsdp2_server_stops_clean(tmp_path):
             assert s.call("GET", "/healthz", token=None)[1]["pending"] == 0
             assert s.call("POST", "/admin/set_max_tokens_per_microbatch", {"value": 300})[0] == 200
             status, reply = s.call("POST", "/forward_backward", {"examples": examples([100, 250, 40])})
-            assert status == 200 and reply["plan"]["max_tokens_per_microbatch"] == 300 and len(reply["plan"]["n_dummy"]) == 2
+            assert (
+                status == 200
+                and reply["plan"]["max_tokens_per_microbatch"] == 300
+                and len(reply["plan"]["n_dummy"]) == 2
+            )
         finally:
             assert stop(s) == 0
     assert session_processes(sid) == []
@@ -310,7 +318,9 @@ def test_a_client_leaving_mid_request_leaves_no_traceback(server):
         s.sendall(head + b"Content-Length: %d\r\n\r\n" % len(body) + body)
         time.sleep(0.5)
     deadline = time.monotonic() + 120
-    while (status := server.call("POST", "/forward", {"examples": examples([10])})[0]) == 503 and time.monotonic() < deadline:
+    while (
+        status := server.call("POST", "/forward", {"examples": examples([10])})[0]
+    ) == 503 and time.monotonic() < deadline:
         time.sleep(0.5)  # busy with the abandoned pass (this server queues none)
     assert status == 200
     log = server.log.read_text()
@@ -399,7 +409,9 @@ def test_a_restart_that_fails_keeps_the_server_down_with_the_first_cause():
     from harness.workload import make_examples
 
     first = [BackendSpec(name="fsdp2", world_size=2, device="cpu")]  # then every start fails
-    served = ServedBackend(lambda: make_backend(first.pop() if first else BackendSpec(name="no_such_backend"), ModelSpec()))
+    served = ServedBackend(
+        lambda: make_backend(first.pop() if first else BackendSpec(name="no_such_backend"), ModelSpec())
+    )
     try:
         assert served.failure() is None
         psutil.Process(served.backend.pids()[0]).kill()
@@ -417,9 +429,9 @@ def test_a_restart_that_fails_keeps_the_server_down_with_the_first_cause():
 
 
 def test_a_packed_server_is_recorded_as_it_runs_by_its_client_and_keeps_its_budget(tmp_path):
-    """Issue 22 (1, 6): a client of a balanced packed server recorded its own greedy padded planner and plan.json;
+    """A client of a balanced packed server once recorded its own greedy padded planner and plan.json;
     "unset" written into the server's control file made every pass a 500 and stuck as the last good budget.
-    Issue 23: its cap on sequences per micro-batch is fixed for its life and recorded by its client the same way."""
+    Its cap on sequences per micro-batch is fixed for its life and recorded by its client the same way."""
     s = start_server(tmp_path, "backend=pytorch", "workload=smoke", "layout=packed", "planner=balanced", "mtpm=4096",
                      "max_seqs_per_microbatch=2")
     try:
@@ -438,7 +450,11 @@ def test_a_packed_server_is_recorded_as_it_runs_by_its_client_and_keeps_its_budg
         res, plan = load_json(run / "results.json"), load_json(run / "plan.json")
         assert (res["planner"], res["layout"], res["max_seqs_per_microbatch"]) == ("balanced", "packed", 2)
         assert res["plan"]["max_seqs_per_microbatch"] == plan["max_seqs_per_microbatch"] == 2
-        assert (res["plan"]["planner"], res["plan"]["layout"], res["plan"]["pad_efficiency"]) == ("balanced", "packed", 1.0)
+        assert (res["plan"]["planner"], res["plan"]["layout"], res["plan"]["pad_efficiency"]) == (
+            "balanced",
+            "packed",
+            1.0,
+        )
         # plan.json is the plan the server ran: the same planner, layout, cost model and micro-batch count
         assert (plan["planner"], plan["layout"], plan["cost_model"]) == ("balanced", "packed", health["cost_model"])
         ran = [b for s_ in plan["schedules"] for b in s_ if b is not None]

@@ -24,8 +24,16 @@ def test_seed_b200_preset_plans_the_published_setting_on_this_machine(tmp_path):
 def test_two_points_through_the_local_submitit_launcher(tmp_path):
     sweep = tmp_path / "sweep"
     proc = run_harness(
-        "-m", "hydra/launcher=local", "mtpm=600,100000", "bench.baseline=false", "backend=pytorch", "workload=smoke", "bench.warmup=0",
-        "bench.repeat=1", f"hydra.sweep.dir={sweep}", cwd=tmp_path,
+        "-m",
+        "hydra/launcher=local",
+        "mtpm=600,100000",
+        "bench.baseline=false",
+        "backend=pytorch",
+        "workload=smoke",
+        "bench.warmup=0",
+        "bench.repeat=1",
+        f"hydra.sweep.dir={sweep}",
+        cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     results = sweep_results(sweep)
@@ -44,10 +52,13 @@ def test_slurm_preset_composes(tmp_path):
     assert launcher["timeout_min"] > 0
 
 
-@pytest.mark.parametrize("args", [("--cfg", "job"), ("mtpm=-3", "--cfg", "job"), ("mtmp=1",)], ids=["cfg", "cfg-bad", "typo"])
+@pytest.mark.parametrize(
+    "args", [("--cfg", "job"), ("mtpm=-3", "--cfg", "job"), ("mtmp=1",)], ids=["cfg", "cfg-bad", "typo"]
+)
 def test_printing_or_refusing_a_config_imports_no_torch(tmp_path, args):
     """`python -m harness --cfg job` and a config mistake answer in about a second: torch (1.3 s+) is never imported."""
-    code = ("import runpy, sys\nsys.argv = ['harness', *sys.argv[1:]]\ntry:\n    runpy.run_module('harness', run_name='__main__')\n"
+    code = ("import runpy, sys\nsys.argv = ['harness', *sys.argv[1:]]\ntry:\n    runpy.run_module('harness', "
+            "run_name='__main__')\n"
             "except SystemExit as exc:\n    print('exit', exc.code, 'torch' in sys.modules, file=sys.stderr)\n")
     proc = run_python(code, *args, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     last = proc.stderr.strip().splitlines()[-1]

@@ -34,7 +34,11 @@ def test_two_points_leave_two_offline_runs_in_their_folders(offline_sweep):
         assert s["plan/pad_efficiency"] == pytest.approx(res["plan"]["pad_efficiency"])
         # the precision that ran and the kernels each pass ran, under results.json's names
         assert s["precision/compute"] == res["precision"]["compute"] == "float32"
-        assert s["passes/forward/kernels/delta_rule/segment-scan"] == res["passes"]["forward"]["kernels"]["delta_rule"]["segment-scan"] > 0
+        assert (
+            s["passes/forward/kernels/delta_rule/segment-scan"]
+            == res["passes"]["forward"]["kernels"]["delta_rule"]["segment-scan"]
+            > 0
+        )
         repeats = [h for h in run["history"] if "repeats/forward_backward/elapsed_s" in h]
         assert [h["repeats/forward_backward/elapsed_s"] for h in repeats] == pytest.approx(
             res["passes"]["forward_backward"]["elapsed_s"]
@@ -97,7 +101,8 @@ def test_the_run_logs_the_plan_figure_as_an_image(tmp_path):
     drawn = (tmp_path / "plan.png").read_bytes()
     assert image["format"] == "png" and image["sha256"] == hashlib.sha256(drawn).hexdigest()
     assert (wandb_file.parent / "files" / image["path"]).read_bytes() == drawn
-    assert run["summary"]["plan/pad_efficiency"] == pytest.approx(plan.stats.pad_efficiency)  # the numbers stay beside it
+    # the numbers stay beside it
+    assert run["summary"]["plan/pad_efficiency"] == pytest.approx(plan.stats.pad_efficiency)
     assert run["exit_code"] == 0
 
 

@@ -9,7 +9,7 @@ from harness.results import write_json_atomic, write_plan_json
 
 
 def test_atomic_writes_follow_the_umask_like_every_other_file(tmp_path):
-    """Issue 22 (13): results.json and plan.json were created 0600 (mkstemp's mode) while other files were 0644."""
+    """results.json and plan.json were once created 0600 (mkstemp's mode) while other files were 0644."""
     old = os.umask(0o022)
     try:
         write_json_atomic(tmp_path / "results.json", {"status": "ok"})

@@ -114,7 +114,9 @@ def test_the_timeline_record_keeps_every_repeat_and_merges_later_ones():
 def test_a_cost_model_that_is_proportional_to_the_times_predicts_them_exactly():
     costs = [1.0, 2.0, 5.0, 9.0]
     q = prediction_quality([0.5 * c for c in costs], costs)
-    assert q["r2"] == pytest.approx(1.0) and q["worst_rel_err"] == pytest.approx(0.0) and q["scale"] == pytest.approx(0.5)
+    assert (
+        q["r2"] == pytest.approx(1.0) and q["worst_rel_err"] == pytest.approx(0.0) and q["scale"] == pytest.approx(0.5)
+    )
     off = prediction_quality([1.0, 1.0, 1.0, 4.0], [1.0, 2.0, 3.0, 4.0])
     assert off["r2"] < 0.9 and off["worst_rel_err"] > 0.3
     # a balanced plan's micro-batches cost about the same: the times differ by noise, which R² would call unexplained

@@ -194,8 +194,8 @@ def test_calibration_settings_are_checked_in_one_line(tmp_path):
             setattr(obj, last, v)
         return s
 
-    for key, value, word in (("cost_model", "seconds", "cost_model: 'seconds' is not a cost model (valid: flops, "
-                                                           "calibrated)"),
+    for key, value, word in (("cost_model", "seconds", ("cost_model: 'seconds' is not a cost model "
+                                                            "(valid: flops, calibrated)")),
                              ("calibration.repeat", 0, "calibration.repeat: must be a positive integer"),
                              ("calibration.max_len", -5, "calibration.max_len: must be a positive integer or null"),
                              ("calibration.warmup", -1, "calibration.warmup: must be >= 0")):

@@ -82,7 +82,11 @@ def test_allowed_missing_weights_are_listed_in_what_was_built(saved, tmp_path):
     built = describe_model(model, spec)
     assert built["n_layers"] == 6
     missing = built["missing_weights"]
-    assert missing == sorted(missing) and missing and all(k.startswith(("model.layers.4.", "model.layers.5.")) for k in missing)
+    assert (
+        missing == sorted(missing)
+        and missing
+        and all(k.startswith(("model.layers.4.", "model.layers.5.")) for k in missing)
+    )
     assert "model.layers.5.input_layernorm.weight" in missing
     assert built["unexpected_weights"] == []
 
@@ -231,8 +235,16 @@ def _hub_layout(saved: Path, path: Path, drop: str | None = None) -> Path:
 
     path.mkdir()
     text = json.loads((saved / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({"model_type": "qwen3_5_moe", "architectures": ["Qwen3_5MoeForConditionalGeneration"],
-                                                  "text_config": text, "tie_word_embeddings": False}))
+    (path / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "qwen3_5_moe",
+                "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+                "text_config": text,
+                "tie_word_embeddings": False,
+            }
+        )
+    )
     tensors = {}
     for name, t in load_file(saved / "model.safetensors").items():
         name = name.replace("model.", "model.language_model.", 1) if name.startswith("model.") else name

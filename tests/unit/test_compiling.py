@@ -93,15 +93,26 @@ def test_compiling_wraps_each_decoder_layer_once_and_keeps_the_boundary_kernels_
 
 
 # -- bench.memory_snapshot: the CUDA allocator's history; on this machine (no GPU) a clear refusal ------------
-@pytest.mark.parametrize("overrides, message", [
-    (["bench.memory_snapshot=true"], "bench.memory_snapshot: records the CUDA allocator's history, and this run's "
-                                     "device is cpu (backend.device=auto, no GPU here)"),
-    (["bench.memory_snapshot=true", "backend.device=cpu"], "bench.memory_snapshot: records the CUDA allocator's "
-                                                           "history, and this run's device is cpu (backend.device=cpu)"),
-    (["bench.memory_snapshot=true", "bench.warmup=0"], "bench.memory_snapshot: records during the warm-up"),
-    (["bench.memory_snapshot=true", "target.url=http://127.0.0.1:1"], "bench.memory_snapshot: records the allocator "
-                                                                      "of ranks this run starts"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["bench.memory_snapshot=true"],
+            ("bench.memory_snapshot: records the CUDA allocator's history, and this run's "
+             "device is cpu (backend.device=auto, no GPU here)"),
+        ),
+        (
+            ["bench.memory_snapshot=true", "backend.device=cpu"],
+            ("bench.memory_snapshot: records the CUDA allocator's "
+             "history, and this run's device is cpu (backend.device=cpu)"),
+        ),
+        (["bench.memory_snapshot=true", "bench.warmup=0"], "bench.memory_snapshot: records during the warm-up"),
+        (
+            ["bench.memory_snapshot=true", "target.url=http://127.0.0.1:1"],
+            "bench.memory_snapshot: records the allocator of ranks this run starts",
+        ),
+    ],
+)
 def test_a_memory_snapshot_the_run_cannot_take_is_one_line(overrides, message):
     import torch
 

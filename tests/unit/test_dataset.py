@@ -48,7 +48,9 @@ def test_chat_rows_train_on_the_assistant_turns_and_their_end_of_turn(tmp_path, 
     d = load_dataset(spec(f, demo_data["tokenizer"], tmp_path / "cache"), None)
     ids, trained = d.ids[0], d.trained[0]
     assert ids.tolist() == tok.apply_chat_template(CHAT, tokenize=True, return_dict=False)  # what the template gives
-    assert tok.decode(ids[trained]) == "Tokens per micro-batch.<|im_end|>\nSequences end to end, no padding.<|im_end|>\n"
+    assert (
+        tok.decode(ids[trained]) == "Tokens per micro-batch.<|im_end|>\nSequences end to end, no padding.<|im_end|>\n"
+    )
     assert "What is a budget?" in tok.decode(ids[~trained]) and "Tokens" not in tok.decode(ids[~trained])
     (ex,) = dataset_examples(d)
     # position t predicts token t + 1: weighted exactly where the next token is an assistant token
@@ -119,7 +121,10 @@ def test_the_cache_is_read_on_a_second_run_and_invalidated_by_a_change(tmp_path,
     path = Path(changed.record["cache"]["path"])
     path.write_bytes(path.read_bytes()[:100])
     assert not load_dataset(s, None).record["cache"]["hit"]
-    assert load_dataset(spec(f, demo_data["tokenizer"], tmp_path / "cache", cache=False), None).record["cache"]["path"] is None
+    assert (
+        load_dataset(spec(f, demo_data["tokenizer"], tmp_path / "cache", cache=False), None).record["cache"]["path"]
+        is None
+    )
 
 
 def test_truncation_sampling_and_order_are_recorded(tmp_path, demo_data):
@@ -174,8 +179,8 @@ def _one_line(exc) -> str:
     ("bad_line", r"workload.path: .*bad.jsonl:2: not a JSON object"),
     ("no_key", r"workload.path: .*nokey.jsonl:1: no 'messages' key .*keys here: conversation"),
     ("not_messages", r"nomsg.jsonl:1: messages\[1\].content is a number \(3\), not a string"),
-    ("content_parts", r"parts.jsonl:1: messages\[0\].content is a list \(\[\{\"type\": \"text\", .*…\), not a "
-                      r"string \(a list of content parts"),
+    ("content_parts", (r"parts.jsonl:1: messages\[0\].content is a list \(\[\{\"type\": \"text\", .*…\), not a "
+                       r"string \(a list of content parts")),
     ("no_role", r"norole.jsonl:1: messages\[0\] has no 'role' \(keys content; "),
     ("empty_file", r"workload.path: .*empty.jsonl holds no rows"),
     ("not_parquet", r"workload.path: .*fake.parquet is not a readable Parquet file"),
@@ -191,9 +196,22 @@ def test_bad_data_is_one_line_naming_the_file_and_row(tmp_path, demo_data, case,
         "empty_folder": tmp_path / "empty",
         "bad_line": tmp_path / "bad.jsonl",
         "no_key": write_jsonl(tmp_path / "nokey.jsonl", [{"conversation": CHAT}]),
-        "not_messages": write_jsonl(tmp_path / "nomsg.jsonl", [{"messages": [CHAT[0], {"role": "user", "content": 3}]}]),
-        "content_parts": write_jsonl(tmp_path / "parts.jsonl", [{"messages": [
-            {"role": "user", "content": [{"type": "text", "text": "What is a budget, in tokens per micro-batch?"}]}]}]),
+        "not_messages": write_jsonl(
+            tmp_path / "nomsg.jsonl", [{"messages": [CHAT[0], {"role": "user", "content": 3}]}]
+        ),
+        "content_parts": write_jsonl(
+            tmp_path / "parts.jsonl",
+            [
+                {
+                    "messages": [
+                        {
+                            "role": "user",
+                            "content": [{"type": "text", "text": "What is a budget, in tokens per micro-batch?"}],
+                        }
+                    ]
+                }
+            ],
+        ),
         "no_role": write_jsonl(tmp_path / "norole.jsonl", [{"messages": [{"content": "hi"}]}]),
         "empty_file": tmp_path / "empty.jsonl",
         "not_parquet": tmp_path / "fake.parquet",
@@ -252,11 +270,13 @@ def test_a_template_that_renders_a_turn_differently_in_context_is_named(tmp_path
     shutil.copytree(demo_data["tokenizer"], tok)
     # earlier assistant turns are shortened inside the whole conversation (as some reasoning templates drop thoughts)
     (tok / "chat_template.jinja").write_text(
-        "{%- for m in messages -%}{%- if m['role'] == 'assistant' and not loop.last -%}<|im_start|>assistant\n...<|im_end|>\n"
+        "{%- for m in messages -%}{%- if m['role'] == 'assistant' and not loop.last "
+        "-%}<|im_start|>assistant\n...<|im_end|>\n"
         "{%- else -%}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{%- endif -%}{%- endfor -%}"
         "{%- if add_generation_prompt -%}<|im_start|>assistant\n{%- endif -%}")
     f = write_jsonl(tmp_path / "c.jsonl", [{"messages": CHAT}])
-    with pytest.raises(UserError, match=r"c.jsonl:1: the chat template renders turn 2 differently .*workload.train_on=all"):
+    with pytest.raises(UserError, match=r"c.jsonl:1: the chat template renders turn 2 differently "
+                                        r".*workload.train_on=all"):
         load_dataset(spec(f, tok, tmp_path / "cache"), None)
     every = load_dataset(spec(f, tok, tmp_path / "cache", train_on="all"), None)  # what the message offers works
     assert dataset_examples(every)[0].weights.sum() == every.lengths[0] - 1

@@ -24,7 +24,7 @@ WRITER = textwrap.dedent("""
 
 
 def test_a_running_point_whose_process_was_killed_reads_as_died(tmp_path):
-    """Issue 22 (4): rank 0 SIGKILLed (or stopped, then killed by its watchdog) left results.json "running" for good."""
+    """Rank 0 SIGKILLed (or stopped, then killed by its watchdog) once left results.json "running" for good."""
     point = tmp_path / "0"
     point.mkdir()
     path = point / "results.json"

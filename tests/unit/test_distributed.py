@@ -1,4 +1,5 @@
-"""What each rank of a distributed backend is sent, checked in-process (the real gloo ranks: tests/integration/test_distributed.py)."""
+"""What each rank of a distributed backend is sent, checked in-process (the real gloo ranks:
+tests/integration/test_distributed.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The failure rule, written once (backends/runtime/failures.py blame): out of memory first, else a peer, else the rank."""
+"""The failure rule, written once (backends/runtime/failures.py blame): out of memory first, else a peer, else the
+rank."""
 
 from __future__ import annotations
 
@@ -16,7 +17,10 @@ def test_a_dead_peer_is_blamed_over_the_error_it_caused():
         return Failure("rank 1 was killed by SIGKILL") if len(asked) >= 3 else None  # the death trails the error
 
     got = blame("error", 0, "RuntimeError: Connection reset by peer", "tb", "forward", find_peer, wait_s=5.0, poll_s=0)
-    assert got.message == "rank 1 was killed by SIGKILL during forward (rank 0 then failed: RuntimeError: Connection reset by peer)"
+    assert (
+        got.message
+        == "rank 1 was killed by SIGKILL during forward (rank 0 then failed: RuntimeError: Connection reset by peer)"
+    )
     assert (got.details, got.status) == ("tb", "error")  # the peer has no traceback: the rank's own is kept
 
 

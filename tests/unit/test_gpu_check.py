@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-_SPEC = importlib.util.spec_from_file_location("gpu_check", Path(__file__).resolve().parents[2] / "scripts" / "gpu_check.py")
+_SPEC = importlib.util.spec_from_file_location(
+    "gpu_check", Path(__file__).resolve().parents[2] / "scripts" / "gpu_check.py"
+)
 gpu_check = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(gpu_check)
 
@@ -26,7 +28,9 @@ def _point(sweep: Path, n: int, layout: str, losses, grad_norm: float, status: s
            "model": {"built": {"dtype": "bfloat16"}}, **({"precision": PRECISION} if recorded else {})}
     (folder / "results.json").write_text(json.dumps(res))
     if status == "ok":
-        (folder / "example_outputs.json").write_text(json.dumps({"forward_backward": {"loss": losses, "grad_norm": grad_norm}}))
+        (folder / "example_outputs.json").write_text(
+            json.dumps({"forward_backward": {"loss": losses, "grad_norm": grad_norm}})
+        )
 
 
 def test_bf16_packed_agrees_with_padded_within_its_tolerance_and_the_kernels_come_along(tmp_path):
@@ -52,7 +56,11 @@ def test_runs_without_kernel_or_precision_records_are_read_as_unknown(tmp_path):
     _point(tmp_path, 0, "padded", [2.0], 1.0, recorded=False)
     _point(tmp_path, 1, "packed", [2.0], 1.0, recorded=False)
     entry = gpu_check.layouts_agree(tmp_path, 1e-4)
-    assert entry["ok"] and entry["layouts"]["padded"]["kernels"] is None and entry["layouts"]["padded"]["precision"] is None
+    assert (
+        entry["ok"]
+        and entry["layouts"]["padded"]["kernels"] is None
+        and entry["layouts"]["padded"]["precision"] is None
+    )
 
 
 def test_the_default_budget_fits_a_600_s_device_run_with_room_for_the_install():

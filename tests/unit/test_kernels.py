@@ -1,4 +1,5 @@
-"""Kernels on record: what ran is counted as it runs, both layouts get the same fallbacks, CPU tensors never reach a GPU kernel."""
+"""Kernels on record: what ran is counted as it runs, both layouts get the same fallbacks, CPU tensors never reach a
+GPU kernel."""
 
 from __future__ import annotations
 
@@ -105,7 +106,8 @@ def test_cpu_tensors_never_reach_a_gpu_kernel_even_where_the_kernel_packages_imp
 
 
 def test_a_packed_row_reads_its_bounds_from_the_host_not_the_device(model):
-    """Each layer used to call cu_seqlens.tolist() (a device-to-host sync per layer on CUDA); now collate's copy serves."""
+    """Each layer used to call cu_seqlens.tolist() (a device-to-host sync per layer on CUDA); now collate's copy
+    serves."""
     from torch.overrides import TorchFunctionMode
 
     batch = collate_packed(EXAMPLES, [0, 1, 2], CPU)
@@ -128,7 +130,9 @@ def test_a_plain_dict_of_masks_survives_a_rebuild_as_fsdp2s_input_cast_does(mode
     batch = collate_packed(EXAMPLES, [0, 1], CPU)
     kwargs = batch.model_kwargs(model_layer_types(model))
     masks = kwargs["attention_mask"]
-    assert type(masks) is dict and set(masks) == set(model.config.layer_types) and all(v is None for v in masks.values())
+    assert (
+        type(masks) is dict and set(masks) == set(model.config.layer_types) and all(v is None for v in masks.values())
+    )
     rebuilt = {k: v for k, v in masks.items()}  # what torch's _apply_to_tensors does to a dict
     with torch.no_grad():
         out = model(input_ids=batch.ids, use_cache=False, **{**kwargs, "attention_mask": rebuilt}).logits

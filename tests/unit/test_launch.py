@@ -1,4 +1,5 @@
-"""The launch environment read (torchrun, Slurm, none) and world_size checked against it, in-process (real torchrun "nodes": tests/integration/test_launch.py)."""
+"""The launch environment read (torchrun, Slurm, none) and world_size checked against it, in-process (real torchrun
+"nodes": tests/integration/test_launch.py)."""
 
 from __future__ import annotations
 

@@ -52,7 +52,7 @@ def test_one_pair_each_and_one_allowed_measures_nothing_more():
 
 
 def test_the_reports_answer_says_a_tie_and_prefers_the_budget_shown_faster_than_mbs1(tmp_path):
-    """The issue's `make run`: 16,384 at 1.72x (0.56-3.96) led 32,768 at 1.24x (1.02-1.50) by its median alone."""
+    """A `make run` where 16,384 at 1.72x (0.56-3.96) led 32,768 at 1.24x (1.02-1.50) by its median alone."""
     from tests.unit.test_report_inputs import COMMITTED, _report
     from tests.unit.test_spread import _point_doc
 

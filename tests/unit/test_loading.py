@@ -1,4 +1,5 @@
-"""Loading, in-process: CPU ranks stay on the CPU on any host, and rank 0's read gate on a real TCPStore (sharded FSDP2 loads: tests/integration/test_loading.py)."""
+"""Loading, in-process: CPU ranks stay on the CPU on any host, and rank 0's read gate on a real TCPStore (sharded FSDP2
+loads: tests/integration/test_loading.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,9 @@ def _store(timeout_s: float):
 
     import torch.distributed as dist
 
-    return dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+    return dist.TCPStore(
+        "127.0.0.1", 0, 1, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
+    )
 
 
 def test_the_read_gate_waits_past_the_store_timeout_until_rank0_opens_it():

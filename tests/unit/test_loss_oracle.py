@@ -26,8 +26,12 @@ GROUPINGS = {
     "mtpm=28": (28, 1, {}),
     "mtpm=30 packed": (30, 1, {"layout": "packed"}),
     "mtpm=30 balanced": (30, 1, {"planner": "balanced"}),
-    # a cap of 2 sequences splits rows that would hold 3 or more (issue 23)
-    "mtpm=30 balanced packed ≤2 seqs": (30, 1, {"planner": "balanced", "layout": "packed", "max_seqs_per_microbatch": 2}),
+    # a cap of 2 sequences splits rows that would hold 3 or more
+    "mtpm=30 balanced packed ≤2 seqs": (
+        30,
+        1,
+        {"planner": "balanced", "layout": "packed", "max_seqs_per_microbatch": 2},
+    ),
 }
 
 
@@ -66,7 +70,9 @@ def test_each_grouping_reports_the_oracles_losses_and_gradient(backend, expected
     if grouping != "mbs=1":
         assert max(len(b) for b in _microbatches(result.plan, mtpm, mbs, options)) > 1  # grouping really happened
     cap = options.get("max_seqs_per_microbatch")
-    assert result.plan["max_microbatch_size"] <= (cap or len(EXAMPLES)) and result.plan["max_seqs_per_microbatch"] == cap
+    assert (
+        result.plan["max_microbatch_size"] <= (cap or len(EXAMPLES)) and result.plan["max_seqs_per_microbatch"] == cap
+    )
     for i, out in enumerate(result.outputs):
         np.testing.assert_allclose(out.logprobs, expected["logprobs"][i], rtol=1e-4, atol=1e-5)
         assert out.loss == pytest.approx(expected["losses"][i], rel=1e-4)

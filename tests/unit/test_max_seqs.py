@@ -1,4 +1,5 @@
-"""The cap on sequences per micro-batch (issue 23) in-process: the knob, a pass in bf16, and every record of it.
+"""The cap on sequences per micro-batch (max_seqs_per_microbatch) in-process: the knob, a pass in bf16, and every
+record of it.
 
 Dry runs through the CLI: tests/integration/test_harness_cli.py; a server and its client:
 tests/integration/test_serve.py; spawned ranks: tests/integration/test_distributed.py.
@@ -110,7 +111,9 @@ def bf16():
         b.close()
 
 
-@pytest.mark.parametrize("mtpm, options", [(30, PACKED), (28, {})], ids=["balanced packed mtpm=30", "greedy padded mtpm=28"])
+@pytest.mark.parametrize(
+    "mtpm, options", [(30, PACKED), (28, {})], ids=["balanced packed mtpm=30", "greedy padded mtpm=28"]
+)
 def test_a_capped_bf16_pass_gives_the_uncapped_answer_and_keeps_the_cap(bf16, mtpm, options):
     b, free = bf16
     capped = b.run_pass(make_command("forward_backward", EXAMPLES, mtpm, 1, max_seqs_per_microbatch=2, **options))
@@ -125,7 +128,10 @@ def test_without_a_budget_the_cap_narrows_fixed_slices():
     """mtpm=null: slices of min(mbs, cap) sequences, as every rank plans them from the command."""
     command = make_command("forward", EXAMPLES, None, 4, max_seqs_per_microbatch=2)
     assert [len(b) for b in command.plan(1, lockstep=False).schedules[0]] == [2, 2, 2]
-    assert [len(b) for b in command.replace(max_seqs_per_microbatch=None).plan(1, lockstep=False).schedules[0]] == [4, 2]
+    assert [len(b) for b in command.replace(max_seqs_per_microbatch=None).plan(1, lockstep=False).schedules[0]] == [
+        4,
+        2,
+    ]
 
 
 # --- reports: old results read as no cap and render as they always did ---------------------------------------------
@@ -176,5 +182,7 @@ def test_the_plan_figure_title_says_the_cap_only_when_there_is_one():
 
     lengths = [len(e) for e in EXAMPLES]
     free = describe(plan_blocks(plan_batch(lengths, 2, 30, 1, layout="packed").to_json()))[0]
-    capped = describe(plan_blocks(plan_batch(lengths, 2, 30, 1, layout="packed", max_seqs_per_microbatch=2).to_json()))[0]
+    capped = describe(plan_blocks(plan_batch(lengths, 2, 30, 1, layout="packed", max_seqs_per_microbatch=2).to_json()))[
+        0
+    ]
     assert capped == [*free, "≤ 2 sequences / micro-batch"] and not any("sequences" in t for t in free)

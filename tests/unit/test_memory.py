@@ -47,7 +47,11 @@ def test_cpu_memory_limit_is_applied_and_restored():
     before = resource.getrlimit(resource.RLIMIT_DATA)
     limit = limit_memory(64, CPU)
     try:
-        assert resource.getrlimit(resource.RLIMIT_DATA)[0] == min(64 * 1024**3, before[1]) if before[1] != resource.RLIM_INFINITY else 64 * 1024**3
+        assert (
+            resource.getrlimit(resource.RLIMIT_DATA)[0] == min(64 * 1024**3, before[1])
+            if before[1] != resource.RLIM_INFINITY
+            else 64 * 1024**3
+        )
     finally:
         restore_memory_limit(limit)
     assert resource.getrlimit(resource.RLIMIT_DATA) == before

@@ -1,4 +1,5 @@
-"""Which config the planner's cost model reads: the checkpoint's, the shipped one of a named model, or the tiny model's."""
+"""Which config the planner's cost model reads: the checkpoint's, the shipped one of a named model, or the tiny
+model's."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from backends.specs import ModelSpec
 
 
 def test_a_named_model_without_a_path_plans_with_its_shipped_config(tmp_path):
-    """Issue 22 (3): model.path=null planned the 35B with the tiny model's cost (critical path 1.0369, not 1.0194)."""
+    """model.path=null once planned the 35B with the tiny model's cost (critical path 1.0369, not 1.0194)."""
     no_path = ModelSpec(name="qwen3_5_35b_a3b", path=None)
     absent = ModelSpec(name="qwen3_5_35b_a3b", path=str(tmp_path / "nonexistent"))
     config, source = model_config(no_path)

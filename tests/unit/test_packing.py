@@ -26,7 +26,7 @@ CPU = torch.device("cpu")
 MODELING = "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe"
 # Shorter than the conv kernel (4), on and around the delta rule's chunk (64), several chunks.
 LENGTHS = [70, 1, 3, 130, 2, 64, 17, 65]
-REL = 1e-5  # per-example losses, log-probs and the gradient norm (the bar)
+REL = 1e-5  # per-example losses, log-probs and the gradient norm agree to this (packed = padded)
 # Per parameter: the delta-net decay parameters (A_log, dt_bias) of the full model have
 # gradients of ~1e-5 made of cancelling terms; the stock padded path itself differs
 # from mbs=1 there by 2e-5 relative (packed: 1.6e-5), so per-parameter grads get 1e-4.
@@ -99,7 +99,9 @@ def test_segment_convolution_equals_each_sequence_alone(lengths):
     w = torch.randn(12, 4, requires_grad=True)
     ours = segment_causal_conv1d(x, w, None, "silu", cu_seqlens(lengths))
     bounds = cu_seqlens(lengths).tolist()
-    alone = torch.cat([stock("causal_conv1d_fn")(x[..., s:e], w, None, activation="silu") for s, e in zip(bounds, bounds[1:])], -1)
+    alone = torch.cat(
+        [stock("causal_conv1d_fn")(x[..., s:e], w, None, activation="silu") for s, e in zip(bounds, bounds[1:])], -1
+    )
     assert rel_err(ours, alone) < REL
     up = torch.randn_like(ours)
     g_ours = torch.autograd.grad((ours * up).sum(), (x, w))
@@ -139,7 +141,11 @@ def test_collate_lays_sequences_end_to_end():
     assert b.position_ids.tolist() == [[0, 1, 0, 1, 2, 0]]
     assert b.cu_seqlens.tolist() == [0, 2, 5, 6] and b.cu_seqlens.dtype == torch.int32
     assert b.ids[0, 2:5].tolist() == ex[0].input_ids.tolist()
-    assert [t.tolist() for t in b.split(b.weights)] == [ex[2].weights.tolist(), ex[0].weights.tolist(), ex[1].weights.tolist()]
+    assert [t.tolist() for t in b.split(b.weights)] == [
+        ex[2].weights.tolist(),
+        ex[0].weights.tolist(),
+        ex[1].weights.tolist(),
+    ]
     dummy = collate_packed(ex, None, CPU)
     assert dummy.lengths == [1] and float(dummy.weights.sum()) == 0.0
 

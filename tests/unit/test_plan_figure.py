@@ -25,7 +25,8 @@ def cost(n: int) -> float:
 
 
 def reference(doc: dict) -> dict:
-    """What the plan costs, computed here straight from the plan.json format of backends/planning/plan.py (independently of reports.plan_blocks)."""
+    """What the plan costs, computed here straight from the plan.json format of backends/planning/plan.py
+    (independently of reports.plan_blocks)."""
     lengths, padded = doc["lengths"], doc["layout"] == "padded"
     def mb_cost(mb) -> float:
         if mb is None:
@@ -183,7 +184,8 @@ def test_readme_shows_published_plans_side_by_side(tmp_path):
         (plans / f"{planner}-{layout}").mkdir(parents=True)
         (plans / f"{planner}-{layout}" / "plan.json").write_text(json.dumps({**doc, "planner": planner}))
     found = published_plans(plans)
-    assert [p.parent.name for p in found] == ["greedy-padded", "balanced-packed"]  # the original greedy planner's plan on the left
+    # the original greedy planner's plan on the left
+    assert [p.parent.name for p in found] == ["greedy-padded", "balanced-packed"]
     pngs = [tmp_path / "plots" / f"plan-{p.parent.name}.png" for p in found]
     lines = readme_plan_lines(pngs, found, tmp_path)
     images = [line for line in lines if line.startswith("<p>")]

@@ -1,4 +1,5 @@
-"""The balanced planner, the packed layout and the cost model: properties over random inputs, and the published workload's targets."""
+"""The balanced planner, the packed layout and the cost model: properties over random inputs, and the published
+workload's targets."""
 
 from __future__ import annotations
 
@@ -69,7 +70,9 @@ def test_balanced_plans_every_example_once_within_the_budget(case, align):
         assert st_.steps == len(plan.schedules[0])
     else:
         assert all(b is not None for s in plan.schedules for b in s)
-    assert math.isclose(sum(st_.cost_per_rank), sum(microbatch_cost(b, lengths, layout, cm) for b in _microbatches(plan)))
+    assert math.isclose(
+        sum(st_.cost_per_rank), sum(microbatch_cost(b, lengths, layout, cm) for b in _microbatches(plan))
+    )
 
 
 @settings(max_examples=150, deadline=None)
@@ -153,7 +156,7 @@ def test_lower_bound_by_hand(lengths, budget, bins):
     assert lower_bound_steps(lengths, 2, budget) == math.ceil(bins / 2)
 
 
-def test_seed_workload_lower_bounds_match_the_issue():
+def test_seed_workload_lower_bounds_match_the_published_table():
     assert [lower_bound_steps(SEED, 4, b) for b in BUDGETS] == [20, 13, 7, 4]
     assert [lower_bound_steps(SEED, 8, b) for b in BUDGETS] == [10, 7, 4, 2]
     assert [lower_bound_steps(SEED, 1, b) for b in BUDGETS] == [79, 52, 26, 13]
@@ -191,7 +194,7 @@ def test_bad_choices_are_refused():
 
 
 @pytest.mark.parametrize("world", [1, 4, 8])
-def test_balanced_packed_meets_the_issue_targets_on_the_seed_workload(world):
+def test_balanced_packed_meets_its_targets_on_the_seed_workload(world):
     """Fewest steps, only lone sequences over budget, ranks within 0.5%, the critical path near its bound."""
     for budget in BUDGETS:
         plan = plan_batch(SEED, world, budget, 1, align=True, layout="packed", planner="balanced", cost_model=QWEN)
@@ -213,7 +216,7 @@ def test_balanced_packed_meets_the_issue_targets_on_the_seed_workload(world):
 
 @pytest.mark.parametrize("world", [1, 4, 8])
 def test_balanced_padded_evens_the_ranks_on_the_seed_workload(world):
-    """Issue 10: padded, ranks within 0.5% of each other, in no more steps than the original greedy planner."""
+    """Padded, ranks within 0.5% of each other, in no more steps than the original greedy planner."""
     for budget in BUDGETS:
         kw = dict(align=True, layout="padded", cost_model=QWEN)
         greedy = plan_batch(SEED, world, budget, 1, planner="greedy", **kw).stats
@@ -240,7 +243,12 @@ def test_plan_json_document():
     doc = plan.to_json(backend="fsdp2")
     assert list(doc)[:2] == ["version", "backend"] and doc["version"] == 1
     assert doc["world_size"] == 2 and doc["lockstep"] is True
-    assert (doc["planner"], doc["layout"], doc["max_tokens_per_microbatch"], doc["micro_batch_size"]) == ("balanced", "packed", 400, 1)
+    assert (doc["planner"], doc["layout"], doc["max_tokens_per_microbatch"], doc["micro_batch_size"]) == (
+        "balanced",
+        "packed",
+        400,
+        1,
+    )
     assert doc["cost_model"] == QWEN.as_dict() and doc["lengths"] == [300, 20, 500]
     assert doc["schedules"] == plan.schedules
 
@@ -293,7 +301,7 @@ def test_tiny_cost_model_counts_the_real_models_weights():
     with torch.device("meta"):
         model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**TINY_CONFIG))
     per_token = 0
-    for name, module in model.named_modules():
+    for module in model.modules():
         kind = type(module).__name__
         if isinstance(module, torch.nn.Linear):
             per_token += module.weight.numel()

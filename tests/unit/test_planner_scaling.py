@@ -1,4 +1,5 @@
-"""The planner at corpus scale (issue 23): a cap on sequences per micro-batch, the histogram packers, packing efficiency, growth."""
+"""The planner at corpus scale: a cap on sequences per micro-batch, the histogram packers, packing efficiency,
+growth."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from backends.planning import lower_bound_bins, plan_batch
 from backends.planning.balanced import _Packer
 from backends.planning.greedy import sort_by_length
 
-_SPEC = importlib.util.spec_from_file_location("bench_planner", Path(__file__).resolve().parents[2] / "scripts" / "bench_planner.py")
+_SPEC = importlib.util.spec_from_file_location(
+    "bench_planner", Path(__file__).resolve().parents[2] / "scripts" / "bench_planner.py"
+)
 bench = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(bench)
 
@@ -32,7 +35,9 @@ def capped_cases(draw):
 @given(capped_cases(), st.booleans())
 def test_the_cap_holds_in_both_planners_and_layouts(case, align):
     lengths, world, budget, cap, (planner, layout) = case
-    plan = plan_batch(lengths, world, budget, 1, align=align, layout=layout, planner=planner, max_seqs_per_microbatch=cap)
+    plan = plan_batch(
+        lengths, world, budget, 1, align=align, layout=layout, planner=planner, max_seqs_per_microbatch=cap
+    )
     batches = [b for s in plan.schedules for b in s if b]
     assert sorted(i for b in batches for i in b) == list(range(len(lengths)))  # every example once
     assert max(len(b) for b in batches) <= cap == plan.max_seqs_per_microbatch
@@ -65,7 +70,9 @@ def test_a_cap_no_micro_batch_reaches_leaves_the_greedy_planner_as_it_was(planne
     lengths = bench.DISTRIBUTIONS["mixed"][0](500)
     for world in (1, 3, 8):
         plain = plan_batch(lengths, world, 65536, layout=layout, planner=planner, align=True)
-        capped = plan_batch(lengths, world, 65536, layout=layout, planner=planner, align=True, max_seqs_per_microbatch=10**6)
+        capped = plan_batch(
+            lengths, world, 65536, layout=layout, planner=planner, align=True, max_seqs_per_microbatch=10**6
+        )
         assert capped.schedules == plain.schedules
 
 
@@ -89,7 +96,9 @@ def _item_bfd(lengths, budget, cap):
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.integers(1, 100), min_size=1, max_size=120), st.integers(100, 400), st.sampled_from([None, 1, 2, 3, 7]))
+@given(
+    st.lists(st.integers(1, 100), min_size=1, max_size=120), st.integers(100, 400), st.sampled_from([None, 1, 2, 3, 7])
+)
 def test_histogram_best_fit_decreasing_packs_as_the_one_at_a_time_form(lengths, budget, cap):
     order = sort_by_length(lengths)
     pools: dict[int, list[int]] = {}
@@ -114,7 +123,8 @@ def test_short_sequences_pack_within_a_tenth_of_a_percent_of_the_bound():
 
 
 def test_the_cap_holds_where_a_few_cheap_micro_batches_take_many_short_sequences():
-    """Two long sequences leave two of the four micro-batches empty and cheapest; ten short ones must still go three at most."""
+    """Two long sequences leave two of the four micro-batches empty and cheapest; ten short ones must still go three at
+    most."""
     lengths = [100, 100] + [1] * 10
     plan = plan_batch(lengths, 1, 1000, planner="balanced", layout="packed", align=True, max_seqs_per_microbatch=3)
     assert plan.stats.lower_bound_steps == plan.stats.steps == 4

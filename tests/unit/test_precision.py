@@ -1,4 +1,5 @@
-"""The precision policy inside one bf16 model, in-process (every backend on real ranks: tests/integration/test_precision.py)."""
+"""The precision policy inside one bf16 model, in-process (every backend on real ranks:
+tests/integration/test_precision.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""python -m reports in-process: a bad results.json, README or output path is one line (or a warning), and a row says only what its results.json records."""
+"""python -m reports in-process: a bad results.json, README or output path is one line (or a warning), and a row says
+only what its results.json records."""
 
 from __future__ import annotations
 
@@ -225,7 +226,9 @@ def test_an_error_point_says_only_what_its_results_json_records(tmp_path):
 def test_an_unreadable_row_names_its_file_and_claims_nothing(tmp_path):
     report = _report(tmp_path, {"0": _ok_doc(), "1": "[]"})
     headers, _ = _header_and_rows(report)
-    assert headers[0].startswith(f"Measured on {_ok_doc()['device']['name']}") and headers[-1] == "Setting not recorded."
+    assert (
+        headers[0].startswith(f"Measured on {_ok_doc()['device']['name']}") and headers[-1] == "Setting not recorded."
+    )
     (row,) = [line for line in report.splitlines() if "unreadable" in line]
     assert "1/results.json" in row
     cells = _cells(row)

@@ -1,4 +1,5 @@
-"""The committed results recomputed in-process: plans, statistics and FLOPs (python -m reports and the gradient oracle: tests/integration/test_reports.py)."""
+"""The committed results recomputed in-process: plans, statistics and FLOPs (python -m reports and the gradient oracle:
+tests/integration/test_reports.py)."""
 
 from __future__ import annotations
 
@@ -66,9 +67,16 @@ def test_committed_results_are_a_real_sweep_of_this_machine():
             len(lengths), sum(lengths), min(lengths), max(lengths)), point
         stored_plan = json.loads((point / "plan.json").read_text())
         assert stored_plan["lengths"] == lengths, point
-        plan = plan_batch(lengths, res["world_size"], res["mtpm"], res["mbs"], align=res["backend"] in LOCKSTEP_BACKENDS,
-                          layout=res["layout"], planner=res["planner"],
-                          cost_model=CostModel.from_dict(res["plan"]["cost_model"]))
+        plan = plan_batch(
+            lengths,
+            res["world_size"],
+            res["mtpm"],
+            res["mbs"],
+            align=res["backend"] in LOCKSTEP_BACKENDS,
+            layout=res["layout"],
+            planner=res["planner"],
+            cost_model=CostModel.from_dict(res["plan"]["cost_model"]),
+        )
         assert [[None if b is None else list(b) for b in s] for s in plan.schedules] == stored_plan["schedules"], point
         recomputed = plan.stats.as_dict()
         for key, value in recomputed.items():
@@ -85,10 +93,21 @@ def test_committed_results_are_a_real_sweep_of_this_machine():
             assert 0 < p["util_pct"] <= 100 * res["device"]["cores"]
             # FLOPs from the training-FLOPs model (LoRA rank and config of the point's model), hardware from the plan
             training = training_flops_for(ModelSpec(name=m["name"], path=m["path"], lora_rank=m["lora_rank"],
-                                                    vocab_size=m["built"]["vocab_size"]))  # backend.logprob_chunk_tokens is not recorded: the default (chunked) head; LoRA points recompute nothing there
-            flops = flops_record(pass_type, lengths, training, res["plan"], res["gc"], p["elapsed_s"], res["world_size"],
-                                 res["peak"], cost_model=CostModel.from_dict(res["plan"]["cost_model"]),
-                                 schedules=plan.schedules)
+                                                    # backend.logprob_chunk_tokens is not recorded: the default
+                                                    # (chunked) head; LoRA points recompute nothing there
+                                                    vocab_size=m["built"]["vocab_size"]))
+            flops = flops_record(
+                pass_type,
+                lengths,
+                training,
+                res["plan"],
+                res["gc"],
+                p["elapsed_s"],
+                res["world_size"],
+                res["peak"],
+                cost_model=CostModel.from_dict(res["plan"]["cost_model"]),
+                schedules=plan.schedules,
+            )
             for key, value in flops.items():
                 if key == "flops":  # the description of what was counted
                     assert p.get(key) == value, (point, pass_type, key)
@@ -139,14 +158,15 @@ def _load(path: str) -> dict:
 
 
 def test_the_readme_balance_table_is_the_committed_sweeps_and_they_compare_both_cost_models():
-    """README's "Balance on the clock" table is ``python -m reports balance`` over reports/balance/run*: real sweeps in
-    which every setting ran with both cost models, the calibrated plans with a fit on record."""
+    """The calibrated cost model's measurement page quotes ``python -m reports balance`` over reports/balance/run*: real
+    sweeps in which every setting ran with both cost models, the calibrated plans with a fit on record."""
     from reports.__main__ import main
     from reports.balance_table import balance_markdown, balance_rows
 
     runs = sorted((REPO / "reports" / "balance").glob("run*"))
     assert [r.name for r in runs] == ["run1", "run2", "run3"]
-    assert balance_markdown(runs) in (REPO / "README.md").read_text()
+    page = REPO / "docs" / "measurements" / "2026-12-02-calibrated-cost-model.md"
+    assert balance_markdown(runs) in page.read_text()
     rows = balance_rows(runs)
     by_setting: dict = {}
     for row in rows:

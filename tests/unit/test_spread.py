@@ -163,7 +163,8 @@ def _point_doc(speedup, noisy=False):
 
 
 def _fsdp2_report(tmp_path, point) -> tuple[str, str, str]:
-    """(the point's table row, the FSDP2 answer line, the whole report) of a sweep of the mbs=1 baseline and ``point``."""
+    """(the point's table row, the FSDP2 answer line, the whole report) of a sweep of the mbs=1 baseline and
+    ``point``."""
     from tests.unit.test_report_inputs import COMMITTED, _report
 
     base = json.loads((COMMITTED / "0" / "results.json").read_text())

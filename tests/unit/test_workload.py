@@ -61,12 +61,20 @@ def test_lengths_file(tmp_path):
     assert read_lengths_file(str(f)) == [12, 700, 3]
     spec = WorkloadSpec(name="lengths_file", kind="lengths_file", path=str(f), n_examples=0)  # as the preset has it
     assert workload_lengths(spec) == [12, 700, 3]
-    assert workload_lengths(WorkloadSpec(name="lengths_file", kind="lengths_file", path=str(f), n_examples=None)) == [12, 700, 3]
+    assert workload_lengths(WorkloadSpec(name="lengths_file", kind="lengths_file", path=str(f), n_examples=None)) == [
+        12,
+        700,
+        3,
+    ]
 
 
 @pytest.mark.parametrize(
     "content, needle",
-    [("10\n0\n", "length 0 is not positive"), ("10\nabc\n", "'abc' is not an integer"), ("\n# nothing\n", "holds no lengths")],
+    [
+        ("10\n0\n", "length 0 is not positive"),
+        ("10\nabc\n", "'abc' is not an integer"),
+        ("\n# nothing\n", "holds no lengths"),
+    ],
 )
 def test_bad_lengths_file_names_the_line(tmp_path, content, needle):
     f = tmp_path / "lengths.txt"
@@ -133,7 +141,7 @@ def test_signs_and_spaces_around_a_length(tmp_path):
         read_lengths_file(str(f))
 
 
-# --- histograms: length,count lines (issue 23) ----------------------------------------------------------------------
+# --- histograms: length,count lines ---------------------------------------------------------------------------------
 
 HISTOGRAM = "# my corpus\nlength, count\n64 , 10\n\n128,5  # a comment\n4096,1\n"
 
@@ -146,7 +154,11 @@ def test_a_histogram_is_read_as_its_lines(tmp_path):
     f = tmp_path / "lengths.csv"
     f.write_text(HISTOGRAM)
     table = load_lengths_file(str(f))
-    assert table.format == "histogram" and table.lengths.tolist() == [64, 128, 4096] and table.counts.tolist() == [10, 5, 1]
+    assert (
+        table.format == "histogram"
+        and table.lengths.tolist() == [64, 128, 4096]
+        and table.counts.tolist() == [10, 5, 1]
+    )
     assert (table.sequences, table.distinct_lengths) == (16, 3)
     assert read_lengths_file(str(f)) == [64] * 10 + [128] * 5 + [4096]  # expanded as listed
     f.write_text("100,2\n100,3\n")  # a length listed twice counts twice
@@ -154,7 +166,12 @@ def test_a_histogram_is_read_as_its_lines(tmp_path):
     plain = tmp_path / "plain.txt"
     plain.write_text("5\n5\n7\n")
     table = load_lengths_file(str(plain))
-    assert (table.format, table.sequences, table.distinct_lengths, table.counts.tolist()) == ("lengths", 3, 2, [1, 1, 1])
+    assert (table.format, table.sequences, table.distinct_lengths, table.counts.tolist()) == (
+        "lengths",
+        3,
+        2,
+        [1, 1, 1],
+    )
 
 
 def test_the_whole_histogram_is_every_sequence_once_in_a_seeded_shuffle(tmp_path):
@@ -179,7 +196,9 @@ def test_n_examples_draws_from_the_file_by_count_with_the_seed(tmp_path, content
     assert drawn.lengths == load_workload(_file_spec(f, n_examples=5000)).lengths  # deterministic
     assert drawn.lengths != load_workload(_file_spec(f, n_examples=5000, seed=1)).lengths
     table = load_lengths_file(str(f))
-    weights = {int(n): int(table.counts[table.lengths == n].sum()) / table.sequences for n in set(table.lengths.tolist())}
+    weights = {
+        int(n): int(table.counts[table.lengths == n].sum()) / table.sequences for n in set(table.lengths.tolist())
+    }
     for n, p in weights.items():  # weighted by count: 5000 draws land within a few standard deviations
         assert abs(drawn.lengths.count(n) / 5000 - p) < 4 * (p * (1 - p) / 5000) ** 0.5 + 1e-9, (n, p)
     assert drawn.file["sampled"] == 5000 and drawn.file["order"] == "sampled"
@@ -215,7 +234,8 @@ def test_a_million_sequence_histogram_loads_and_draws_in_well_under_a_second(tmp
         ("length,count\n200\n", 2, "in a file of length,count lines (as its header on line 1 says)"),
         ("100\n200,3\n", 2, "'200,3' has a comma (length,count) in a file of one length per line (as line 1 is)"),
         ("100\nabc\n", 2, "'abc' is not an integer (expected a positive length in ASCII digits 0-9: this file is one"),
-        ("abc\n", 1, "'abc' is not an integer (expected one positive length per line, in ASCII digits 0-9, or length,count"),
+        ("abc\n", 1, ("'abc' is not an integer (expected one positive length per line, "
+                      "in ASCII digits 0-9, or length,count")),
         ("length,count\n", None, "holds no lengths"),
     ],
 )
