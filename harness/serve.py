@@ -87,13 +87,8 @@ def parse_examples(body: Any, vocab_size: int, max_tokens: int):
             if not isinstance(value, list) or not value:
                 raise RequestError(422, f"{where}.{key}: expected a non-empty list")
             if key == "weights":
-                if not all(
-                    isinstance(w, (int, float))
-                    and not isinstance(w, bool)
-                    and math.isfinite(w)
-                    and 0 <= w <= MAX_WEIGHT
-                    for w in value
-                ):
+                if not all(isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w)
+                           and 0 <= w <= MAX_WEIGHT for w in value):
                     raise RequestError(422, f"{where}.weights: every weight must be a finite number in "
                                             f"0..{MAX_WEIGHT:g}")
                 arrays[key] = np.asarray(value, dtype=np.float32)
@@ -160,9 +155,8 @@ class ServedBackend:
         try:
             self.backend = self._start()
         except Exception as exc:  # noqa: BLE001 - reported to the client and on /healthz
-            self.down_reason = (
-                f"the workers were down ({self._cause}) and did not start again: {first_line(str(exc), 300)}"
-            )
+            self.down_reason = (f"the workers were down ({self._cause}) and did not start again: "
+                                f"{first_line(str(exc), 300)}")
             log.error("%s", self.down_reason)
             raise BackendError(self.down_reason) from None
         self.down_reason = None
@@ -257,17 +251,9 @@ class ServerState:
             return JSONResponse({"status": "down", "reason": why, "restarts": served.restarts,
                                  "recovery": "the workers are started again at the next pass"}, status_code=503)
         backend = served.backend
-        return {
-            "status": "ok",
-            **self.info,
-            **self.control.read().as_dict(),
-            "model": backend.model_info,
-            "precision": backend.precision,
-            "load": backend.load_info,
-            "pids": [os.getpid(), *backend.pids()],
-            "restarts": served.restarts,
-            "pending": self.pending,
-        }  # passes running or queued
+        return {"status": "ok", **self.info, **self.control.read().as_dict(), "model": backend.model_info,
+                "precision": backend.precision, "load": backend.load_info, "pids": [os.getpid(), *backend.pids()],
+                "restarts": served.restarts, "pending": self.pending}  # pending: passes running or queued
 
     async def admin_set(self, request: Request, name: str, ceiling: int, apply: Callable[[Optional[int]], Any]) -> Any:
         """An admin set request: authorised, its value checked against ``ceiling``, applied through the control file."""
@@ -369,9 +355,8 @@ def bind_port(host: str, port: int) -> socket.socket:
         sock.bind(address)
     except OSError as exc:
         sock.close()
-        raise UserError(
-            f"server.port: cannot listen on {host}:{port} ({exc.strerror}); choose another server.port"
-        ) from None
+        raise UserError(f"server.port: cannot listen on {host}:{port} ({exc.strerror}); "
+                        "choose another server.port") from None
     return sock
 
 
