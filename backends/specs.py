@@ -8,15 +8,17 @@ from typing import Optional
 
 @dataclass
 class BackendSpec:
-    """A backend config (see conf/backend/); the harness fills it from the top-level knobs."""
+    """A backend config. The CLI's are these defaults (conf/backend/ sets only the name), its batching fields filled
+    from the top-level knobs (harness/batching.py); built in code, it runs what the CLI runs with no budget."""
 
+    # The one backend that needs no processes; the CLI's default (conf/config.yaml) is fsdp2.
     name: str = "pytorch"
     max_tokens_per_microbatch: Optional[int] = None
     micro_batch_size: int = 1
-    # padded (count x longest) or packed (sequences end to end); the harness config's null resolves by budget
-    # (harness.config.resolve_config: packed with a token budget, padded for fixed mbs slices)
+    # padded (count x longest) or packed (sequences end to end). The CLI's null resolves by budget (packed with one,
+    # padded without: harness.config.fill_batching_defaults); here the no-budget value, padded.
     layout: Optional[str] = "padded"
-    # greedy (the original greedy planner) or balanced; null resolves by budget (balanced with one, greedy without)
+    # greedy (the original greedy planner) or balanced; the CLI's null: balanced with a budget, greedy without
     planner: Optional[str] = "greedy"
     max_seqs_per_microbatch: Optional[int] = None  # at most this many sequences per micro-batch; None = no cap
     gradient_checkpointing: bool = False

@@ -26,6 +26,7 @@ from backends.planning.plan import PLAN_FILE
 from backends.registry import LOCKSTEP_BACKENDS, is_distributed, is_lockstep
 from backends.runtime.job import resolve_world_size
 from harness.balance import balance_fields
+from harness.batching import KEYS, without_batching
 from harness.config import AUTO, HarnessConfig, launcher_sets_world_size, resolve_config, without_auto
 from harness.results import (OUTPUTS_FILE, RESULTS_FILE, SNAPSHOT_DIR, PointResults, base_document, model_record,
                              workload_record, write_json_atomic, write_plan_json)
@@ -498,9 +499,8 @@ class Point:
                 measured["profile"] = {**measured["profile"], "traces": [
                     os.path.relpath(folder / t, self.out_dir) for t in measured["profile"]["traces"]]}
         self.results.update(model={**self.results.doc["model"], "built": (doc.get("model") or {}).get("built")})
-        self.results.update(shares={"folder": folder.name, "mtpm": doc.get("mtpm"), "mbs": doc.get("mbs"),
-                                    "planner": doc.get("planner"), "layout": doc.get("layout"),
-                                    "max_seqs_per_microbatch": doc.get("max_seqs_per_microbatch")})
+        # whose measurement: its folder and batching (the plan, not the cost model that made it, is what is shared)
+        self.results.update(shares={"folder": folder.name, **{k: doc.get(k) for k in KEYS if k != "cost_model"}})
         if (folder / OUTPUTS_FILE).is_file() and self.cfg.bench.save_outputs:  # the same steps: the same outputs
             write_json_atomic(self.out_dir / OUTPUTS_FILE, json.loads((folder / OUTPUTS_FILE).read_text()))
         log.info("%splans exactly as %s (mtpm=%s): shares its measurement (bench.share_plans=false measures it again)",
@@ -724,10 +724,8 @@ class Point:
         return {"flops": planned or cost_model_for(spec.model)}
 
 
-# What a point's config says of its batching, or of how it is run and logged: not part of what it measures.
-_NOT_MEASURED = ("mtpm", "mbs", "planner", "layout", "max_seqs_per_microbatch", "hydra", "logger", "resume",
-                 "dry_run", "hot", "cost_model", "calibration")
-_NOT_MEASURED_BACKEND = ("max_tokens_per_microbatch", "micro_batch_size", "planner", "layout", "max_seqs_per_microbatch")
+# What a point's config says of how it is run and logged (its batching aside): not part of what it measures.
+_NOT_MEASURED = ("hydra", "logger", "resume", "dry_run", "hot")
 
 
 def measurement_key(cfg: DictConfig, plan) -> str:
@@ -735,8 +733,8 @@ def measurement_key(cfg: DictConfig, plan) -> str:
     import hashlib
 
     conf = OmegaConf.to_container(without_auto(cfg), resolve=True, throw_on_missing=False)
-    conf = {k: v for k, v in conf.items() if k not in _NOT_MEASURED}
-    conf["backend"] = {k: v for k, v in (conf.get("backend") or {}).items() if k not in _NOT_MEASURED_BACKEND}
+    conf = {k: v for k, v in without_batching(conf).items() if k not in _NOT_MEASURED}
+    conf["backend"] = conf.get("backend") or {}
     conf["bench"] = {k: v for k, v in (conf.get("bench") or {}).items() if k not in ("baseline", "share_plans")}
     what = {"config": conf, "layout": plan.stats.layout, "schedules": plan.schedules}
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]

@@ -1,12 +1,140 @@
-"""What the batching knobs mean when left unset: a leaf module (no harness imports), read by the config's resolution
-and by results.json's first write, which must say what a point was asked to run even when its config is invalid."""
+"""How a batch is cut, described once: the batching knobs, their backend spelling, their presets and their checks.
+
+Every part of the harness that must know which keys are batching reads them here: the config's schema and its
+resolution (harness/config.py), a sweep's settings and baselines (harness/points.py), hot switching
+(harness/hot.py), plan sharing (harness/app.py's measurement_key) and results.json's first record
+(harness/results.py). A leaf module: no harness imports, so results.json's first write can use it on a config that
+does not resolve.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, Optional
+
+from backends.errors import UserError
+
 AUTO = "auto"  # mtpm=auto: search the budget (harness/auto.py)
+
+
+@dataclass
+class Batching:
+    """How a batch is cut: the knobs a user types at the top level, by the names results.json records them under.
+
+    A field's ``backend`` metadata names the BackendSpec field (backends/specs.py) it fills; the harness writes
+    those, a user never does (a value set there is a second spelling, refused by ``check_spellings``).
+    """
+
+    # max tokens per micro-batch; null = fixed mbs slices; "auto" = search for the fastest that fits (harness/auto.py)
+    mtpm: Any = field(default=None, metadata={"backend": "max_tokens_per_microbatch"})
+    mbs: int = field(default=1, metadata={"backend": "micro_batch_size"})  # sequences per slice when mtpm is null
+    # packed (sum of lengths <= mtpm, sequences end to end) or padded (count x longest <= mtpm); null: by budget
+    layout: Optional[str] = field(default=None, metadata={"backend": "layout"})
+    # balanced (fewest steps, even modeled cost; needs a budget) or greedy (the original); null: by budget
+    planner: Optional[str] = field(default=None, metadata={"backend": "planner"})
+    # at most this many sequences in a micro-batch; null = no cap
+    max_seqs_per_microbatch: Optional[int] = field(default=None, metadata={"backend": "max_seqs_per_microbatch"})
+    # What the balanced planner balances: flops (a·L + b·L² from the model's config) or calibrated (seconds, fitted
+    # to micro-batch times measured on this backend and device: harness/calibration.py, set up by calibration.*)
+    cost_model: str = "flops"
+
+
+KEYS: tuple[str, ...] = tuple(f.name for f in fields(Batching))  # the top-level knobs, in results.json's order
+BACKEND_FIELDS: dict[str, str] = {f.name: f.metadata["backend"] for f in fields(Batching) if "backend" in f.metadata}
+DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(Batching)}
+PRESETS = "batching"  # the config group of presets (conf/batching/) and the node a preset's settings land in
+COST_MODEL_SETTINGS = "calibration"  # how cost_model=calibrated measures its fit: part of how a point batches
 
 
 def batching_by_budget(has_budget: bool) -> tuple[str, str]:
     """The planner and layout a null knob means: the balanced planner's packed rows with a token budget, the
     original greedy padded slices without one (mbs=1 rows read as they always did)."""
     return ("balanced", "packed") if has_budget else ("greedy", "padded")
+
+
+def is_batching_key(key: str) -> bool:
+    """Whether an override's key says how a point batches: a knob, its backend spelling, a preset or the calibration
+    of its cost model. A sweep's points that differ only in these share a setting (and a baseline)."""
+    head, _, rest = key.partition(".")
+    if head in KEYS or head in (PRESETS, COST_MODEL_SETTINGS):
+        return True
+    return head == "backend" and rest in BACKEND_FIELDS.values()
+
+
+def unloaded() -> dict[str, None]:
+    """The backend fields that do not change what a backend loads (``dataclasses.replace(spec, **unloaded())``):
+    mtpm and mbs go through a hot backend's control file, the rest ride in every pass's command."""
+    return dict.fromkeys(BACKEND_FIELDS.values())
+
+
+def without_batching(conf: dict[str, Any]) -> dict[str, Any]:
+    """A resolved config (a plain dict) less how it batches: what a plan's measurement depends on besides the plan."""
+    out = {k: v for k, v in conf.items() if k not in KEYS and k not in (PRESETS, COST_MODEL_SETTINGS)}
+    if isinstance(out.get("backend"), dict):
+        out["backend"] = {k: v for k, v in out["backend"].items() if k not in BACKEND_FIELDS.values()}
+    return out
+
+
+def asked(get: Callable[[str], Any]) -> dict[str, Any]:
+    """What a point is asked to run, read leniently (``get`` returns None for what does not resolve), so that
+    results.json says it even for a config that fails: the backend's value, else the knob's; a budget's balanced
+    packed default; mtpm None for mtpm=auto until a budget is chosen."""
+    values = {}
+    for key in KEYS:
+        value = get(f"backend.{BACKEND_FIELDS[key]}") if key in BACKEND_FIELDS else None
+        values[key] = value if value is not None else get(key)
+    auto = get("mtpm") == AUTO
+    if auto:
+        values["mtpm"] = None
+    planner, layout = batching_by_budget(values["mtpm"] is not None or auto)
+    values["layout"] = values["layout"] or layout
+    values["planner"] = values["planner"] or planner
+    return values
+
+
+def interpolations() -> tuple[dict[str, str], dict[str, str]]:
+    """How the composed config fills the knobs: each knob from the preset's node when the preset sets it (else its
+    default), each backend field from its knob. A value typed over either replaces the interpolation, which is how
+    ``check_spellings`` tells what was set from what follows."""
+    knobs = {key: f"${{oc.select:{PRESETS}.{key},{_shown(DEFAULTS[key])}}}" for key in KEYS}
+    backend = {name: f"${{{key}}}" for key, name in BACKEND_FIELDS.items()}
+    return knobs, backend
+
+
+def _shown(value: Any) -> str:
+    return "null" if value is None else str(value)
+
+
+def check_spellings(cfg: Any) -> None:
+    """Knobs never override each other silently (a UserError of one line naming both sides):
+
+    - a value set under ``backend.`` is a second spelling of a knob that results.json and the report read;
+    - a knob set beside a preset (``batching=<name>``) that sets it to another value contradicts it;
+    - ``mbs`` beside a token budget would be ignored (a budget cuts micro-batches by tokens).
+    """
+    from omegaconf import OmegaConf
+
+    def value(key: str) -> Any:
+        return OmegaConf.select(cfg, key, throw_on_resolution_failure=False)
+
+    backend = OmegaConf.select(cfg, "backend")
+    for key, field_name in BACKEND_FIELDS.items():
+        if backend is not None and field_name in backend and not OmegaConf.is_interpolation(backend, field_name):
+            typed = _shown(backend[field_name])
+            raise UserError(f"backend.{field_name}: {typed} is a second spelling of {key} ({key}={_shown(value(key))} "
+                            f"here), the knob results.json and the report read; set {key}={typed} instead")
+    preset = OmegaConf.select(cfg, PRESETS) or {}
+    name = preset.get("name", "?")
+    for key in preset:
+        if key == "name":
+            continue
+        if key not in KEYS:
+            raise UserError(f"{PRESETS}.{key}: a batching preset ({name}) sets only {', '.join(KEYS)}")
+        if not OmegaConf.is_interpolation(cfg, key) and value(key) != preset[key]:
+            raise UserError(f"{key}: {_shown(value(key))} contradicts {PRESETS}={name}, which sets {key}="
+                            f"{_shown(preset[key])}; drop one of the two")
+    budget, mbs = value("mtpm"), value("mbs")
+    if budget is not None and mbs != DEFAULTS["mbs"]:
+        raise UserError(f"mbs: {mbs} beside mtpm={budget} would be ignored (a token budget cuts micro-batches by "
+                        f"tokens); for at most {mbs} sequences per micro-batch under the budget set "
+                        f"max_seqs_per_microbatch={mbs}, for fixed slices of {mbs} set mtpm=null")

@@ -11,7 +11,7 @@ import copy
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence
 
 from hydra.core.config_store import ConfigStore
 from hydra.errors import MissingConfigException
@@ -23,7 +23,7 @@ from backends.model.configs import check_model_spec
 from backends.planning import LAYOUTS, PLANNERS
 from backends.registry import backend_entry
 from backends.specs import BackendSpec, ModelSpec
-from harness.batching import AUTO, batching_by_budget
+from harness.batching import AUTO, Batching, batching_by_budget, check_spellings, interpolations
 from harness.calibration import check_cost_model
 from harness.workload import WorkloadSpec
 
@@ -96,25 +96,19 @@ class TargetConfig:
 
 
 @dataclass
-class HarnessConfig:
+class HarnessConfig(Batching):
+    """The whole config; the batching knobs a user types at the top level are Batching's (harness/batching.py)."""
+
     backend: BackendSpec = MISSING
     model: ModelSpec = MISSING
     workload: WorkloadSpec = MISSING
     bench: BenchConfig = field(default_factory=BenchConfig)
     logger: Any = None  # logger/ group (W&B); free-form, read by harness.tracking
-    # The knobs a user types; backend.* interpolates them.
-    # max tokens per micro-batch; null = fixed mbs slices; "auto" = search for the fastest that fits (harness/auto.py)
-    mtpm: Any = None
-    mbs: int = 1  # micro-batch size (sequences) when mtpm is null
-    layout: Optional[str] = None  # padded or packed (see backends/planning); null: packed with mtpm, padded without
-    planner: Optional[str] = None  # greedy or balanced; null: balanced with mtpm, greedy without
-    max_seqs_per_microbatch: Optional[int] = None  # cap on sequences per micro-batch; null = none
-    # What the balanced planner balances: flops (a·L + b·L² from the model's config) or calibrated (seconds, fitted
-    # to micro-batch times measured on this backend and device: harness/calibration.py)
-    cost_model: str = "flops"
+    # What a batching=<name> preset sets (conf/batching/<name>.yaml): its name and the knobs it fixes.
+    batching: Dict[str, Any] = field(default_factory=dict)
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
     gc: bool = False  # gradient checkpointing
-    seed: int = 0  # token ids of the workload
+    seed: int = 0  # the generated token ids' (a dataset's ids are its text's: refused there)
     world_size: Optional[int] = None  # ranks; null = one per GPU, else 2 CPU ranks (1 for pytorch)
     dry_run: bool = False  # plan only: no model, no processes
     hot: bool = False  # multirun: load the backend once, switch mtpm/mbs through its control file
@@ -123,8 +117,24 @@ class HarnessConfig:
     target: TargetConfig = field(default_factory=TargetConfig)
 
 
+def schema() -> DictConfig:
+    """HarnessConfig as conf/ composes onto it: the knobs follow a preset unless typed (harness/batching.py), and the
+    backend's batching fields, gradient checkpointing, ranks and memory limit follow the top-level knobs, so that a
+    backend's file (conf/backend/) says only what differs: its name."""
+    node = OmegaConf.structured(HarnessConfig)
+    node.backend = OmegaConf.structured(BackendSpec)
+    node.backend.name = MISSING
+    knobs, backend = interpolations()
+    for key, value in knobs.items():
+        node[key] = value
+    for key, value in {**backend, "gradient_checkpointing": "${gc}", "world_size": "${world_size}",
+                       "memory_limit_gb": "${bench.memory_limit_gb}"}.items():
+        node.backend[key] = value
+    return node
+
+
 def register_configs() -> None:
-    ConfigStore.instance().store(name="harness_schema", node=HarnessConfig)
+    ConfigStore.instance().store(name="harness_schema", node=schema())
 
 
 def _positive_int(key: str, value: Any, allow_none: bool = False) -> None:
@@ -228,6 +238,9 @@ def validate(cfg: HarnessConfig) -> None:
     # numpy's generators take no negative seed, and the published length generator (RandomState) none above 2**32-1.
     if cfg.seed < 0:
         raise UserError(f"seed: must be an integer >= 0, got {cfg.seed}")
+    if cfg.seed != 0 and cfg.workload.kind == "dataset":  # 0, the default, is the unset value
+        raise UserError(f"seed: {cfg.seed} seeds generated token ids, and workload {cfg.workload.name}'s are its "
+                        "text's, so it would be ignored; drop it (workload.seed draws the dataset's rows)")
     if not 0 <= cfg.workload.seed <= 2**32 - 1:
         raise UserError(f"workload.seed: must be an integer in 0..{2**32 - 1}, got {cfg.workload.seed}")
     _positive_int("backend.logprob_chunk_tokens", cfg.backend.logprob_chunk_tokens, allow_none=True)
@@ -298,6 +311,7 @@ def resolve_config(cfg: DictConfig) -> HarnessConfig:
     """Hydra's composed config as a checked HarnessConfig; a UserError with one line when it is not valid."""
     try:
         check_mtpm(OmegaConf.select(cfg, "mtpm", throw_on_resolution_failure=False))
+        check_spellings(cfg)
         spec = OmegaConf.to_object(without_auto(cfg))
     except OmegaConfBaseException as exc:
         raise UserError(config_error_line(exc)) from None

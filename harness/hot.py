@@ -9,6 +9,7 @@ from typing import Optional
 
 from backends.runtime.control import BatchingSettings, ControlFile
 from backends.specs import BackendSpec, ModelSpec
+from harness.batching import unloaded
 
 log = logging.getLogger(__name__)
 
@@ -22,10 +23,8 @@ class HotBackends:
         self.control: Optional[ControlFile] = None
 
     def get(self, spec: BackendSpec, model: ModelSpec):
-        # The batching knobs do not change what is loaded: mtpm and mbs go through the control
-        # file; layout, planner and the cap on sequences per micro-batch ride in every pass's command.
-        key = repr((replace(spec, max_tokens_per_microbatch=None, micro_batch_size=1, layout="padded", planner="greedy",
-                            max_seqs_per_microbatch=None), model))
+        # How a batch is cut does not change what is loaded (harness/batching.py's unloaded)
+        key = repr((replace(spec, **unloaded()), model))
         if key != self.key:
             self.close()
             from backends.start import make_backend

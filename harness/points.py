@@ -9,17 +9,13 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 from backends.errors import UserError
+from harness.batching import AUTO, is_batching_key
 from harness.results import RESULTS_FILE
 
 log = logging.getLogger(__name__)
 
 # Keys that say how a point is run, not what it measures.
 NOT_IDENTITY = ("resume", "dry_run", "bench.baseline", "bench.share_plans")
-# Keys that say how a point batches: a sweep's points that differ only in these share a setting (and a baseline).
-BATCHING_KEYS = ("mtpm", "mbs", "planner", "layout", "max_seqs_per_microbatch", "batching",
-                 "backend.max_tokens_per_microbatch", "backend.micro_batch_size", "backend.planner", "backend.layout",
-                 "backend.max_seqs_per_microbatch", "cost_model", "calibration.max_len", "calibration.warmup",
-                 "calibration.repeat", "calibration.cache", "calibration.cache_dir")
 BASELINE = ("mtpm=null", "mbs=1")
 
 
@@ -100,7 +96,7 @@ def dedupe(jobs: Sequence[Sequence[str]]) -> list[list[str]]:
 
 def setting_of(job: Sequence[str]) -> tuple[str, ...]:
     """A point's overrides less its batching: the points of a sweep with the same setting compare with one baseline."""
-    return tuple(o for o in identity(job) if override_key(o) not in BATCHING_KEYS)
+    return tuple(o for o in identity(job) if not is_batching_key(override_key(o)))
 
 
 def add_baselines(jobs: Sequence[Sequence[str]], compose: Callable[[Sequence[str]], Any]) -> list[list[str]]:
@@ -125,9 +121,9 @@ def add_baselines(jobs: Sequence[Sequence[str]], compose: Callable[[Sequence[str
             continue
         if any(_budget(c) is None and _batch_size(c) == 1 for c in configs):
             continue
-        if all(_budget(c) == "auto" for c in configs):
+        if all(_budget(c) == AUTO for c in configs):
             continue
-        baseline = [o for o in members[0] if override_key(o) not in BATCHING_KEYS] + list(BASELINE)
+        baseline = [o for o in members[0] if not is_batching_key(override_key(o))] + list(BASELINE)
         added[key] = baseline
         log.info("sweep: %s has no mbs=1 point; measuring one (%s) as its speedup baseline (bench.baseline=false: none)",
                  " ".join(key) or "the default setting", " ".join(BASELINE))
@@ -141,16 +137,12 @@ def add_baselines(jobs: Sequence[Sequence[str]], compose: Callable[[Sequence[str
 
 
 def _budget(cfg: Any) -> Any:
-    """The budget a point runs with: ``backend.max_tokens_per_microbatch`` (which ``mtpm`` interpolates), so
-    ``-m backend.max_tokens_per_microbatch=2048`` is a budget as ``-m mtpm=2048`` is."""
-    if _select(cfg, "mtpm") == "auto":
-        return "auto"
-    return _select(cfg, "backend.max_tokens_per_microbatch", _select(cfg, "mtpm"))
+    """The budget a point runs with (the knob, which a preset sets unless typed: harness/batching.py)."""
+    return _select(cfg, "mtpm")
 
 
 def _batch_size(cfg: Any) -> Any:
-    """The micro-batch size a point runs with: ``backend.micro_batch_size`` (which ``mbs`` interpolates)."""
-    return _select(cfg, "backend.micro_batch_size", _select(cfg, "mbs"))
+    return _select(cfg, "mbs")
 
 
 def _select(cfg: Any, key: str, default: Any = None) -> Any:

@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from backends.runtime.atomic import write_text_atomic
 from backends.runtime.liveness import process_record, recorded_process_gone
-from harness.batching import AUTO, batching_by_budget
+from harness.batching import AUTO, asked
 
 RESULTS_FILE = "results.json"
 OUTPUTS_FILE = "example_outputs.json"
@@ -72,14 +72,7 @@ def base_document(cfg: DictConfig, overrides: Sequence[str]) -> dict[str, Any]:
         except Exception:
             return None
 
-    def knob(key: str) -> Any:  # the backend's key, which the top-level knob interpolates (either may be set)
-        value = get(f"backend.{key}")
-        return value if value is not None else get(_KNOB.get(key, key))
-
     auto = get("mtpm") == AUTO
-    budget = None if auto else knob("max_tokens_per_microbatch")  # mtpm=auto: the chosen budget, once chosen
-    # what the point is asked to run, until it records what ran: a point that fails first still says its batching
-    planner, layout = batching_by_budget(budget is not None or auto)
     doc = {
         "status": "running",
         "error": None,
@@ -87,12 +80,9 @@ def base_document(cfg: DictConfig, overrides: Sequence[str]) -> dict[str, Any]:
         "world_size": get("backend.world_size"),
         "device": None,
         "model": {"name": get("model.name"), "path": get("model.path"), "lora_rank": get("model.lora_rank")},
-        "mtpm": budget,
-        "mbs": knob("micro_batch_size"),
-        "layout": knob("layout") or layout,
-        "planner": knob("planner") or planner,
-        "max_seqs_per_microbatch": get("max_seqs_per_microbatch"),  # null: no cap on sequences per micro-batch
-        "cost_model": get("cost_model"),  # flops or calibrated: what the planner balanced (plan.cost_model: the numbers)
+        # what the point is asked to run, until it records what ran: a point that fails first still says its batching
+        # (mtpm=auto: null until a budget is chosen; cost_model: what the planner balanced, plan.cost_model the numbers)
+        **asked(get),
         "gc": get("gc"),
         "bench": {"warmup": get("bench.warmup"), "repeat": get("bench.repeat"), "profile": get("bench.profile"),
                   "memory_snapshot": get("bench.memory_snapshot"), "paired": get("bench.paired"),
@@ -111,9 +101,6 @@ def base_document(cfg: DictConfig, overrides: Sequence[str]) -> dict[str, Any]:
     if auto:  # an mtpm=auto point says so from the start, so it never reads as the mbs=1 baseline (the search's own)
         doc["auto"] = {"candidates": [], "chosen": None, "baseline": None, "limit_bytes": None}
     return doc
-
-
-_KNOB = {"max_tokens_per_microbatch": "mtpm", "micro_batch_size": "mbs"}  # the top-level names users type
 
 
 def reported_status(doc: dict[str, Any]) -> Any:

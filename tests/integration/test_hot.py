@@ -6,9 +6,10 @@ import pytest
 
 from tests.conftest import load_json, run_harness, sweep_results
 
-# Fixed slices, then a budget: the hot backend switches from one to the other through its control file (a switch
-# between two budgets is test_compile's hot sweep's, on the one-process backend)
-POINTS = ["mtpm=null,700", "mbs=3"]
+# Fixed slices of 2, then a budget: the hot backend switches from one to the other through its control file (a switch
+# between two budgets is test_compile's hot sweep's, on the one-process backend). Presets, because mbs beside a
+# budget is refused (it would be ignored).
+POINTS = ["batching=fixed_mbs2,balanced_packed16384"]
 
 
 def _sweep(tmp_path, name: str, *extra: str):
@@ -56,7 +57,7 @@ def test_hot_and_cold_sweeps_agree_and_hot_loads_once(tmp_path):
     # each budget's speedup was measured beside mbs=1 passes (bench.paired): on the hot backend the control file
     # switched to mbs=1 and back for them: they ran fixed mbs=1 slices, and the point kept its own plan (above)
     for res in (cold_res, hot_res):
-        for r in res:  # mbs=3 at every point: none is the baseline, each is paired
+        for r in res:  # mbs=2 or a budget at every point: none is the baseline, each is paired
             ran = r["speedup"]["baseline_plan"]
             assert (ran["planner"], ran["layout"], ran["max_microbatch_size"]) == ("greedy", "padded", 1), r["speedup"]
             assert sum(ran["n_microbatches"]) == r["workload"]["n_examples"] and r["plan"]["max_microbatch_size"] > 1

@@ -32,7 +32,7 @@ _compose = compose_config
     (["mtpm=auto"], "balanced", "packed"),
     ([], "greedy", "padded"),  # fixed mbs slices: the original, as the mbs=1 rows always were
     (["mtpm=16384", "planner=greedy", "layout=padded"], "greedy", "padded"),
-    (["batching=mtpm16384"], "greedy", "padded"),  # the original procedure's presets stay the original
+    (["batching=greedy_padded16384"], "greedy", "padded"),  # the original procedure's presets stay the original
     (["mtpm=32768", "batching=greedy_padded"], "greedy", "padded"),
     (["mtpm=32768", "layout=padded"], "balanced", "padded"),  # what is set stays set
 ])
@@ -42,7 +42,7 @@ def test_a_budget_defaults_to_the_balanced_packed_planner_and_the_presets_keep_t
 
 
 def test_the_original_presets_plan_bit_exactly_as_the_greedy_planner():
-    spec = resolve_config(_compose("batching=mtpm32768"))
+    spec = resolve_config(_compose("batching=greedy_padded32768"))
     lengths = load_workload(spec.workload).lengths
     via_preset = plan_batch(lengths, 2, spec.backend.max_tokens_per_microbatch, layout=spec.backend.layout,
                             planner=spec.backend.planner, align=True)
@@ -93,12 +93,13 @@ def test_the_baseline_drops_batching_keys_and_keeps_the_setting():
 
 
 @pytest.mark.parametrize("budget", ["backend.max_tokens_per_microbatch=2048", "backend.micro_batch_size=2"])
-def test_a_budget_spelled_under_backend_gets_its_baseline_as_the_top_level_spelling_does(budget):
-    out = _with_baselines([["backend=fsdp2", budget]])
-    assert out == [["backend=fsdp2", "mtpm=null", "mbs=1"], ["backend=fsdp2", budget]]
-    # and an mbs=1 point spelled under backend is the baseline already
-    has = ["backend=fsdp2", "backend.max_tokens_per_microbatch=null", "backend.micro_batch_size=1"]
-    assert _with_baselines([has, ["backend=fsdp2", budget]]) == [has, ["backend=fsdp2", budget]]
+def test_a_budget_spelled_under_backend_is_refused_as_a_second_spelling_of_the_knob(budget):
+    """It once got its baseline as the top-level spelling does; now it is refused before it runs (the results and
+    the report read the top-level knob), naming the knob to set instead."""
+    key, value = budget.split("=")
+    refused = rf"^{key}: {value} is a second spelling of (mtpm|mbs) .* set (mtpm|mbs)={value} instead$"
+    with pytest.raises(UserError, match=refused):
+        resolve_config(_compose("backend=fsdp2", budget))
 
 
 @pytest.mark.parametrize("jobs", [

@@ -64,10 +64,11 @@ def test_every_grid_point_is_accepted_by_hydra(sweep_file):
         assert config_error(composed=cfg) is None, args
         if "mtpm" in point:
             assert job["backend"]["max_tokens_per_microbatch"] == "${mtpm}" and job["mtpm"] == point["mtpm"]
-        if "batching" in point and point["batching"].startswith("mtpm"):
-            assert job["mtpm"] == int(point["batching"][4:])
+        ran = OmegaConf.to_container(cfg, resolve=True)  # a preset's knobs follow it (harness/batching.py)
+        if "batching" in point and point["batching"].startswith("greedy_padded"):
+            assert ran["mtpm"] == int(point["batching"][len("greedy_padded"):])
         if "batching" in point and point["batching"].startswith("fixed_mbs"):
-            assert job["mtpm"] is None and job["mbs"] == int(point["batching"][9:])
+            assert ran["mtpm"] is None and ran["mbs"] == int(point["batching"][9:])
         assert job["logger"]["mode"] == "online"
 
 
@@ -98,3 +99,15 @@ def test_a_workload_key_the_workload_does_not_read_is_refused_not_recorded(tmp_p
     assert line.startswith(key + " is set, but workload ") and users in line, line
     kept = [o.format(lengths=lengths) for o in overrides[:-1]]  # the same workload without the key: accepted
     assert config_error("dry_run=true", *kept) is None or kept[0] == "workload=dataset"
+
+
+def test_the_token_seed_on_a_dataset_is_refused_as_ignored_and_its_default_accepted(tmp_path):
+    """``seed`` seeds generated token ids; a dataset's ids are its text's (its draw is workload.seed's)."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"text": "a"}\n')
+    dataset = ["dry_run=true", "workload=dataset", f"workload.path={rows}", "workload.format=text"]
+    line = config_error(*dataset, "seed=5")
+    assert line is not None and "\n" not in line, line
+    assert line.startswith("seed: 5 seeds generated token ids") and "would be ignored" in line, line
+    assert not (config_error(*dataset, "seed=0") or "").startswith("seed:")  # the default: nothing to ignore
+    assert config_error("dry_run=true", "workload=smoke", "seed=5") is None  # generated ids read it

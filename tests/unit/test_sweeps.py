@@ -26,4 +26,4 @@ def test_there_are_sweeps_for_both_backends_and_the_baselines():
         assert specs[name]["method"] == "grid"
         assert sorted(p["mtpm"] for p in grid_points(specs[name])) == [16384, 32768, 65536, 131072]
     seed = grid_points(specs["seed_b200"])
-    assert len(seed) == 12 and {p["batching"] for p in seed} >= {"fixed_mbs1", "fixed_mbs2", "mtpm131072"}
+    assert len(seed) == 12 and {p["batching"] for p in seed} >= {"fixed_mbs1", "fixed_mbs2", "greedy_padded131072"}
