@@ -1,7 +1,8 @@
 """``python -m reports [DIR ...] [--readme PATH] [--check] [--csv PATH] [--out DIR]``: results.json → table, CSV, plots.
 
 Without DIR it reads the results committed under reports/results and, with
---check, compares README.md's results block against them. One DIR: the report
+--check, compares README.md's results block against them, and docs/results.md's (the full table: the README's
+block is the answer and a short table whenever a docs/results.md with the markers lies beside it). One DIR: the report
 goes into it. Several: one combined report in combined-report/ of the folder
 they all lie in (--out DIR: elsewhere), never over one sweep's own report.
 ``python -m reports plan PATH [-o OUT.png]`` draws one plan (a point folder or a plan.json);
@@ -13,13 +14,28 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Optional
 
 from reports.collect import collect
 from reports.plan_figure import draw_plan_file, draw_side_by_side, readme_plan_lines, write_plan_figures
 from reports.plan_files import plan_figure_paths, published_plans
-from reports.plots import (length_histogram_paths, plot_paths, profile_figure_paths, write_length_histograms,
-                           write_plots, write_profile_figures)
-from reports.render import current_block, markdown_tables, no_block_message, readme_block, replace_block, write_csv
+from reports.plots import (
+    length_histogram_paths,
+    plot_paths,
+    profile_figure_paths,
+    write_length_histograms,
+    write_plots,
+    write_profile_figures,
+)
+from reports.render import (
+    current_block,
+    markdown_tables,
+    no_block_message,
+    readme_block,
+    replace_block,
+    short_block,
+    write_csv,
+)
 
 PACKAGE = Path(__file__).resolve().parent
 REPO = PACKAGE.parent
@@ -35,6 +51,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("dirs", nargs="*", type=Path, help="run or multirun folders (default: reports/results)")
     ap.add_argument("--readme", type=Path, help="rewrite the block between the results markers of this file")
     ap.add_argument("--check", action="store_true", help="exit 1 when the README block differs from the results")
+    ap.add_argument("--full", type=Path, help="the page whose results block gets the full table, the README's then "
+                    "short (default: docs/results.md beside --readme, when it holds the markers)")
     ap.add_argument("--csv", type=Path, help="write the collected frame as CSV here")
     ap.add_argument("--out", type=Path, help="the folder report.md, results.csv and plots/ go into (default: DIR; "
                     f"with several DIRs, {COMBINED} in the folder they all lie in, never one sweep's own)")
@@ -129,7 +147,10 @@ def report(args: argparse.Namespace) -> int:
     if args.check and readme is None:
         raise UserError("--check needs --readme PATH (or no DIR, to check README.md)")
     # Before anything is written: a README the command cannot check or rewrite stops it here.
-    text = readme_text(readme, "check" if args.check else "rewrite") if readme is not None else None
+    verb = "check" if args.check else "rewrite"
+    text = readme_text(readme, verb) if readme is not None else None
+    full = full_page(args.full, readme)
+    full_text = readme_text(full, verb) if full is not None else None
     df = collect(dirs)
     out_dir = args.out or (PACKAGE if committed else report_folder(dirs))
     source = "reports/results" if committed else ", ".join(str(d) for d in dirs)
@@ -140,14 +161,21 @@ def report(args: argparse.Namespace) -> int:
         df["profile_png"] = profile_figure_paths(df, out_dir)  # bench.profile's breakdowns, drawn below
     plans = published_plans(PLANS) if readme is not None else []
     plan_pngs = [PACKAGE / "plots" / f"plan-{p.parent.name}.png" for p in plans]
-    plan_lines = readme_plan_lines(plan_pngs, plans, readme.parent if readme else REPO)
-    block = readme_block(df, plots, readme, source, plan_lines)
+    # every column, the plots and the plan figures: the full page's block where there is one, else the README's
+    page = full if full is not None else readme
+    plan_lines = readme_plan_lines(plan_pngs, plans, page.parent if page else REPO)
+    block = readme_block(df, plots, page, source, plan_lines)
+    blocks = [(readme, text, block)] if full is None else [(readme, text, short_block(df, readme, full, source)),
+                                                          (full, full_text, block)]
 
     if args.check:
-        if current_block(text) != block:
-            print(f"{readme}: results block is stale; run: python -m reports {' '.join(map(str, args.dirs))} --readme {readme}".rstrip())
+        stale = [path for path, old, new in blocks if current_block(old) != new]
+        if stale:
+            extra = "" if args.full is None else f" --full {args.full}"
+            print(f"{', '.join(map(str, stale))}: results block is stale; run: python -m reports "
+                  f"{' '.join(map(str, args.dirs))} --readme {readme}{extra}".replace("  ", " "))
             return 1
-        print(f"{readme}: results block matches {source} ({len(df)} runs)")
+        print(f"{' and '.join(str(path) for path, _, _ in blocks)}: results block matches {source} ({len(df)} runs)")
         return 0
 
     if df.empty:
@@ -167,13 +195,30 @@ def report(args: argparse.Namespace) -> int:
         _write(plan_pngs[0] if plan_pngs else PACKAGE, lambda: draw_side_by_side(plans, plan_pngs), here)
     _write(csv, lambda: write_csv(df, csv), "give --csv a path in a writable folder" if args.csv else here)
     _write(out_dir / "report.md", lambda: (out_dir / "report.md").write_text(markdown_tables(df, out_dir) + "\n"), here)
-    if readme is not None:
-        _write(readme, lambda: readme.write_text(replace_block(text, block, readme)), "--readme must be writable")
-        print(f"{readme}: results block rewritten ({len(df)} runs)")
+    for path, old, new in blocks if readme is not None else []:
+        _write(path, lambda p=path, o=old, n=new: p.write_text(replace_block(o, n, p)), f"{path} must be writable")
+        print(f"{path}: results block rewritten ({len(df)} runs)")
     if len(dirs) > 1 or args.out:
         print(f"report of {len(dirs)} folder(s), {len(df)} runs: {out_dir / 'report.md'} "
               f"(results.csv{'' if args.csv else ' and'} plots/ beside it)")
     return 0
+
+
+def full_page(given: Optional[Path], readme: Optional[Path]) -> Optional[Path]:
+    """The page the full table goes to: --full, else docs/results.md beside the README when it holds the markers."""
+    from backends.errors import UserError
+
+    if given is not None:
+        if readme is None:
+            raise UserError("--full needs --readme PATH (or no DIR, with --check): the README's block links to it")
+        return given
+    if readme is None:
+        return None
+    page = readme.parent / "docs" / "results.md"
+    try:
+        return page if page.is_file() and current_block(page.read_text()) is not None else None
+    except (OSError, UnicodeDecodeError):
+        return None
 
 
 def report_folder(dirs) -> Path:

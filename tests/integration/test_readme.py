@@ -1,4 +1,5 @@
-"""The README's shell blocks, run as pasted: every block parses, and those that run on a CPU run and succeed."""
+"""The shell blocks of the README and of docs/, run as pasted: every block parses, and those that run on a CPU run and
+succeed. Each block is run once, wherever it lives."""
 
 from __future__ import annotations
 
@@ -14,7 +15,10 @@ import pytest
 
 from tests.conftest import REPO, harness_env, wait_session_empty
 
-BLOCKS = re.findall(r"```bash\n(.*?)```", (REPO / "README.md").read_text(), flags=re.S)
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+PLACES = [(page.relative_to(REPO).as_posix(), block) for page in PAGES
+          for block in re.findall(r"```bash\n(.*?)```", page.read_text(encoding="utf-8"), flags=re.S)]
+BLOCKS = [block for _, block in PLACES]
 
 # `python` for the blocks: the real interpreter, with `python -m harness` kept CPU-sized. A client
 # run (target.url=) measures a small workload; any other run plans only (dry_run=true), which
@@ -105,13 +109,14 @@ def _runs_on_a_cpu(block: str) -> bool:
 
 
 def test_every_block_parses():
-    assert len(BLOCKS) >= 4
-    for block in BLOCKS:
+    assert len(BLOCKS) >= 4 and any(page.startswith("docs/") for page, _ in PLACES)
+    for page, block in PLACES:
         proc = subprocess.run(["bash", "-n"], input=block, capture_output=True, text=True)
-        assert proc.returncode == 0, f"{block}\n{proc.stderr}"
+        assert proc.returncode == 0, f"{page}:\n{block}\n{proc.stderr}"
 
 
-@pytest.mark.parametrize("index", [i for i, b in enumerate(BLOCKS) if _runs_on_a_cpu(b)])
+@pytest.mark.parametrize("index", [i for i, b in enumerate(BLOCKS) if _runs_on_a_cpu(b)],
+                         ids=lambda i: f"{PLACES[i][0]}-{sum(p == PLACES[i][0] for p, _ in PLACES[:i])}")
 def test_block_runs_as_pasted(pasted, tmp_path, index):
     block = BLOCKS[index]
     proc = pasted(block)

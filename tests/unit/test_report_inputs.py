@@ -327,3 +327,29 @@ def test_a_point_that_failed_before_it_ran_says_what_it_was_asked_to_run_never_t
     for name in "45":  # a budget defaults to the balanced planner's packed rows, however it is spelled
         assert (rows[name]["mtpm"], rows[name]["planner"], rows[name]["layout"]) == ("4,096", "balanced", "packed")
     assert [rows[n]["status"] for n in "12345"] == ["error", "OOM", "planned", "error", "error"]
+
+
+def test_a_readme_beside_docs_results_gets_the_short_table_and_the_page_the_full_one(tmp_path, capsys):
+    """--readme with a docs/results.md (markers in it) beside the README: the README's block is the answer and a short
+    table linking to the page, the page's is every column; --check fails when either is stale, naming it."""
+    from reports.__main__ import main
+    from reports.render import BEGIN, COLUMNS, END, SHORT_COLUMNS
+
+    budget = json.loads((COMMITTED / "3" / "results.json").read_text())
+    sweep = _sweep(tmp_path / "sweep", {"0": _ok_doc(), "1": budget})
+    readme, page = tmp_path / "README.md", tmp_path / "docs" / "results.md"
+    page.parent.mkdir()
+    for path in (readme, page):
+        path.write_text(f"# {path.stem}\n\n{BEGIN}\n{END}\n\nafter\n")
+    assert main([str(sweep), "--readme", str(readme), "--check"]) == 1
+    assert main([str(sweep), "--readme", str(readme)]) == 0
+    short, full = readme.read_text(), page.read_text()
+    assert all(c in short for c in SHORT_COLUMNS)
+    assert "[docs/results.md](docs/results.md)" in short and "MFU (fwd+bwd)" not in short
+    assert all(c in full for c in COLUMNS) and "- FSDP2: set" in full and full.endswith("after\n")
+    capsys.readouterr()
+    assert main([str(sweep), "--readme", str(readme), "--check"]) == 0
+    page.write_text(full.replace("FSDP2", "FSDP3", 1))
+    assert main([str(sweep), "--readme", str(readme), "--check"]) == 1
+    out = capsys.readouterr().out
+    assert str(page) in out and f"{readme}," not in out and "stale" in out

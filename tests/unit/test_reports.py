@@ -180,3 +180,29 @@ def test_the_readme_balance_table_is_the_committed_sweeps_and_they_compare_both_
         if doc["cost_model"] == "calibrated":
             assert model["r2"] > 0.9 and model["fixed"] == model["coefficients"]["c0"] and model["residuals"]
     assert main(["balance", str(REPO / "no-such-folder")]) == 2
+
+
+def _block_tables(path: Path) -> list[list[str]]:
+    """The header cells of each Markdown table inside ``path``'s results block."""
+    from reports.render import current_block
+
+    block = current_block(path.read_text())
+    assert block is not None, path
+    lines = block.splitlines()
+    return [[c.strip() for c in line.strip("|").split("|")] for line, below in zip(lines, lines[1:])
+            if line.startswith("|") and below.startswith("|:")]
+
+
+def test_the_readme_table_is_short_and_docs_results_holds_every_column():
+    """The README's generated table fits a page (at most 8 columns, fwd+bwd with its interval, the speedup and the
+    status among them); docs/results.md's is the full table, every column, from the same results."""
+    from reports.render import COLUMNS
+
+    short = _block_tables(REPO / "README.md")
+    full = _block_tables(REPO / "docs" / "results.md")
+    assert short and full
+    for header in short:
+        assert len(header) <= 8 and {"backend", "fwd+bwd tok/s", "pad efficiency", "status"} <= set(header), header
+    for header in full:
+        assert set(COLUMNS) <= set(header), header
+    assert "(docs/results.md)" in (REPO / "README.md").read_text()
