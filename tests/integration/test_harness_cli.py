@@ -108,23 +108,27 @@ def test_dry_run_of_the_seed_workload_plans_every_point(workdir):
 
 
 def test_multirun_outputs_agree_across_mbs_and_mtpm(workdir):
-    """mtpm in {null, 600, 100000} x mbs in {1, 3}: all six outputs agree to 1e-5 (batching never changes them)."""
-    sweep = workdir / "sweep"
-    proc = run_harness(
-        "-m",
-        "workload=smoke",
-        "backend=pytorch",
-        "bench.save_outputs=true",
-        "bench.warmup=0",
-        "bench.repeat=1",
-        "mtpm=null,600,100000",
-        "bench.share_plans=false",  # mbs is ignored with a budget: measure each grouping, do not share the plan
-        "mbs=1,3",
-        f"hydra.sweep.dir={sweep}",
-        cwd=workdir,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    dirs = sorted(p for p in sweep.iterdir() if (p / "example_outputs.json").exists())
+    """Fixed slices of mbs 1 and 3, and mtpm in {600, 100000} x at most {any, 3} sequences per micro-batch: all six
+    outputs agree to 1e-5 (batching never changes them). mbs beside a budget is refused (it would be ignored), so
+    the slices and the budgets are two sweeps."""
+    dirs = []
+    for name, grid in (("slices", ["mbs=1,3"]), ("budgets", ["mtpm=600,100000", "max_seqs_per_microbatch=null,3"])):
+        sweep = workdir / name
+        proc = run_harness(
+            "-m",
+            "workload=smoke",
+            "backend=pytorch",
+            "bench.save_outputs=true",
+            "bench.warmup=0",
+            "bench.repeat=1",
+            *grid,
+            "bench.share_plans=false",  # measure each grouping, do not share a plan
+            "bench.baseline=false",  # the budgets' sweep has no mbs=1 point: the six are the points
+            f"hydra.sweep.dir={sweep}",
+            cwd=workdir,
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        dirs += sorted(p for p in sweep.iterdir() if (p / "example_outputs.json").exists())
     assert len(dirs) == 6
     outs = [load_json(d / "example_outputs.json") for d in dirs]
     ref = outs[0]
