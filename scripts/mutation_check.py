@@ -289,7 +289,7 @@ MUTATIONS = (
     ),
     Mutation(
         "a budget defaults to the original greedy padded planner",
-        "harness/config.py",
+        "harness/batching.py",
         'return ("balanced", "packed") if has_budget else ("greedy", "padded")',
         'return ("greedy", "padded")',
         (
@@ -327,12 +327,12 @@ MUTATIONS = (
         ("tests/unit/test_dataset.py::test_chat_rows_train_on_the_assistant_turns_and_their_end_of_turn",),
     ),
     Mutation(
-        "the token cache key forgets the files' size and modification time",
+        "the token cache key forgets the files' contents",
         "harness/dataset.py",
-        '"files": [{"path": str(f.resolve()), "size": f.stat().st_size, "mtime_ns": f.stat().st_mtime_ns} '
-        'for f in files],',
+        '"files": [{"path": str(f.resolve()), "sha256": file_sha256(f)} for f in files],',
         '"files": [{"path": str(f.resolve())} for f in files],',
-        ("tests/unit/test_dataset.py::test_the_cache_is_read_on_a_second_run_and_invalidated_by_a_change",),
+        ("tests/unit/test_dataset.py::test_the_cache_is_read_on_a_second_run_and_invalidated_by_a_change",
+         "tests/unit/test_dataset.py::test_an_edit_that_keeps_the_size_and_time_is_tokenized_again"),
     ),
     Mutation(
         "a dataset point runs random ids instead of the dataset's",
