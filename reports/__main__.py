@@ -50,7 +50,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                                         "python -m reports balance DIR [DIR ...] compares modeled and measured balance")
     ap.add_argument("dirs", nargs="*", type=Path, help="run or multirun folders (default: reports/results)")
     ap.add_argument("--readme", type=Path, help="rewrite the block between the results markers of this file")
-    ap.add_argument("--check", action="store_true", help="exit 1 when the README block (or the --full page's) differs from the results")
+    ap.add_argument("--check", action="store_true",
+                    help="exit 1 when the README block (or the --full page's) differs from the results")
     ap.add_argument("--full", type=Path, help="the page whose results block gets the full table, the README's then "
                     "short (default: docs/results.md beside --readme, when it holds the markers)")
     ap.add_argument("--csv", type=Path, help="write the collected frame as CSV here")
