@@ -748,12 +748,10 @@ def _setup_fields(spec: HarnessConfig, workload: Workload, setup: Setup, plan) -
         backend=setup.name,
         world_size=setup.world_size,
         launch=launch_record(setup.world_size),  # who started the ranks: spawn (the harness), torchrun, slurm
-        mtpm=setup.mtpm,
-        mbs=setup.mbs,
-        layout=setup.layout,  # a client's are the server's: what ran
-        planner=setup.planner,
-        max_seqs_per_microbatch=setup.max_seqs_per_microbatch,
-        cost_model="calibrated" if setup.cost_model.fit is not None else "flops",  # the plan's: plan.cost_model has it
+        # how the batch was cut (a client's: the server's, what ran); cost_model: the plan's, whose numbers are in
+        # plan.cost_model
+        **{key: getattr(setup, key) for key in KEYS if key != "cost_model"},
+        cost_model="calibrated" if setup.cost_model.fit is not None else "flops",
         device=setup.device,
         model=model_record(spec.model, setup.built),
         workload=workload_record(spec.workload, workload.lengths, workload.file, workload.dataset),
