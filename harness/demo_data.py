@@ -4,14 +4,14 @@
 
 writes into OUT:
 
-- ``chats.jsonl``: chat rows (``format=messages``): questions about this project's README sections and its
+- ``chats.jsonl``: chat rows (``format=messages``): questions about this project's documentation pages and its
   functions' docstrings, answered with their text; one to three turns, a system prompt on some;
 - ``prompt_completion.parquet``: the same questions and answers as ``prompt`` / ``completion`` strings;
 - ``text.jsonl``: the answers alone (``format=text``);
 - ``tokenizer/``: a byte-level BPE of 2,048 ids (the tiny model's vocabulary) trained on that text, with a
   ChatML chat template (``<|im_start|>role ... <|im_end|>``) and ``<|im_end|>`` as end of sequence.
 
-The text is this package's docstrings and, next to a source checkout, its README: nothing is downloaded,
+The text is this package's docstrings and, next to a source checkout, its README and docs/: nothing is downloaded,
 and the same sources give the same files.
 """
 
@@ -65,7 +65,7 @@ def docstrings(root: Path = ROOT) -> Iterator[tuple[str, str, str]]:
 
 
 def readme_sections(readme: Path) -> Iterator[tuple[str, str]]:
-    """(heading, prose) of each README section: its paragraphs without code blocks or tables."""
+    """(heading, prose) of each section of a markdown page: its paragraphs without code blocks or tables."""
     if not readme.is_file():
         return
     text = re.sub(r"```.*?```", "", readme.read_text(encoding="utf-8"), flags=re.S)
@@ -81,9 +81,11 @@ def readme_sections(readme: Path) -> Iterator[tuple[str, str]]:
 
 
 def qa_pairs(root: Path = ROOT) -> list[tuple[str, str, str]]:
-    """(group, question, answer): a group is a module or the README, whose questions can share a conversation."""
-    pairs = [("README", f"What does the README of balance-batch say under \"{h}\"?", prose)
-             for h, prose in readme_sections(root / "README.md")]
+    """(group, question, answer): a group is a module or a documentation page (the README or one of docs/), whose
+    questions can share a conversation."""
+    pages = [root / "README.md", *sorted((root / "docs").glob("**/*.md"))]
+    pairs = [(page.stem, f"What does the {page.relative_to(root)} page of balance-batch say under \"{h}\"?", prose)
+             for page in pages for h, prose in readme_sections(page)]
     for module, name, doc in docstrings(root):
         q = f"What does the module `{module}` do?" if name == module else f"What does `{name}` in `{module}` do?"
         pairs.append((module, q, doc))
