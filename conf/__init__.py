@@ -1,1 +1,2 @@
-"""Hydra configs, one group per concern (backend/, model/, workload/, logger/, experiment/); harness reads them from ../conf."""
+"""Hydra configs, one group per concern (backend/, model/, workload/, logger/, experiment/, batching/); the harness
+reads them from ../conf."""

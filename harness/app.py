@@ -1,4 +1,5 @@
-"""One benchmark point, Hydra's task function: start (or reuse) a backend, plan, measure each pass, record it in results.json.
+"""One benchmark point, Hydra's task function: start (or reuse) a backend, plan, measure each pass, record it in
+results.json.
 
 ``run_point`` is the task function's body (harness/__main__.py): in a
 launched job only the lead measures (harness/roles.py); a finished point is
@@ -28,8 +29,17 @@ from backends.runtime.job import resolve_world_size
 from harness.balance import balance_fields
 from harness.batching import KEYS, without_batching
 from harness.config import AUTO, HarnessConfig, launcher_sets_world_size, resolve_config, without_auto
-from harness.results import (OUTPUTS_FILE, RESULTS_FILE, SNAPSHOT_DIR, PointResults, base_document, model_record,
-                             workload_record, write_json_atomic, write_plan_json)
+from harness.results import (
+    OUTPUTS_FILE,
+    RESULTS_FILE,
+    SNAPSHOT_DIR,
+    PointResults,
+    base_document,
+    model_record,
+    workload_record,
+    write_json_atomic,
+    write_plan_json,
+)
 from harness.roles import follow, leads, tell_launcher
 from harness.state import EXIT_FAILED, EXIT_OK, EXIT_USER_ERROR, STATE
 from harness.tracking import Tracker, run_name, sweep_group
@@ -97,7 +107,8 @@ class Setup:
 
     @classmethod
     def of_backend(cls, spec: HarnessConfig, backend) -> "Setup":
-        """What a started backend reports; a server's batching and planning are authoritative (its plan is what runs)."""
+        """What a started backend reports; a server's batching and planning are authoritative (its plan is what
+        runs)."""
         b = spec.backend
         mtpm, mbs, layout, planner = b.max_tokens_per_microbatch, b.micro_batch_size, b.layout, b.planner
         cap = b.max_seqs_per_microbatch
@@ -108,8 +119,8 @@ class Setup:
             # None is a cap of its own ("none"): a server too old to report one plans without it.
             cap = backend.max_seqs_per_microbatch
             if (layout, planner, cap) != (b.layout, b.planner, b.max_seqs_per_microbatch):
-                log.warning("the server at %s plans with planner=%s layout=%s max_seqs_per_microbatch=%s (fixed for its "
-                            "life): this run records those, not planner=%s layout=%s max_seqs_per_microbatch=%s",
+                log.warning("the server at %s plans with planner=%s layout=%s max_seqs_per_microbatch=%s (fixed for "
+                            "its life): this run records those, not planner=%s layout=%s max_seqs_per_microbatch=%s",
                             spec.target.url, planner, layout, _null(cap), b.planner, b.layout,
                             _null(b.max_seqs_per_microbatch))
             served_cost = backend.cost_model
@@ -192,7 +203,7 @@ class Point:
         except KeyboardInterrupt:
             self._interrupted()
             raise
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - any other failure is the point's result (error.txt), not a crash
             return self._internal_error(exc)
         finally:
             self._close()
@@ -285,7 +296,8 @@ class Point:
                                 "limit_bytes": limit, "limit_source": source, "baseline": None, "chosen": None}
         self.results.update(backend=setup.name, world_size=setup.world_size, device=setup.device,
                             planner=setup.planner, layout=setup.layout,
-                            workload=workload_record(spec.workload, lengths, workload.file, workload.dataset), auto=auto)
+                            workload=workload_record(spec.workload, lengths, workload.file, workload.dataset),
+                            auto=auto)
         if spec.dry_run:
             self.results.mark("planned")
             return
@@ -404,7 +416,8 @@ class Point:
                      settled.pairs, ", ".join(f"mtpm={c.mtpm} {c.speedup:.2f}×" for c in top))
         return next(c for c in top if c.mtpm == settled.chosen.mtpm)
 
-    def _record_auto_choice(self, spec: HarnessConfig, workload: Workload, setup: Setup, chosen, examples, runs) -> None:
+    def _record_auto_choice(self, spec: HarnessConfig, workload: Workload, setup: Setup, chosen, examples,
+                            runs) -> None:
         """The chosen budget's record, as any point's: its plan, its fwd+bwd topped up to ``bench.repeat`` timed
         runs (after the one the search made), and its forward pass."""
         from harness.measure import measure_pass, merge_records
@@ -425,7 +438,8 @@ class Point:
                                         target_ci_pct=spec.bench.target_ci_pct, max_repeats=spec.bench.max_repeats,
                                         pairing=pairing)
             record = merge_records(record, more)
-        self._measure(spec, lengths, self.backend, examples, command_for, measured={"forward_backward": (record, result)})
+        self._measure(spec, lengths, self.backend, examples, command_for,
+                      measured={"forward_backward": (record, result)})
 
     def _release_hot_backend(self) -> None:
         """A hot sweep's loaded backend is closed before mtpm=auto starts its own: the search measures each budget's
@@ -440,7 +454,8 @@ class Point:
         HOT.close()
 
     def _start_own_backend(self, spec: HarnessConfig):
-        """A backend for this point alone (mtpm=auto sets each candidate's budget in its commands, not a control file)."""
+        """A backend for this point alone (mtpm=auto sets each candidate's budget in its commands, not a control
+        file)."""
         from backends.model.build import model_vocab_size
         from backends.start import make_backend
 
@@ -526,7 +541,8 @@ class Point:
             tell_launcher(f"{self.label}{exc}")
         if exc.details:
             (self.out_dir / "error.txt").write_text(exc.details)
-        snapshots = sorted((self.out_dir / SNAPSHOT_DIR).glob("*.pickle"))  # bench.memory_snapshot: what held the memory
+        # bench.memory_snapshot: what held the memory
+        snapshots = sorted((self.out_dir / SNAPSHOT_DIR).glob("*.pickle"))
         if snapshots:
             self.results.update(memory_snapshot=[os.path.relpath(p, self.out_dir) for p in snapshots])
         self.results.fail(exc.status, str(exc))
@@ -608,7 +624,8 @@ class Point:
             return setup.cost_model
 
     def _plan(self, spec: HarnessConfig, lengths: list[int], setup: Setup, planned=None):
-        """The workload planned for the backend's ranks (``planned``: already planned for ``setup``), written to plan.json."""
+        """The workload planned for the backend's ranks (``planned``: already planned for ``setup``), written to
+        plan.json."""
         self.cost_model = setup.cost_model
         plan = planned if planned is not None else plan_for(lengths, setup)
         self.schedules = plan.schedules  # the micro-batches each rank runs: hardware FLOPs are counted from them
@@ -616,7 +633,8 @@ class Point:
         return plan
 
     def _examples(self, spec: HarnessConfig) -> list:
-        """The point's examples: a dataset's real ids (checked against the vocabulary the backend has), else random ids."""
+        """The point's examples: a dataset's real ids (checked against the vocabulary the backend has), else random
+        ids."""
         owner = f"the server at {spec.target.url}" if spec.target.url else f"model {spec.model.name}"
         return self.workload.examples(self.vocab_size, spec.seed, owner)
 
@@ -699,7 +717,8 @@ class Point:
         from backends.model.kernels import summary as kernel_summary
         from harness.flops import flops_record
 
-        self.results.update(plan=result.plan)  # what the backend ran (same as planned; FSDP2 agrees on it by collective)
+        # what the backend ran (same as planned; FSDP2 agrees on it by collective)
+        self.results.update(plan=result.plan)
         log.info("%s%s kernels: %s", self.label, pass_type, kernel_summary(result.kernels))
         flops = flops_record(pass_type, lengths, training, result.plan, spec.backend.gradient_checkpointing,
                              record.elapsed_s, world_size, self.results.doc["peak"], cost_model=self.cost_model,
@@ -772,8 +791,8 @@ def _start_tracker(cfg: DictConfig, out_dir: Path, group: Optional[str], doc: di
         out_dir,
         OmegaConf.to_container(without_auto(cfg), resolve=True),
         # what runs (a server's)
-        run_name(doc["backend"], doc["mtpm"], doc["mbs"], doc["planner"], doc["layout"], doc.get("max_seqs_per_microbatch"),
-                 doc.get("cost_model"))
+        run_name(doc["backend"], doc["mtpm"], doc["mbs"], doc["planner"], doc["layout"],
+                 doc.get("max_seqs_per_microbatch"), doc.get("cost_model"))
         + ("-auto" if doc.get("auto") else ""),
         group,
     )
@@ -853,7 +872,8 @@ def _tie_phrase(tie: Optional[dict]) -> str:
 def _log_plan(label: str, st, n_examples: int, max_seqs: Optional[int] = None) -> None:
     """Two lines on what the plan is: tokens and padding, then steps and the modeled cost."""
     log.info(
-        "%splan (%s, %s%s): %d examples, %s real / %s padded tokens, pad efficiency %.3f, micro-batches per rank %s, dummies %s",
+        "%splan (%s, %s%s): %d examples, %s real / %s padded tokens, pad efficiency %.3f, "
+        "micro-batches per rank %s, dummies %s",
         label,
         st.planner,
         st.layout,
@@ -866,7 +886,8 @@ def _log_plan(label: str, st, n_examples: int, max_seqs: Optional[int] = None) -
         st.n_dummy,
     )
     log.info(
-        "%s%d steps (fewest possible %d), %d micro-batches over budget, modeled cost per rank max/mean %.4f, critical path %.4f",
+        "%s%d steps (fewest possible %d), %d micro-batches over budget, "
+        "modeled cost per rank max/mean %.4f, critical path %.4f",
         label,
         st.steps,
         st.lower_bound_steps,

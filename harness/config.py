@@ -1,4 +1,5 @@
-"""The config: the schema Hydra validates conf/ against, the checks it cannot express, resolution, and one-line config errors.
+"""The config: the schema Hydra validates conf/ against, the checks it cannot express, resolution, and one-line
+config errors.
 
 ``resolve_config`` turns Hydra's DictConfig into a checked HarnessConfig (a
 UserError naming the key when it cannot); ``config_error_line`` and
@@ -35,7 +36,7 @@ class BenchConfig:
     save_outputs: bool = False  # write example_outputs.json (per-example losses, gradient norm)
     progress_every_s: float = 10.0  # how often a long pass logs its progress
     util_sample_s: float = 0.1  # device utilisation / memory sampling interval
-    memory_limit_gb: Optional[float] = None  # cap each worker's memory (see README: out of memory is a result)
+    memory_limit_gb: Optional[float] = None  # cap each worker's memory (docs/failures.md: out of memory is a result)
     pass_timeout_s: Optional[float] = None  # a pass running longer ends the point with status "timeout"
     # A multirun with no mbs=1 point for a backend (and setting) measures one, the speedup column's reference.
     baseline: bool = True
@@ -171,7 +172,8 @@ def composition_error_line(exc: BaseException) -> str:
     override = getattr(exc, "override", None) or _override_in(first)
     if isinstance(cause, (ConfigKeyError, ConfigAttributeError)):
         key = getattr(cause, "full_key", None) or "?"
-        return f"{key}: not a config key{f' (from {override})' if override else ''}; `python -m harness --cfg job` lists them"
+        where = f" (from {override})" if override else ""
+        return f"{key}: not a config key{where}; `python -m harness --cfg job` lists them"
     if isinstance(cause, OmegaConfBaseException):
         return config_error_line(cause) + (f" (from {override})" if override else "")
     return first
@@ -231,10 +233,12 @@ def validate(cfg: HarnessConfig) -> None:
     if cfg.backend.planner not in PLANNERS:
         raise UserError(f"planner: '{cfg.backend.planner}' is not a planner (valid: {', '.join(PLANNERS)})")
     if cfg.backend.planner == "balanced" and cfg.backend.max_tokens_per_microbatch is None and cfg.mtpm != AUTO:
-        raise UserError("planner: balanced needs a budget (set mtpm=<tokens>; with mtpm=null use planner=greedy: fixed-size slices have nothing to balance)")
+        raise UserError("planner: balanced needs a budget (set mtpm=<tokens>; with mtpm=null use planner=greedy: "
+                        "fixed-size slices have nothing to balance)")
     # Named as the user types it: backend.max_seqs_per_microbatch interpolates the top-level knob.
     _positive_int("max_seqs_per_microbatch", cfg.backend.max_seqs_per_microbatch, allow_none=True)
-    check_model_spec(cfg.model, cfg.backend.layout)  # model.vocab_size with a checkpoint; packed on an unsupported model
+    # model.vocab_size with a checkpoint; packed on an unsupported model
+    check_model_spec(cfg.model, cfg.backend.layout)
     # numpy's generators take no negative seed, and the published length generator (RandomState) none above 2**32-1.
     if cfg.seed < 0:
         raise UserError(f"seed: must be an integer >= 0, got {cfg.seed}")
@@ -292,9 +296,10 @@ def _check_memory_snapshot(cfg: HarnessConfig) -> None:
         raise UserError("bench.memory_snapshot: records during the warm-up (never the timed repeats), so it needs "
                         f"bench.warmup >= 1, got {cfg.bench.warmup}")
     if cfg.backend.device == "cpu" or (cfg.backend.device == "auto" and not torch.cuda.is_available()):
+        no_gpu = ", no GPU here" if cfg.backend.device == "auto" else ""
         raise UserError(f"bench.memory_snapshot: records the CUDA allocator's history, and this run's device is cpu "
-                        f"(backend.device={cfg.backend.device}{', no GPU here' if cfg.backend.device == 'auto' else ''}); "
-                        "on a CPU a run out of memory is the OS limit (bench.memory_limit_gb), with no allocator to record")
+                        f"(backend.device={cfg.backend.device}{no_gpu}); on a CPU a run out of memory is the OS limit "
+                        "(bench.memory_limit_gb), with no allocator to record")
 
 
 def without_auto(cfg: DictConfig) -> DictConfig:

@@ -1,4 +1,5 @@
-"""Hot sweeps: one loaded backend serves every point of a multirun; each point sets its batching through the control file."""
+"""Hot sweeps: one loaded backend serves every point of a multirun; each point sets its batching through the control
+file."""
 
 from __future__ import annotations
 

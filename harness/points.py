@@ -74,7 +74,8 @@ def check_writable(key: str, folder: Path) -> None:
             pass
     except OSError as exc:
         where = f" '{exc.filename}'" if exc.filename and str(exc.filename) != str(folder) else ""
-        raise UserError(f"{key}: cannot write to {folder}{where} ({exc.strerror or exc}); choose a writable folder") from None
+        raise UserError(f"{key}: cannot write to {folder}{where} ({exc.strerror or exc}); "
+                        "choose a writable folder") from None
 
 
 def dedupe(jobs: Sequence[Sequence[str]]) -> list[list[str]]:
@@ -90,7 +91,8 @@ def dedupe(jobs: Sequence[Sequence[str]]) -> list[list[str]]:
         out.append(list(job))
     for key, count in seen.items():
         if count > 1:
-            log.warning("sweep: %s is listed %d times; it is measured once", " ".join(key) or "the default point", count)
+            log.warning("sweep: %s is listed %d times; it is measured once", " ".join(key) or "the default point",
+                        count)
     return out
 
 
@@ -125,7 +127,8 @@ def add_baselines(jobs: Sequence[Sequence[str]], compose: Callable[[Sequence[str
             continue
         baseline = [o for o in members[0] if not is_batching_key(override_key(o))] + list(BASELINE)
         added[key] = baseline
-        log.info("sweep: %s has no mbs=1 point; measuring one (%s) as its speedup baseline (bench.baseline=false: none)",
+        log.info("sweep: %s has no mbs=1 point; measuring one (%s) as its speedup baseline "
+                 "(bench.baseline=false: none)",
                  " ".join(key) or "the default setting", " ".join(BASELINE))
     out: list[list[str]] = []
     for job in jobs:
@@ -208,4 +211,5 @@ def check_run_folder(key: str, folder: Path, overrides: Sequence[str], resume: b
     theirs = recorded_overrides(folder)
     if theirs is None or identity(theirs) != identity(overrides):
         shown = " ".join(identity(theirs)) if theirs else "unknown overrides"
-        raise UserError(f"{key}: {folder} holds the result of another point ({shown or 'the defaults'}); choose another {key}")
+        raise UserError(f"{key}: {folder} holds the result of another point ({shown or 'the defaults'}); "
+                        f"choose another {key}")

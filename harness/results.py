@@ -1,4 +1,5 @@
-"""results.json, a point's record and the source of truth for reports: created, updated after every pass, written atomically.
+"""results.json, a point's record and the source of truth for reports: created, updated after every pass, written
+atomically.
 
 ``PointResults`` holds one point's document: ``base_document`` starts it
 ("running", the point's identity read leniently from the config), the point
@@ -69,7 +70,7 @@ def base_document(cfg: DictConfig, overrides: Sequence[str]) -> dict[str, Any]:
     def get(key: str) -> Any:
         try:
             return OmegaConf.select(cfg, key, throw_on_resolution_failure=False)
-        except Exception:
+        except Exception:  # noqa: BLE001 - an invalid config still leaves a readable record: the key reads null
             return None
 
     auto = get("mtpm") == AUTO
@@ -113,7 +114,8 @@ def reported_status(doc: dict[str, Any]) -> Any:
 
 
 def model_record(model, built: Optional[dict]) -> dict[str, Any]:
-    """results.json's ``model``: the model config (backends.specs.ModelSpec) and what the backend built (None in a dry run)."""
+    """results.json's ``model``: the model config (backends.specs.ModelSpec) and what the backend built (None in a dry
+    run)."""
     return {
         "name": model.name,
         "path": model.path,

@@ -12,8 +12,15 @@ import pytest
 
 from backends.errors import UserError
 from backends.planning import plan_batch
-from harness.auto import (Candidate, Measured, candidates_of, fit_memory_model, memory_limit, power_of_two_budgets,
-                          search)
+from harness.auto import (
+    Candidate,
+    Measured,
+    candidates_of,
+    fit_memory_model,
+    memory_limit,
+    power_of_two_budgets,
+    search,
+)
 from harness.config import resolve_config
 from harness.workload import WorkloadSpec, load_workload
 from tests.conftest import REPO, compose_config
@@ -229,7 +236,8 @@ def test_a_shared_row_says_whose_measurement_it_shows(tmp_path):
     from reports.render import table_frame
 
     doc = json.loads((COMMITTED / "0" / "results.json").read_text())
-    for measured in doc["passes"].values():  # whatever its repeats' spread: a noisy row says so (tests/unit/test_spread.py)
+    # whatever its repeats' spread: a noisy row says so (tests/unit/test_spread.py)
+    for measured in doc["passes"].values():
         measured["noisy"] = False
     shared = {**doc, "mtpm": 131072, "shares": {"folder": "3", "mtpm": 65536, "mbs": 1}}
     frame = table_frame(_frame(tmp_path, {"0": doc, "1": shared}))

@@ -1,4 +1,5 @@
-"""The control file a hot sweep and the server read, in-process (hot sweeps themselves: tests/integration/test_hot.py)."""
+"""The control file a hot sweep and the server read, in-process (hot sweeps themselves:
+tests/integration/test_hot.py)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def test_control_file_round_trip_and_corruption(tmp_path, caplog):
 
 
 def test_a_budget_required_file_never_takes_unset_as_good(tmp_path, caplog):
-    """Issue 22 (6): "unset" written into a balanced server's file keeps the last budget, never becomes the good one."""
+    """A balanced server's file given "unset" keeps the last budget, never becomes the good one."""
     ctl = ControlFile(tmp_path / "c.ctl", BatchingSettings(4096, 1), budget_required=True)
     ctl.path.write_text('{"max_tokens_per_microbatch": "unset", "micro_batch_size": 1}')
     with caplog.at_level("WARNING"):

@@ -1,4 +1,5 @@
-"""The W&B sweep files: both backends and the baselines are there (Hydra's view of them: tests/integration/test_sweeps.py)."""
+"""The W&B sweep files: both backends and the baselines are there (Hydra's view of them:
+tests/integration/test_sweeps.py)."""
 
 from __future__ import annotations
 
