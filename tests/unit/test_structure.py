@@ -27,7 +27,7 @@ ALLOWED_NAME_USES = {
     "backends/pytorch.py": Counter(pytorch=1),
     "backends/fsdp2.py": Counter(fsdp2=1),
     "backends/megatron_ddp.py": Counter(megatron_ddp=1),
-    # BackendSpec's default backend (conf/backend/ sets the same default for the CLI).
+    # BackendSpec's default backend, for code that builds one directly (the CLI always names one: conf/backend/).
     "backends/specs.py": Counter(pytorch=1),
     # The GPU check asserts what one particular backend does (FSDP2 shards, Megatron syncs
     # gradients, pytorch is the single-process reference), so it names that backend.
