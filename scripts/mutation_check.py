@@ -82,7 +82,10 @@ MUTATIONS = (
         "backends/planning/greedy.py",
         "if count and ((count + 1) * longest > max_tokens or count == cap):",
         "if count and ((count + 1) * longest >= max_tokens or count == cap):",
-        ("tests/unit/test_microbatch.py::test_greedy_closes_a_batch_only_when_the_next_sequence_does_not_fit",),
+        (
+            "tests/unit/test_microbatch.py::test_greedy_closes_a_batch_only_when_the_next_sequence_does_not_fit",
+            "tests/unit/test_microbatch.py::test_a_micro_batch_that_exactly_fills_the_budget_is_kept_whole",
+        ),
     ),
     Mutation(
         "the histogram packer's best fit forgets the cap on sequences per micro-batch",

@@ -72,6 +72,13 @@ def test_any_given_order_is_walked_as_given(lengths, budget):
     assert [i for b in batches for i in b] == order
 
 
+def test_a_micro_batch_that_exactly_fills_the_budget_is_kept_whole():
+    """count x longest == budget fits (<=): the boundary a random search rarely draws, pinned here."""
+    lengths = [100, 100, 100, 100]
+    batches = make_token_balanced_microbatches(sort_by_length(lengths), _seqs(lengths), 300)
+    assert [len(b) for b in batches] == [3, 1]
+
+
 def test_oversized_sequence_sits_alone_and_is_kept():
     lengths = [100, 5000, 80, 90]
     batches = make_token_balanced_microbatches(sort_by_length(lengths), _seqs(lengths), 300)
