@@ -379,22 +379,28 @@ def markdown_tables(df: pd.DataFrame, base: Optional[Path] = None) -> str:
     ``base``)."""
     if df.empty:
         return "_No results._"
+    return "\n\n".join(_setting_sections(df, base, table_frame, histogram=True))
+
+
+def _setting_sections(df: pd.DataFrame, base: Optional[Path], frame, histogram: bool) -> list[str]:
+    """Per setting: the answer lines (what to set per backend), the setting's label (with its length histogram when
+    ``histogram``), the table ``frame`` makes of its rows, and the notes its rows need."""
     parts = []
     for setting in settings_of(df):
         sub = df[df["setting"] == setting]
         label = f"Measured on {setting}." if setting else "Setting not recorded."  # unreadable results.json
         answers = fastest_lines(sub)  # the answer first: what to set per backend, then the table it comes from
         text = "".join(f"- {line}\n" for line in answers) + ("\n" if answers else "")
-        hist = sub["lengths_png"].dropna() if "lengths_png" in sub else ()
+        hist = sub["lengths_png"].dropna() if histogram and "lengths_png" in sub else ()
         if len(hist):  # the setting's workload drawn (reports/plots.py: draw_length_histogram)
             label += f" Sequence lengths: {_figure_link(hist.iloc[0], base, 'histogram')}."
-        text += f"{label}\n\n" + table_frame(sub, base).to_markdown(index=False, disable_numparse=True)
+        text += f"{label}\n\n" + frame(sub, base).to_markdown(index=False, disable_numparse=True)
         if any(is_noisy(r) for r in sub.itertuples(index=False)):
             text += "\n\n" + NOISY_NOTE
         if any(_two_values(r) for r in sub.itertuples(index=False)):
             text += "\n\n" + TWO_VALUES_NOTE
         parts.append(text)
-    return "\n\n".join(parts)
+    return parts
 
 
 SHORT_COLUMNS = ["backend", "batching", "fwd+bwd tok/s", "speedup vs mbs=1", "peak GiB (largest rank)",
@@ -440,18 +446,7 @@ def short_tables(df: pd.DataFrame, base: Optional[Path], full_link: str) -> str:
     """Per setting: the answer lines, the setting, the short table; then where every column is."""
     if df.empty:
         return "_No results._"
-    parts = []
-    for setting in settings_of(df):
-        sub = df[df["setting"] == setting]
-        answers = fastest_lines(sub)
-        text = "".join(f"- {line}\n" for line in answers) + ("\n" if answers else "")
-        label = f"Measured on {setting}." if setting else "Setting not recorded."
-        text += f"{label}\n\n" + short_frame(sub, base).to_markdown(index=False, disable_numparse=True)
-        if any(is_noisy(r) for r in sub.itertuples(index=False)):
-            text += "\n\n" + NOISY_NOTE
-        if any(_two_values(r) for r in sub.itertuples(index=False)):
-            text += "\n\n" + TWO_VALUES_NOTE
-        parts.append(text)
+    parts = _setting_sections(df, base, short_frame, histogram=False)
     parts.append(f"Every column (forward pass, utilisation, MFU, critical path, idle, micro-batches, plan figures): "
                  f"{full_link}.")
     return "\n\n".join(parts)
