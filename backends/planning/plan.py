@@ -9,9 +9,10 @@ from typing import Optional, Sequence
 from backends.planning.balanced import balanced_schedules
 from backends.planning.cost import LAYOUTS, CostModel
 from backends.planning.greedy import Schedule, align_schedules, deal_to_ranks, length_order, microbatches_for_rank
+from backends.planning.peers import PEER_NAMES, peer_record, plan_peer
 from backends.planning.stats import PlanStats, plan_stats
 
-PLANNERS = ("greedy", "balanced")
+PLANNERS = ("greedy", "balanced") + PEER_NAMES  # the two of this harness, then the peers (backends/planning/peers/)
 PLAN_JSON_VERSION = 1
 PLAN_FILE = "plan.json"  # a point's plan, in its output folder (Plan.to_json; read back by reports/)
 
@@ -30,6 +31,11 @@ class Plan:
     lengths: list[int] = field(default_factory=list, repr=False)
     lockstep: bool = False
     max_seqs_per_microbatch: Optional[int] = None  # at most this many sequences per micro-batch (None: no cap)
+    peer: Optional[dict] = None  # a peer planner's record (backends/planning/peers/peer_record); None for ours
+
+    def record(self) -> dict:
+        """results.json's ``plan``: the statistics, and a peer planner's record under ``peer``."""
+        return {**self.stats.as_dict(), **({"peer": self.peer} if self.peer else {})}
 
     def to_json(self, **extra) -> dict:
         """The plan.json document; ``extra`` adds keys such as ``backend``.
@@ -54,6 +60,8 @@ class Plan:
             "lengths": list(self.lengths),
             "schedules": [[None if b is None else list(b) for b in s] for s in self.schedules],
         }
+        if self.peer:
+            doc["peer"] = self.peer
         return {"version": doc.pop("version"), **extra, **doc}
 
 
@@ -165,6 +173,7 @@ def plan_batch(
     lengths = [int(n) for n in lengths]
     if cost_model is None:
         cost_model = CostModel.tokens()
+    record = None
     if planner == "balanced":
         if max_tokens_per_microbatch is None:
             raise ValueError("planner 'balanced' needs max_tokens_per_microbatch (fixed-size slices have no budget to "
@@ -173,6 +182,11 @@ def plan_batch(
             raise ValueError(f"max_tokens must be a positive integer, got {max_tokens_per_microbatch}")
         grid = balanced_schedules(lengths, world_size, max_tokens_per_microbatch, layout, cost_model, cap)
         schedules = grid if align else [[b for b in s if b is not None] for s in grid]
+    elif planner in PEER_NAMES:
+        peer = plan_peer(planner, lengths, world_size, max_tokens_per_microbatch, layout, cap)
+        rows = [list(s) for s in peer.schedules]
+        schedules = align_schedules(rows) if align else [[b for b in s if b is not None] for s in rows]
+        record = peer_record(planner, peer, schedules, align)
     else:
         order, sorted_lengths = length_order(lengths)
         sorted_lengths = sorted_lengths.tolist()
@@ -205,4 +219,5 @@ def plan_batch(
         lengths=lengths,
         lockstep=align,
         max_seqs_per_microbatch=cap,
+        peer=record,
     )
