@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from backends.model.build import decoder_layers
 from backends.model.loading import LOAD_PROGRESS_EVERY_S, load_sharded, read_source
-from backends.model.step import grad_norm_local_sq
+from backends.model.step import grad_sq_sum, local_grads
 from backends.planning import Schedule
 from backends.runtime.ranks import RankHooks
 from backends.runtime.spawned import DistributedBackend
@@ -120,7 +120,8 @@ class FSDP2Hooks(RankHooks):
         return mixed_precision_policy(model).reduce_dtype or (trainable[0].dtype if trainable else None)
 
     def grad_norm(self, model: torch.nn.Module) -> float:
-        t = torch.tensor([grad_norm_local_sq(model)], dtype=torch.float64, device=self.device)
+        # Each rank's shards' sum of squares, summed across ranks on the device: one host read per pass.
+        t = grad_sq_sum(local_grads(model), self.device)
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
         return math.sqrt(float(t.item()))
 

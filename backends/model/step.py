@@ -13,6 +13,7 @@ from backends.model import kernels
 from backends.model.logprobs import find_logprob_head
 from backends.model.packing import check_packable, collate_packed, model_layer_types, prepare_model_for_packing
 from backends.planning import LAYOUTS, Schedule  # padded: one row per sequence; packed: one row, end to end
+from backends.runtime.devices import host_to_device
 
 
 class PassTimeout(RuntimeError):
@@ -40,8 +41,7 @@ def collate(examples: Sequence[Example], batch: Sequence[int], device: torch.dev
         ids[row, :n] = ex.input_ids
         targets[row, :n] = ex.target_tokens
         weights[row, :n] = ex.weights
-    as_tensor = lambda a: torch.from_numpy(a).to(device, non_blocking=True)  # noqa: E731
-    return as_tensor(ids), as_tensor(targets), as_tensor(weights)
+    return host_to_device(ids, device), host_to_device(targets, device), host_to_device(weights, device)
 
 
 def dummy_inputs(device: torch.device):
@@ -251,13 +251,39 @@ class ProgressLogger:
 
 
 def grad_norm_local_sq(model: torch.nn.Module) -> float:
-    """Sum of squares of the trainable parameters' local gradients (0 for a missing gradient)."""
-    total = 0.0
+    """Sum of squares of the trainable parameters' local gradients (0 for a missing gradient), read on the host."""
+    return float(grad_sq_sum(local_grads(model), _model_device(model)).item())
+
+
+def local_grads(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The trainable parameters' gradients as this rank holds them (a DTensor shard's local part under FSDP2)."""
+    grads = []
     for p in model.parameters():
         if not p.requires_grad or p.grad is None:
             continue
         g = p.grad
         if hasattr(g, "to_local"):  # a DTensor shard under FSDP2
             g = g.to_local()
-        total += float(g.detach().double().pow(2).sum())
-    return total
+        grads.append(g.detach())
+    return grads
+
+
+def grad_sq_sum(grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The sum of squares of ``grads`` as a float64 tensor of shape [1] on ``device``, nothing read on the host.
+
+    One fused norm over every tensor (``torch._foreach_norm``, accumulated in float64: one kernel per dtype on a
+    GPU, not one per parameter), squared and summed on the device, so the caller reads the gradient norm with one
+    host sync per pass (after its all-reduce, where it has one) instead of one per trainable tensor (about 700 on
+    the 35B model with LoRA).
+    """
+    grads = [g for g in grads if g.numel()]
+    if not grads:
+        return torch.zeros(1, dtype=torch.float64, device=device)
+    norms = torch._foreach_norm(grads, 2, dtype=torch.float64)
+    return torch.stack(list(norms)).pow(2).sum().reshape(1).to(device)
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device if p.device.type != "meta" else torch.device("cpu")
+    return torch.device("cpu")
