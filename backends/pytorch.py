@@ -62,7 +62,7 @@ class PyTorchBackend(Backend):
                 self.model = build_model(model, self.device, spec.gradient_checkpointing)
             self.model_info = describe_model(self.model, model)
             if spec.compile:
-                compiling.compile_decoder_layers(self.model)
+                compiling.compile_decoder_layers(self.model, spec.compile_eager_fallback)
             self.model_info["compile"] = compiling.describe(self.model) if spec.compile else None
             self.precision = describe_precision(self.model, None)  # one process: nothing reduced
             self.load_info = merge_load_records(load_method(model), [meter.as_dict()])

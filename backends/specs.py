@@ -37,6 +37,9 @@ class BackendSpec:
     hooks: Optional[str] = None  # "module:RankHooks subclass" replacing the backend's own (experiments, fault tests)
     # torch.compile each decoder layer, dynamic shapes; the warm-up pays for compiling (backends/model/compiling.py)
     compile: bool = False
+    # A pass in which dynamo hits its recompile limit (a compiled layer then runs eagerly) fails the point; true:
+    # records the hits (passes.<type>.compile.recompile_limit_hits) and goes on
+    compile_eager_fallback: bool = False
 
 
 @dataclass

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import re
 import threading
 import time
@@ -58,18 +59,27 @@ from backends.model.build import decoder_layers
 
 COMPILED_MARK = "_balance_batch_compiled"  # on each compiled layer
 COMPILED_MODEL = "_balance_batch_compiled_model"  # on the model compile_decoder_layers was given
+EAGER_FALLBACK = "_balance_batch_eager_fallback"  # on that model: a recompile-limit hit is recorded, not an error
 SCOPE = "decoder_layer"
-# Per compiled function, the graphs dynamo keeps before it gives up and runs eager. Torch's default (8) is
-# reached by the variants a pass really has (grad and no grad, the first layer's frozen input, the dummy step).
+# Graphs dynamo keeps per compiled function before it gives up and runs that function eagerly, for good, without an
+# error. Every decoder layer runs one code object (the layer class's forward, and each of its resume functions after
+# a graph break), so its cache holds every layer's variants: grad and no grad, the first layer's frozen input, the
+# size-1 dummy step, a padded baseline's rows, a guard on the layer's own attributes. Torch's defaults (8 per
+# function, 256 in all on one code object) are reached by the 4-layer tiny model's variants or by 40 layers of
+# 7 each; so the limits grow with the layers: VARIANTS_PER_LAYER per layer, never under RECOMPILE_LIMIT.
 RECOMPILE_LIMIT = 64
+VARIANTS_PER_LAYER = 16
 
 
-def compile_decoder_layers(model: torch.nn.Module) -> int:
+def compile_decoder_layers(model: torch.nn.Module, eager_fallback: bool = False) -> int:
     """Compile each decoder layer's forward in place (idempotent); return how many layers are compiled.
 
     Works on the bare model, under peft, ``fully_shard`` and megatron-core DDP
     (the layers are found through the wrappers). Nothing is compiled until the
-    first call: the warm-up pays for it.
+    first call: the warm-up pays for it. A pass in which dynamo hits its
+    recompile limit (and so runs a layer eagerly) fails, naming the function,
+    unless ``eager_fallback`` (``backend.compile_eager_fallback``): then the
+    pass records it (``PassMeter``) and goes on.
     """
     checkpointed = [m for m in decoder_layers(model) if getattr(m, "gradient_checkpointing", False)]
     if checkpointed:
@@ -83,13 +93,13 @@ def compile_decoder_layers(model: torch.nn.Module) -> int:
         torch._dynamo.reset()
         kernels.reset_traced()
     METER.install()  # after the reset, which drops compile callbacks
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     # No equality guessed between sizes that happen to match (a row's boundaries count and a head count):
     # a guess that later fails is a recompilation in the middle of a timed pass.
     torch.fx.experimental._config.use_duck_shape = False
     layers = decoder_layers(model)
     if not layers:
         raise ValueError(f"backend.compile: found no decoder layer in {type(model).__name__} to compile")
+    size_recompile_limits(len(layers))
     for layer in layers:
         if getattr(layer, COMPILED_MARK, False):
             continue
@@ -97,7 +107,20 @@ def compile_decoder_layers(model: torch.nn.Module) -> int:
         setattr(layer, COMPILED_MARK, True)
         layer.register_forward_pre_hook(_count_compiled_call)
     setattr(model, COMPILED_MODEL, True)  # PassMeter: this model's passes record what compiling cost
+    setattr(model, EAGER_FALLBACK, bool(eager_fallback))
     return len(layers)
+
+
+def recompile_limits(layers: int) -> tuple[int, int]:
+    """Dynamo's limits for ``layers`` compiled decoder layers: (per function and guard region, in all per code
+    object), each at least what the process already has."""
+    config = torch._dynamo.config
+    per_function = max(config.recompile_limit, RECOMPILE_LIMIT, VARIANTS_PER_LAYER * layers)
+    return per_function, max(config.accumulated_recompile_limit, per_function)
+
+
+def size_recompile_limits(layers: int) -> None:
+    torch._dynamo.config.recompile_limit, torch._dynamo.config.accumulated_recompile_limit = recompile_limits(layers)
 
 
 def _compiled_forward(layer: torch.nn.Module):
@@ -171,6 +194,8 @@ def describe(model: torch.nn.Module) -> dict:
         "mode": "default",
         "eager_inside": list(EAGER_INSIDE),
         "recompile_limit": torch._dynamo.config.recompile_limit,
+        "accumulated_recompile_limit": torch._dynamo.config.accumulated_recompile_limit,
+        "eager_fallback": bool(getattr(model, EAGER_FALLBACK, False)),
     }
 
 
@@ -178,23 +203,40 @@ def describe(model: torch.nn.Module) -> dict:
 EAGER_INSIDE = ("attention", "delta_rule", "short_conv")
 
 
+class RecompileLimitHit(RuntimeError):
+    """Dynamo hit its recompile limit in a pass, so a compiled function ran eagerly (not allowed by the model)."""
+
+
 class PassMeter:
     """Around one pass of ``model`` on one rank: what compiling cost in it; None for a model that is not compiled
-    (also in a process that compiled another model before: an eager point after a compiled one in a sweep)."""
+    (also in a process that compiled another model before: an eager point after a compiled one in a sweep).
+
+    A pass in which dynamo hit its recompile limit raises ``RecompileLimitHit`` on leaving, unless the model was
+    compiled with ``eager_fallback``; the record counts the hits either way.
+    """
 
     def __init__(self, model: torch.nn.Module):
         self.compiled = bool(getattr(model, COMPILED_MODEL, False))
+        self.eager_fallback = bool(getattr(model, EAGER_FALLBACK, False))
 
     def __enter__(self) -> "PassMeter":
         self.before = measure() if self.compiled else None
         self.record: Optional[dict] = None
         return self
 
-    def __exit__(self, *exc) -> None:
-        if self.before is not None:
-            from backends.model import kernels
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self.before is None:
+            return
+        from backends.model import kernels
 
-            self.record = {**delta(self.before, measure()), "traced": kernels.traced()}
+        self.record = {**delta(self.before, measure()), "traced": kernels.traced()}
+        if self.record["recompile_limit_hits"] and not self.eager_fallback and exc_type is None:
+            hits = self.record["recompile_limit_hits"]
+            raise RecompileLimitHit(
+                f"backend.compile: dynamo hit its recompile limit {hits} time(s) in this pass"
+                f" ({', '.join(self.record['over_recompile_limit'])}), so those calls ran eagerly and the pass "
+                "would time a mix of compiled and eager layers; raise the limit (backends/model/compiling.py "
+                "VARIANTS_PER_LAYER) or set backend.compile_eager_fallback=true to record the fallback and go on")
 
 
 def _count_compiled_call(module, args) -> None:
@@ -214,6 +256,7 @@ class CompileMeter:
     def __init__(self):
         self._lock = threading.Lock()
         self._installed = False
+        self._limit_handler: Optional[logging.Handler] = None
         self._open: dict[tuple, float] = {}
         self.compilations = 0  # dynamo compiling a frame: the first time, or again (a recompilation)
         self.recompilations = 0  # a frame compiled again because its guards failed (a new shape, dtype, ...)
@@ -222,6 +265,10 @@ class CompileMeter:
         self.shape_recompilations = 0
         self.compile_s = 0.0
         self._last_metrics = None  # the newest of dynamo's compilation metrics already read
+        # dynamo hitting recompile_limit / accumulated_recompile_limit (its warning, read by a log handler): the
+        # function then runs eagerly whenever no graph it holds fits, silently; function -> the limit it hit
+        self.recompile_limit_hits = 0
+        self.over_limit: dict[str, str] = {}
 
     def install(self) -> None:
         """Register the callbacks (again after ``torch._dynamo.reset``, which clears them)."""
@@ -232,7 +279,18 @@ class CompileMeter:
                 callback_handler.register_start_callback(self._start)
             if self._end not in callback_handler.end_callbacks:
                 callback_handler.register_end_callback(self._end)
+            if self._limit_handler is None:
+                self._limit_handler = _LimitHitHandler(self._limit_hit)
+                logger = logging.getLogger(LIMIT_LOGGER)
+                logger.addHandler(self._limit_handler)
+                if not logger.isEnabledFor(logging.WARNING):  # the hit is a warning: it must reach the handler
+                    logger.setLevel(logging.WARNING)
             self._installed = True
+
+    def _limit_hit(self, limit_type: str, function: str) -> None:
+        with self._lock:
+            self.recompile_limit_hits += 1
+            self.over_limit[function] = limit_type
 
     def _read_reasons(self) -> None:
         """Count the shape recompilations among dynamo's metrics of compilations since the last read (its own list
@@ -284,10 +342,34 @@ class CompileMeter:
                 "recompilations": self.recompilations,
                 "shape_recompilations": self.shape_recompilations,
                 "backward_compilations": self.backward_compilations,
+                "recompile_limit_hits": self.recompile_limit_hits,
                 "compile_s": self.compile_s,
                 "graph_breaks": sum(breaks.values()),
                 "graph_break_reasons": dict(reasons),
+                "over_recompile_limit": dict(self.over_limit),
             }
+
+
+# Where dynamo warns "torch._dynamo hit config.<limit> (<value>)", args (limit, value, function, reason, url)
+LIMIT_LOGGER = "torch._dynamo.convert_frame"
+_LIMIT_HIT = "torch._dynamo hit config."
+
+
+class _LimitHitHandler(logging.Handler):
+    """Calls ``on_hit(limit type, function)`` for each of dynamo's recompile-limit warnings; lets every record
+    through to torch's own handlers."""
+
+    def __init__(self, on_hit):
+        super().__init__(logging.WARNING)
+        self.on_hit = on_hit
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not str(record.msg).startswith(_LIMIT_HIT):
+            return
+        args = record.args if isinstance(record.args, tuple) else ()
+        limit_type = str(args[0]) if args else "recompile_limit"
+        function = str(args[2]) if len(args) > 2 else "unknown"
+        self.on_hit(limit_type, function)
 
 
 def _reason(text: str) -> str:
@@ -298,15 +380,18 @@ def _reason(text: str) -> str:
 
 
 # summed wherever records meet
-COUNTS = ("compilations", "recompilations", "shape_recompilations", "backward_compilations", "graph_breaks")
+COUNTS = ("compilations", "recompilations", "shape_recompilations", "backward_compilations", "graph_breaks",
+          "recompile_limit_hits")
 
 
 def delta(before: dict, after: dict) -> dict:
     """What happened between two ``counters()``: counts and seconds, graph break reasons that grew."""
     reasons = {k: n - before["graph_break_reasons"].get(k, 0) for k, n in after["graph_break_reasons"].items()}
-    out = {k: after[k] - before[k] for k in COUNTS}
+    out = {k: after.get(k, 0) - before.get(k, 0) for k in COUNTS}
     out["compile_s"] = round(after["compile_s"] - before["compile_s"], 4)
     out["graph_break_reasons"] = {k: n for k, n in reasons.items() if n}
+    # every function over its limit so far: each runs eagerly, for good, wherever none of its graphs fits
+    out["over_recompile_limit"] = sorted(after.get("over_recompile_limit") or {})
     return out
 
 
@@ -314,13 +399,16 @@ def _combined(records: list, compile_s: float) -> dict:
     """Records as one: counts and graph break reasons summed, traced implementations united, ``compile_s`` given."""
     reasons: Counter = Counter()
     traced: dict = {}
+    over: set = set()
     for r in records:
         reasons.update(r.get("graph_break_reasons") or {})
+        over.update(r.get("over_recompile_limit") or [])
         for op, impls in (r.get("traced") or {}).items():
             traced.setdefault(op, [])
             traced[op] += [i for i in impls if i not in traced[op]]
-    out = {k: sum(r[k] for r in records) for k in COUNTS}
-    out.update(compile_s=round(compile_s, 4), graph_break_reasons=dict(reasons), traced=traced)
+    out = {k: sum(r.get(k, 0) for r in records) for k in COUNTS}
+    out.update(compile_s=round(compile_s, 4), graph_break_reasons=dict(reasons), traced=traced,
+               over_recompile_limit=sorted(over))
     return out
 
 

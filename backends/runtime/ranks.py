@@ -104,7 +104,7 @@ def start_rank(spec: BackendSpec, model_spec: ModelSpec, hooks_path: str, rank: 
     with LoadMeter(device) as meter:
         model, built, method = hooks.load_model(model_spec)
     if spec.compile:  # on the wrapped model: FSDP2's and the checkpoint's hooks stay eager around each compiled layer
-        compiling.compile_decoder_layers(model)
+        compiling.compile_decoder_layers(model, spec.compile_eager_fallback)
     if built is not None:  # the precision policy as it runs, once wrapped (FSDP2's mixed precision included)
         built["precision"] = describe_precision(model, hooks.reduce_dtype(model))
         built["compile"] = compiling.describe(model) if spec.compile else None

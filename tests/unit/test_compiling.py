@@ -8,23 +8,25 @@ from backends.errors import UserError
 from backends.model import compiling, kernels
 from backends.model.build import build_model
 from backends.specs import ModelSpec
-from harness.config import resolve_config
+from harness.app.config import resolve_config
 from tests.unit.test_answer import _compose
 
 
-def _counters(compilations=0, recompilations=0, backward=0, compile_s=0.0, reasons=None, shape=0):
-    reasons = reasons or {}
+def _counters(compilations=0, recompilations=0, backward=0, compile_s=0.0, reasons=None, shape=0, over=None):
+    reasons, over = reasons or {}, over or {}
     return {"compilations": compilations, "recompilations": recompilations, "shape_recompilations": shape,
             "backward_compilations": backward, "compile_s": compile_s, "graph_breaks": sum(reasons.values()),
-            "graph_break_reasons": reasons}
+            "graph_break_reasons": reasons, "recompile_limit_hits": len(over), "over_recompile_limit": over}
 
 
 def test_a_pass_records_what_compiling_cost_inside_it():
     before = _counters(3, 1, 0, 2.0, {"conv": 2})
-    after = _counters(10, 4, 2, 9.5, {"conv": 5, "attention": 1}, shape=2)
+    after = _counters(10, 4, 2, 9.5, {"conv": 5, "attention": 1}, shape=2,
+                      over={"'forward' (x.py:1)": "recompile_limit"})
     assert compiling.delta(before, after) == {
         "compilations": 7, "recompilations": 3, "shape_recompilations": 2, "backward_compilations": 2,
-        "graph_breaks": 4, "compile_s": 7.5, "graph_break_reasons": {"conv": 3, "attention": 1}}
+        "graph_breaks": 4, "compile_s": 7.5, "graph_break_reasons": {"conv": 3, "attention": 1},
+        "recompile_limit_hits": 1, "over_recompile_limit": ["'forward' (x.py:1)"]}
     # nothing new: every count 0, no reason listed
     assert compiling.delta(after, after)["graph_break_reasons"] == {}
 
@@ -197,6 +199,40 @@ def test_plan_sizes_are_symbolic_from_the_first_compile_and_a_size_guard_is_coun
     torch._dynamo.reset()
 
 
+def test_a_recompile_limit_hit_is_recorded_and_fails_the_pass_unless_allowed():
+    """Dynamo for real (its eager backend): past the limit a function runs eagerly without an error; the meter
+    counts the hit from dynamo's own warning, the pass fails unless the model allows the fallback, and the limits
+    grow with the layers (40 layers of the published model: more than torch's 8 and 256)."""
+    import torch
+
+    torch._dynamo.reset()
+    compiling.METER.install()
+    fn = torch.compile(lambda x: x * 2, backend="eager", dynamic=False)
+    model = torch.nn.Linear(1, 1)
+    setattr(model, compiling.COMPILED_MODEL, True)
+    with torch._dynamo.config.patch(recompile_limit=1):
+        with pytest.raises(compiling.RecompileLimitHit, match="backend.compile_eager_fallback=true"):
+            with compiling.PassMeter(model):
+                fn(torch.ones(2))
+                fn(torch.ones(2, dtype=torch.float64))  # a dtype guard fails: the second graph is over the limit
+        setattr(model, compiling.EAGER_FALLBACK, True)
+        again = torch.compile(lambda x: x + 1, backend="eager", dynamic=False)
+        with compiling.PassMeter(model) as meter:
+            again(torch.ones(2))
+            again(torch.ones(2, dtype=torch.float64))
+            fn(torch.ones(3, dtype=torch.float16))  # over its limit already: eager with no second warning
+    record = meter.record
+    assert record["recompile_limit_hits"] == 1 and len(record["over_recompile_limit"]) == 2, record
+    assert all("<lambda>" in f for f in record["over_recompile_limit"])  # both functions run eagerly from now on
+    merged = compiling.merge([record, record])
+    assert merged["recompile_limit_hits"] == 2 and merged["over_recompile_limit"] == record["over_recompile_limit"]
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(recompile_limit=8, accumulated_recompile_limit=256):
+        assert compiling.recompile_limits(4) == (compiling.RECOMPILE_LIMIT, 256)
+        per_function, accumulated = compiling.recompile_limits(40)
+        assert per_function >= 40 * 7 and accumulated >= per_function
+
+
 def test_a_size_guard_is_told_from_other_guards():
     assert compiling.SHAPE_GUARD.search("5/0: tensor 'a' size mismatch at index 1. expected 658, actual 648")
     assert compiling.SHAPE_GUARD.search("5/0: seq_len == 658")
@@ -205,7 +241,7 @@ def test_a_size_guard_is_told_from_other_guards():
 
 
 def test_compiling_in_float32_on_cpu_says_in_one_line_that_it_is_the_slowest_form():
-    from harness.app import slow_compile_warning
+    from harness.point.point import slow_compile_warning
 
     line = slow_compile_warning(resolve_config(_compose("backend.compile=true", "backend.device=cpu")))
     assert line and line.startswith("backend.compile=true in float32 on CPU") and "\n" not in line
