@@ -10,7 +10,7 @@ from typing import Iterable, Optional
 import pandas as pd
 
 from backends.registry import BACKENDS
-from harness.results import reported_status
+from harness.point.results import reported_status
 
 log = logging.getLogger(__name__)
 
@@ -198,7 +198,7 @@ def row_of(path: Path, doc: dict) -> dict:
         "overrides": " ".join(_overrides(path, doc)),
         # the point planned exactly as an earlier one of its sweep and shares that measurement (its budget, or None)
         "shares_mtpm": _shares(doc),
-        "auto": _auto(doc),  # mtpm=auto: the search's summary (harness/auto.py), else None
+        "auto": _auto(doc),  # mtpm=auto: the search's summary (harness/auto/model.py), else None
         # fwd+bwd over mbs=1 measured in pairs beside it ({median, ci, pairs, ...}); None: not paired
         "paired_speedup": doc.get("speedup") if isinstance(doc.get("speedup"), dict) else None,
     }
@@ -212,7 +212,7 @@ def row_of(path: Path, doc: dict) -> dict:
         row[f"{p}_mem_peak_bytes"] = rec.get("mem_peak_bytes")
         row[f"{p}_mfu_pct"] = rec.get("mfu_pct")
         row[f"{p}_measured_critical_path"] = rec.get("measured_critical_path")  # from the ranks' step times
-        row[f"{p}_tok_per_s_median"] = rec.get("tok_per_s_median")  # the spread of the repeats (harness/spread.py)
+        row[f"{p}_tok_per_s_median"] = rec.get("tok_per_s_median")  # the repeats' spread (harness/metrics/spread.py)
         row[f"{p}_tok_per_s_ci"] = rec.get("tok_per_s_ci")
         row[f"{p}_tok_per_s_ci_pct"] = rec.get("tok_per_s_ci_pct")
         row[f"{p}_noisy"] = rec.get("noisy")

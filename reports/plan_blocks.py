@@ -164,7 +164,7 @@ def plan_blocks(doc: dict) -> PlanBlocks:
 
 def measured_blocks(pb: PlanBlocks, timeline: dict) -> Optional[PlanBlocks]:
     """``pb`` with every block's cost replaced by its measured busy seconds (mean over the timed repeats), from a
-    pass's ``timeline`` in results.json (harness/balance.py); None when the timeline's steps are not the plan's.
+    pass's ``timeline`` in results.json (harness/metrics/balance.py); None when the timeline's steps are not the plan's.
 
     A block's measured time is split between its real tokens and its padding as the model splits it; a dummy
     step's time (a lock-step rank's one-token step) counts as real work of no sequence. Waiting is what the step's

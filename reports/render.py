@@ -9,7 +9,7 @@ from typing import Optional, Sequence
 
 import pandas as pd
 
-from harness.spread import WIDE_PCT, choose, interval_text, tie_text
+from harness.metrics.spread import WIDE_PCT, choose, interval_text, tie_text
 from reports.collect import BACKEND_LABEL, settings_of
 
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
@@ -274,7 +274,7 @@ def _answer(r, speedup: Optional[float], n_measured: int, tie: str = "") -> str:
     if is_noisy(r):
         parts.append("noisy")
     searched_tie = (auto or {}).get("tie")
-    if searched_tie:  # mtpm=auto settled a tie among its candidates (harness/app.py)
+    if searched_tie:  # mtpm=auto settled a tie among its candidates (harness/point/point.py)
         tie = tie_text([f"mtpm={m:,}" for m in searched_tie["with"]], searched_tie["rule"], searched_tie.get("pairs"))
     if tie:
         parts.append(tie)

@@ -22,7 +22,7 @@ from backends.model.packing import prepare_model_for_packing
 from backends.model.step import run_schedule, total_loss_weight
 from backends.planning import make_token_balanced_microbatches, plan_batch, sort_by_length
 from backends.specs import ModelSpec
-from harness.workload import make_examples, mixed_lengths
+from harness.data.workload import make_examples, mixed_lengths
 
 
 def schedules(lengths: list[int], budgets: list[int]) -> dict[str, tuple[list, str]]:

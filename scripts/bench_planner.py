@@ -42,7 +42,7 @@ import numpy as np
 from backends.model.configs import cost_model_for
 from backends.planning import critical_path_lower_bound, lower_bound_bins, plan_batch
 from backends.specs import ModelSpec
-from harness.workload import mixed_lengths
+from harness.data.workload import mixed_lengths
 
 BUDGETS = (16384, 32768, 65536, 131072)
 RANKS = (1, 4, 8)

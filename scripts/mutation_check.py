@@ -149,7 +149,7 @@ MUTATIONS = (
     ),
     Mutation(
         "resume runs finished points again",
-        "harness/app.py",
+        "harness/point/point.py",
         'if previous.get("status") == "ok":',
         'if previous.get("status") == "never":',
         (
@@ -184,7 +184,7 @@ MUTATIONS = (
     ),
     Mutation(
         "a failed point's W&B run is left unfinished",
-        "harness/app.py",
+        "harness/point/point.py",
         "        if self.tracker is not None:\n            self.tracker.finish(self.results.doc)",
         '        if self.tracker is not None and self.results.doc.get("status") == "ok":\n'
         "            self.tracker.finish(self.results.doc)",
@@ -235,7 +235,7 @@ MUTATIONS = (
     ),
     Mutation(
         "a LoRA backward counted as 3 forwards (weight gradients for the frozen base)",
-        "harness/flops.py",
+        "harness/metrics/flops.py",
         "trained_weights=0.0 if lora else weights,",
         "trained_weights=weights,",
         ("tests/integration/test_training_flops.py",),
@@ -249,14 +249,14 @@ MUTATIONS = (
     ),
     Mutation(
         "a running point whose process is gone still reads as running",
-        "harness/results.py",
+        "harness/point/results.py",
         'if status == "running" and recorded_process_gone(doc.get("process")):',
         'if False and recorded_process_gone(doc.get("process")):',
         ("tests/unit/test_died.py",),
     ),
     Mutation(
         "a sweep without mbs=1 gets no baseline",
-        "harness/points.py",
+        "harness/sweep/points.py",
         "        added[key] = baseline\n",
         "        added.pop(key, None)\n",
         (
@@ -265,7 +265,7 @@ MUTATIONS = (
     ),
     Mutation(
         "budgets of different plans share one measurement",
-        "harness/app.py",
+        "harness/point/point.py",
         'what = {"config": conf, "layout": plan.stats.layout, "schedules": plan.schedules}',
         'what = {"config": conf, "layout": plan.stats.layout}',
         (
@@ -274,7 +274,7 @@ MUTATIONS = (
     ),
     Mutation(
         "mtpm=auto runs candidates predicted over the limit",
-        "harness/auto.py",
+        "harness/auto/model.py",
         "            if c.predicted_peak_bytes > limit_bytes:",
         "            if False:",
         (
@@ -283,7 +283,7 @@ MUTATIONS = (
     ),
     Mutation(
         "mtpm=auto chooses the slowest candidate",
-        "harness/auto.py",
+        "harness/auto/model.py",
         "chosen = max(fitting, key=lambda c: c.speedup if paired else c.tok_per_s) if fitting else None",
         "chosen = min(fitting, key=lambda c: c.speedup if paired else c.tok_per_s) if fitting else None",
         (
@@ -292,7 +292,7 @@ MUTATIONS = (
     ),
     Mutation(
         "a budget defaults to the original greedy padded planner",
-        "harness/batching.py",
+        "harness/app/batching.py",
         'return ("balanced", "packed") if has_budget else ("greedy", "padded")',
         'return ("greedy", "padded")',
         (
@@ -301,7 +301,7 @@ MUTATIONS = (
     ),
     Mutation(
         "a client records its own planner and layout, not the server's",
-        "harness/app.py",
+        "harness/point/point.py",
         "layout, planner = backend.layout or layout, backend.planner or planner",
         "layout, planner = b.layout, b.planner",
         (
@@ -317,21 +317,21 @@ MUTATIONS = (
     ),
     Mutation(
         "a dataset's loss weights not shifted: position t weighted by its own token, not the one it predicts",
-        "harness/dataset.py",
+        "harness/data/dataset.py",
         'w[:-1] = 1.0 if train_on == "all" else trained[1:].astype(np.float32)',
         'w[:-1] = 1.0 if train_on == "all" else trained[:-1].astype(np.float32)',
         ("tests/unit/test_dataset.py::test_chat_rows_train_on_the_assistant_turns_and_their_end_of_turn",),
     ),
     Mutation(
         "the chat rows' masks train the whole conversation (the assistant spans ignored)",
-        "harness/dataset.py",
+        "harness/data/dataset.py",
         "trained = [b > a and any(a < e and b > s for s, e in spans) for a, b in offsets]",
         "trained = [b > a for a, b in offsets]",
         ("tests/unit/test_dataset.py::test_chat_rows_train_on_the_assistant_turns_and_their_end_of_turn",),
     ),
     Mutation(
         "the token cache key forgets the files' contents",
-        "harness/dataset.py",
+        "harness/data/dataset.py",
         '"files": [{"path": str(f.resolve()), "sha256": file_sha256(f)} for f in files],',
         '"files": [{"path": str(f.resolve())} for f in files],',
         ("tests/unit/test_dataset.py::test_the_cache_is_read_on_a_second_run_and_invalidated_by_a_change",
@@ -339,7 +339,7 @@ MUTATIONS = (
     ),
     Mutation(
         "a dataset point runs random ids instead of the dataset's",
-        "harness/workload.py",
+        "harness/data/workload.py",
         "        return dataset_examples(self.dataset)",
         "        return make_examples(self.lengths, vocab_size, seed)",
         ("tests/integration/test_dataset_loss.py",),
@@ -377,14 +377,14 @@ MUTATIONS = (
     ),
     Mutation(
         "the measured critical path of lock-step ranks ignores their waiting at every step",
-        "harness/balance.py",
+        "harness/metrics/balance.py",
         "    elif lockstep:\n        steps = max(",
         "    elif False:\n        steps = max(",
         ("tests/unit/test_balance.py::test_lockstep_ranks_wait_for_the_slowest_at_every_step_independent_ones_once",),
     ),
     Mutation(
         "the calibration's fit keeps negative coefficients",
-        "harness/calibration.py",
+        "harness/metrics/calibration.py",
         "        if (coef < 0).any():\n            continue\n",
         "",
         ("tests/unit/test_calibration.py::test_the_fit_recovers_known_coefficients_and_never_goes_negative",),
@@ -400,14 +400,14 @@ MUTATIONS = (
     ),
     Mutation(
         "the calibration cache is keyed without the layout: a padded fit plans packed rows",
-        "harness/calibration.py",
+        "harness/metrics/calibration.py",
         '        "layout": layout,\n        "gc": bool(gc),',
         '        "gc": bool(gc),',
         ("tests/unit/test_calibration.py::test_the_cache_key_changes_with_everything_a_fit_depends_on",),
     ),
     Mutation(
         "paired repeats always run the point first: a drift inside every pair biases the speedup",
-        "harness/measure.py",
+        "harness/measuring/measure.py",
         "        baseline_first = pairing is not None and i % 2 == 1\n",
         "        baseline_first = False\n",
         (
@@ -416,7 +416,7 @@ MUTATIONS = (
     ),
     Mutation(
         "no settling pass: the first timed pass after a switch of shape pays for the switch",
-        "harness/measure.py",
+        "harness/measuring/measure.py",
         "        if pairing is None or last == which:\n            return\n",
         "        if True:\n            return\n",
         (
@@ -425,7 +425,7 @@ MUTATIONS = (
     ),
     Mutation(
         "a normal quantile in place of Student's t: an interval of 3 repeats half as wide as it should be",
-        "harness/spread.py",
+        "harness/metrics/spread.py",
         "    if df <= len(_T975):\n        return _T975[df - 1]\n",
         "",
         (
@@ -434,7 +434,7 @@ MUTATIONS = (
     ),
     Mutation(
         "bench.target_ci_pct is ignored for a pass's own tok/s: it stops at bench.repeat however wide the interval",
-        "harness/measure.py",
+        "harness/measuring/measure.py",
         "        if needs_more([real_tokens / t for t in elapsed], target_ci_pct):\n            return True\n",
         "",
         (
@@ -443,7 +443,7 @@ MUTATIONS = (
     ),
     Mutation(
         "a spread over 10% is never flagged noisy",
-        "harness/spread.py",
+        "harness/metrics/spread.py",
         '"noisy": min(known) > 0 and max(known) / min(known) > NOISY_RATIO}',
         '"noisy": False}',
         (
@@ -473,7 +473,7 @@ MUTATIONS = (
     ),
     Mutation(
         "a hot backend's paired baseline runs with the point's budget: the control file is not switched to mbs=1",
-        "harness/measure.py",
+        "harness/measuring/measure.py",
         '        control = getattr(backend, "control", None)\n',
         "        control = None\n",
         ("tests/integration/test_hot.py::test_hot_and_cold_sweeps_agree_and_hot_loads_once",),
@@ -487,7 +487,7 @@ MUTATIONS = (
     ),
     Mutation(
         "mtpm=0 accepted as a budget",
-        "harness/config.py",
+        "harness/app/config.py",
         "    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:\n"
         "        raise UserError(f\"mtpm: must",
         "    if isinstance(value, bool) or not isinstance(value, int) or value < 0:\n"

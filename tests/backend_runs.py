@@ -18,7 +18,7 @@ import numpy as np
 from backends.messages import PassCommand, make_command
 from backends.specs import BackendSpec, ModelSpec
 from backends.start import make_backend
-from harness.workload import make_examples
+from harness.data.workload import make_examples
 
 # 16 lengths, 64 to 288 tokens, chosen for compiled layers (test_compile): on 1 rank and on 2, at both budgets,
 # every padded micro-batch holds 2 or 3 rows and the ranks' schedules are equally long (no one-token dummy); within

@@ -224,7 +224,7 @@ def compose_config(*overrides: str):
     from hydra.errors import HydraException
 
     from backends.errors import UserError
-    from harness.config import composition_error_line, register_configs
+    from harness.app.config import composition_error_line, register_configs
 
     register_configs()
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
@@ -236,10 +236,10 @@ def compose_config(*overrides: str):
 
 def config_error(*overrides: str, composed=None) -> str | None:
     """The one line the CLI refuses ``overrides`` with (composition, the harness's checks, then the workload as a
-    point builds it first: harness/app.py's Point._run); None: valid. ``composed``: a config already composed."""
+    point builds it first: harness/point/point.py, Point._run); None: valid. ``composed``: a config already composed."""
     from backends.errors import UserError
-    from harness.config import resolve_config
-    from harness.workload import load_workload
+    from harness.app.config import resolve_config
+    from harness.data.workload import load_workload
 
     try:
         spec = resolve_config(composed if composed is not None else compose_config(*overrides))
@@ -278,7 +278,7 @@ def unwritable_dir(tmp_path):
 def demo_data(tmp_path_factory) -> dict:
     """The offline dataset and tokenizer of ``python -m harness.demo_data``: chats, prompt/completion, text,
     tokenizer."""
-    from harness.demo_data import write
+    from harness.data.demo_data import write
 
     return write(tmp_path_factory.mktemp("demo_data"))
 

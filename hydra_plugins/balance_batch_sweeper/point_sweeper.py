@@ -1,5 +1,5 @@
 """Hydra's basic sweeper, plus: each point once, an mbs=1 baseline per setting, and a point's folder found by its
-overrides (see harness/points.py)."""
+overrides (see harness/sweep/points.py)."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ class PointSweeper(BasicSweeper):
     """Expands the sweep like BasicSweeper, then de-duplicates it and places each point before anything is written."""
 
     def split_arguments(self, overrides: List[Override], max_batch_size: Optional[int]) -> List[List[List[str]]]:
-        from harness.points import add_baselines, check_writable, dedupe, place_points
+        from harness.sweep.points import add_baselines, check_writable, dedupe, place_points
 
         assert self.config is not None and self.hydra_context is not None
         jobs = dedupe(BasicSweeper.split_arguments(overrides, None)[0])
@@ -58,7 +58,7 @@ class PointSweeper(BasicSweeper):
         folders = place_points(jobs, sweep_dir, resume)
         if resume:
             keep_earlier_sweep_config(sweep_dir)
-            from harness.state import STATE
+            from harness.app.state import STATE
 
             # the points this run lists: an earlier point left out of the list does not decide its exit status
             STATE.sweep_folders = set(folders) if subdir == DEFAULT_SUBDIR and all(folders) else None

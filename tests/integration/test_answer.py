@@ -54,7 +54,7 @@ def _auto_checks(doc: dict) -> dict:
         # the fastest, or, where the two leaders' intervals still overlap after more pairs, the tie rule's pick
         tie = auto.get("tie")
         assert chosen["speedup"] == max(c["speedup"] for c in measured) or tie and chosen["mtpm"] not in tie["with"]
-        # the leaders may be measured past bench.repeat while they cannot be told apart (harness/lead.py)
+        # the leaders may be measured past bench.repeat while they cannot be told apart (harness/auto/lead.py)
         assert doc["speedup"]["median"] > 0 and len(doc["speedup"]["pairs"]) >= doc["bench"]["repeat"]
     else:  # no pairs measured: ranked by tok/s
         assert all(c["speedup"] is None for c in auto["candidates"]) and doc.get("speedup") is None
@@ -98,7 +98,7 @@ def test_auto_searches_under_a_memory_limit_and_records_the_answer(tmp_path):
 
 
 def test_auto_on_fsdp2_in_bf16(tmp_path):
-    """The published precision on the lock-step backend (the search itself is the backend's passes: harness/auto.py
+    """The published precision on the lock-step backend (the search is the backend's passes: harness/auto/model.py
     asks any backend alike, so one distributed backend covers the ranks' memory share), no baseline point added."""
     sweep = tmp_path / "sweep"
     proc = run_harness("-m", "mtpm=auto", "bench.paired=true", "backend=fsdp2", "model.dtype=bfloat16", *QUICK,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness.balance import measured_balance, timeline_record
+from harness.metrics.balance import measured_balance, timeline_record
 from tests.backend_runs import BUDGETS
 from tests.conftest import load_json, run_harness, sweep_results
 

@@ -13,7 +13,7 @@ from backends.model.step import grad_norm_local_sq, run_schedule, total_loss_wei
 from backends.planning import plan_batch
 from backends.pytorch import PyTorchBackend
 from backends.specs import BackendSpec, ModelSpec
-from harness.workload import make_examples, mixed_lengths
+from harness.data.workload import make_examples, mixed_lengths
 from tests.loss_oracle import oracle, tiny_examples
 
 LENGTHS = mixed_lengths(16, 64, 512, 42)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from backends.specs import ModelSpec
-from harness.workload import WorkloadSpec, load_workload
+from harness.data.workload import WorkloadSpec, load_workload
 from tests.conftest import load_json, run_harness, sweep_results
 from tests.integration.test_harness_cli import _one_error_line
 from tests.loss_oracle import oracle, plain_model

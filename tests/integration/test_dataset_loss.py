@@ -9,8 +9,8 @@ import pytest
 from backends.messages import make_command
 from backends.pytorch import PyTorchBackend
 from backends.specs import BackendSpec, ModelSpec
-from harness.dataset import example_weights
-from harness.workload import WorkloadSpec, load_workload
+from harness.data.dataset import example_weights
+from harness.data.workload import WorkloadSpec, load_workload
 from tests.loss_oracle import oracle, plain_model
 
 pytestmark = pytest.mark.unit

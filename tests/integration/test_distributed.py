@@ -17,7 +17,7 @@ from backends.messages import make_command
 from backends.runtime.forkserver import is_fork_server
 from backends.specs import BackendSpec, ModelSpec
 from backends.start import make_backend
-from harness.workload import make_examples, mixed_lengths
+from harness.data.workload import make_examples, mixed_lengths
 from tests.conftest import load_json, start_harness, sweep_results, wait_session_empty
 from tests.loss_oracle import oracle, tiny_examples
 

@@ -9,8 +9,8 @@ import pytest
 from backends.model.configs import cost_model_for
 from backends.planning import plan_batch
 from backends.specs import ModelSpec
-from harness.flops import training_flops_for
-from harness.workload import mixed_lengths
+from harness.data.workload import mixed_lengths
+from harness.metrics.flops import training_flops_for
 from tests.conftest import config_error, load_json, run_harness, sweep_results
 
 FAST = ["workload=smoke", "backend=pytorch", "bench.warmup=0", "bench.repeat=2"]

@@ -15,7 +15,7 @@ from backends.messages import make_command
 from backends.model.build import build_model
 from backends.specs import BackendSpec, ModelSpec
 from backends.start import make_backend
-from harness.workload import make_examples, mixed_lengths
+from harness.data.workload import make_examples, mixed_lengths
 
 EXAMPLES = make_examples(mixed_lengths(16, 64, 512, 42), 2048, seed=0)[:6]
 PROBE = "tests.probes:FSDP2ChecksShardedLoad"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 
-from harness.workload import mixed_lengths
+from harness.data.workload import mixed_lengths
 from tests.conftest import REPO, run_cli
 from tests.plan_docs import greedy_doc
 

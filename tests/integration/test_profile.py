@@ -13,7 +13,7 @@ from backends.messages import make_command
 from backends.pytorch import PyTorchBackend
 from backends.runtime.profiling import PASS_RANGE, breakdown, read_trace
 from backends.specs import BackendSpec, ModelSpec
-from harness.workload import make_examples
+from harness.data.workload import make_examples
 
 EXAMPLES = make_examples([40, 96, 17, 128, 64, 33], 2048, seed=3)
 

@@ -133,7 +133,7 @@ def test_a_missing_folder_is_one_line(tmp_path):
 def test_committed_gradient_is_the_tiny_models_own():
     """The committed gradient norm is what a plain forward of the tiny model gives on the point's examples
     (tests/loss_oracle.py)."""
-    from harness.workload import make_examples
+    from harness.data.workload import make_examples
     from tests.loss_oracle import oracle
 
     res = _load(_committed_points()[0] / "results.json")

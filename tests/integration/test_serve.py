@@ -292,8 +292,8 @@ def test_client_without_the_token_never_records_a_budget_the_server_did_not_run(
 def test_a_budget_changed_during_a_client_run_fails_the_point(server, monkeypatch):
     from backends.errors import BackendError
     from backends.messages import make_command
-    from harness.client import RemoteBackend
-    from harness.workload import make_examples
+    from harness.data.workload import make_examples
+    from harness.server.client import RemoteBackend
 
     monkeypatch.delenv("BALANCE_BATCH_ADMIN_TOKEN", raising=False)
     assert server.call("POST", "/admin/set_max_tokens_per_microbatch", {"value": 700})[0] == 200
@@ -405,8 +405,8 @@ def test_a_restart_that_fails_keeps_the_server_down_with_the_first_cause():
     from backends.messages import make_command
     from backends.specs import BackendSpec, ModelSpec
     from backends.start import make_backend
-    from harness.serve import ServedBackend
-    from harness.workload import make_examples
+    from harness.data.workload import make_examples
+    from harness.server.supervisor import ServedBackend
 
     first = [BackendSpec(name="fsdp2", world_size=2, device="cpu")]  # then every start fails
     served = ServedBackend(

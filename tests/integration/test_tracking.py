@@ -81,7 +81,7 @@ def test_the_run_logs_the_plan_figure_as_an_image(tmp_path):
     import hashlib
     import json
 
-    from harness.tracking import Tracker
+    from harness.point.tracking import Tracker
     from tests.plan_docs import greedy_doc
 
     doc, plan = greedy_doc([3000, 2000, 1200, 900, 400, 300, 120], 2, 4096)

@@ -1,4 +1,4 @@
-"""The training-FLOPs model (harness/flops.py) against torch's FlopCounterMode on the tiny model, and against peft.
+"""The training-FLOPs model (harness/metrics/flops.py) versus torch's FlopCounterMode on the tiny model, and peft.
 
 FlopCounterMode (torch 2.13) counts mm/addmm/bmm/baddbmm, convolutions and the
 GPU attention kernels. On this CPU path it misses what the tiny model spends
@@ -23,8 +23,8 @@ from backends.model.configs import SHIPPED_CONFIGS, model_config
 from backends.model.step import run_schedule, total_loss_weight
 from backends.planning.cost import weight_matmuls
 from backends.specs import ModelSpec
-from harness.flops import FULL_FINE_TUNING_FACTOR, pass_flops, training_flops_from_config
-from harness.workload import make_examples
+from harness.data.workload import make_examples
+from harness.metrics.flops import FULL_FINE_TUNING_FACTOR, pass_flops, training_flops_from_config
 
 CPU = torch.device("cpu")
 aten = torch.ops.aten

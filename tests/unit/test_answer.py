@@ -12,7 +12,8 @@ import pytest
 
 from backends.errors import UserError
 from backends.planning import plan_batch
-from harness.auto import (
+from harness.app.config import resolve_config
+from harness.auto.model import (
     Candidate,
     Measured,
     candidates_of,
@@ -21,8 +22,7 @@ from harness.auto import (
     power_of_two_budgets,
     search,
 )
-from harness.config import resolve_config
-from harness.workload import WorkloadSpec, load_workload
+from harness.data.workload import WorkloadSpec, load_workload
 from tests.conftest import REPO, compose_config
 from tests.unit.test_max_seqs import _frame  # results.json documents in folders, collected as the report reads them
 
@@ -67,7 +67,7 @@ def test_a_bad_budget_is_one_line_naming_mtpm_and_what_is_valid(value):
 
 
 def test_auto_resolves_with_no_budget_for_the_backend_and_the_record_says_none_yet():
-    from harness.results import base_document
+    from harness.point.results import base_document
 
     cfg = _compose("mtpm=auto")
     spec = resolve_config(cfg)
@@ -78,7 +78,7 @@ def test_auto_resolves_with_no_budget_for_the_backend_and_the_record_says_none_y
 
 # -- every sweep carries its baseline -----------------------------------------------------------------
 def _with_baselines(jobs):
-    from harness.points import add_baselines
+    from harness.sweep.points import add_baselines
 
     return add_baselines(jobs, lambda job: _compose(*job))
 
@@ -119,7 +119,7 @@ def test_no_baseline_is_added_where_it_is_off_or_not_wanted(jobs):
 
 
 def test_the_baseline_switch_and_share_switch_are_not_part_of_a_points_identity():
-    from harness.points import identity
+    from harness.sweep.points import identity
 
     assert identity(["mtpm=1", "bench.baseline=false", "bench.share_plans=false"]) == identity(["mtpm=1"])
 
@@ -246,7 +246,7 @@ def test_a_shared_row_says_whose_measurement_it_shows(tmp_path):
 
 
 def test_two_budgets_share_a_measurement_only_when_the_plan_and_everything_else_match():
-    from harness.app import measurement_key
+    from harness.point.point import measurement_key
 
     def key(*overrides):
         cfg = _compose(*overrides)
@@ -278,7 +278,7 @@ def _auto_doc(speedup=None, tie=None):
 
 
 def test_the_auto_answer_line_says_the_paired_speedup_and_its_interval_that_results_json_holds(caplog):
-    from harness.app import _log_answer
+    from harness.point.point import _log_answer
 
     paired = {"median": 2.14, "ci": [1.9, 2.4], "pairs": [2.0, 2.14, 2.3]}
     with caplog.at_level("INFO", logger="harness"):
@@ -301,7 +301,7 @@ def test_the_auto_answer_line_says_the_paired_speedup_and_its_interval_that_resu
 def test_planning_the_candidates_shows_progress_while_it_lasts(caplog):
     """A million sequences plan for seconds a budget: a line as planning starts, then one per bench.progress_every_s
     (a fake clock: 4 s a budget, a line every 10 s), none once every budget is planned."""
-    from harness.auto import PlanningProgress
+    from harness.auto.model import PlanningProgress
 
     lengths = [100, 200, 300, 400]
     budgets = [256, 512, 1024, 2048, 4096, 8192, 16384]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from backends.runtime.atomic import write_text_atomic
-from harness.results import write_json_atomic, write_plan_json
+from harness.point.results import write_json_atomic, write_plan_json
 
 
 def test_atomic_writes_follow_the_umask_like_every_other_file(tmp_path):

@@ -1,5 +1,5 @@
 """Balance measured from the ranks' step times: the rank clock, the timeline record, measured critical path and idle,
-and how well a cost model predicts micro-batch times (backends/runtime/timeline.py, harness/balance.py)."""
+and how well a cost model predicts micro-batch times (backends/runtime/timeline.py, harness/metrics/balance.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from backends.planning import CostModel, plan_batch
 from backends.planning.stats import plan_stats
 from backends.runtime.timeline import StepClock, busy_clock
-from harness.balance import (
+from harness.metrics.balance import (
     balance_fields,
     measured_balance,
     merge_timelines,

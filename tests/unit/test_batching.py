@@ -1,4 +1,4 @@
-"""Batching as one concept (harness/batching.py): one key list, presets named for what they run, and knobs that
+"""Batching as one concept (harness/app/batching.py): one key list, presets named for what they run, and knobs that
 never override each other silently, composed in-process as python -m harness composes them."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from harness.batching import BACKEND_FIELDS, KEYS, is_batching_key
+from harness.app.batching import BACKEND_FIELDS, KEYS, is_batching_key
 from tests.conftest import REPO, compose_config, config_error
 
 
 def _resolved(*overrides: str):
-    from harness.config import resolve_config
+    from harness.app.config import resolve_config
 
     return resolve_config(compose_config("dry_run=true", *overrides))
 
@@ -31,7 +31,7 @@ def _resolved(*overrides: str):
     (["mtpm=16384", "mbs=1"], (16384, 1, "balanced", "packed")),  # mbs=1 is what a budget's point runs
 ])
 def test_what_is_typed_is_what_runs_and_what_results_json_records(overrides, ran):
-    from harness.results import base_document
+    from harness.point.results import base_document
 
     spec = _resolved(*overrides)
     b = spec.backend
@@ -102,7 +102,7 @@ def test_each_preset_names_itself_and_sets_only_knobs_and_runs_what_its_name_say
 # -- one key list ------------------------------------------------------------------------------------------------
 def test_the_config_and_the_backend_take_the_knobs_from_the_one_description():
     from backends.specs import BackendSpec
-    from harness.config import HarnessConfig
+    from harness.app.config import HarnessConfig
 
     assert [f.name for f in fields(HarnessConfig)][:len(KEYS)] == list(KEYS)
     assert set(BACKEND_FIELDS.values()) <= {f.name for f in fields(BackendSpec)}
@@ -130,12 +130,12 @@ def _key_lists(path: Path) -> list[str]:
 
 
 def test_the_batching_keys_are_listed_in_harness_batching_alone():
-    """The sweeper, hot switching, plan sharing, results.json and the config read harness/batching.py's list; no
+    """The sweeper, hot switching, plan sharing, results.json and the config read harness/app/batching.py's list; no
     other module lists them, and no config file spells them out (conf/batching/ presets set values, which is their
     job). backends/ keeps its own spelling (the planner's parameters and the pass command: backends know nothing of
     the harness); reports/ lays out results.json's columns."""
     sources = [p for root in ("harness", "hydra_plugins") for p in sorted((REPO / root).rglob("*.py"))
-               if p != REPO / "harness" / "batching.py"]
+               if p != REPO / "harness" / "app" / "batching.py"]
     assert len(sources) > 10
     listed = [hit for path in sources for hit in _key_lists(path)]
     assert listed == [], listed
@@ -143,7 +143,7 @@ def test_the_batching_keys_are_listed_in_harness_batching_alone():
     for path in [REPO / "conf" / "config.yaml", *sorted((REPO / "conf" / "backend").glob("*.yaml"))]:
         doc = yaml.safe_load(path.read_text()) or {}
         spelled = names & (set(doc) | set(doc.get("backend") or {}))
-        assert not spelled, f"{path.relative_to(REPO)} sets {sorted(spelled)}: harness/batching.py says them"
+        assert not spelled, f"{path.relative_to(REPO)} sets {sorted(spelled)}: harness/app/batching.py says them"
 
 
 def test_the_scan_finds_a_key_list(tmp_path, monkeypatch):

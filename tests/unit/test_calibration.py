@@ -1,5 +1,5 @@
 """cost_model=calibrated without a backend: the spread of shapes, the fit, the cost model it becomes, the cache and its
-key, the refusals, and what the balanced planner does with a per-sequence cost (harness/calibration.py)."""
+key, the refusals, and what the balanced planner does with a per-sequence cost (harness/metrics/calibration.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from backends.errors import UserError
 from backends.planning import CostModel, microbatch_cost, plan_batch
 from backends.planning.stats import plan_stats
 from backends.specs import ModelSpec
-from harness.calibration import (
+from harness.app.config import CalibrationConfig
+from harness.metrics.calibration import (
     COEFFICIENTS,
     Shape,
     cache_key,
@@ -26,7 +27,6 @@ from harness.calibration import (
     spread_longest,
     write_cached,
 )
-from harness.config import CalibrationConfig
 
 CPU = {"type": "cpu", "name": "test cpu", "count": 2, "cores": 2, "memory_bytes": 1}
 
@@ -181,8 +181,8 @@ def test_a_per_sequence_cost_evens_out_the_sequence_counts_the_flop_model_leaves
 
 def test_calibration_settings_are_checked_in_one_line(tmp_path):
     from backends.specs import BackendSpec
-    from harness.config import HarnessConfig, validate
-    from harness.workload import WorkloadSpec
+    from harness.app.config import HarnessConfig, validate
+    from harness.data.workload import WorkloadSpec
 
     def spec(**kw):
         s = HarnessConfig(backend=BackendSpec(), model=ModelSpec(), workload=WorkloadSpec(name="smoke", kind="mixed"))
@@ -211,9 +211,9 @@ def test_the_greedy_planner_uses_no_cost_model_so_nothing_is_calibrated_or_recor
     balances nothing, neither reads nor measures one, and results.json says the FLOP model (what its stats used)."""
     import json
 
-    from harness.app import HydraRun, Point, Setup
-    from harness.config import resolve_config
-    from harness.workload import load_workload
+    from harness.app.config import resolve_config
+    from harness.data.workload import load_workload
+    from harness.point.point import HydraRun, Point, Setup
     from tests.conftest import compose_config
 
     overrides = ["dry_run=true", "workload=smoke", "mtpm=4096", f"planner={planner}", "layout=padded",

@@ -204,7 +204,7 @@ def test_a_packed_row_on_a_model_that_cannot_keep_it_apart_fails_naming_the_layo
     """Past the config check (a backend driven directly): one clear error, not an AttributeError in the mask code."""
     from backends.model.packing import check_packable
     from backends.model.step import run_schedule
-    from harness.workload import make_examples
+    from harness.data.workload import make_examples
 
     spec = _spec(llama_checkpoint(tmp_path / "llama"), lora_rank=0)
     model = build_model(spec, CPU, False)

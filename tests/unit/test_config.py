@@ -64,7 +64,7 @@ def test_every_grid_point_is_accepted_by_hydra(sweep_file):
         assert config_error(composed=cfg) is None, args
         if "mtpm" in point:
             assert job["backend"]["max_tokens_per_microbatch"] == "${mtpm}" and job["mtpm"] == point["mtpm"]
-        ran = OmegaConf.to_container(cfg, resolve=True)  # a preset's knobs follow it (harness/batching.py)
+        ran = OmegaConf.to_container(cfg, resolve=True)  # a preset's knobs follow it (harness/app/batching.py)
         if "batching" in point and point["batching"].startswith("greedy_padded"):
             assert ran["mtpm"] == int(point["batching"][len("greedy_padded"):])
         if "batching" in point and point["batching"].startswith("fixed_mbs"):

@@ -1,5 +1,5 @@
 """workload=dataset: rows read from JSONL / JSON / Parquet, tokenized with a local tokenizer, trainer-style weights,
-the cache, and one line for every bad input (harness/dataset.py)."""
+the cache, and one line for every bad input (harness/data/dataset.py)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from backends.errors import UserError
-from harness.dataset import dataset_examples, example_weights, load_dataset, tokenizer_fingerprint
-from harness.demo_data import CHAT_TEMPLATE, VOCAB_SIZE
-from harness.results import workload_record
-from harness.workload import WorkloadSpec, load_workload
+from harness.data.dataset import dataset_examples, example_weights, load_dataset, tokenizer_fingerprint
+from harness.data.demo_data import CHAT_TEMPLATE, VOCAB_SIZE
+from harness.data.workload import WorkloadSpec, load_workload
+from harness.point.results import workload_record
 
 pytestmark = pytest.mark.unit
 
@@ -286,7 +286,7 @@ def test_a_template_that_renders_a_turn_differently_in_context_is_named(tmp_path
 
 
 def test_the_demo_data_is_made_the_same_way_twice_and_fits_the_tiny_model(tmp_path, demo_data, tok):
-    from harness.demo_data import write
+    from harness.data.demo_data import write
 
     again = write(tmp_path / "again")
     for name in ("chats", "text", "prompt_completion"):
@@ -387,7 +387,7 @@ def test_relative_paths_are_recorded_absolute(tmp_path, demo_data, monkeypatch):
 def test_the_demo_datas_follow_up_command_pastes_into_a_shell_as_it_is(tmp_path, folder):
     import shlex
 
-    from harness.demo_data import follow_up
+    from harness.data.demo_data import follow_up
     from tests.conftest import compose_config
 
     out = tmp_path / folder

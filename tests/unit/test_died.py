@@ -9,13 +9,13 @@ import subprocess
 import sys
 import textwrap
 
-from harness.results import reported_status
+from harness.point.results import reported_status
 from reports.collect import collect
 
 WRITER = textwrap.dedent("""
     import json, sys, time
     from omegaconf import OmegaConf
-    from harness.results import base_document
+    from harness.point.results import base_document
     doc = base_document(OmegaConf.create({"backend": {"name": "fsdp2"}, "mtpm": 4096}), ["mtpm=4096"])
     open(sys.argv[1], "w").write(json.dumps(doc))
     print("written", flush=True)

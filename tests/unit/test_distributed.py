@@ -3,7 +3,7 @@ tests/integration/test_distributed.py)."""
 
 from __future__ import annotations
 
-from harness.workload import make_examples, mixed_lengths
+from harness.data.workload import make_examples, mixed_lengths
 
 
 def test_each_rank_is_sent_only_its_share_of_the_examples():

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from backends.planning import CostModel, plan_batch
-from harness.flops import device_peak, flops_record, gpu_peak_flops, pass_flops
+from harness.metrics.flops import device_peak, flops_record, gpu_peak_flops, pass_flops
 
 COST = CostModel(a=100.0, b=2.0, source="test")
 LENGTHS = [10, 3, 7]
@@ -63,7 +63,7 @@ def test_a_cpu_peak_is_measured_and_split_over_ranks():
 def test_lora_backward_is_not_two_forwards_more():
     """With LoRA the frozen base gets input gradients only: fwd+bwd is about 2x forward plus attention and adapters."""
     from backends.model.configs import SHIPPED_CONFIGS
-    from harness.flops import training_flops_from_config
+    from harness.metrics.flops import training_flops_from_config
 
     lengths = [4096, 1000]
     for name in SHIPPED_CONFIGS:
@@ -78,7 +78,7 @@ def test_lora_backward_is_not_two_forwards_more():
 
 def test_hardware_flops_from_the_micro_batches_as_run():
     from backends.model.configs import SHIPPED_CONFIGS
-    from harness.flops import training_flops_from_config
+    from harness.metrics.flops import training_flops_from_config
 
     flops = training_flops_from_config(SHIPPED_CONFIGS["tiny"], 0)
     schedules = [[[0, 1], None], [[2]]]  # a dummy step computes nothing

@@ -12,7 +12,7 @@ from backends.model.build import build_model
 from backends.model.packing import collate_packed, model_layer_types
 from backends.model.step import outputs_to_host, run_steps
 from backends.specs import ModelSpec
-from harness.workload import make_examples
+from harness.data.workload import make_examples
 
 CPU = torch.device("cpu")
 EXAMPLES = make_examples([130, 70, 200, 9], 2048, seed=3)

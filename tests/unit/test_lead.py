@@ -1,12 +1,12 @@
 """mtpm=auto's two leading budgets when their speedups cannot be told apart: more pairs, then the stated tie rule
-(harness/lead.py), driven by a fake device whose true speedups are known; and the report's answer on such a tie."""
+(harness/auto/lead.py), driven by a fake device whose true speedups are known; and the report's answer on such a tie."""
 
 from __future__ import annotations
 
 import json
 import random
 
-from harness.lead import Leader, settle
+from harness.auto.lead import Leader, settle
 
 GiB = 1024**3
 

@@ -17,7 +17,7 @@ from backends.errors import UserError
 from backends.messages import make_command
 from backends.planning import lower_bound_steps
 from backends.specs import BackendSpec, ModelSpec
-from harness.config import composition_error_line, register_configs, resolve_config, validate
+from harness.app.config import composition_error_line, register_configs, resolve_config, validate
 from tests.conftest import REPO
 from tests.loss_oracle import tiny_examples
 
@@ -33,7 +33,7 @@ def _resolved(*overrides: str):
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         try:
             cfg = compose("config", overrides=["dry_run=true", *overrides])
-        except HydraException as exc:  # what harness/cli.py turns into its one error line
+        except HydraException as exc:  # what harness/app/cli.py turns into its one error line
             raise UserError(composition_error_line(exc)) from None
     return cfg, resolve_config(cfg)
 
@@ -57,7 +57,7 @@ def test_true_is_no_cap_of_one_even_where_the_schema_is_not_asked():
 
 
 def test_the_knob_reaches_the_backend_config_and_the_record():
-    from harness.results import base_document
+    from harness.point.results import base_document
 
     cfg, spec = _resolved("max_seqs_per_microbatch=3")
     assert spec.max_seqs_per_microbatch == spec.backend.max_seqs_per_microbatch == 3
@@ -67,7 +67,7 @@ def test_the_knob_reaches_the_backend_config_and_the_record():
 
 
 def test_run_names_say_the_cap_only_when_there_is_one():
-    from harness.tracking import run_name
+    from harness.point.tracking import run_name
 
     assert run_name("fsdp2", 4096, 1) == "fsdp2-mtpm4096"  # the names runs always had
     assert run_name("fsdp2", 4096, 1, "balanced", "packed") == "fsdp2-mtpm4096-balanced-packed"
@@ -79,7 +79,7 @@ def test_the_hot_backend_is_reused_across_caps():
     """The cap rides in every pass's command, so changing it between points must not reload the model."""
     from dataclasses import replace
 
-    from harness.hot import HotBackends
+    from harness.sweep.hot import HotBackends
 
     hot, spec = HotBackends(), BackendSpec(name="pytorch", device="cpu")
     try:

@@ -58,7 +58,7 @@ def test_cpu_memory_limit_is_applied_and_restored():
 
 
 def test_cuda_devices_are_matched_to_nvml_devices_by_uuid_not_index():
-    from harness.samplers import match_nvml_devices
+    from harness.measuring.samplers import match_nvml_devices
 
     nvml = ["GPU-aaaa1111-0000-0000-0000-000000000000", "GPU-bbbb2222-0000-0000-0000-000000000000",
             "MIG-cccc3333-0000-0000-0000-000000000000", "GPU-dddd4444-0000-0000-0000-000000000000"]
@@ -95,7 +95,7 @@ def _closed_pytorch_backend(device: str):
     from backends.messages import make_command
     from backends.pytorch import PyTorchBackend
     from backends.specs import BackendSpec, ModelSpec
-    from harness.workload import make_examples
+    from harness.data.workload import make_examples
 
     backend = PyTorchBackend(BackendSpec(name="pytorch", device=device), ModelSpec())
     backend.run_pass(make_command("forward_backward", make_examples([40, 90, 200], 1024, seed=0), 512, 1))

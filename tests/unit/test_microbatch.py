@@ -167,7 +167,7 @@ def test_stats_on_a_hand_computed_plan():
 
 def test_seed_greedy_outputs_are_pinned():
     """The original greedy planner's plans, exactly as it always computed them (the defaults must never drift)."""
-    from harness.workload import mixed_lengths
+    from harness.data.workload import mixed_lengths
 
     small = mixed_lengths(16, 64, 512, 42)
     plan = plan_batch(small, 2, 700, 1, align=True)

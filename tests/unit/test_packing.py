@@ -20,7 +20,7 @@ from backends.model.packing import (
 )
 from backends.model.step import grad_norm_local_sq, run_schedule, total_loss_weight
 from backends.specs import ModelSpec
-from harness.workload import make_examples
+from harness.data.workload import make_examples
 
 CPU = torch.device("cpu")
 MODELING = "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.workload import mixed_lengths
+from harness.data.workload import mixed_lengths
 from reports.plan_blocks import MAX_COLUMNS, kind_totals, plan_blocks, plan_layout
 from reports.plan_figure import draw_plan, draw_side_by_side, figure_notes, readme_plan_lines
 from reports.plan_files import published_plans

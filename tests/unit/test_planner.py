@@ -23,7 +23,7 @@ from backends.planning import (
 )
 from backends.planning.cost import active_matmul_params, cost_model_from_config, layer_types
 from backends.specs import ModelSpec
-from harness.workload import mixed_lengths
+from harness.data.workload import mixed_lengths
 
 QWEN = cost_model_for(ModelSpec(name="qwen3_5_35b_a3b", path="/nonexistent/Qwen3.5-35B-A3B"))
 SEED = mixed_lengths(128, 64, 32768, 42)

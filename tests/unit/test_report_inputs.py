@@ -71,8 +71,8 @@ def test_a_bad_results_json_is_a_warning_naming_it_and_the_others_are_reported(t
 def test_the_end_of_sweep_report_is_written_despite_a_bad_results_json(tmp_path, monkeypatch):
     from omegaconf import OmegaConf
 
-    from harness import state
-    from harness.callbacks import ReportCallback
+    from harness.app import state
+    from harness.app.callbacks import ReportCallback
 
     monkeypatch.setattr(state, "STATE", state.RunState())
     sweep = _sweep(tmp_path / "sweep", {"0": _ok_doc(), "1": "[]", "2": _ok_doc()})
@@ -173,7 +173,7 @@ def test_a_sweeps_csv_names_points_relative_to_it(tmp_path, capsys):
 
 
 def _failed_at_start(**changes) -> dict:
-    """What harness/app.py's base_document leaves when a point fails before its backend reports the device."""
+    """What harness/point/point.py's base_document leaves when a point fails before its backend reports the device."""
     doc = {
         "status": "error", "error": "rank 1 died while starting", "backend": "fsdp2", "world_size": None,
         "device": None, "model": {"name": "tiny", "path": None, "lora_rank": 32}, "mtpm": 65536, "mbs": 1,
@@ -306,7 +306,7 @@ def test_a_report_of_several_sweeps_goes_to_its_own_folder_and_each_sweeps_point
 
 
 def test_a_point_that_failed_before_it_ran_says_what_it_was_asked_to_run_never_the_baseline(tmp_path):
-    from harness.results import base_document
+    from harness.point.results import base_document
     from reports.render import table_frame
     from tests.conftest import compose_config
 

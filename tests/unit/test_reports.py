@@ -23,7 +23,7 @@ def _workload_lengths(res: dict) -> list[int]:
     the size the point recorded (the committed sweep ran when cpu_mixed's default was 24 examples; now 16)."""
     import yaml
 
-    from harness.workload import mixed_lengths
+    from harness.data.workload import mixed_lengths
 
     conf = yaml.safe_load((REPO / "conf" / "workload" / f"{res['workload']['name']}.yaml").read_text())
     conf["n_examples"] = res["workload"]["n_examples"]
@@ -48,9 +48,9 @@ def test_committed_results_are_a_real_sweep_of_this_machine():
     from backends.planning import CostModel, plan_batch
     from backends.registry import LOCKSTEP_BACKENDS
     from backends.specs import ModelSpec
-    from harness.balance import balance_fields, ran_schedules
-    from harness.flops import flops_record, training_flops_for
-    from harness.spread import paired_speedup, summary
+    from harness.metrics.balance import balance_fields, ran_schedules
+    from harness.metrics.flops import flops_record, training_flops_for
+    from harness.metrics.spread import paired_speedup, summary
 
     df = collect([REPO / "reports" / "results"])
     assert not df.empty
@@ -129,7 +129,7 @@ def test_committed_results_are_a_real_sweep_of_this_machine():
             recorded = balance_fields(tl, plan.schedules, lengths, res["layout"], lockstep, lengths_model)
             for key in ("measured_critical_path", "idle_fraction", "busy_s", "cost_prediction"):
                 assert p[key] == recorded[key], (point, pass_type, key)
-            # the spread of its repeats, recomputed from them (harness/spread.py)
+            # the spread of its repeats, recomputed from them (harness/metrics/spread.py)
             spread = summary([sum(lengths) / t for t in p["elapsed_s"]])
             assert (p["tok_per_s_median"], p["tok_per_s_min"], p["tok_per_s_max"], p["noisy"], p["repeats"]) == (
                 pytest.approx(spread["median"]), pytest.approx(spread["min"]), pytest.approx(spread["max"]),

@@ -1,5 +1,5 @@
 """Numbers that hold on a noisy machine: intervals on every figure, speedups measured in pairs, repeats until the
-interval is tight, and a machine that drifts (harness/spread.py, harness/measure.py)."""
+interval is tight, and a machine that drifts (harness/metrics/spread.py, harness/measuring/measure.py)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import pytest
 from backends.backend import Backend
 from backends.messages import PassResult, make_command
 from backends.specs import BackendSpec, ModelSpec
-from harness.measure import Pairing, measure_pass, merge_records
-from harness.spread import NOISY_RATIO, half_width_pct, interval, paired_speedup, summary, t_quantile
-from harness.workload import make_examples
+from harness.data.workload import make_examples
+from harness.measuring.measure import Pairing, measure_pass, merge_records
+from harness.metrics.spread import NOISY_RATIO, half_width_pct, interval, paired_speedup, summary, t_quantile
 
 EXAMPLES = make_examples([100, 200, 300, 400], 64, seed=0)
 TOKENS = sum(len(e) for e in EXAMPLES)

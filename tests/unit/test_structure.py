@@ -124,7 +124,7 @@ def test_no_module_imports_its_own_package_init():
 
 def test_the_graph_sees_function_level_and_submodule_imports():
     graph = import_graph()
-    assert graph["harness.hot"] & {"backends", "backends.start"}  # make_backend, imported inside a method
+    assert graph["harness.sweep.hot"] & {"backends", "backends.start"}  # make_backend, imported inside a method
     assert "backends.model.kernels" in graph["backends.model.step"]  # "from backends import kernels" is the submodule
     assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
@@ -163,5 +163,5 @@ def test_the_registry_imports_without_torch():
     import subprocess
     import sys
 
-    code = "import sys, backends.registry, harness.config, reports.collect; assert 'torch' not in sys.modules"
+    code = "import sys, backends.registry, harness.app.config, reports.collect; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)

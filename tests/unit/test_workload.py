@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from backends.errors import UserError
-from harness.workload import (
+from harness.data.workload import (
     WorkloadSpec,
     load_lengths_file,
     load_workload,

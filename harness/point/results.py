@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from backends.runtime.atomic import write_text_atomic
 from backends.runtime.liveness import process_record, recorded_process_gone
-from harness.batching import AUTO, asked
+from harness.app.batching import AUTO, asked
 
 RESULTS_FILE = "results.json"
 OUTPUTS_FILE = "example_outputs.json"
@@ -92,7 +92,7 @@ def base_document(cfg: DictConfig, overrides: Sequence[str]) -> dict[str, Any]:
         "plan": None,
         "precision": None,  # the precision policy that ran: params, adapters, compute, reduce (backends/model/build.py)
         "passes": {},
-        "peak": None,  # the device peak MFU is measured against (harness/flops.py)
+        "peak": None,  # the device peak MFU is measured against (harness/metrics/flops.py)
         "overrides": list(overrides),
         "started_at": _now(),
         # who writes this file: a reader that finds "running" and this process gone reports the point as died
@@ -126,11 +126,11 @@ def model_record(model, built: Optional[dict]) -> dict[str, Any]:
 
 
 def workload_record(workload, lengths: Sequence[int], file: Optional[dict] = None, dataset=None) -> dict[str, Any]:
-    """results.json's ``workload``: its name and seed (harness.workload.WorkloadSpec) and the lengths it made.
+    """results.json's ``workload``: its name and seed (harness.data.workload.WorkloadSpec) and the lengths it made.
 
-    From a lengths file, ``file`` says what was read and drawn (harness.workload.file_lengths): path, format
+    From a lengths file, ``file`` says what was read and drawn (harness.data.workload.file_lengths): path, format
     (lengths or histogram), distinct lengths, sequences in the file, how many were sampled (null: all), order.
-    From a dataset (harness.dataset.DatasetExamples), ``dataset`` says what was read and tokenized: files, format,
+    From a dataset (harness.data.dataset.DatasetExamples), ``dataset`` says what was read and tokenized: files, format,
     tokenizer, rows, truncations, trained tokens, sampling and the cache key.
     """
     import numpy as np

@@ -17,7 +17,7 @@ from backends.backend import Backend
 from backends.errors import BackendError, UserError
 from backends.messages import PassResult
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("harness.client")  # the log channel's name, kept when the module moved
 
 TOKEN_ENV = "BALANCE_BATCH_ADMIN_TOKEN"
 

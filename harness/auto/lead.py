@@ -4,9 +4,9 @@ The search measures each candidate once (one pair beside mbs=1), so its ranking 
 leaders are then brought to ``bench.repeat`` pairs each, and while their 95% intervals overlap, more pairs are
 measured for both (``bench.repeat`` at a time, up to ``bench.max_repeats``): on a quiet machine the intervals part
 after a few, on a noisy one the search stops at the cap and says the two tie, choosing by
-``harness.spread.TIE_RULE`` rather than by whichever median the noise put first.
+``harness.metrics.spread.TIE_RULE`` rather than by whichever median the noise put first.
 
-Pure Python, no torch: ``settle`` takes the measuring as a function, as ``harness.auto.search`` does.
+Pure Python, no torch: ``settle`` takes the measuring as a function, as ``harness.auto.model.search`` does.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
-from harness.spread import choose, summary
+from harness.metrics.spread import choose, summary
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """Workloads: sequence lengths (the published generator, or a lengths file: plain or a histogram) with random token
-ids, or your own data tokenized from a local dataset (harness/dataset.py), and the examples a backend runs."""
+ids, or your own data tokenized from a local dataset (harness/data/dataset.py), and the examples a backend runs."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import numpy as np
 
 from backends.errors import UserError
 from backends.messages import Example
-from harness.textfile import utf8_text
+from harness.data.textfile import utf8_text
 
 
 def mixed_lengths(n_examples: int, min_len: int, max_len: int, seed: int) -> list[int]:
@@ -204,7 +204,7 @@ class WorkloadSpec:
     max_len: Optional[int] = 32768  # dataset: truncate longer examples to it (0 or null: no truncation)
     seed: int = 42
     path: Optional[str] = None
-    # dataset only (harness/dataset.py)
+    # dataset only (harness/data/dataset.py)
     format: str = "messages"  # messages (chat template), prompt_completion or text
     tokenizer: Optional[str] = None  # a local tokenizer folder; null: model.path
     field: Optional[str] = None  # the row's key for messages / text; null: "messages" / "text"
@@ -220,14 +220,14 @@ class Workload:
 
     lengths: list[int]
     file: Optional[dict] = None  # results.json's workload.file (see file_lengths)
-    dataset: Optional[Any] = None  # workload=dataset: harness.dataset.DatasetExamples (real ids, trained tokens)
+    dataset: Optional[Any] = None  # workload=dataset: harness.data.dataset.DatasetExamples (real ids, trained tokens)
 
     def examples(self, vocab_size: int, seed: int, model: str = "the model") -> list[Example]:
         """What the backend runs: a dataset's own ids and trainer-style weights (checked against the vocabulary
         the backend built), else random ids in the vocabulary (``make_examples``)."""
         if self.dataset is None:
             return make_examples(self.lengths, vocab_size, seed)
-        from harness.dataset import check_vocabulary, dataset_examples
+        from harness.data.dataset import check_vocabulary, dataset_examples
 
         check_vocabulary(self.dataset.record["largest_id"], vocab_size, model)
         return dataset_examples(self.dataset)
@@ -323,10 +323,10 @@ def load_workload(spec: WorkloadSpec, model=None, check_vocabulary: bool = True)
 
 
 def dataset_workload(spec: WorkloadSpec, model=None, check_vocabulary: bool = True) -> Workload:
-    """``workload=dataset``: the dataset's examples (harness/dataset.py), their ids checked against ``model``'s
+    """``workload=dataset``: the dataset's examples (harness/data/dataset.py), their ids checked against ``model``'s
     vocabulary."""
-    from harness.dataset import check_vocabulary as check
-    from harness.dataset import load_dataset
+    from harness.data.dataset import check_vocabulary as check
+    from harness.data.dataset import load_dataset
 
     data = load_dataset(spec, model.path if model is not None else None)
     if model is not None and check_vocabulary:

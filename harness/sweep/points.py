@@ -9,10 +9,10 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 from backends.errors import UserError
-from harness.batching import AUTO, is_batching_key
-from harness.results import RESULTS_FILE
+from harness.app.batching import AUTO, is_batching_key
+from harness.point.results import RESULTS_FILE
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("harness.points")  # the log channel's name, kept when the module moved
 
 # Keys that say how a point is run, not what it measures.
 NOT_IDENTITY = ("resume", "dry_run", "bench.baseline", "bench.share_plans")
@@ -140,7 +140,7 @@ def add_baselines(jobs: Sequence[Sequence[str]], compose: Callable[[Sequence[str
 
 
 def _budget(cfg: Any) -> Any:
-    """The budget a point runs with (the knob, which a preset sets unless typed: harness/batching.py)."""
+    """The budget a point runs with (the knob, which a preset sets unless typed: harness/app/batching.py)."""
     return _select(cfg, "mtpm")
 
 

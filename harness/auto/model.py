@@ -34,7 +34,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional, Sequence
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("harness.auto")  # the log channel's name, kept when the module moved
 
 MIN_POINTS = 2  # peaks needed for the linear model (fixed + per token)
 

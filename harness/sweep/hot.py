@@ -10,9 +10,9 @@ from typing import Optional
 
 from backends.runtime.control import BatchingSettings, ControlFile
 from backends.specs import BackendSpec, ModelSpec
-from harness.batching import unloaded
+from harness.app.batching import unloaded
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("harness.hot")  # the log channel's name, kept when the module moved
 
 
 class HotBackends:
@@ -24,7 +24,7 @@ class HotBackends:
         self.control: Optional[ControlFile] = None
 
     def get(self, spec: BackendSpec, model: ModelSpec):
-        # How a batch is cut does not change what is loaded (harness/batching.py's unloaded)
+        # How a batch is cut does not change what is loaded (harness/app/batching.py's unloaded)
         key = repr((replace(spec, **unloaded()), model))
         if key != self.key:
             self.close()
@@ -50,7 +50,7 @@ class HotBackends:
 
 
 # A global because the loaded backend must outlive each point: Hydra calls the task function once per
-# point with the config alone. Point (harness/app.py) takes the backend from it; ReportCallback.on_multirun_end
-# (harness/callbacks.py) closes it after the last point, and atexit when a sweep ends any other way.
+# point with the config alone. Point (harness/point/point.py) takes the backend from it; ReportCallback.on_multirun_end
+# (harness/app/callbacks.py) closes it after the last point, and atexit when a sweep ends any other way.
 HOT = HotBackends()
 atexit.register(HOT.close)

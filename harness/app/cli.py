@@ -11,7 +11,7 @@ from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
 from backends.errors import UserError
-from harness.config import composition_error_line, register_configs
+from harness.app.config import composition_error_line, register_configs
 
 
 class StartRefused(BaseException):
@@ -67,7 +67,7 @@ def _interrupt(signum, frame):
 
 
 def interrupted_hint() -> str:
-    from harness.state import STATE
+    from harness.app.state import STATE
 
     last = STATE.last_dir
     if last is None:

@@ -2,10 +2,10 @@
 results.json.
 
 ``run_point`` is the task function's body (harness/__main__.py): in a
-launched job only the lead measures (harness/roles.py); a finished point is
+launched job only the lead measures (harness/app/roles.py); a finished point is
 skipped on resume; else a ``Point`` runs and its exit code is recorded for the
-CLI (harness/state.py). The document it writes is harness/results.py's, the
-config it reads is resolved by harness/config.py.
+CLI (harness/app/state.py). The document it writes is harness/point/results.py's, the
+config it reads is resolved by harness/app/config.py.
 """
 
 from __future__ import annotations
@@ -26,10 +26,13 @@ from backends.planning import CostModel, plan_batch
 from backends.planning.plan import PLAN_FILE
 from backends.registry import LOCKSTEP_BACKENDS, is_distributed, is_lockstep
 from backends.runtime.job import resolve_world_size
-from harness.balance import balance_fields
-from harness.batching import KEYS, without_batching
-from harness.config import AUTO, HarnessConfig, launcher_sets_world_size, resolve_config, without_auto
-from harness.results import (
+from harness.app.batching import KEYS, without_batching
+from harness.app.config import AUTO, HarnessConfig, launcher_sets_world_size, resolve_config, without_auto
+from harness.app.roles import follow, leads, tell_launcher
+from harness.app.state import EXIT_FAILED, EXIT_OK, EXIT_USER_ERROR, STATE
+from harness.data.workload import Workload, load_workload
+from harness.metrics.balance import balance_fields
+from harness.point.results import (
     OUTPUTS_FILE,
     RESULTS_FILE,
     SNAPSHOT_DIR,
@@ -40,10 +43,7 @@ from harness.results import (
     write_json_atomic,
     write_plan_json,
 )
-from harness.roles import follow, leads, tell_launcher
-from harness.state import EXIT_FAILED, EXIT_OK, EXIT_USER_ERROR, STATE
-from harness.tracking import Tracker, run_name, sweep_group
-from harness.workload import Workload, load_workload
+from harness.point.tracking import Tracker, run_name, sweep_group
 
 log = logging.getLogger("harness")
 
@@ -256,10 +256,10 @@ class Point:
             return
         self._measure(spec, lengths, backend)
 
-    # -- mtpm=auto: the fastest budget that fits (harness/auto.py) --------------------------------------
+    # -- mtpm=auto: the fastest budget that fits (harness/auto/model.py) --------------------------------------
     def _run_auto(self, spec: HarnessConfig, workload: Workload) -> None:
         """Search the budgets on one loaded backend; the point's record is then the chosen budget's, with ``auto``."""
-        from harness.auto import PlanningProgress, candidates_of, memory_limit, power_of_two_budgets, search
+        from harness.auto.model import PlanningProgress, candidates_of, memory_limit, power_of_two_budgets, search
 
         if spec.target.url:
             raise UserError("mtpm: auto searches on a backend it starts itself; against a server (target.url) set "
@@ -309,8 +309,8 @@ class Point:
             self.results.save()
 
         def measure(mtpm: Optional[int]):
-            from harness.auto import Measured
-            from harness.measure import measure_pass
+            from harness.auto.model import Measured
+            from harness.measuring.measure import measure_pass
 
             layout, planner = (setup.layout, setup.planner) if mtpm is not None else ("padded", "greedy")
             if self.backend is None:  # started when there is something to measure, not after the last failure
@@ -372,9 +372,9 @@ class Point:
 
     def _settle_lead(self, spec: HarnessConfig, examples, setup: Setup, cands, chosen, runs, auto: dict):
         """The two fastest candidates, measured in pairs, get more pairs while their intervals overlap
-        (harness/lead.py); returns the candidate chosen, ``auto.tie`` saying what it tied with and the rule."""
-        from harness.lead import Leader, settle
-        from harness.measure import measure_pass, merge_records
+        (harness/auto/lead.py); returns the candidate chosen, ``auto.tie`` saying what it tied with and the rule."""
+        from harness.auto.lead import Leader, settle
+        from harness.measuring.measure import measure_pass, merge_records
 
         auto["tie"] = None
         fitting = [c for c in cands if c.status == "ok" and c.speedup is not None and c.mtpm in runs]
@@ -420,7 +420,7 @@ class Point:
                             runs) -> None:
         """The chosen budget's record, as any point's: its plan, its fwd+bwd topped up to ``bench.repeat`` timed
         runs (after the one the search made), and its forward pass."""
-        from harness.measure import measure_pass, merge_records
+        from harness.measuring.measure import measure_pass, merge_records
 
         setup.mtpm = spec.backend.max_tokens_per_microbatch = chosen.mtpm
         self.label = _label(setup.name, setup.mtpm, setup.mbs)
@@ -446,7 +446,7 @@ class Point:
         peak against the limit with its ranks alone on the device, not beside idle ranks holding a model (whose
         memory no limit accounts for). The sweep's next point loads the hot backend again; this one records
         ``hot: false``, the backend it ran on being its own."""
-        from harness.hot import HOT
+        from harness.sweep.hot import HOT
 
         if HOT.backend is not None:
             log.info("%shot: the sweep's loaded %s is released first, so the search's ranks are alone under the "
@@ -492,7 +492,7 @@ class Point:
         self.measurement_key = measurement_key(self.cfg, plan)
         if not spec.bench.share_plans:
             return None
-        from harness.points import read_result, result_files
+        from harness.sweep.points import read_result, result_files
 
         for path in result_files(self.hydra_run.sweep_dir):
             if path.parent == self.out_dir:
@@ -533,7 +533,7 @@ class Point:
 
     def _backend_failed(self, exc: BackendError) -> int:
         if self.hot:
-            from harness.hot import HOT
+            from harness.sweep.hot import HOT
 
             HOT.close()  # its workers are gone; the next point loads a fresh one
         log.error("%s%s", self.label, exc)
@@ -574,7 +574,7 @@ class Point:
         """A running server (client mode), the sweep's loaded backend (hot), or a new one (cold)."""
         b = spec.backend
         if spec.target.url:
-            from harness.client import RemoteBackend
+            from harness.server.client import RemoteBackend
 
             self.backend = backend = RemoteBackend(spec.target.url, spec.target.timeout_s)
             backend.configure(b.max_tokens_per_microbatch, b.micro_batch_size)
@@ -584,7 +584,7 @@ class Point:
 
         self.vocab_size = model_vocab_size(spec.model)
         if spec.hot:
-            from harness.hot import HOT
+            from harness.sweep.hot import HOT
 
             backend = HOT.get(b, spec.model)
             self.hot = True
@@ -597,10 +597,11 @@ class Point:
 
     def _planner_cost_model(self, spec: HarnessConfig, lengths: Sequence[int], setup: Setup, backend) -> CostModel:
         """The cost model the balanced planner balances: the setup's (FLOPs, or a server's own), or with
-        ``cost_model=calibrated`` the fit for this backend, model, precision, device and layout (harness/calibration.py:
-        this process's, the cache's, or measured on ``backend`` now). A dry run with no fit cached plans with FLOPs,
-        says so in one warning, and records cost_model flops: it has no backend to calibrate on."""
-        from harness.calibration import CALIBRATED, calibrated_cost_model, identity, spread_longest
+        ``cost_model=calibrated`` the fit for this backend, model, precision, device and layout
+        (harness/metrics/calibration.py: this process's, the cache's, or measured on ``backend`` now). A dry run with
+        no fit cached plans with FLOPs, says so in one warning, and records cost_model flops: it has no backend to
+        calibrate on."""
+        from harness.metrics.calibration import CALIBRATED, calibrated_cost_model, calibration_identity
 
         if spec.cost_model != CALIBRATED or spec.target.url:
             return setup.cost_model  # a client plans as its server does (Setup.of_backend warns when that differs)
@@ -608,10 +609,7 @@ class Point:
             log.info("%scost_model=calibrated: the greedy planner plans with no cost model, so nothing is calibrated "
                      "(results.json: cost_model flops, the model its plan statistics use)", self.label)
             return setup.cost_model
-        b = spec.backend
-        longest = spread_longest(spec.calibration.max_len or max(lengths))
-        ident = identity(setup.name, setup.world_size, setup.device or {}, spec.model, setup.layout,
-                         b.gradient_checkpointing, b.compile, b.logprob_chunk_tokens, longest)
+        ident = calibration_identity(spec, setup.name, setup.world_size, setup.device, max(lengths))
         try:
             return calibrated_cost_model(spec.calibration, ident, backend, self.vocab_size or None, label=self.label,
                                          progress_every_s=spec.bench.progress_every_s,
@@ -640,7 +638,7 @@ class Point:
 
     def _command_for(self, spec: HarnessConfig, examples, mtpm: Optional[int], mbs: int, layout: str, planner: str):
         """The pass commands of one batching (the point's own, or a candidate's of mtpm=auto)."""
-        from harness.measure import default_command_for
+        from harness.measuring.measure import default_command_for
 
         b = spec.backend
         return default_command_for(
@@ -652,13 +650,13 @@ class Point:
 
     def _measure(self, spec: HarnessConfig, lengths: list[int], backend, examples=None, command_for=None,
                  measured: Optional[dict] = None) -> None:
-        """Every pass type, warm-up and timed repeats (harness/measure.py), each recorded as it finishes.
+        """Every pass type, warm-up and timed repeats (harness/measuring/measure.py), each recorded as it finishes.
 
         ``measured`` maps a pass type to a (record, result) already measured with these commands (mtpm=auto's
         chosen fwd+bwd, with its ``bench.repeat`` timed runs): recorded, not measured again.
         """
-        from harness.flops import device_peak, training_flops_for
-        from harness.measure import PASS_TYPES, measure_pass, profile_pass
+        from harness.measuring.measure import PASS_TYPES, measure_pass, profile_pass
+        from harness.metrics.flops import device_peak, training_flops_for
 
         b = spec.backend
         if examples is None:
@@ -701,7 +699,7 @@ class Point:
     def _pairing(self, spec: HarnessConfig, examples, pass_type: str, mtpm: Any = "point"):
         """The mbs=1 baseline a fwd+bwd pass is measured beside (bench.paired), or None: another pass type, the
         baseline itself, a client run (its server plans every pass with the budget the server holds)."""
-        from harness.measure import Pairing
+        from harness.measuring.measure import Pairing
 
         doc = self.results.doc
         mtpm, mbs = (doc.get("mtpm"), doc.get("mbs")) if mtpm == "point" else (mtpm, 1)
@@ -715,7 +713,7 @@ class Point:
                      record, result) -> None:
         """One pass type's measurements and FLOPs into results.json."""
         from backends.model.kernels import summary as kernel_summary
-        from harness.flops import flops_record
+        from harness.metrics.flops import flops_record
 
         # what the backend ran (same as planned; FSDP2 agrees on it by collective)
         self.results.update(plan=result.plan)
@@ -862,7 +860,7 @@ def _log_answer(label: str, doc: dict[str, Any]) -> None:
 
 def _tie_phrase(tie: Optional[dict]) -> str:
     """"; ties with mtpm=32768 (...): chosen by ..." when the leading budgets could not be told apart, else ""."""
-    from harness.spread import tie_text
+    from harness.metrics.spread import tie_text
 
     if not tie:
         return ""
@@ -899,7 +897,7 @@ def _log_plan(label: str, st, n_examples: int, max_seqs: Optional[int] = None) -
 
 def skip_reason(cfg: DictConfig, hydra_run: HydraRun) -> str | None:
     """Why this point is not run (a finished result is kept); raises UserError for a folder it must not write."""
-    from harness.points import check_run_folder, identity, read_result
+    from harness.sweep.points import check_run_folder, identity, read_result
 
     out_dir = hydra_run.out_dir
     previous = read_result(out_dir)
@@ -919,7 +917,7 @@ def skip_reason(cfg: DictConfig, hydra_run: HydraRun) -> str | None:
 def run_point(cfg: DictConfig, job_spans_run: bool = False) -> int:
     """Hydra task function body: never raises for a failed point, records its exit code.
 
-    In a launched job only the lead (global rank 0, harness/roles.py) measures and writes; it ends the
+    In a launched job only the lead (global rank 0, harness/app/roles.py) measures and writes; it ends the
     job after this point unless ``job_spans_run`` (``python -m harness`` itself is the job's rank 0 and
     ends it after the last point; under submitit each point's Hydra job is the whole job).
     """

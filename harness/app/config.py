@@ -24,9 +24,9 @@ from backends.model.configs import check_model_spec
 from backends.planning import LAYOUTS, PLANNERS
 from backends.registry import backend_entry
 from backends.specs import BackendSpec, ModelSpec
-from harness.batching import AUTO, Batching, batching_by_budget, check_spellings, interpolations
-from harness.calibration import check_cost_model
-from harness.workload import WorkloadSpec
+from harness.app.batching import AUTO, Batching, batching_by_budget, check_spellings, interpolations
+from harness.data.workload import WorkloadSpec
+from harness.metrics.calibration import check_cost_model
 
 
 @dataclass
@@ -62,7 +62,7 @@ class BenchConfig:
 
 @dataclass
 class CalibrationConfig:
-    """``cost_model=calibrated``: how its fit is measured and kept (harness/calibration.py)."""
+    """``cost_model=calibrated``: how its fit is measured and kept (harness/metrics/calibration.py)."""
 
     # The spread's longest sequence: null = the workload's longest (a server: its budget, else 4096), rounded up to a
     # power of two; micro-batches longer than it are extrapolated by the fit.
@@ -98,13 +98,13 @@ class TargetConfig:
 
 @dataclass
 class HarnessConfig(Batching):
-    """The whole config; the batching knobs a user types at the top level are Batching's (harness/batching.py)."""
+    """The whole config; the batching knobs a user types at the top level are Batching's (harness/app/batching.py)."""
 
     backend: BackendSpec = MISSING
     model: ModelSpec = MISSING
     workload: WorkloadSpec = MISSING
     bench: BenchConfig = field(default_factory=BenchConfig)
-    logger: Any = None  # logger/ group (W&B); free-form, read by harness.tracking
+    logger: Any = None  # logger/ group (W&B); free-form, read by harness.point.tracking
     # What a batching=<name> preset sets (conf/batching/<name>.yaml): its name and the knobs it fixes.
     batching: Dict[str, Any] = field(default_factory=dict)
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
@@ -119,8 +119,8 @@ class HarnessConfig(Batching):
 
 
 def schema() -> DictConfig:
-    """HarnessConfig as conf/ composes onto it: the knobs follow a preset unless typed (harness/batching.py), and the
-    backend's batching fields, gradient checkpointing, ranks and memory limit follow the top-level knobs, so that a
+    """HarnessConfig as conf/ composes onto it: the knobs follow a preset unless typed (harness/app/batching.py), and
+    the backend's batching fields, gradient checkpointing, ranks and memory limit follow the top-level knobs, so that a
     backend's file (conf/backend/) says only what differs: its name."""
     node = OmegaConf.structured(HarnessConfig)
     node.backend = OmegaConf.structured(BackendSpec)
@@ -304,7 +304,7 @@ def _check_memory_snapshot(cfg: HarnessConfig) -> None:
 
 def without_auto(cfg: DictConfig) -> DictConfig:
     """``cfg`` as it resolves: with mtpm=auto, backend.max_tokens_per_microbatch (which interpolates it) is null,
-    the search setting it per candidate (harness/auto.py); any other config is returned as is."""
+    the search setting it per candidate (harness/auto/model.py); any other config is returned as is."""
     if OmegaConf.select(cfg, "mtpm", throw_on_resolution_failure=False) != AUTO:
         return cfg
     cfg = copy.deepcopy(cfg)
@@ -330,7 +330,7 @@ def launcher_sets_world_size(backend_spec: BackendSpec, overrides: Sequence[str]
     """Under torchrun/Slurm a preset's world_size (experiment=seed_b200: 4) gives way to the launcher's;
     only one typed on the command line is checked against it (backends.runtime.job.check_world_size)."""
     from backends.runtime.job import launch_env
-    from harness.points import override_key
+    from harness.sweep.points import override_key
 
     if launch_env() is None:
         return

@@ -1,6 +1,6 @@
 """The measurement protocol: warm-up, timed repeats, throughput, device utilisation and peak memory.
 
-What samples the devices during a repeat is in harness/samplers.py.
+What samples the devices during a repeat is in harness/measuring/samplers.py.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from typing import Callable, Optional, Sequence
 from backends.backend import Backend
 from backends.messages import PASS_TYPES, Example, PassCommand, PassResult, make_command
 from backends.model import compiling
-from harness.balance import merge_timelines, timeline_record
-from harness.samplers import make_sampler
-from harness.spread import METHOD, WIDE_PCT, needs_more, paired_speedup, summary
+from harness.measuring.samplers import make_sampler
+from harness.metrics.balance import merge_timelines, timeline_record
+from harness.metrics.spread import METHOD, WIDE_PCT, needs_more, paired_speedup, summary
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("harness.measure")  # the log channel's name, kept when the module moved
 
 
 @dataclass
@@ -48,8 +48,8 @@ class PassRecord:
     # backend.compile: what compiling cost, in the warm-up and in the timed repeats (backends/model/compiling.py
     # ``merge``); None when nothing is compiled. Anything compiled in the timed repeats is in their seconds.
     compile: Optional[dict] = None
-    # Every timed repeat's per-rank, per-step times (harness/balance.py ``timeline_record``); None where the backend
-    # does not time its steps.
+    # Every timed repeat's per-rank, per-step times (harness/metrics/balance.py ``timeline_record``); None where the
+    # backend does not time its steps.
     timeline: Optional[dict] = None
     target_ci_pct: Optional[float] = None  # bench.target_ci_pct the repeats were measured to (None: a fixed count)
     # A paired speedup's baseline passes, one per timed repeat, side by side with them (None: not paired)
@@ -156,13 +156,14 @@ def measure_pass(
     """Warm-up runs, then at least ``repeat`` timed runs of one pass type; returns the record and the last result.
 
     ``release_first=False`` keeps what the pass type's earlier runs left cached (more repeats of a pass measured
-    just before: harness/auto.py tops up the chosen budget's). ``snapshot_dir`` (bench.memory_snapshot): the warm-up
+    just before: harness/auto/model.py tops up the chosen budget's).
+    ``snapshot_dir`` (bench.memory_snapshot): the warm-up
     runs record the CUDA allocator's history, and one that runs out of memory leaves its snapshot there.
     ``target_ci_pct`` (bench.target_ci_pct): more timed runs, up to ``max_repeats``, until the 95% interval of the
     tok/s (and of the speedup, when paired) is within that many percent. ``pairing``: every timed run is one pair,
-    the point's pass and the baseline's side by side in alternating order (harness/spread.py), each timed pass after
-    an untimed one of its own shape (``settle``); the record's ``speedup`` is the median of the pair ratios with its
-    interval."""
+    the point's pass and the baseline's side by side in alternating order (harness/metrics/spread.py), each timed pass
+    after an untimed one of its own shape (``settle``); the record's ``speedup`` is the median of the pair ratios with
+    its interval."""
     result: Optional[PassResult] = None
     real_tokens = sum(len(e) for e in examples)
     runs = 0

@@ -1,9 +1,9 @@
 """How a batch is cut, described once: the batching knobs, their backend spelling, their presets and their checks.
 
 Every part of the harness that must know which keys are batching reads them here: the config's schema and its
-resolution (harness/config.py), a sweep's settings and baselines (harness/points.py), hot switching
-(harness/hot.py), plan sharing (harness/app.py's measurement_key) and results.json's first record
-(harness/results.py). A leaf module: no harness imports, so results.json's first write can use it on a config that
+resolution (harness/app/config.py), a sweep's settings and baselines (harness/sweep/points.py), hot switching
+(harness/sweep/hot.py), plan sharing (harness/point/point.py's measurement_key) and results.json's first record
+(harness/point/results.py). A leaf module: no harness imports, so results.json's first write can use it on a config that
 does not resolve.
 """
 
@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional
 
 from backends.errors import UserError
 
-AUTO = "auto"  # mtpm=auto: search the budget (harness/auto.py)
+AUTO = "auto"  # mtpm=auto: search the budget (harness/auto/model.py)
 
 
 @dataclass
@@ -25,7 +25,7 @@ class Batching:
     those, a user never does (a value set there is a second spelling, refused by ``check_spellings``).
     """
 
-    # max tokens per micro-batch; null = fixed mbs slices; "auto" = search for the fastest that fits (harness/auto.py)
+    # max tokens per micro-batch; null = fixed mbs slices; "auto" = search the fastest that fits (harness/auto/model.py)
     mtpm: Any = field(default=None, metadata={"backend": "max_tokens_per_microbatch"})
     mbs: int = field(default=1, metadata={"backend": "micro_batch_size"})  # sequences per slice when mtpm is null
     # packed (sum of lengths <= mtpm, sequences end to end) or padded (count x longest <= mtpm); null: by budget
@@ -35,7 +35,7 @@ class Batching:
     # at most this many sequences in a micro-batch; null = no cap
     max_seqs_per_microbatch: Optional[int] = field(default=None, metadata={"backend": "max_seqs_per_microbatch"})
     # What the balanced planner balances: flops (a·L + b·L² from the model's config) or calibrated (seconds, fitted
-    # to micro-batch times measured on this backend and device: harness/calibration.py, set up by calibration.*)
+    # to micro-batch times measured on this backend and device: harness/metrics/calibration.py, set up by calibration.*)
     cost_model: str = "flops"
 
 

@@ -46,7 +46,7 @@ import numpy as np
 from backends.errors import UserError
 from backends.planning.cost import CostModel
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("harness.calibration")  # the log channel's name, kept when the module moved
 
 CALIBRATION_VERSION = 2  # what the spread and the fit are; a change calibrates again
 CALIBRATED, FLOPS = "calibrated", "flops"
@@ -189,6 +189,15 @@ def identity(backend: str, world_size: int, device: dict, model, layout: str, gc
         "longest": longest,
         "versions": versions,
     }
+
+
+def calibration_identity(spec, backend: str, world_size: int, device: Optional[dict], longest: int) -> dict:
+    """The calibration a resolved config uses on this backend, ranks and device: the one identity a point and the
+    server both look their fit up by. ``longest``: the spread's longest sequence when calibration.max_len is unset
+    (rounded by spread_longest)."""
+    b = spec.backend
+    return identity(backend, world_size, device or {}, spec.model, b.layout, b.gradient_checkpointing, b.compile,
+                    b.logprob_chunk_tokens, spread_longest(spec.calibration.max_len or longest))
 
 
 def cache_key(ident: dict) -> str:

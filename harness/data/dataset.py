@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import numpy as np
 
 from backends.errors import UserError, first_line
-from harness.textfile import utf8_text
+from harness.data.textfile import utf8_text
 
 log = logging.getLogger("harness")
 

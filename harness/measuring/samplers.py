@@ -1,6 +1,6 @@
 """Device samplers: CPU utilisation and resident memory (psutil), GPU utilisation and used memory (NVML).
 
-The measurement protocol (harness/measure.py) starts one around each timed
+The measurement protocol (harness/measuring/measure.py) starts one around each timed
 repeat (``make_sampler``) and stops it after; the GPU sampler finds the run's
 devices among NVML's by UUID (``match_nvml_devices``).
 """

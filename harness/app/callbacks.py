@@ -10,7 +10,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("harness.callbacks")  # the log channel's name, kept when the module moved
 
 
 FAILED_STATUSES = ("error", "timeout", "running", "died", "interrupted", "unreadable")
@@ -20,8 +20,8 @@ def record_sweep_status(sweep_dir: Path) -> None:
     """Make the sweep's exit status reflect every point, also those a launcher ran in other processes."""
     import json
 
-    from harness.results import reported_status
-    from harness.state import EXIT_FAILED, STATE
+    from harness.app.state import EXIT_FAILED, STATE
+    from harness.point.results import reported_status
 
     for path in sorted(sweep_dir.glob("*/results.json")):
         try:
@@ -45,8 +45,8 @@ class RunFolderCallback(Callback):
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         from backends.errors import UserError
-        from harness.cli import StartRefused
-        from harness.points import check_run_folder, check_writable
+        from harness.app.cli import StartRefused
+        from harness.sweep.points import check_run_folder, check_writable
 
         run_dir = Path(str(config.hydra.run.dir))
         try:
@@ -64,7 +64,7 @@ class ReportCallback(Callback):
     """
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        from harness.hot import HOT
+        from harness.sweep.hot import HOT
 
         HOT.close()  # a hot sweep's backend lives until its last point
         sweep_dir = Path(config.hydra.sweep.dir)
