@@ -1,70 +1,180 @@
-"""scripts/gpu_check.py's reading of results.json: packed vs padded agreement, kernels and precision copied per run."""
+"""scripts/gpu_check.py without running a backend: its plan and estimates, the budget's skipping, the reading of
+results.json (padded and packed keyed apart, tolerances by device and dtype, feature checks) and summary.json."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 from pathlib import Path
 
 import pytest
 
-_SPEC = importlib.util.spec_from_file_location(
-    "gpu_check", Path(__file__).resolve().parents[2] / "scripts" / "gpu_check.py"
-)
-gpu_check = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(gpu_check)
+# By the name the ranks import it under for its hooks (backend.hooks=scripts.gpu_check:...)
+gpu_check = importlib.import_module("scripts.gpu_check")
 
-KERNELS = {"attention": {"sdpa": 4}, "delta_rule": {"torch_segments": 3}, "short_conv": {"torch_segments": 3},
-           "moe_experts": {"torch": 4}, "logprob_head": {"chunked": 4}}
+KERNELS = {"attention": {"sdpa": 4}, "delta_rule": {"segment-scan": 3}, "short_conv": {"torch-conv1d": 3},
+           "moe_experts": {"grouped_mm": 4}, "logprob_head": {"chunked-1024": 4}}
 PRECISION = {"params": "bfloat16", "adapters": "float32", "compute": "bfloat16", "reduce": "float32"}
+FEATURES = ("bf16", "fp32", "pytorch", "fsdp2", "megatron_ddp", "padded", "packed", "padded vs packed (same backend)",
+            "backend.compile", "bench.profile", "bench.memory_snapshot (an induced OOM)", "mtpm=auto",
+            "cost_model=calibrated", "collectives (gloo, 2 CPU ranks)")
 
 
-def _point(sweep: Path, n: int, layout: str, losses, grad_norm: float, status: str = "ok", recorded: bool = True):
+def _point(sweep: Path, n: int, name: str, backend: str, layout: str, losses, grad_norm: float, status: str = "ok",
+           dtype: str = "bfloat16", device: str = "cpu", **extra):
+    """One point's folder as a gpu_check launch leaves it: results.json, outputs, Hydra's overrides."""
     folder = sweep / str(n)
-    folder.mkdir(parents=True)
-    passes = {"forward_backward": {"tok_per_s": 1.0, **({"kernels": KERNELS} if recorded else {})}}
-    res = {"backend": "fsdp2", "status": status, "error": None if status == "ok" else "KeyError: 'linear_attention'",
-           "world_size": 2, "layout": layout, "plan": {"layout": layout}, "passes": passes,
-           "model": {"built": {"dtype": "bfloat16"}}, **({"precision": PRECISION} if recorded else {})}
+    (folder / ".hydra").mkdir(parents=True)
+    (folder / ".hydra" / "overrides.yaml").write_text(f"- +gpu_check={name}\n- hot=true\n")
+    res = {"backend": backend, "status": status, "error": None if status == "ok" else "KeyError: 'x'",
+           "world_size": 2, "layout": layout, "plan": {"layout": layout}, "device": {"type": device},
+           "passes": {"forward_backward": {"tok_per_s": 1.0, "kernels": KERNELS}},
+           "model": {"built": {"dtype": dtype}}, "precision": PRECISION, **extra}
     (folder / "results.json").write_text(json.dumps(res))
-    if status == "ok":
+    if losses is not None:
         (folder / "example_outputs.json").write_text(
-            json.dumps({"forward_backward": {"loss": losses, "grad_norm": grad_norm}})
-        )
+            json.dumps({"forward_backward": {"loss": losses, "grad_norm": grad_norm}}))
+    return folder
 
 
-def test_bf16_packed_agrees_with_padded_within_its_tolerance_and_the_kernels_come_along(tmp_path):
-    _point(tmp_path, 0, "padded", [2.0, 3.0], 1.0)
-    _point(tmp_path, 1, "packed", [2.0 * 1.02, 3.0], 1.2)  # the gradient norm is reported, the losses decide
-    entry = gpu_check.layouts_agree(tmp_path, gpu_check.BF16_RTOL)
-    assert entry["ok"] and entry["packed_vs_padded"]["max_rel_loss_diff"] == pytest.approx(0.02)
-    assert entry["layouts"]["packed"]["kernels"] == {"forward_backward": KERNELS}
-    assert entry["layouts"]["packed"]["precision"] == PRECISION
+def test_the_cuda_plan_lists_every_feature_within_five_minutes_on_one_gpu(capsys):
+    assert gpu_check.main(["--plan", "--device", "cuda"]) == 0
+    printed = capsys.readouterr().out
+    steps = gpu_check.plan(gpu_check.Target("cuda", 1))
+    rows = gpu_check.estimates(steps, gpu_check.Target("cuda", 1))
+    covered = {c for row in rows for c in row["covers"]}
+    assert set(FEATURES) <= covered, set(FEATURES) - covered
+    total = sum(r["estimate_s"] for r in rows)
+    assert 0 < total < 300 and f"{total:.0f} s  (--budget-s 300)" in printed
+    for row in rows:  # each step printed with its estimate and the parts it adds up
+        assert f"{row['step']:<10} {row['estimate_s']:6.0f} s" in printed
+    # fla's Triton kernels are paid once per dtype and layout: bf16 both, fp32 packed, nothing after
+    triton = {r["step"]: r["parts_s"].get("triton", 0) for r in rows}
+    assert triton["bf16"] == 2 * gpu_check.COSTS["cuda"]["triton"] and triton["fp32"] == gpu_check.COSTS["cuda"][
+        "triton"] and triton["features"] == triton["compile"] == 0
 
 
-def test_losses_past_the_tolerance_or_a_failed_packed_run_fail_the_check(tmp_path):
-    _point(tmp_path / "a", 0, "padded", [2.0, 3.0], 1.0)
-    _point(tmp_path / "a", 1, "packed", [2.0 * 1.05, 3.0], 1.0)
-    assert not gpu_check.layouts_agree(tmp_path / "a", gpu_check.BF16_RTOL)["ok"]
-    _point(tmp_path / "b", 0, "padded", [2.0, 3.0], 1.0)
-    _point(tmp_path / "b", 1, "packed", None, 0.0, status="error")
-    entry = gpu_check.layouts_agree(tmp_path / "b", gpu_check.BF16_RTOL)
-    assert not entry["ok"] and "linear_attention" in entry["layouts"]["packed"]["error"]
+def test_the_cpu_plan_has_no_cuda_only_step_and_the_35b_variant_plans_the_published_model():
+    rows = gpu_check.estimates(gpu_check.plan(gpu_check.Target("cpu")), gpu_check.Target("cpu"))
+    assert [r["step"] for r in rows if "skipped" not in r] == ["bf16", "fp32", "features"]
+    assert "no CPU form" in next(r for r in rows if r["step"] == "compile")["skipped"]
+    assert not any("oom" in p for r in rows for p in r["points"])  # the allocator's history is CUDA's
+    big = gpu_check.Target("cuda", 8, "/models/Qwen3.5-35B-A3B")
+    steps = gpu_check.plan(big)
+    assert {s.name for s in steps} == {"bf16", "features", "compile"}
+    assert not any(p.settings.get("backend") == "pytorch" for s in steps for p in s.points)
+    args = gpu_check.launch_args(steps[0], Path("/o"), big, None)
+    assert {"model=qwen3_5_35b_a3b", "model.path=/models/Qwen3.5-35B-A3B", "gc=true", "workload=smoke",
+            "bench.paired=false", "bench.baseline=false", "hot=true"} <= set(args)
+    assert 600 < sum(r["estimate_s"] for r in gpu_check.estimates(steps, big)) < gpu_check.BIG_MODEL_BUDGET_S
 
 
-def test_runs_without_kernel_or_precision_records_are_read_as_unknown(tmp_path):
-    _point(tmp_path, 0, "padded", [2.0], 1.0, recorded=False)
-    _point(tmp_path, 1, "packed", [2.0], 1.0, recorded=False)
-    entry = gpu_check.layouts_agree(tmp_path, 1e-4)
-    assert (
-        entry["ok"]
-        and entry["layouts"]["padded"]["kernels"] is None
-        and entry["layouts"]["padded"]["precision"] is None
-    )
+def test_a_budget_too_small_skips_every_step_with_its_reason_and_runs_nothing(tmp_path, monkeypatch):
+    launched = []
+    monkeypatch.setattr(gpu_check, "harness", lambda *a, **k: launched.append(a) or (0, 0.0))
+    assert gpu_check.main(["--device", "cpu", "--budget-s", "50", "--out", str(tmp_path)]) == 1
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert launched == [] and summary["ok"] is False
+    assert summary["steps"]["bf16"]["status"] == "skipped"
+    assert "left of --budget-s" in summary["steps"]["bf16"]["reason"]
+    assert "no CPU form" in summary["steps"]["compile"]["reason"]
+    assert any(line.startswith("step bf16: estimated") for line in summary["not_covered"])
 
 
-def test_the_default_budget_fits_a_600_s_device_run_with_room_for_the_install():
-    assert gpu_check.DEFAULT_BUDGET_S <= 450
+def test_a_step_that_fits_runs_and_the_next_is_skipped_once_the_budget_is_spent(tmp_path, monkeypatch):
+    now = [0.0]
+
+    def fake(args, timeout, log, env):  # a launch that spends 30 s and leaves no point behind
+        log.write_text("ran\n")
+        now[0] += 30.0
+        return 0, 30.0
+
+    monkeypatch.setattr(gpu_check, "harness", fake)
+    target = gpu_check.Target("cpu")
+    steps = gpu_check.plan(target)
+    rows = gpu_check.estimates(steps, target)
+    summary: dict = {"steps": {}}
+    budget = rows[0]["estimate_s"] + 1  # the first step fits; after its 30 s the second does not
+    gpu_check.run_steps(steps, rows, target, tmp_path, budget, None, summary, lambda: None, clock=lambda: now[0])
+    first, second = summary["steps"]["bf16"], summary["steps"]["fp32"]
+    assert first["status"] == "failed" and first["points"]["bf16.fsdp2.packed"] == {"status": "not reached"}
+    assert first["cap_s"] <= budget and second["status"] == "skipped" and "left of --budget-s" in second["reason"]
+    written = (tmp_path / "conf" / "gpu_check" / "bf16.fsdp2.packed.yaml").read_text()
+    assert "override /backend: fsdp2" in written and 'layout: "packed"' in written and "dtype:" in written
+
+
+def test_padded_and_packed_of_one_backend_are_keyed_apart_and_compared(tmp_path):
+    """Both layouts of fsdp2 in one sweep stay two points: the packed one never replaces the padded reference."""
+    _point(tmp_path, 0, "bf16.fsdp2.padded", "fsdp2", "padded", [2.0, 3.0], 1.0)
+    _point(tmp_path, 1, "bf16.fsdp2.packed", "fsdp2", "packed", [2.0 * 1.02, 3.0], 1.2)
+    runs = gpu_check.runs_in(tmp_path)
+    assert set(runs) == {"bf16.fsdp2.padded", "bf16.fsdp2.packed"}
+    step = gpu_check.Step("bf16", [], [], [("bf16.fsdp2.packed", "bf16.fsdp2.padded", "across")])
+    entry = gpu_check.judge(step, runs)
+    (cmp,) = entry["comparisons"]
+    assert cmp["layouts"] == ["packed", "padded"] and cmp["rtol"] == gpu_check.BF16_RTOL
+    assert cmp["max_rel_loss_diff"] == pytest.approx(0.02) and not cmp["judge_grad"]  # the losses decide
+    assert entry["ok"]
+    _point(tmp_path / "far", 0, "bf16.fsdp2.padded", "fsdp2", "padded", [2.0, 3.0], 1.0)
+    _point(tmp_path / "far", 1, "bf16.fsdp2.packed", "fsdp2", "packed", [2.0 * 1.05, 3.0], 1.0)
+    assert not gpu_check.judge(step, gpu_check.runs_in(tmp_path / "far"))["ok"]
+
+
+def test_a_failed_or_missing_point_fails_its_comparison_with_the_reason(tmp_path):
+    _point(tmp_path, 0, "fp32.fsdp2.padded", "fsdp2", "padded", [2.0], 1.0, dtype="float32")
+    _point(tmp_path, 1, "fp32.fsdp2.packed", "fsdp2", "packed", None, 0.0, status="error", dtype="float32")
+    step = gpu_check.Step("fp32", [], [gpu_check.Point("fp32.fsdp2.packed", {}, "x")],
+                          [("fp32.fsdp2.packed", "fp32.fsdp2.padded", "across"),
+                           ("fp32.megatron_ddp.padded", "fp32.fsdp2.padded", "same")])
+    entry = gpu_check.judge(step, gpu_check.runs_in(tmp_path))
+    assert not entry["ok"] and entry["failed_points"] == ["fp32.fsdp2.packed"]
+    assert "no fwd+bwd outputs" in entry["comparisons"][0]["error"]
+    assert entry["comparisons"][1]["error"] == "not run (run)"
+
+
+@pytest.mark.parametrize("device,dtype,layouts,rtol", [
+    ("cpu", "float32", ("packed", "padded"), 1e-4),
+    ("cuda", "float32", ("padded", "padded"), 1e-3),
+    ("cuda", "float32", ("packed", "padded"), 1e-2),  # TF32 inside fla, another blocking per layout
+    ("cuda", "bfloat16", ("packed", "packed"), 3e-2),
+])
+def test_the_tolerance_follows_the_device_the_dtype_and_the_kernels(tmp_path, device, dtype, layouts, rtol):
+    a = _point(tmp_path, 0, "a", "fsdp2", layouts[0], [1.0], 1.0, dtype=dtype, device=device)
+    b = _point(tmp_path, 1, "b", "pytorch", layouts[1], [1.0], 1.0, dtype=dtype, device="cpu")
+    runs = gpu_check.runs_in(tmp_path)
+    kind = "same" if layouts[0] == layouts[1] else "across"
+    assert a != b and gpu_check.judge_comparison(runs["a"], runs["b"], kind)["rtol"] == rtol
+
+
+def test_summary_records_each_points_kernels_and_the_feature_checks(tmp_path):
+    prof = _point(tmp_path, 0, "features.profile", "fsdp2", "packed", [1.0], 1.0,
+                  passes={"forward_backward": {"kernels": KERNELS, "profile": {
+                      "traces": ["profile/forward_backward-rank0.json.gz"], "slowdown": 1.5, "shares": {"idle": 1}}}})
+    (prof / "profile").mkdir()
+    (prof / "profile" / "forward_backward-rank0.json.gz").write_bytes(b"x" * 10)
+    _point(tmp_path, 1, "features.oom_snapshot", "fsdp2", "packed", None, 0.0, status="oom",
+           memory_snapshot=["memory/forward_backward-rank0.pickle"])
+    _point(tmp_path, 2, "features.auto", "fsdp2", "packed", [1.0], 1.0, mtpm=2048,
+           auto={"candidates": [{"mtpm": 2048, "status": "ok"}]})
+    runs = gpu_check.runs_in(tmp_path)
+    record = gpu_check.point_record(runs["features.profile"])
+    assert record["kernels"] == {"forward_backward": KERNELS} and record["precision"] == PRECISION
+    profile = gpu_check.check_profile(runs["features.profile"], prof)
+    assert profile["ok"] and profile["traces"] == {"profile/forward_backward-rank0.json.gz": 10}
+    oom = gpu_check.check_oom_snapshot(runs["features.oom_snapshot"], tmp_path / "1")
+    assert not oom["ok"] and oom["problems"] == ["no allocator history written"]  # status oom, but no file
+    auto = gpu_check.check_auto(runs["features.auto"], tmp_path / "2")
+    assert auto["ok"] and auto["chosen"] == 2048 and auto["candidates"][0]["status"] == "ok"
+
+
+def test_bad_arguments_are_one_line_and_exit_2(capsys):
+    for argv in (["--only", "nosuch"], ["--backends", "fsdp3"]):
+        assert gpu_check.main(["--plan", "--device", "cpu", *argv]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(argv[0])
+    with pytest.raises(SystemExit) as exc:
+        gpu_check.main(["--budget-s", "0"])
+    assert exc.value.code == 2
 
 
 def test_an_import_that_fails_is_reported_with_its_error():
