@@ -56,7 +56,7 @@ MUTATIONS = (
     ),
     Mutation(
         "packed planner without its exact search for few sequences: a tight fill LPT misses costs a step",
-        "backends/planning/balanced.py",
+        "backends/planning/balanced/packed.py",
         "_EXACT_MAX = 16",
         "_EXACT_MAX = 0",
         ("tests/unit/test_planner.py::test_balanced_packed_reaches_the_bound_whenever_a_plan_can",),
@@ -89,14 +89,14 @@ MUTATIONS = (
     ),
     Mutation(
         "the histogram packer's best fit forgets the cap on sequences per micro-batch",
-        "backends/planning/balanced.py",
+        "backends/planning/balanced/packed.py",
         "q = int(min(room // length, cap - self.cnt[g]))",
         "q = int(room // length)",
         ("tests/unit/test_planner_scaling.py::test_histogram_best_fit_decreasing_packs_as_the_one_at_a_time_form",),
     ),
     Mutation(
         "the balanced planner's LPT keeps filling a micro-batch past the cap",
-        "backends/planning/balanced.py",
+        "backends/planning/balanced/packed.py",
         "t = min(room // length, k // nb, cap - self.cnt[g])",
         "t = min(room // length, k // nb)",
         (

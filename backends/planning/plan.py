@@ -155,7 +155,7 @@ def plan_batch(
     each rank's micro-batches greedily (``count * longest <= budget`` padded,
     sum of lengths packed), and for lock-step backends (``align=True``) pad
     shorter schedules with ``None``. ``planner="balanced"`` plans globally for
-    the fewest steps and even modeled cost (see backends/planning/balanced.py);
+    the fewest steps and even modeled cost (see backends/planning/balanced/);
     it needs a budget. With ``align=False`` (ranks run independently) its
     empty slots are dropped. The FSDP backend agrees on the step count with a
     collective; computing it here from the same inputs gives the same answer.

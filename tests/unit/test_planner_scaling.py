@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from backends.planning import lower_bound_bins, plan_batch
-from backends.planning.balanced import _Packer
+from backends.planning.balanced.packed import _Packer
 from backends.planning.greedy import sort_by_length
 
 _SPEC = importlib.util.spec_from_file_location(
