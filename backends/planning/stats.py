@@ -168,20 +168,8 @@ def plan_stats(
             padded_per_rank.append(0)
             cost_per_rank.append(0.0)
             continue
-        sizes = np.fromiter((len(schedule[k]) for k in at), dtype=np.int64, count=len(at))
-        flat = np.fromiter(
-            itertools.chain.from_iterable(schedule[k] for k in at), dtype=np.int64, count=int(sizes.sum())
-        )
-        starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
-        lens = L[flat]
-        real = np.add.reduceat(lens, starts)
-        if packed:
-            tokens, costs = real, np.add.reduceat(ucost[inv[flat]], starts)
-        else:
-            longest = np.maximum.reduceat(lens, starts)
-            tokens, costs = sizes * longest, sizes * ucost[np.searchsorted(uniq, longest)]
-        if cost_model.fixed:
-            costs = costs + cost_model.fixed  # a calibrated model's cost of any micro-batch (0 for FLOPs)
+        sizes, real, tokens, costs = _microbatch_values([schedule[k] for k in at], L, uniq, inv, ucost, packed,
+                                                        cost_model)
         step_costs[r, at] = costs
         real_per_rank.append(int(real.sum()))
         padded_per_rank.append(int(tokens.sum()))
@@ -192,16 +180,8 @@ def plan_stats(
             over += int(np.count_nonzero(tokens > max_tokens))
     real_total, padded_total = sum(real_per_rank), sum(padded_per_rank)
     world = max(1, len(schedules))
-    mean_cost = sum(cost_per_rank) / world
-    imbalance = max(cost_per_rank) / mean_cost if mean_cost > 0 else 1.0
+    imbalance, critical, idle = _waiting(step_costs, cost_per_rank, world, lockstep)
     steps = step_costs.shape[1]
-    if lockstep and mean_cost > 0:
-        makespan = float(step_costs.max(axis=0).sum())
-        critical = makespan / mean_cost
-    else:
-        makespan = max(cost_per_rank, default=0.0)
-        critical = imbalance
-    idle = [round(1.0 - c / makespan, 4) if makespan > 0 else 0.0 for c in cost_per_rank]
     return PlanStats(
         real_tokens=real_total,
         padded_tokens=padded_total,
@@ -223,3 +203,39 @@ def plan_stats(
         cost_model=cost_model.as_dict(),
         idle_fraction=idle,
     )
+
+
+def _microbatch_values(batches: Sequence[MicroBatch], L: np.ndarray, uniq: np.ndarray, inv: np.ndarray,
+                       ucost: np.ndarray, packed: bool, cost_model: CostModel):
+    """Per micro-batch of one rank (none empty): sizes, real tokens, computed tokens and modeled cost, as arrays.
+
+    ``uniq``/``inv``/``ucost``: the distinct lengths, each sequence's index among them, and each one's cost.
+    """
+    sizes = np.fromiter((len(b) for b in batches), dtype=np.int64, count=len(batches))
+    flat = np.fromiter(itertools.chain.from_iterable(batches), dtype=np.int64, count=int(sizes.sum()))
+    starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+    lens = L[flat]
+    real = np.add.reduceat(lens, starts)
+    if packed:
+        tokens, costs = real, np.add.reduceat(ucost[inv[flat]], starts)
+    else:
+        longest = np.maximum.reduceat(lens, starts)
+        tokens, costs = sizes * longest, sizes * ucost[np.searchsorted(uniq, longest)]
+    if cost_model.fixed:
+        costs = costs + cost_model.fixed  # a calibrated model's cost of any micro-batch (0 for FLOPs)
+    return sizes, real, tokens, costs
+
+
+def _waiting(step_costs: np.ndarray, cost_per_rank: list[float], world: int,
+             lockstep: bool) -> tuple[float, float, list[float]]:
+    """(cost imbalance, critical path, per-rank idle fraction) of per-rank costs and the rank x step cost table."""
+    mean_cost = sum(cost_per_rank) / world
+    imbalance = max(cost_per_rank) / mean_cost if mean_cost > 0 else 1.0
+    if lockstep and mean_cost > 0:
+        makespan = float(step_costs.max(axis=0).sum())
+        critical = makespan / mean_cost
+    else:
+        makespan = max(cost_per_rank, default=0.0)
+        critical = imbalance
+    idle = [round(1.0 - c / makespan, 4) if makespan > 0 else 0.0 for c in cost_per_rank]
+    return imbalance, critical, idle
