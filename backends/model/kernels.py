@@ -4,8 +4,10 @@ lacks.
 Five operations of the benchmark model have a fast CUDA kernel and a torch
 fallback: full attention, the gated delta rule, the short causal convolution,
 the MoE experts and the log-prob head. The functions that dispatch them
-(backends/model/packing.py, backends/model/logprobs.py) call ``note(op, implementation)``
-each time they run, so a pass records what actually ran, not what imported.
+(backends/model/packing.py, backends/model/segments.py, backends/model/logprobs.py) call
+``note(op, implementation)`` each time they run, and what the model dispatches itself
+(the MoE experts, flash attention) is recorded by hooks installed here
+(``record_dispatched_kernels``), so a pass records what actually ran, not what imported.
 ``reset`` before a pass and ``snapshot`` after it give ``{op: {implementation:
 calls}}`` for results.json (``passes.<type>.kernels``); a call is one forward
 call of one layer (recomputation under gradient checkpointing counts again).
@@ -28,7 +30,7 @@ import importlib.util
 import logging
 import threading
 from collections import Counter
-from typing import Callable, Iterable, Mapping, Optional
+from typing import Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 
@@ -48,6 +50,10 @@ TORCH_CONV1D = "torch-conv1d"
 GROUPED_MM = "grouped_mm"  # torch's grouped GEMM over all experts at once
 # transformers' fallback when torch's grouped_mm cannot run: one mm per expert
 GROUPED_MM_LOOP = "grouped_mm-fallback-loop"
+
+# Set on each function this project swaps into a transformers module (backends/model/packing.py, and the grouped
+# GEMM below); its value is the function replaced, which is how tests/loss_oracle.py puts the stock ones back.
+SWAPPED_MARK = "_balance_batch_packed"
 
 _lock = threading.Lock()
 _calls: Counter = Counter()
@@ -129,6 +135,62 @@ def summary(record: Optional[Mapping[str, Mapping[str, int]]]) -> str:
     if not record:
         return "none recorded"
     return ", ".join(f"{op}={'+'.join(impls)}" for op, impls in record.items())
+
+
+# ---------------------------------------------------------------------------- what the model dispatches itself
+
+_HOOKED = "_balance_batch_kernel_hook"
+
+
+def _record_flash_attention(module, args, kwargs) -> None:
+    varlen = kwargs.get("cu_seq_lens_q") is not None
+    note("attention", FLASH_ATTN + ("-varlen" if varlen else ""))
+
+
+def _record_experts(module, args) -> None:
+    implementation = getattr(module.config, "_experts_implementation", None) or "eager"
+    if implementation != "grouped_mm":  # grouped_mm is recorded per call by _grouped_mm (it may fall back)
+        note("moe_experts", implementation + ("-loop" if implementation == "eager" else ""))
+
+
+def _patch_grouped_mm() -> None:
+    """Record each grouped GEMM of the MoE experts as torch's grouped_mm or transformers' per-expert fallback."""
+    try:
+        from transformers.integrations import moe
+    except ImportError:
+        return
+    current = getattr(moe, "_grouped_mm", None)
+    check = getattr(moe, "_can_use_grouped_mm", None)
+    if current is None or check is None or hasattr(current, SWAPPED_MARK):
+        return
+
+    @functools.wraps(current)
+    def _grouped_mm(input, weight, offs, *args, **kwargs):
+        note("moe_experts", GROUPED_MM if check(input, weight, offs) else GROUPED_MM_LOOP)
+        return current(input, weight, offs, *args, **kwargs)
+
+    setattr(_grouped_mm, SWAPPED_MARK, current)
+    moe._grouped_mm = _grouped_mm
+
+
+def record_dispatched_kernels(modules: Sequence[torch.nn.Module]) -> None:
+    """Record the MoE experts' implementation and flash attention, which the model dispatches itself (no function of
+    ours runs them to call ``note``): forward pre-hooks on those modules, and a wrapper on transformers' grouped GEMM.
+    Idempotent."""
+    _patch_grouped_mm()
+    for module in modules:
+        if getattr(module, _HOOKED, False):
+            continue
+        config = getattr(module, "config", None)
+        name = type(module).__name__
+        if name.endswith("Experts") and hasattr(config, "_experts_implementation"):
+            module.register_forward_pre_hook(_record_experts)
+        elif (name.endswith("Attention") and hasattr(module, "q_proj")
+              and str(getattr(config, "_attn_implementation", "")).startswith("flash_attention")):
+            module.register_forward_pre_hook(_record_flash_attention, with_kwargs=True)
+        else:
+            continue
+        setattr(module, _HOOKED, True)
 
 
 # ---------------------------------------------------------------------------- what the device offers

@@ -15,9 +15,8 @@ from backends.model.packing import (
     collate_packed,
     is_prepared_for_packing,
     prepare_model_for_packing,
-    segment_causal_conv1d,
-    segment_chunk_gated_delta_rule,
 )
+from backends.model.segments import segment_causal_conv1d, segment_chunk_gated_delta_rule
 from backends.model.step import grad_norm_local_sq, run_schedule, total_loss_weight
 from backends.specs import ModelSpec
 from harness.data.workload import make_examples

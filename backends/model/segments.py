@@ -1,0 +1,204 @@
+"""The computations of a packed row that keep its sequences apart, in torch: attention, the short causal convolution
+and the chunked gated delta rule, each as the sequences would run alone; and the row's boundaries as host ints.
+
+backends/model/packing.py lays the row out and swaps these in where the
+model's own functions would run across boundaries; each records itself with
+``kernels.note`` when it runs.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from backends.model import kernels
+
+# The host copy of the current micro-batch's boundaries: every layer of one forward gets the same
+# cu_seqlens tensor, so its bounds are read from the host list collate made, never from the device.
+_host_bounds: tuple = (lambda: None, [])
+
+
+def remember_bounds(cu_seqlens: torch.Tensor, bounds: list[int]) -> None:
+    """Record the host copy of a micro-batch's cumulative lengths (one micro-batch at a time)."""
+    global _host_bounds
+    _host_bounds = (weakref.ref(cu_seqlens), [int(b) for b in bounds])
+
+
+def host_bounds(cu_seqlens: torch.Tensor) -> list[int]:
+    """Cumulative lengths as Python ints: the collated host copy, else read from the tensor (one host sync on CUDA)."""
+    ref, bounds = _host_bounds
+    if ref() is cu_seqlens:
+        return bounds
+    return [int(x) for x in cu_seqlens.tolist()]
+
+
+def segment_attention(original: Callable, implementation: str, module, query, key, value, attention_mask, **kwargs):
+    """Attention of a packed row: each sequence attends only within itself.
+
+    ``query`` is [1, heads, total, head_dim] (keys/values may have fewer
+    heads); the result is [1, total, heads, head_dim] like every transformers
+    attention function. Without ``cu_seq_lens_q`` this is ``original`` as is.
+    A packed row runs SDPA once per sequence: the same SDPA a padded batch
+    runs (flash-attn serves both layouts through the model's own
+    ``flash_attention_2`` implementation instead, see ``kernels.attention_implementation``).
+    """
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is None:
+        kernels.note("attention", implementation)
+        return original(module, query, key, value, attention_mask, **kwargs)
+    if query.shape[0] != 1:
+        raise ValueError(f"a packed row has batch size 1, got query of shape {tuple(query.shape)}")
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    kernels.note("attention", kernels.SDPA_PER_SEQUENCE)
+    # SDPA once per sequence: the cost is the sum of per-sequence costs, and a
+    # sequence alone is exactly what the padded and mbs=1 paths compute.
+    plain = {
+        k: v for k, v in kwargs.items() if k not in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+    }
+    bounds = host_bounds(cu)
+    lengths = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
+    # torch.split, not slices: one backward that concatenates, where each slice's
+    # backward would write into a zero tensor the size of the whole row.
+    pieces = zip(*(t.split(lengths, dim=2) for t in (query, key, value)))
+    outs = [sdpa_attention_forward(module, q, k, v, None, **plain)[0] for q, k, v in pieces]
+    return torch.cat(outs, dim=1), None
+
+
+def segment_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias, activation, cu_seqlens: torch.Tensor):
+    """Depthwise causal convolution of a packed row [1, channels, total] that restarts at each boundary.
+
+    Each sequence is given its own ``width - 1`` zeros in front (what a
+    sequence alone gets), all in one gather and one convolution.
+    """
+    channels, width = weight.shape
+    total = x.shape[-1]
+    bounds = torch.as_tensor(cu_seqlens, device=x.device).long()
+    lengths = bounds[1:] - bounds[:-1]
+    gap = width - 1
+    # Sequence s's tokens move right by gap * (s + 1); the gaps point at a zero column.
+    seg = torch.repeat_interleave(torch.arange(lengths.numel(), device=x.device), lengths, output_size=total)
+    dest = torch.arange(total, device=x.device) + gap * (seg + 1)
+    source = torch.full((total + gap * lengths.numel(),), total, dtype=torch.long, device=x.device)
+    source[dest] = torch.arange(total, device=x.device)
+    spread = F.pad(x.to(weight.dtype), (0, 1)).index_select(-1, source)
+    out = F.conv1d(spread, weight.unsqueeze(1), bias, groups=channels)  # output i sees inputs i .. i + gap
+    out = out.index_select(-1, dest - gap)
+    if activation is not None:
+        from transformers.activations import ACT2FN
+
+        out = ACT2FN[activation](out)
+    return out.to(x.dtype)
+
+
+def _l2normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def segment_chunk_gated_delta_rule(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    chunk_size: int = 64,
+    use_qk_l2norm_in_kernel: bool = False,
+    bounds: Optional[Sequence[int]] = None,
+) -> torch.Tensor:
+    """The chunked gated delta rule over a packed row, state starting from zero at each sequence.
+
+    ``bounds``: the cumulative lengths as host ints, instead of ``cu_seqlens``.
+
+    Shapes as transformers' ``torch_chunk_gated_delta_rule`` with batch 1:
+    query/key [1, total, k_heads, k_dim], value [1, total, v_heads, v_dim],
+    g/beta [1, total, v_heads]; returns [1, total, v_heads, v_dim].
+
+    Every sequence is cut into its own chunks (zero-padded at its end, as a
+    sequence alone is), so the within-chunk work runs on all chunks of the
+    row at once. The scan over chunks then advances every sequence together:
+    chunks are laid out step-major with the sequences sorted by chunk count,
+    so at step j the sequences still running are a prefix of the batch and the
+    scan takes (longest sequence's chunks) steps, not (row's chunks).
+    """
+    kernels.note("delta_rule", kernels.SEGMENT_SCAN)  # recorded by what runs, not by who dispatched it
+    out_dtype = query.dtype
+    total, k_heads = key.shape[1], key.shape[2]
+    v_heads = value.shape[2]
+    if k_heads != v_heads:  # grouped value heads: each q/k head serves consecutive value heads
+        query = query.repeat_interleave(v_heads // k_heads, dim=2)
+        key = key.repeat_interleave(v_heads // k_heads, dim=2)
+    # [heads, total, dim] in float32
+    q, k, v = (t[0].transpose(0, 1).float() for t in (query, key, value))
+    b, decay = (t[0].transpose(0, 1).float() for t in (beta, g))
+    if use_qk_l2norm_in_kernel:
+        q, k = _l2normalize(q), _l2normalize(k)
+    q = q * q.shape[-1] ** -0.5
+
+    # Layout. Sequence s has n_s chunks; sorted by n_s (longest first) it has rank r_s.
+    # Chunk j of the sequence of rank r sits in slot offset[j] + r.
+    device = q.device
+    bounds = list(bounds) if bounds is not None else host_bounds(cu_seqlens)
+    lengths = np.diff(np.asarray(bounds, dtype=np.int64))
+    n_chunks = -(-lengths // chunk_size)
+    order = np.argsort(-n_chunks, kind="stable")
+    rank = np.empty_like(order)
+    rank[order] = np.arange(order.size)
+    steps = int(n_chunks.max())
+    active = (n_chunks[None, :] > np.arange(steps)[:, None]).sum(axis=1)  # sequences still running at step j
+    offset = np.concatenate([[0], np.cumsum(active)])
+    seg = np.repeat(np.arange(lengths.size), lengths)
+    local = np.arange(total) - np.repeat(np.asarray(bounds[:-1]), lengths)
+    slot_token = (offset[local // chunk_size] + rank[seg]) * chunk_size + local % chunk_size
+    n_slots = int(offset[-1])
+    source = np.full(n_slots * chunk_size, total, dtype=np.int64)  # padding reads the zero row at `total`
+    source[slot_token] = np.arange(total)
+    source_t = torch.from_numpy(source).to(device)
+    slot_token_t = torch.from_numpy(slot_token).to(device)
+
+    def to_chunks(x: torch.Tensor) -> torch.Tensor:  # [heads, total, ...] -> [slots, heads, chunk, ...]
+        x = F.pad(x, (0, 0, 0, 1)) if x.dim() == 3 else F.pad(x, (0, 1))
+        x = x.index_select(1, source_t)
+        x = x.reshape(x.shape[0], n_slots, chunk_size, *x.shape[2:])
+        return x.transpose(0, 1)
+
+    q, k, v = to_chunks(q), to_chunks(k), to_chunks(v)
+    b, decay = to_chunks(b), to_chunks(decay)
+
+    # Within each chunk (all slots at once)
+    k_beta = k * b.unsqueeze(-1)
+    v_beta = v * b.unsqueeze(-1)
+    cum = decay.cumsum(dim=-1)  # log of the decay from the chunk's start to each position
+    future = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=device).triu(1)
+    pair_decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(future, float("-inf")).exp()
+    system = (k_beta @ k.transpose(-1, -2)) * pair_decay
+    intra = (q @ k.transpose(-1, -2)) * pair_decay
+    corrected_v = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
+    state_keys = torch.linalg.solve_triangular(
+        system, k_beta * cum.exp().unsqueeze(-1), upper=False, unitriangular=True
+    )
+    q_read = q * cum.exp().unsqueeze(-1)
+    k_write = k * (cum[..., -1:] - cum).exp().unsqueeze(-1)
+    chunk_decay = cum[..., -1].exp()[..., None, None]
+
+    # Scan over chunk steps, all running sequences at once; a sequence's state starts at zero.
+    # Steps are taken with torch.split (one backward for all steps); a slice per step
+    # would cost a zero tensor the size of the whole row in backward, each step.
+    per_step = [int(a) for a in active]
+    steps_of = lambda t: t.split(per_step, dim=0)  # noqa: E731
+    state = q.new_zeros(per_step[0], v_heads, k.shape[-1], v.shape[-1])
+    outs = []
+    for n, cv, sk, qr, ia, cd, kw in zip(
+        per_step, *map(steps_of, (corrected_v, state_keys, q_read, intra, chunk_decay, k_write))
+    ):
+        state = state[:n]  # sequences that have ended drop off the end (the state is small)
+        delta = cv - sk @ state
+        outs.append(qr @ state + ia @ delta)
+        state = state * cd + kw.transpose(-1, -2) @ delta
+    out = torch.cat(outs, dim=0)  # [slots, heads, chunk, v_dim], slot order
+    out = out.transpose(0, 1).reshape(v_heads, n_slots * chunk_size, -1).index_select(1, slot_token_t)
+    return out.transpose(0, 1).unsqueeze(0).to(out_dtype)
