@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -83,8 +84,6 @@ def build_model(
     kept), "cpu" (host memory, a source to broadcast from) or "meta" (shapes
     only, nothing allocated or read: FSDP2 shards this and loads the shards).
     """
-    from transformers import AutoModelForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
-
     if place not in PLACES:
         raise ValueError(f"place must be one of {PLACES}, got {place!r}")
     quiet_library_noise(device)
@@ -98,6 +97,27 @@ def build_model(
     attention = kernels.attention_implementation(spec.attn_implementation, device.type, dtype in HALF_DTYPES)
     if attention != "sdpa" or spec.attn_implementation:
         kwargs["attn_implementation"] = attention
+    model = _base_model(spec, path, device, dtype, place, kwargs)
+    model.config.use_cache = False
+    # Before LoRA and wrapping: the chunked log-prob head must be the module FSDP2 and peft see.
+    install_logprob_head(model)
+    if spec.lora_rank > 0:
+        model = _add_lora(model, spec, dtype)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    # Packed rows kept apart, padded and packed on the same kernels, every kernel call recorded
+    # (backends/model/packing.py).
+    prepare_model_for_packing(model)
+    return model
+
+
+def _base_model(spec: ModelSpec, path: Optional[Path], device: torch.device, dtype: torch.dtype, place: str,
+                kwargs: dict) -> torch.nn.Module:
+    """The Hugging Face model without adapters: the tiny one built from ``init_seed``, or the checkpoint at ``path``
+    read (``place`` "device" or "cpu") or shaped only ("meta"). ``kwargs``: the attention implementation, if any."""
+    from transformers import AutoModelForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
     target = torch.device("cpu") if place == "cpu" else device
     if path is None:
         config = dict(TINY_CONFIG)
@@ -130,31 +150,26 @@ def build_model(
                                                          level=logging.DEBUG))
         if device_map is None:
             model = model.to(target)
-    model.config.use_cache = False
-    # Before LoRA and wrapping: the chunked log-prob head must be the module FSDP2 and peft see.
-    install_logprob_head(model)
+    return model
 
-    if spec.lora_rank > 0:
-        from peft import LoraConfig, get_peft_model
 
-        lora = LoraConfig(
-            r=spec.lora_rank,
-            lora_alpha=spec.lora_alpha or spec.lora_rank,
-            lora_dropout=0.0,
-            target_modules="all-linear",
-            bias="none",
-        )
-        # On meta the adapters are shapes only: their values come with the base weights (see backends/model/loading.py).
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(spec.init_seed + 1)
-            model = get_peft_model(model, lora)
-        set_adapter_compute_dtype(model, dtype)
-    if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.train()
-    # Packed rows kept apart, padded and packed on the same kernels, every kernel call recorded
-    # (backends/model/packing.py).
-    prepare_model_for_packing(model)
+def _add_lora(model: torch.nn.Module, spec: ModelSpec, dtype: torch.dtype) -> torch.nn.Module:
+    """peft LoRA adapters of rank ``spec.lora_rank`` on every linear layer, initialised from ``init_seed + 1``, computed
+    in ``dtype``."""
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(
+        r=spec.lora_rank,
+        lora_alpha=spec.lora_alpha or spec.lora_rank,
+        lora_dropout=0.0,
+        target_modules="all-linear",
+        bias="none",
+    )
+    # On meta the adapters are shapes only: their values come with the base weights (see backends/model/loading.py).
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(spec.init_seed + 1)
+        model = get_peft_model(model, lora)
+    set_adapter_compute_dtype(model, dtype)
     return model
 
 
