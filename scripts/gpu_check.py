@@ -280,8 +280,11 @@ def check_auto(run: dict, folder: Path) -> dict:
 def check_compile(run: dict, folder: Path) -> dict:
     built = ((run.get("model") or {}).get("built") or {}).get("compile")
     per_pass = {t: p.get("compile") for t, p in (run.get("passes") or {}).items() if isinstance(p, dict)}
-    problems = _ok_status(run) + ([] if built else ["model.built.compile not recorded"])
-    return {"ok": not problems, "problems": problems, "built": built, "passes": per_pass}
+    hits = {t: (c or {}).get("recompile_limit_hits") for t, c in per_pass.items()}
+    problems = _ok_status(run) + ([] if built else ["model.built.compile not recorded"]) + [
+        f"{t}: {n} recompile-limit hits (those calls ran eagerly)" for t, n in hits.items() if n]
+    return {"ok": not problems, "problems": problems, "recompile_limit_hits": hits, "built": built,
+            "passes": per_pass}
 
 
 def check_oom_snapshot(run: dict, folder: Path) -> dict:
