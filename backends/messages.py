@@ -18,6 +18,7 @@ import numpy as np
 
 from backends.planning import LAYOUTS, PLANNERS, CostModel, Plan, plan_batch
 from backends.planning.plan import check_choice, given_plan
+from backends.runtime.profiling import PROFILE_RANKS, PROFILE_STEPS
 
 PASS_TYPES = ("forward", "forward_backward")
 # PassCommand.logprob_chunk_tokens: use the backend's ``logprob_chunk_tokens`` (None there means full logits).
@@ -66,6 +67,11 @@ class PassCommand:
     release_memory: bool = True  # hand cached memory back before the pass (a pass type's first run)
     # Run the pass under torch.profiler, each rank writing <profile_dir>/<pass>-rank<r>.json.gz (bench.profile)
     profile_dir: Optional[str] = None
+    # What a profiled pass records (backends/runtime/profiling.py): this many micro-batches after the first (0: the
+    # whole pass), on these ranks (None: every rank), with the allocator's events or not
+    profile_steps: int = PROFILE_STEPS
+    profile_ranks: Optional[tuple] = PROFILE_RANKS
+    profile_memory: bool = False
     # Record the CUDA allocator's history in this pass; out of memory dumps <dir>/<pass>-rank<r>.pickle
     # (bench.memory_snapshot, on warm-up runs; backends/runtime/memory.py MemoryHistory)
     memory_snapshot_dir: Optional[str] = None

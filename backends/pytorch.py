@@ -83,10 +83,12 @@ class PyTorchBackend(Backend):
         )
         total_weight = total_loss_weight(examples)
         with (
-            profiled(command.profile_dir, pass_type, 0, self.device) as profile,
+            profiled(command.profile_dir, pass_type, 0, self.device, len(plan.schedules[0]), command.profile_steps,
+                     command.profile_ranks, command.profile_memory) as profile,
             compiling.PassMeter(self.model) as compiled,
         ):
-            pending, grad_norm, step_s, timeline = self._timed_steps(command, plan, progress, total_weight)
+            pending, grad_norm, step_s, timeline = self._timed_steps(command, plan, progress, total_weight,
+                                                                     profile.step)
         mem = peak_memory(self.device)
         ran = kernels.snapshot()
         by_index = outputs_to_host(pending, examples)
@@ -107,11 +109,11 @@ class PyTorchBackend(Backend):
                       "per_rank": [timeline]},
         )
 
-    def _timed_steps(self, command: PassCommand, plan, progress, total_weight):
+    def _timed_steps(self, command: PassCommand, plan, progress, total_weight, on_step_end=None):
         """The timed region: the steps, the gradient norm, the device synchronized (an out of memory raised after)."""
         examples, pass_type, timeout_s = command.examples, command.pass_type, command.timeout_s
         oom = None
-        clock = StepClock(self.device)
+        clock = StepClock(self.device, on_step_end=on_step_end)
         t0 = time.perf_counter()
         clock.start()
         try:

@@ -158,10 +158,11 @@ def run_command(
     # The whole batch's loss weight, summed over ranks once per pass: every rank divides by it.
     # The collective also lines the ranks up, so the timed region starts together on all of them.
     total_weight = _all_reduce_float(total_loss_weight(examples, mine), dist.ReduceOp.SUM, device)
-    with profiled(command.profile_dir, pass_type, rank, device) as profile, compiling.PassMeter(model) as compiled, \
-            MemoryHistory(command.memory_snapshot_dir, pass_type, rank, device):
+    with profiled(command.profile_dir, pass_type, rank, device, len(schedule), command.profile_steps,
+                  command.profile_ranks, command.profile_memory) as profile, \
+            compiling.PassMeter(model) as compiled, MemoryHistory(command.memory_snapshot_dir, pass_type, rank, device):
         pending, grad_norm, step_s, timeline = _timed_steps(command, model, hooks, rank, examples, schedule, mine,
-                                                            lengths, total_weight, device, wlog)
+                                                            lengths, total_weight, device, wlog, profile.step)
     mem = peak_memory(device)  # the steps' peak, before the host copies below
     ran = kernels.snapshot()
     # Host work after the timed region: log-probs to the host, gathered to rank 0.
@@ -172,14 +173,15 @@ def run_command(
     return _gathered_result(command, gathered, rank, lengths, lockstep, grad_norm, device)
 
 
-def _timed_steps(command, model, hooks, rank, examples, schedule, mine, lengths, total_weight, device, wlog):
+def _timed_steps(command, model, hooks, rank, examples, schedule, mine, lengths, total_weight, device, wlog,
+                 on_step_end=None):
     """The timed region of one rank's pass: its steps, the gradient norm, the device synchronized.
 
     Returns the steps' pending outputs, the gradient norm, the region's seconds and this rank's timeline
     (``StepClock.finish``: when each step started and ended, and how long the rank was busy in it).
     """
     pass_type = command.pass_type
-    clock = StepClock(device, is_lockstep(hooks.spec.name))
+    clock = StepClock(device, is_lockstep(hooks.spec.name), on_step_end)
     t0 = time.perf_counter()
     clock.start()
     hooks.start_pass(model, pass_type)

@@ -45,8 +45,9 @@ class StepClock:
     """Marks of one rank's pass: ``start()`` where the timed region starts, ``mark()`` before each step and after
     the last one, ``finish()`` after the device is synchronized, which returns the rank's timeline."""
 
-    def __init__(self, device: torch.device, lockstep: bool = False):
+    def __init__(self, device: torch.device, lockstep: bool = False, on_step_end=None):
         self.cuda = device.type == "cuda"
+        self.on_step_end = on_step_end  # called where each step ends (bench.profile's window moves on)
         self.busy = busy_clock(device, lockstep)
         self._wall: list[float] = []
         self._cpu: list[float] = []
@@ -66,6 +67,8 @@ class StepClock:
 
     def mark(self) -> None:
         """A step starts here (or, after the last step, the steps end here)."""
+        if self._wall and self.on_step_end is not None:
+            self.on_step_end()
         self._wall.append(time.perf_counter())
         self._cpu.append(time.thread_time())
         if self.cuda:

@@ -52,3 +52,41 @@ def test_a_hand_made_timeline_is_split_exactly():
 ])
 def test_categories(name, stack, expected):
     assert category(name, stack) == expected
+
+
+def _loop(tmp_path, n_steps: int, **options) -> tuple[dict, set]:
+    """``n_steps`` marked iterations of real work under ``profiled``; returns the record and the iterations the
+    trace holds."""
+    import torch
+
+    from backends.runtime.profiling import profiled, read_trace
+
+    x = torch.randn(64, 64)
+    with profiled(str(tmp_path), "forward", 0, torch.device("cpu"), n_steps, **options) as profile:
+        for k in range(n_steps):
+            with torch.profiler.record_function(f"iteration{k}"):
+                for _ in range(5):
+                    x = torch.tanh(x @ x)
+            profile.step()
+    if not profile:
+        return profile, set()
+    names = {e.get("name") for e in read_trace(profile["trace"])["traceEvents"]}
+    return profile, {n for n in names if str(n).startswith("iteration")}
+
+
+def test_a_profile_holds_only_its_window_of_steps_and_says_how_big_it_is(tmp_path):
+    import os
+
+    profile, seen = _loop(tmp_path, 6, steps=2, ranks=(0,))
+    assert seen == {"iteration1", "iteration2"}, seen  # the first step is the profiler's warm-up, the rest not kept
+    assert profile["steps"] == [1, 2] and profile["memory"] is False
+    assert profile["trace_bytes"] == os.path.getsize(profile["trace"]) > 0 and profile["events"] > 10
+    got = profile["breakdown"]
+    assert got["covered_s"] == pytest.approx(got["pass_s"]) and got["seconds"]["other"] > 0
+    assert got["top_ops"][0]["calls"] == 10  # tanh or mm: 5 per step, two steps
+
+    whole, seen = _loop(tmp_path, 3, steps=3)  # no more steps than the window: the whole pass
+    assert seen == {"iteration0", "iteration1", "iteration2"} and whole["steps"] == [0, 2]
+
+    other_rank, seen = _loop(tmp_path, 6, ranks=(1,))  # rank 0 is not asked: nothing profiled, step() is free
+    assert other_rank == {} and seen == set()
