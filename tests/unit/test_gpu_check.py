@@ -181,3 +181,33 @@ def test_an_import_that_fails_is_reported_with_its_error():
     assert gpu_check.try_import("json")["imported"]
     missing = gpu_check.try_import("no_such_kernel_package")
     assert not missing["imported"] and "ModuleNotFoundError" in missing["error"]
+
+
+def test_the_wheels_pin_every_runtime_import_at_the_tested_version_and_leave_torch_alone():
+    """PINS_ONLY=1 prints what scripts/gpu_wheels.sh would download (nothing is): the closure of the harness's
+    runtime imports at this venv's versions, peft's accelerate and huggingface-hub's own needs included."""
+    import os
+    import subprocess
+    import sys
+    import tomllib
+    from importlib import metadata
+
+    script = Path(gpu_check.REPO) / "scripts" / "gpu_wheels.sh"
+    proc = subprocess.run(["bash", str(script)], env=dict(os.environ, PINS_ONLY="1", PYTHON=sys.executable),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    pins = dict(line.split("==") for line in proc.stdout.split())
+    for dist in ("transformers", "peft", "accelerate", "megatron-core", "hydra-core", "omegaconf",
+                 "antlr4-python3-runtime", "huggingface-hub", "safetensors", "tokenizers"):
+        assert pins[dist] == metadata.version(dist), dist
+    from packaging.requirements import Requirement
+
+    def needs(dist: str) -> set[str]:
+        reqs = [Requirement(r) for r in metadata.requires(dist) or []]
+        return {r.name.lower().replace("_", "-") for r in reqs if r.marker is None or r.marker.evaluate({"extra": ""})}
+
+    # what the hub needs travels too (httpx2 and the like: the GPU image lacks them), unless torch brings it
+    assert needs("huggingface-hub") - needs("torch") <= set(pins), needs("huggingface-hub") - set(pins)
+    assert not {"torch", "numpy", "triton"} & set(pins)  # the GPU machine's CUDA torch and what it was built with
+    extra = tomllib.loads((Path(gpu_check.REPO) / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert all(pins[p.split("==")[0]] == p.split("==")[1] for p in extra["gpu"])
