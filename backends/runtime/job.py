@@ -1,4 +1,5 @@
-"""A job started by torchrun or Slurm: where this process sits in it, the job's store, heartbeats and command channel.
+"""A job started by torchrun or Slurm, live: this process's connection to it, the job's store, heartbeats and command
+channel (how the process was launched is read by backends/runtime/launcher.py).
 
 Under an external launcher every process is one rank. Global rank 0 runs the
 harness (Hydra, planning, results.json, W&B, the report) and does its own share
@@ -18,16 +19,15 @@ from __future__ import annotations
 import logging
 import os
 import pickle
-import re
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Optional
 
 from backends.errors import UserError
-from backends.registry import is_distributed, valid_names
+from backends.registry import is_distributed
+from backends.runtime.launcher import LaunchEnv, check_world_size, detect_launch
 from backends.runtime.liveness import HEARTBEAT_EVERY_S, STALE_AFTER_S, Heartbeats, die_with_parent
 
 log = logging.getLogger(__name__)
@@ -37,80 +37,6 @@ _BEAT_STORE_TIMEOUT_S = 10.0
 _GRACE_S = {0: 30.0, "other": 5.0}
 _LATE_RANK_GRACE_S = 60.0  # rank 0 at its end: how long it keeps the store for a rank that never connected
 _STORE_TIMEOUT_S = 300.0  # how long a rank waits for the store itself at start-up (nodes start at different times)
-
-
-@dataclass(frozen=True)
-class LaunchEnv:
-    """Where this process sits in a launched job, read from the launcher's environment."""
-
-    launcher: str  # torchrun, slurm or env (RANK/WORLD_SIZE set by something else)
-    rank: int
-    world_size: int
-    local_rank: int
-    nnodes: int
-    master_addr: str
-    master_port: int
-
-    def record(self) -> dict:
-        return {"launcher": self.launcher, "nnodes": self.nnodes, "world_size": self.world_size}
-
-
-def first_host(nodelist: str) -> str:
-    """The first host of a Slurm node list: 'gpu[07-09,12],cpu3' -> 'gpu07'."""
-    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
-    if not match:
-        return nodelist
-    prefix, ranges = match.group(1), match.group(2)
-    if not ranges:
-        return prefix
-    return prefix + ranges.split(",")[0].split("-")[0]
-
-
-def _int(environ, *names: str) -> Optional[int]:
-    for name in names:
-        value = environ.get(name)
-        if value not in (None, ""):
-            return int(value.split("(")[0])  # SLURM_TASKS_PER_NODE style '4(x2)' never reaches here, but be safe
-    return None
-
-
-def detect_launch(environ=None) -> Optional[LaunchEnv]:
-    """The launched job this process is a rank of, or None when the harness starts its own ranks.
-
-    torchrun (and submitit's exported torch environment) set RANK, WORLD_SIZE,
-    LOCAL_RANK, MASTER_ADDR and MASTER_PORT. A Slurm step (``srun``) with more
-    than one task sets SLURM_PROCID, SLURM_STEP_NUM_TASKS and SLURM_LOCALID;
-    the store then lives on the first node of the step, at MASTER_PORT if set,
-    else a port derived from the job and step ids. A one-task Slurm job
-    (``hydra/launcher=slurm`` with one task per node) is not a launched job: the
-    harness spawns one rank per GPU itself.
-    """
-    env = os.environ if environ is None else environ
-    slurm = "SLURM_JOB_ID" in env
-    if "RANK" in env and "WORLD_SIZE" in env:
-        world_size = int(env["WORLD_SIZE"])
-        local_world = _int(env, "LOCAL_WORLD_SIZE")
-        if "TORCHELASTIC_RUN_ID" in env:
-            launcher = "torchrun"
-        else:
-            launcher = "slurm" if slurm else "env"
-        nnodes = (_int(env, "GROUP_WORLD_SIZE") if launcher == "torchrun" else None) \
-            or (_int(env, "SLURM_STEP_NUM_NODES", "SLURM_NNODES") if slurm else None) \
-            or (max(1, world_size // local_world) if local_world else 1)
-        return LaunchEnv(launcher, int(env["RANK"]), world_size, _int(env, "LOCAL_RANK") or 0, nnodes,
-                         env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", "29500")))
-    # SLURM_STEP_NUM_TASKS, not SLURM_NTASKS: a batch script run with --ntasks=8 is no rank; an srun step is.
-    ntasks = _int(env, "SLURM_STEP_NUM_TASKS")
-    if slurm and "SLURM_PROCID" in env and ntasks and ntasks > 1:
-        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "127.0.0.1"
-        # a port of the job's own, so two jobs (or two steps of one job) sharing a node do not meet
-        port = (
-            _int(env, "MASTER_PORT") or 20000 + (int(env["SLURM_JOB_ID"]) + (_int(env, "SLURM_STEP_ID") or 0)) % 20000
-        )
-        return LaunchEnv("slurm", int(env["SLURM_PROCID"]), ntasks, _int(env, "SLURM_LOCALID") or 0,
-                         _int(env, "SLURM_STEP_NUM_NODES", "SLURM_NNODES") or 1,
-                         env.get("MASTER_ADDR") or first_host(nodelist), port)
-    return None
 
 
 class LaunchedJob:
@@ -325,18 +251,6 @@ def launch_record(world_size: int) -> dict:
     return env.record() if env is not None else {"launcher": "spawn", "nnodes": 1, "world_size": world_size}
 
 
-def check_world_size(backend: str, world_size: Optional[int], env: LaunchEnv) -> int:
-    """The launcher's world size; a ``world_size=`` that says otherwise, or a one-process backend, is a user error."""
-    if not is_distributed(backend):
-        if env.world_size != 1:
-            raise UserError(f"backend.name: {backend} runs one process, but {env.launcher} started {env.world_size} "
-                            f"ranks (valid under a launcher: {valid_names(distributed_only=True)})")
-        return 1
-    if world_size is not None and world_size != env.world_size:
-        raise UserError(f"world_size: {world_size} conflicts with the {env.world_size} ranks {env.launcher} started "
-                        f"(WORLD_SIZE={env.world_size}); leave world_size unset under a launcher")
-    return env.world_size
-
 
 def resolve_world_size(backend: str, world_size: Optional[int], device_type: str) -> int:
     """Ranks a backend runs: pytorch 1; otherwise ``world_size``, else one per visible GPU, else 2 CPU ranks.
@@ -378,8 +292,6 @@ def end_after_failure(exit_code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(max(1, exit_code))
-
-
 
 
 def watch() -> None:

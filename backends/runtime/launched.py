@@ -20,7 +20,8 @@ from backends.messages import PassCommand, PassResult
 from backends.model.loading import merge_load_records
 from backends.runtime.devices import resolve_device, use_threads_per_rank
 from backends.runtime.failures import Failure, blame, failure_report
-from backends.runtime.job import LaunchedJob, check_world_size, launched_job
+from backends.runtime.job import LaunchedJob, launched_job
+from backends.runtime.launcher import check_world_size
 from backends.runtime.liveness import HEARTBEAT_EVERY_S, STALE_AFTER_S
 from backends.runtime.memory import limit_memory, restore_memory_limit
 from backends.runtime.ranks import run_command, start_rank

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from backends.errors import UserError
-from backends.runtime.job import LaunchEnv, check_world_size, detect_launch, first_host
+from backends.runtime.launcher import LaunchEnv, check_world_size, detect_launch, first_host
 
 
 def test_launch_environment_is_read_for_torchrun_slurm_and_none():
