@@ -8,6 +8,7 @@ launched job's rank 0 (backends/runtime/launched.py) both apply it.
 
 from __future__ import annotations
 
+import re
 import time
 import traceback
 from dataclasses import dataclass
@@ -80,3 +81,28 @@ def blame(kind: str, rank: int, message: str, details: Optional[str], what: str,
         if time.monotonic() >= deadline:
             return Failure(f"rank {rank} failed during {what}: {first_line(message, 400)}", details)
         time.sleep(poll_s)
+
+
+# NCCL's watchdog on a collective past the process group's time-out, in the rank's stderr before it aborts the
+# process (no Python exception is raised: a GPU collective returns before it completes), e.g.
+# "Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, OpType=BROADCAST, NumelIn=1, NumelOut=1,
+# Timeout(ms)=600000) ran for 600042 milliseconds before timing out."
+_WATCHDOG = re.compile(r"Watchdog caught collective operation timeout:?\s*(?:WorkNCCL\((?P<work>[^)]*\)?[^)]*)\))?"
+                       r"(?:\s*ran for (?P<ran_ms>\d+) milliseconds)?")
+
+
+def collective_timeout(stderr: Optional[str], rank: int, what: str, dist_timeout_s: float) -> Optional[str]:
+    """The one line for a rank NCCL's watchdog ended because a collective ran past ``backend.dist_timeout_s``
+    (found in what the rank wrote to stderr), or None when its stderr says nothing of the kind."""
+    found = _WATCHDOG.search(stderr or "")
+    if found is None:
+        return None
+    work = found.group("work") or ""
+    op = re.search(r"OpType=(\w+)", work)
+    seq = re.search(r"SeqNum=(\d+)", work)
+    ran = f" after {int(found.group('ran_ms')) / 1000:.0f} s" if found.group("ran_ms") else ""
+    which = f"a {op.group(1).lower()}" if op else "a collective"
+    number = f" (collective {seq.group(1)})" if seq else ""
+    return (f"rank {rank}: {which}{number} timed out{ran} during {what}, and NCCL's watchdog ended the process: "
+            f"backend.dist_timeout_s={dist_timeout_s:g} is the process group's time-out; raise it for a slow "
+            "interconnect or a slow read on rank 0")

@@ -30,7 +30,7 @@ from backends.messages import PassCommand, PassResult
 from backends.model.loading import merge_load_records
 from backends.registry import BY_NAME, is_lockstep
 from backends.runtime.devices import resolve_device, usable_cpu_cores, use_threads_per_rank
-from backends.runtime.failures import Failure, blame, failure_report
+from backends.runtime.failures import Failure, blame, collective_timeout, failure_report
 from backends.runtime.forkserver import apply_environment, rank_context, release_fork_server
 from backends.runtime.job import resolve_world_size
 from backends.runtime.liveness import die_with_parent
@@ -332,6 +332,7 @@ class DistributedBackend(Backend):
             except queue.Empty:
                 for rank, p in enumerate(self.procs):
                     if rank not in got and not p.is_alive():
+                        self._abort_timed_out_collective(what)
                         self._abort(*self._under_limit(f"rank {rank} {_describe_exit(p.exitcode)} during {what}",
                                                        what, "error"))
                 elapsed = time.monotonic() - start
@@ -349,6 +350,21 @@ class DistributedBackend(Backend):
             if msg_kind == kind:
                 got[rank] = payload
         return got
+
+    def _abort_timed_out_collective(self, what: str) -> None:
+        """A rank NCCL's watchdog ended (a collective past backend.dist_timeout_s, loading's broadcasts among them) is
+        named in one line, status timeout; start-up only, where the ranks' stderr is kept."""
+        if what != "start-up":
+            return
+        for rank, path in enumerate(self.startup_logs):
+            try:
+                with open(path, errors="replace") as f:
+                    text = f.read()
+            except OSError:
+                continue
+            line = collective_timeout(text, rank, what, self.spec.dist_timeout_s)
+            if line is not None:
+                self._abort(line, details=self._startup_output(), status="timeout")
 
     def _at_limit(self, pid: Optional[int]) -> bool:
         """Whether a rank's data segment (what RLIMIT_DATA counts) is within _THREAD_ROOM_BYTES of
