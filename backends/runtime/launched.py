@@ -120,6 +120,7 @@ class LaunchedBackend(Backend):
         self.name = spec.name
         self.device = resolve_device(spec.device)
         self.world_size = check_world_size(spec.name, spec.world_size, job.env)
+        self.local_ranks = min(_local_ranks(), self.world_size)  # the ranks (and GPUs) on rank 0's node
         self.closed = False
         self.failure_reason: Optional[str] = None
         self.seen_failure: Optional[str] = None  # rank 0's own failure while its peers are checked

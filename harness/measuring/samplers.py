@@ -223,11 +223,21 @@ class GpuSampler(_PeriodicSampler):
         return [m or None for m in self.mem_used_bytes]
 
 
+def local_devices(backend: Backend) -> int:
+    """How many GPUs this node's ranks use: every rank's on one node, else the node's share (a launched job's
+    ``local_ranks``), never more than the node has."""
+    import torch
+
+    ranks_here = getattr(backend, "local_ranks", None) or backend.world_size
+    return max(1, min(ranks_here, torch.cuda.device_count() or ranks_here))
+
+
 def make_sampler(backend: Backend, interval_s: float):
     """The sampler for the backend's device: NVML on GPUs (None when NVML is missing), psutil on CPUs."""
     if backend.device.type == "cuda":
         try:
-            return GpuSampler(range(backend.world_size), interval_s)
+            # the GPUs of this node's ranks: a job over several nodes has world_size ranks, not world_size GPUs here
+            return GpuSampler(range(local_devices(backend)), interval_s)
         except Exception as exc:  # noqa: BLE001 - NVML missing: utilisation unknown, the benchmark still runs
             log.warning("GPU utilisation not sampled (%s)", exc)
             return None

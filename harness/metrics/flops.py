@@ -42,29 +42,32 @@ from typing import Any, Mapping, Optional, Sequence, Union
 from backends.planning import CostModel
 from backends.planning.cost import token_mixers, weight_matmuls
 
-# Dense bf16 tensor-core peaks (no sparsity), FLOP/s per device, from the vendors' data sheets.
-# The first key found in torch.cuda.get_device_name wins, so a variant comes before its family's
-# bare name: "NVIDIA H200 NVL" must not match "H200" (the SXM part, e.g. "NVIDIA H200").
-GPU_PEAK_BF16 = (
-    ("B200", 2.25e15),
-    ("H200 NVL", 835e12),
-    ("H200", 989e12),  # SXM
-    ("H100 NVL", 835e12),
-    ("H100 PCIe", 756e12),
-    ("H100", 989e12),  # SXM ("NVIDIA H100 80GB HBM3")
-    ("A100", 312e12),
+# Dense data-sheet peaks (no sparsity), FLOP/s per device, per compute dtype: bf16 (and fp16) on the tensor cores;
+# float32 without them (torch's float32 matrix products are IEEE float32 unless TF32 is switched on, which this
+# project never does). The first key found in torch.cuda.get_device_name wins, so a variant comes before its
+# family's bare name: "NVIDIA H200 NVL" must not match "H200" (the SXM part, e.g. "NVIDIA H200").
+GPU_PEAKS = (
+    ("B200", {"bfloat16": 2.25e15, "float32": 75e12}),
+    ("H200 NVL", {"bfloat16": 835e12, "float32": 60e12}),
+    ("H200", {"bfloat16": 989e12, "float32": 67e12}),  # SXM
+    ("H100 NVL", {"bfloat16": 835e12, "float32": 60e12}),
+    ("H100 PCIe", {"bfloat16": 756e12, "float32": 51e12}),
+    ("H100", {"bfloat16": 989e12, "float32": 67e12}),  # SXM ("NVIDIA H100 80GB HBM3")
+    ("A100", {"bfloat16": 312e12, "float32": 19.5e12}),
 )
 FULL_FINE_TUNING_FACTOR = 3.0  # forward + backward = 3 forwards when every weight is trained
 # chunk size of the chunked gated delta rule (transformers' and backends/model/packing.py's default)
 DELTA_RULE_CHUNK = 64
 
 
-def gpu_peak_flops(name: str) -> Optional[float]:
-    """The dense bf16 peak of a GPU by its name, None for a device not in the table."""
+def gpu_peak_flops(name: str, dtype: str = "bfloat16") -> Optional[float]:
+    """The dense peak of a GPU by its name for a compute ``dtype`` (float16 counts as bfloat16), None for a device
+    not in the table."""
     upper = name.upper()
-    for key, peak in GPU_PEAK_BF16:
+    column = "float32" if dtype == "float32" else "bfloat16"
+    for key, peaks in GPU_PEAKS:
         if key.upper() in upper:
-            return peak
+            return peaks[column]
     return None
 
 
@@ -99,12 +102,15 @@ def measured_cpu_matmul_flops(dtype: str = "float32", repeats: int = 5, next_siz
 def device_peak(device: dict, world_size: int, compute_dtype: str = "float32") -> dict:
     """{"flops_per_device": peak or None, "source": where it came from} for the devices a run uses.
 
-    On CPU the peak is measured in the run's compute dtype (``precision.compute``): a bf16 run's
-    matrix products are bf16 ones, whose rate on a CPU differs from float32's by a large factor.
+    The peak is the run's compute dtype's (``precision.compute``): on a GPU the data sheet's column for it (bf16
+    tensor cores, or float32 without them), on a CPU a matmul measured in it: a bf16 run's matrix products are bf16
+    ones, whose rate differs from float32's by a large factor.
     """
-    if device.get("type") == "cuda":
-        peak = gpu_peak_flops(str(device.get("name", "")))
-        source = "dense bf16 data-sheet peak" if peak else f"unknown device {device.get('name')!r}: no peak, no MFU"
+    if device.get("type") == "cuda":  # the peak of the dtype that ran: a float32 run has no tensor-core peak
+        column = "float32" if compute_dtype == "float32" else "bfloat16"
+        peak = gpu_peak_flops(str(device.get("name", "")), column)
+        source = (f"dense {column} data-sheet peak" if peak
+                  else f"unknown device {device.get('name')!r}: no peak, no MFU")
         return {"flops_per_device": peak, "source": source}
     dtype = compute_dtype if compute_dtype in ("float32", "bfloat16", "float16") else "float32"
     machine, n = measured_cpu_matmul_flops(dtype=dtype)

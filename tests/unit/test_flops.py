@@ -48,8 +48,12 @@ def test_mfu_is_model_flops_per_second_per_device_over_the_peak():
 )
 def test_gpu_peaks_come_from_the_table(name, peak):
     assert gpu_peak_flops(name) == peak
-    got = device_peak({"type": "cuda", "name": name}, 4)
+    got = device_peak({"type": "cuda", "name": name}, 4, "bfloat16")
     assert got["flops_per_device"] == peak and (peak is not None or "no MFU" in got["source"])
+    fp32 = device_peak({"type": "cuda", "name": name}, 4, "float32")  # a float32 run: no tensor-core peak
+    assert (fp32["flops_per_device"] is None) == (peak is None)
+    if peak is not None:
+        assert fp32["flops_per_device"] < peak / 10 and "float32" in fp32["source"]
 
 
 def test_a_cpu_peak_is_measured_and_split_over_ranks():
