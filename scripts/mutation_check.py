@@ -392,8 +392,8 @@ MUTATIONS = (
     Mutation(
         "a calibrated model's cost per micro-batch is left out of the plan's statistics",
         "backends/planning/stats.py",
-        "        if cost_model.fixed:\n",
-        "        if False:\n",
+        "    if cost_model.fixed:\n",
+        "    if False:\n",
         (
             "tests/unit/test_balance.py::test_a_fixed_cost_per_micro_batch_is_counted_once_per_micro_batch_and_never_for_a_dummy",
         ),
