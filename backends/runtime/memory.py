@@ -189,6 +189,15 @@ def oom_message(pass_type: str, where: str, largest_padded: int, limit_gb: Optio
 # ---------------------------------------------------------------------------- bench.memory_snapshot
 
 SNAPSHOT_ENTRIES = 100_000  # allocation events kept (the newest): what led up to the failure
+# Each allocation's Python stack only: C++ stacks on every allocation (torch's default, "all") cost far more per
+# allocation, and dumping them symbolizes every frame while holding the interpreter lock, long enough for a rank's
+# heartbeat to go stale on a large model. The Python stack names the layer and the line that allocated.
+SNAPSHOT_STACKS = "python"
+
+
+def history_options() -> dict:
+    """What ``MemoryHistory`` asks of ``torch.cuda.memory._record_memory_history``."""
+    return {"enabled": "all", "context": "all", "stacks": SNAPSHOT_STACKS, "max_entries": SNAPSHOT_ENTRIES}
 
 
 def snapshot_path(snapshot_dir: str, pass_type: str, rank: int) -> str:
@@ -214,7 +223,7 @@ class MemoryHistory:
 
     def __enter__(self) -> "MemoryHistory":
         if self.on:
-            torch.cuda.memory._record_memory_history(max_entries=SNAPSHOT_ENTRIES)
+            torch.cuda.memory._record_memory_history(**history_options())
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

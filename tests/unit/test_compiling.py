@@ -134,6 +134,15 @@ def test_the_allocator_history_is_refused_off_cuda_and_free_when_not_asked():
         assert history.path is None
     with pytest.raises(RuntimeError, match="records the CUDA allocator, and this rank runs on cpu"):
         MemoryHistory("/tmp/x", "forward", 0, torch.device("cpu"))
+    # on CUDA: Python stacks only (no C++ stack per allocation, no symbolizing under the interpreter lock), in
+    # keywords this torch's recorder takes
+    import inspect
+
+    from backends.runtime.memory import history_options
+
+    options = history_options()
+    assert options["stacks"] == "python" and options["context"] == "all"
+    inspect.signature(torch.cuda.memory._record_memory_history).bind(**options)
 
 
 def test_the_meter_counts_again_after_dynamo_is_reset():
