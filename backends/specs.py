@@ -8,17 +8,20 @@ from typing import Optional
 
 @dataclass
 class BackendSpec:
-    """A backend config. The CLI's are these defaults (conf/backend/ sets only the name), its batching fields filled
-    from the top-level knobs (harness/batching.py); built in code, it runs what the CLI runs with no budget."""
+    """A backend config: what a backend runs. The CLI's are these defaults (conf/backend/ sets only the name), its
+    batching fields filled from the top-level knobs (harness/app/batching.py). Built in code with its defaults it runs
+    what the CLI runs with none typed (tests/unit/test_batching.py holds every field but the name to that)."""
 
-    # The one backend that needs no processes; the CLI's default (conf/config.yaml) is fsdp2.
+    # Differs from the CLI's default (fsdp2, conf/config.yaml) on purpose: built in code, the default backend runs in
+    # this process with no ranks to start, and the name decides which backend's rules apply (lock-step steps or not).
     name: str = "pytorch"
     max_tokens_per_microbatch: Optional[int] = None
     micro_batch_size: int = 1
-    # padded (count x longest) or packed (sequences end to end). The CLI's null resolves by budget (packed with one,
-    # padded without: harness.config.fill_batching_defaults); here the no-budget value, padded.
+    # padded (count x longest) or packed (sequences end to end). The CLI's knob may be null, resolved by the harness
+    # from what a backend config cannot see (a budget, mtpm=auto, whether the model packs:
+    # harness.app.config.fill_batching_defaults); with no budget, as here, that is padded.
     layout: Optional[str] = "padded"
-    # greedy (the original greedy planner) or balanced; the CLI's null: balanced with a budget, greedy without
+    # greedy (the original greedy planner) or balanced; the CLI's null resolves likewise: greedy with no budget
     planner: Optional[str] = "greedy"
     max_seqs_per_microbatch: Optional[int] = None  # at most this many sequences per micro-batch; None = no cap
     gradient_checkpointing: bool = False
