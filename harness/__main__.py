@@ -11,7 +11,7 @@ from omegaconf import DictConfig
 from harness.app.cli import run_hydra_cli
 from harness.app.roles import follow, leads, tell_launcher
 from harness.app.state import STATE
-from harness.point.point import run_point
+from harness.point.task import run_point
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")

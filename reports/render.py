@@ -274,7 +274,7 @@ def _answer(r, speedup: Optional[float], n_measured: int, tie: str = "") -> str:
     if is_noisy(r):
         parts.append("noisy")
     searched_tie = (auto or {}).get("tie")
-    if searched_tie:  # mtpm=auto settled a tie among its candidates (harness/point/point.py)
+    if searched_tie:  # mtpm=auto settled a tie among its candidates (harness/auto/run.py)
         tie = tie_text([f"mtpm={m:,}" for m in searched_tie["with"]], searched_tie["rule"], searched_tie.get("pairs"))
     if tie:
         parts.append(tie)

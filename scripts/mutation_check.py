@@ -149,7 +149,7 @@ MUTATIONS = (
     ),
     Mutation(
         "resume runs finished points again",
-        "harness/point/point.py",
+        "harness/point/task.py",
         'if previous.get("status") == "ok":',
         'if previous.get("status") == "never":',
         (
@@ -265,7 +265,7 @@ MUTATIONS = (
     ),
     Mutation(
         "budgets of different plans share one measurement",
-        "harness/point/point.py",
+        "harness/point/sharing.py",
         'what = {"config": conf, "layout": plan.stats.layout, "schedules": plan.schedules}',
         'what = {"config": conf, "layout": plan.stats.layout}',
         (
@@ -301,7 +301,7 @@ MUTATIONS = (
     ),
     Mutation(
         "a client records its own planner and layout, not the server's",
-        "harness/point/point.py",
+        "harness/point/setup.py",
         "layout, planner = backend.layout or layout, backend.planner or planner",
         "layout, planner = b.layout, b.planner",
         (
@@ -416,8 +416,8 @@ MUTATIONS = (
     ),
     Mutation(
         "no settling pass: the first timed pass after a switch of shape pays for the switch",
-        "harness/measuring/measure.py",
-        "        if pairing is None or last == which:\n            return\n",
+        "harness/measuring/runner.py",
+        "        if pairing is None or self.last == which:\n            return\n",
         "        if True:\n            return\n",
         (
             "tests/unit/test_spread.py::test_every_timed_pass_of_a_pair_follows_one_of_its_own_shape_so_a_switch_costs_neither_side",
@@ -434,8 +434,11 @@ MUTATIONS = (
     ),
     Mutation(
         "bench.target_ci_pct is ignored for a pass's own tok/s: it stops at bench.repeat however wide the interval",
-        "harness/measuring/measure.py",
-        "        if needs_more([real_tokens / t for t in elapsed], target_ci_pct):\n            return True\n",
+        "harness/measuring/stats.py",
+        (
+            "        if needs_more([self.real_tokens / t for t in self.elapsed], target_ci_pct):\n"
+            "            return True\n"
+        ),
         "",
         (
             "tests/unit/test_spread.py::test_repeats_go_on_until_the_interval_is_as_tight_as_asked_and_stop_at_the_most_allowed",
@@ -473,7 +476,7 @@ MUTATIONS = (
     ),
     Mutation(
         "a hot backend's paired baseline runs with the point's budget: the control file is not switched to mbs=1",
-        "harness/measuring/measure.py",
+        "harness/measuring/runner.py",
         '        control = getattr(backend, "control", None)\n',
         "        control = None\n",
         ("tests/integration/test_hot.py::test_hot_and_cold_sweeps_agree_and_hot_loads_once",),

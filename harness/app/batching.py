@@ -2,7 +2,7 @@
 
 Every part of the harness that must know which keys are batching reads them here: the config's schema and its
 resolution (harness/app/config.py), a sweep's settings and baselines (harness/sweep/points.py), hot switching
-(harness/sweep/hot.py), plan sharing (harness/point/point.py's measurement_key) and results.json's first record
+(harness/sweep/hot.py), plan sharing (harness/point/sharing.py) and results.json's first record
 (harness/point/results.py). A leaf module: no harness imports, so results.json's first write can use it on a config that
 does not resolve.
 """

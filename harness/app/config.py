@@ -26,7 +26,7 @@ from backends.registry import backend_entry
 from backends.specs import BackendSpec, ModelSpec
 from harness.app.batching import AUTO, Batching, batching_by_budget, check_spellings, interpolations
 from harness.data.workload import WorkloadSpec
-from harness.metrics.calibration import check_cost_model
+from harness.metrics.calibration import CALIBRATED, check_cost_model
 
 
 @dataclass
@@ -312,11 +312,38 @@ def without_auto(cfg: DictConfig) -> DictConfig:
     return cfg
 
 
+def check_calibration_keys(cfg: DictConfig) -> None:
+    """``calibration.*`` set while cost_model=flops is refused in one line naming both: nothing is calibrated, so the
+    settings would be ignored silently. In a multirun they are the sweep's: its flops points carry them for its
+    calibrated ones (cost_model=flops,calibrated), so a multirun's points are not refused."""
+    if OmegaConf.select(cfg, "cost_model", throw_on_resolution_failure=False) == CALIBRATED or _in_multirun():
+        return
+    given = OmegaConf.select(cfg, "calibration", throw_on_resolution_failure=False) or {}
+    defaults = CalibrationConfig()
+    shown = lambda v: "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)  # noqa: E731
+    typed = [f"calibration.{k}={shown(given[k])}" for k in given
+             if hasattr(defaults, k) and given[k] != getattr(defaults, k)]
+    if typed:
+        cost_model = OmegaConf.select(cfg, "cost_model", throw_on_resolution_failure=False)
+        raise UserError(f"{', '.join(typed)}: calibration.* sets up cost_model=calibrated, and this run has "
+                        f"cost_model={cost_model}, which calibrates nothing; set cost_model=calibrated, or drop "
+                        f"{'it' if len(typed) == 1 else 'them'}")
+
+
+def _in_multirun() -> bool:
+    """Whether Hydra runs this config as one job of a multirun (-m)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
 def resolve_config(cfg: DictConfig) -> HarnessConfig:
     """Hydra's composed config as a checked HarnessConfig; a UserError with one line when it is not valid."""
     try:
         check_mtpm(OmegaConf.select(cfg, "mtpm", throw_on_resolution_failure=False))
         check_spellings(cfg)
+        check_calibration_keys(cfg)
         spec = OmegaConf.to_object(without_auto(cfg))
     except OmegaConfBaseException as exc:
         raise UserError(config_error_line(exc)) from None

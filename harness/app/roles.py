@@ -4,7 +4,7 @@ A process that is no rank of a torchrun / Slurm / submitit job leads its own
 run (it spawns its ranks itself). In a launched job only global rank 0 leads;
 every other rank follows: no Hydra output, no files, only its share of rank
 0's passes, until rank 0 ends the job (backends/runtime/job.py). harness/__main__.py
-and run_point (harness/point/point.py) both ask ``leads()``; nothing else decides it.
+and run_point (harness/point/task.py) both ask ``leads()``; nothing else decides it.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What the points of one invocation ended with: the exit status the CLI returns, and the latest point's folder.
 
-Its own module so that harness/point/point.py and harness/app/callbacks.py (which record it) and
+Its own module so that harness/point/task.py and harness/app/callbacks.py (which record it) and
 harness/__main__.py and harness/app/cli.py (which read it) import it without importing each other.
 """
 
@@ -28,7 +28,7 @@ class RunState:
 
 # The one mutable global of a run, because Hydra hands nothing back: a task function's return value is
 # dropped (and a multirun calls it once per point), and callbacks are built by Hydra from conf/config.yaml.
-# Written by run_point (harness/point/point.py) after every point and by ReportCallback.on_multirun_end
+# Written by run_point (harness/point/task.py) after every point and by ReportCallback.on_multirun_end
 # (harness/app/callbacks.py: points a launcher ran in other processes), and by the sweeper (sweep_folders: which
 # points a resumed sweep lists); read by __main__ for the exit status
 # once Hydra returns, and by cli.interrupted_hint (last_dir) after a Ctrl-C has unwound Hydra.

@@ -167,3 +167,21 @@ class Tracker:
             fn(*args, **kwargs)
         except Exception as exc:  # noqa: BLE001 - W&B is a copy: results.json holds everything
             log.warning("W&B: %s failed (%s: %s)", getattr(fn, "__name__", "call"), type(exc).__name__, exc)
+
+
+def start_tracker(cfg, out_dir: Path, group: Optional[str], doc: dict[str, Any]) -> Tracker:
+    """The point's W&B run (or none: the logger off, or W&B failing to start)."""
+    from omegaconf import OmegaConf
+
+    from harness.app.config import without_auto
+
+    return Tracker(
+        OmegaConf.to_container(cfg.logger, resolve=True) if cfg.get("logger") else None,
+        out_dir,
+        OmegaConf.to_container(without_auto(cfg), resolve=True),
+        # what runs (a server's)
+        run_name(doc["backend"], doc["mtpm"], doc["mbs"], doc["planner"], doc["layout"],
+                 doc.get("max_seqs_per_microbatch"), doc.get("cost_model"))
+        + ("-auto" if doc.get("auto") else ""),
+        group,
+    )

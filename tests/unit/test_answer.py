@@ -246,7 +246,7 @@ def test_a_shared_row_says_whose_measurement_it_shows(tmp_path):
 
 
 def test_two_budgets_share_a_measurement_only_when_the_plan_and_everything_else_match():
-    from harness.point.point import measurement_key
+    from harness.point.sharing import measurement_key
 
     def key(*overrides):
         cfg = _compose(*overrides)
@@ -278,7 +278,7 @@ def _auto_doc(speedup=None, tie=None):
 
 
 def test_the_auto_answer_line_says_the_paired_speedup_and_its_interval_that_results_json_holds(caplog):
-    from harness.point.point import _log_answer
+    from harness.point.logs import log_answer as _log_answer
 
     paired = {"median": 2.14, "ci": [1.9, 2.4], "pairs": [2.0, 2.14, 2.3]}
     with caplog.at_level("INFO", logger="harness"):

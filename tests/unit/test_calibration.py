@@ -213,7 +213,8 @@ def test_the_greedy_planner_uses_no_cost_model_so_nothing_is_calibrated_or_recor
 
     from harness.app.config import resolve_config
     from harness.data.workload import load_workload
-    from harness.point.point import HydraRun, Point, Setup
+    from harness.point.point import Point
+    from harness.point.setup import HydraRun, Setup
     from tests.conftest import compose_config
 
     overrides = ["dry_run=true", "workload=smoke", "mtpm=4096", f"planner={planner}", "layout=padded",

@@ -14,7 +14,9 @@ from backends.backend import Backend
 from backends.messages import PassResult, make_command
 from backends.specs import BackendSpec, ModelSpec
 from harness.data.workload import make_examples
-from harness.measuring.measure import Pairing, measure_pass, merge_records
+from harness.measuring.measure import measure_pass
+from harness.measuring.records import merge_records
+from harness.measuring.runner import Pairing
 from harness.metrics.spread import NOISY_RATIO, half_width_pct, interval, paired_speedup, summary, t_quantile
 
 EXAMPLES = make_examples([100, 200, 300, 400], 64, seed=0)

@@ -1,0 +1,273 @@
+"""mtpm=auto on a point: its budgets planned, each candidate measured on one backend the point starts for itself, the
+search (harness/auto/model.py) run over them, the two leaders settled (harness/auto/lead.py), and the chosen budget's
+record written as any point's, with ``auto`` saying how it was found.
+
+The point lends what every point does (its results, label, backend, commands, pairing, plan and passes);
+``AutoRun`` holds what only the search has: the candidates, the runs each budget gave, the memory limit.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+from backends.errors import BackendError, UserError
+from harness.app.config import HarnessConfig
+from harness.auto.model import PlanningProgress, candidates_of, memory_limit, power_of_two_budgets, search
+from harness.data.workload import Workload
+from harness.point.logs import log_answer, log_candidate
+from harness.point.results import workload_record
+from harness.point.setup import Setup, label, plan_for, setup_fields
+
+log = logging.getLogger("harness")
+
+
+class AutoRun:
+    """The search for one point (``point``: a harness.point.point.Point, whose record becomes the chosen budget's)."""
+
+    def __init__(self, point, spec: HarnessConfig, workload: Workload):
+        self.point = point
+        self.spec = spec
+        self.workload = workload
+        self.lengths = workload.lengths
+        # Ranks that cannot start under bench.memory_limit_gb are the search's first result, not its end: every
+        # candidate would start the same ranks, so each is recorded out of memory with that start-up's message.
+        self.start_failed: list[BackendError] = []
+        self.runs: dict[Optional[int], tuple] = {}  # what each measured budget gave (None: the mbs=1 baseline)
+        self.setup: Optional[Setup] = None
+        self.cands: list = []
+        self.auto: dict[str, Any] = {}
+        self.limit = 0
+        self.source = ""
+        self.examples: list = []
+
+    def run(self) -> None:
+        """Search the budgets on one loaded backend; the point's record is then the chosen budget's, with ``auto``."""
+        spec = self.spec
+        if spec.target.url:
+            raise UserError("mtpm: auto searches on a backend it starts itself; against a server (target.url) set "
+                            "mtpm to a number, or run the search without target.url")
+        self.point.label = f"[{spec.backend.name} mtpm=auto] "
+        self._plan_candidates()
+        if spec.dry_run:
+            self.point.results.mark("planned")
+            return
+        self.examples = self.point.examples(spec)
+        chosen = self._settle_lead(self._search())
+        self._save()
+        self._record_choice(chosen)
+        log_answer(self.point.label, self.point.results.doc)
+
+    # -- before anything is measured ------------------------------------------------------------------
+    def _first_setup(self) -> Setup:
+        """A dry run's setup, else the started backend's (a start that runs out of memory: the dry-run one)."""
+        spec = self.spec
+        if spec.dry_run:
+            return Setup.dry_run(spec)
+        if spec.hot:
+            self._release_hot_backend()
+        try:
+            return Setup.of_backend(spec, self._start_own_backend())
+        except BackendError as exc:
+            if exc.status != "oom":
+                raise
+            self.start_failed.append(exc)
+            return Setup.dry_run(spec)
+
+    def _plan_candidates(self) -> None:
+        """The candidates (the workload planned at each power-of-two budget), the memory limit, and ``auto``."""
+        spec, point, lengths = self.spec, self.point, self.lengths
+        self.setup = setup = self._first_setup()
+        setup.cost_model = point.planner_cost_model(spec, lengths, setup, point.backend)
+        point.cost_model = setup.cost_model
+        budgets = power_of_two_budgets(lengths, setup.world_size, setup.layout)
+        progress = PlanningProgress(point.label, budgets, len(lengths), spec.bench.progress_every_s)
+        self.cands = cands = candidates_of(lengths, budgets, lambda m: plan_for(lengths, setup, m), setup.layout,
+                                           on_planned=progress)
+        self.limit, self.source = limit, source = memory_limit(spec.bench.memory_limit_gb, setup.device or {},
+                                                               setup.world_size, spec.bench.memory_headroom)
+        headroom = spec.bench.memory_headroom  # applied to the device's memory; limit_source says which limit ruled
+        log.info("%smtpm=auto: %d distinct plans (%s) on %s, %s; limit %.2f GiB per rank (%s)", point.label,
+                 len(cands), ", ".join(str(c.mtpm) for c in cands), setup.name, f"{setup.planner} {setup.layout}",
+                 limit / 2**30, source)
+        self.auto = {"candidates": [c.as_dict() for c in cands], "memory_model": None, "headroom": headroom,
+                     "limit_bytes": limit, "limit_source": source, "baseline": None, "chosen": None}
+        point.results.update(backend=setup.name, world_size=setup.world_size, device=setup.device,
+                             planner=setup.planner, layout=setup.layout,
+                             workload=workload_record(spec.workload, lengths, self.workload.file,
+                                                      self.workload.dataset),
+                             auto=self.auto)
+
+    def _save(self) -> None:
+        self.auto["candidates"] = [c.as_dict() for c in self.cands]
+        self.point.results.save()
+
+    # -- the search ------------------------------------------------------------------------------------
+    def _measure(self, mtpm: Optional[int]):
+        """One candidate's fwd+bwd (``mtpm`` None: the mbs=1 baseline), as the search takes it: a Measured."""
+        from harness.auto.model import Measured
+        from harness.measuring.measure import measure_pass
+
+        spec, point, setup = self.spec, self.point, self.setup
+        layout, planner = (setup.layout, setup.planner) if mtpm is not None else ("padded", "greedy")
+        if point.backend is None:  # started when there is something to measure, not after the last failure
+            if self.start_failed:
+                return Measured("oom", error=str(self.start_failed[0]))
+            try:
+                self._start_own_backend()
+            except BackendError as exc:
+                if exc.status != "oom":
+                    raise
+                self.start_failed.append(exc)
+                return Measured("oom", error=str(exc))
+        command_for = point.command_for(spec, self.examples, mtpm, 1, layout, planner)
+        pairing = point.pairing(spec, self.examples, "forward_backward", mtpm=mtpm)
+        if pairing is not None:
+            pairing.warm = False  # the baseline ran first, warm: each candidate pays for its own warm-up only
+        try:
+            record, result = measure_pass(point.backend, self.examples, "forward_backward", spec.bench.warmup, 1,
+                                          command_for, spec.bench.util_sample_s, label=label(setup.name, mtpm, 1),
+                                          pairing=pairing)
+        except BackendError as exc:
+            if exc.status != "oom":
+                raise
+            log.info("%sout of memory: a result; the search goes on below it", label(setup.name, mtpm, 1))
+            if point.backend.failure() is not None:  # its ranks are gone: the next candidate starts fresh ones
+                point.backend.close()
+                point.backend = None
+            return Measured("oom", error=str(exc))
+        self.runs[mtpm] = (record, result)
+        peaks = [p for p in record.mem_peak_bytes or [] if p is not None]
+        speed = record.spread_fields().get("speedup")  # the candidate's pair ratio: what the search ranks by
+        return Measured("ok", record.tok_per_s, max(peaks) if peaks else None,
+                        speedup=speed["median"] if speed else None)
+
+    def _search(self):
+        """The baseline, then the search over the candidates; the candidate chosen (none fits: a BackendError)."""
+        auto, cands, limit, source = self.auto, self.cands, self.limit, self.source
+        base = self._measure(None)
+        auto["baseline"] = {"mbs": 1, "planner": "greedy", "layout": "padded", "status": base.status,
+                            "tok_per_s": base.tok_per_s, "peak_bytes": base.peak_bytes, "error": base.error}
+        self._save()
+        kernels = self.runs[None][1].kernels if None in self.runs else None
+        quadratic = "eager" in ((kernels or {}).get("attention") or {})  # scores materialised: memory ~ length^2
+        longest = max(self.lengths)
+        found = search(cands, lambda c: self._measure(c.mtpm), limit, quadratic=quadratic,
+                       baseline_point=(longest, longest * longest, base.peak_bytes) if base.peak_bytes else None,
+                       on_candidate=lambda c: (self._save(), log_candidate(self.point.label, c, limit)))
+        auto.update(found.as_dict(self.spec.bench.memory_headroom, source), baseline=auto["baseline"])
+        if found.chosen is None:
+            smallest = cands[0] if cands else None
+            self._save()
+            raise BackendError(
+                f"mtpm=auto: no budget fits in {limit / 2**30:.2f} GiB per rank ({source})"
+                + (f"; the smallest, mtpm={smallest.mtpm}, ended {smallest.status}" if smallest else "")
+                + (f": {smallest.reason}" if smallest and smallest.reason else ""), status="oom",
+                details=self.start_failed[0].details if self.start_failed else None)
+        return found.chosen
+
+    def _settle_lead(self, chosen):
+        """The two fastest candidates, measured in pairs, get more pairs while their intervals overlap
+        (harness/auto/lead.py); returns the candidate chosen, ``auto.tie`` saying what it tied with and the rule."""
+        from harness.auto.lead import Leader, settle
+        from harness.measuring.measure import measure_pass
+        from harness.measuring.records import merge_records
+
+        spec, point, setup, runs, examples = self.spec, self.point, self.setup, self.runs, self.examples
+        self.auto["tie"] = None
+        fitting = [c for c in self.cands if c.status == "ok" and c.speedup is not None and c.mtpm in runs]
+        if len(fitting) < 2:
+            return chosen
+        top = sorted(fitting, key=lambda c: (c.speedup, c is chosen), reverse=True)[:2]
+
+        def pairs_of(mtpm: int) -> list[float]:
+            return runs[mtpm][0].spread_fields()["speedup"]["pairs"]
+
+        def more(lead: Leader, n: int) -> list[float]:
+            record = runs[lead.mtpm][0]
+            if point.backend is None:  # a larger candidate ran out of memory and took the ranks with it
+                self._start_own_backend()
+            extra, result = measure_pass(
+                point.backend, examples, "forward_backward", 0, n,
+                point.command_for(spec, examples, lead.mtpm, 1, setup.layout, setup.planner), spec.bench.util_sample_s,
+                label=label(setup.name, lead.mtpm, 1), release_first=False,
+                pairing=point.pairing(spec, examples, "forward_backward", mtpm=lead.mtpm))
+            runs[lead.mtpm] = (merge_records(record, extra), result)
+            return pairs_of(lead.mtpm)
+
+        settled = settle([Leader(c.mtpm, c.measured_peak_bytes, pairs_of(c.mtpm)) for c in top], more,
+                         spec.bench.repeat, spec.bench.max_repeats)
+        for c in top:
+            c.speedup = runs[c.mtpm][0].spread_fields()["speedup"]["median"]
+        self.auto.update(candidates=[c.as_dict() for c in self.cands], chosen=settled.chosen.mtpm,
+                         tie=settled.as_dict())
+        _log_settled(point.label, settled, top)
+        return next(c for c in top if c.mtpm == settled.chosen.mtpm)
+
+    # -- the answer --------------------------------------------------------------------------------------
+    def _record_choice(self, chosen) -> None:
+        """The chosen budget's record, as any point's: its plan, its fwd+bwd topped up to ``bench.repeat`` timed
+        runs (after the one the search made), and its forward pass."""
+        from harness.measuring.measure import measure_pass
+        from harness.measuring.records import merge_records
+
+        spec, point, setup, examples = self.spec, self.point, self.setup, self.examples
+        setup.mtpm = spec.backend.max_tokens_per_microbatch = chosen.mtpm
+        point.label = label(setup.name, setup.mtpm, setup.mbs)
+        if point.backend is None:  # a larger candidate ran out of memory and took the ranks with it
+            self._start_own_backend()
+        plan = point.plan(spec, lengths := self.lengths, setup)
+        point.results.update(**setup_fields(spec, self.workload, setup, plan))
+        command_for = point.command_for(spec, examples, chosen.mtpm, 1, setup.layout, setup.planner)
+        record, result = self.runs[chosen.mtpm]
+        if spec.bench.repeat > len(record.elapsed_s):
+            pairing = point.pairing(spec, examples, "forward_backward", mtpm=chosen.mtpm)
+            more, result = measure_pass(point.backend, examples, "forward_backward", 0,
+                                        spec.bench.repeat - len(record.elapsed_s), command_for,
+                                        spec.bench.util_sample_s, label=point.label, release_first=False,
+                                        target_ci_pct=spec.bench.target_ci_pct, max_repeats=spec.bench.max_repeats,
+                                        pairing=pairing)
+            record = merge_records(record, more)
+        point.measure(spec, lengths, point.backend, examples, command_for,
+                      measured={"forward_backward": (record, result)})
+
+    # -- the search's own backend --------------------------------------------------------------------
+    def _release_hot_backend(self) -> None:
+        """A hot sweep's loaded backend is closed before mtpm=auto starts its own: the search measures each budget's
+        peak against the limit with its ranks alone on the device, not beside idle ranks holding a model (whose
+        memory no limit accounts for). The sweep's next point loads the hot backend again; this one records
+        ``hot: false``, the backend it ran on being its own."""
+        from harness.sweep.hot import HOT
+
+        if HOT.backend is not None:
+            log.info("%shot: the sweep's loaded %s is released first, so the search's ranks are alone under the "
+                     "memory limit; the next point loads it again", self.point.label, HOT.backend.name)
+        HOT.close()
+
+    def _start_own_backend(self):
+        """A backend for this point alone (mtpm=auto sets each candidate's budget in its commands, not a control
+        file)."""
+        from backends.model.build import model_vocab_size
+        from backends.start import make_backend
+
+        spec, point = self.spec, self.point
+        point.vocab_size = model_vocab_size(spec.model)
+        log.info("%sstarting %s", point.label, spec.backend.name)
+        point.backend = make_backend(spec.backend, spec.model)
+        return point.backend
+
+
+def _log_settled(prefix: str, settled, top) -> None:
+    """How the two leaders were told apart (or not): one line."""
+    shown = ", ".join(f"mtpm={lead.mtpm} {lead.option()['median']:.2f}×" + (
+        f" ({lead.option()['ci'][0]:.2f}–{lead.option()['ci'][1]:.2f})" if lead.option()["ci"] else "")
+        for lead in [settled.chosen, *settled.tied])
+    if settled.tied:
+        log.info("%smtpm=auto: the leaders cannot be told apart after %d pairs each (%s): they tie; mtpm=%d chosen "
+                 "for %s", prefix, settled.pairs, shown, settled.chosen.mtpm, settled.rule)
+    elif settled.pairs < 2:
+        log.info("%smtpm=auto: mtpm=%d leads on one pair each (%s): bench.repeat=1 gives no interval to tell the "
+                 "leaders apart", prefix, settled.chosen.mtpm, shown)
+    else:
+        log.info("%smtpm=auto: mtpm=%d leads clearly after %d pairs each (%s)", prefix, settled.chosen.mtpm,
+                 settled.pairs, ", ".join(f"mtpm={c.mtpm} {c.speedup:.2f}×" for c in top))
