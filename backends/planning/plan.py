@@ -138,6 +138,21 @@ def given_plan(
                 lockstep=align)
 
 
+def _greedy_schedules(lengths: list[int], world_size: int, max_tokens: Optional[int], micro_batch_size: int,
+                      layout: str, cap: Optional[int], align: bool) -> list[Schedule]:
+    """The original greedy planner: sorted, dealt to ranks like cards, each rank's micro-batches filled greedily; with
+    ``align`` shorter schedules padded with ``None``."""
+    order, sorted_lengths = length_order(lengths)
+    sorted_lengths = sorted_lengths.tolist()
+    dealt = deal_to_ranks(order, world_size)
+    per_rank = [
+        microbatches_for_rank(indices, lengths, max_tokens, micro_batch_size, layout, cap,
+                              order_lengths=sorted_lengths[r::world_size])  # deal_to_ranks's cards, r, r+W, ...
+        for r, indices in enumerate(dealt)
+    ]
+    return align_schedules(per_rank) if align else [list(s) for s in per_rank]
+
+
 def plan_batch(
     lengths: Sequence[int],
     world_size: int = 1,
@@ -188,15 +203,8 @@ def plan_batch(
         schedules = align_schedules(rows) if align else [[b for b in s if b is not None] for s in rows]
         record = peer_record(planner, peer, schedules, align)
     else:
-        order, sorted_lengths = length_order(lengths)
-        sorted_lengths = sorted_lengths.tolist()
-        dealt = deal_to_ranks(order, world_size)
-        per_rank = [
-            microbatches_for_rank(indices, lengths, max_tokens_per_microbatch, micro_batch_size, layout, cap,
-                                  order_lengths=sorted_lengths[r::world_size])  # deal_to_ranks's cards, r, r+W, ...
-            for r, indices in enumerate(dealt)
-        ]
-        schedules = align_schedules(per_rank) if align else [list(s) for s in per_rank]
+        schedules = _greedy_schedules(lengths, world_size, max_tokens_per_microbatch, micro_batch_size, layout, cap,
+                                      align)
     stats = plan_stats(
         schedules,
         lengths,
