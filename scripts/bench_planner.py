@@ -26,12 +26,21 @@ Part 3 (a million): each distribution at its usual budget (``MILLION_CASES``)
 with 1,000,000 sequences on 1 and 8 ranks, every planner and layout, and the
 growth from 100,000 (the full grid at a million is ``--sizes
 10000,100000,1000000``: hours on 2 cores).
+
+Part 4 (the peers, backends/planning/peers/): every peer planner in its own
+layout beside the balanced and greedy ones, on the published workload (4 and
+8 ranks, the four budgets, Qwen3.5's cost model) and on each distribution
+(``--peers-size`` sequences at its usual budget, 1 and 8 ranks, cost = tokens):
+steps against the lower bound, pad efficiency, per-rank cost max/mean, the
+critical path, micro-batches over budget and planning time; a peer that
+refuses the input (a sequence over its budget, say) says so in the row.
 """
 
 from __future__ import annotations
 
 import argparse
 import platform
+import re
 import sys
 import time
 from pathlib import Path
@@ -40,7 +49,8 @@ from typing import Callable
 import numpy as np
 
 from backends.model.configs import cost_model_for
-from backends.planning import critical_path_lower_bound, lower_bound_bins, plan_batch
+from backends.planning import PLANNERS, critical_path_lower_bound, lower_bound_bins, plan_batch
+from backends.planning.peers import PEER_NAMES, PeerRefusal, peer_layout
 from backends.specs import ModelSpec
 from harness.data.workload import mixed_lengths
 
@@ -55,6 +65,10 @@ MILLION = 1_000_000
 # Part 3: a million sequences of each distribution at the budget it is usually trained with
 MILLION_CASES = (("short", 512), ("qa", 384), ("mixed", 32768), ("heavy", 8192), ("equal", 2048), ("ones", 131072))
 MILLION_RANKS = (1, 8)
+# Part 4: every planner in its own layout (ours: balanced packed, greedy padded), the peers after them
+PEER_CASES = [(p, peer_layout(p) or ("packed" if p == "balanced" else "padded")) for p in PLANNERS]
+PEER_RANKS = (4, 8)
+PEER_SIZE = 1_000  # verl's Karmarkar–Karp keeps k partitions per item: memory and time grow as n × k
 
 
 def short_lengths(n: int, seed: int = 0) -> list[int]:
@@ -170,6 +184,9 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--no-published", action="store_true", help="skip part 1")
     ap.add_argument("--no-million", action="store_true", help="skip part 3")
+    ap.add_argument("--peers-size", type=int, default=PEER_SIZE, help="part 4's sequences per distribution (0 skips "
+                    "part 4's distributions; --no-peers skips part 4)")
+    ap.add_argument("--no-peers", action="store_true", help="skip part 4")
     args = ap.parse_args(argv)
     unknown = [d for d in args.distributions.split(",") if d not in DISTRIBUTIONS]
     if unknown:
@@ -190,6 +207,8 @@ def main(argv=None) -> int:
         out += scaling(args)
     if not args.no_million:
         out += million()
+    if not args.no_peers:
+        out += peers(args.peers_size, [d for d in args.distributions.split(",") if d])
     text = "\n".join(out) + "\n"
     if args.out:
         args.out.write_text(text)
@@ -295,6 +314,46 @@ def million() -> list[str]:
         )
         rows += [[name, r[3], r[0], r[1], r[2], *r[4:]] for r in part]
     out.append(table(header, rows))
+    return out
+
+
+def peer_row(lengths, planner, layout, world, budget, cost_model) -> list[str]:
+    """``row``'s columns for any planner; a peer's refusal fills the row with its reason."""
+    try:
+        cells = row(lengths, planner, layout, world, budget, cost_model)
+    except PeerRefusal as exc:
+        reason = re.sub(r" \([^()]*\)$", "", str(exc).split("; ")[0]).removeprefix(f"planner: {planner} ")
+        return [planner, layout, str(world), f"{budget:,}", f"refused: {reason}", *["—"] * 6]
+    return cells
+
+
+def peers(size: int, names: list[str]) -> list[str]:
+    cost_model = cost_model_for(ModelSpec(name="qwen3_5_35b_a3b", path="/nonexistent/Qwen3.5-35B-A3B"))
+    header = ["planner", "layout", "ranks", "budget", "steps / lower bound", "pad eff.", "cost max/mean",
+              "critical path", "critical path ≥", "over budget", "plan ms"]
+    lengths = mixed_lengths(128, 64, 32768, 42)
+    out = ["", "## Part 4: the peers beside the balanced and greedy planners", "",
+           (f"Peers: {', '.join(PEER_NAMES)} (backends/planning/peers/), each in its own layout. "
+           "A refusal is the peer's own (its assert, its ValueError, or a sample it would drop)."), "",
+           f"### seed_mixed_128 ({len(lengths)} examples, {sum(lengths):,} tokens), cost model {cost_model.source}", ""]
+    rows = []
+    for world in PEER_RANKS:
+        for budget in BUDGETS:
+            for planner, layout in PEER_CASES:
+                rows.append(peer_row(lengths, planner, layout, world, budget, cost_model))
+                print(" | ".join(rows[-1]), flush=True)
+    out.append(table(header, rows))
+    usual = dict(MILLION_CASES)
+    for name in names if size else []:
+        corpus = DISTRIBUTIONS[name][0](size)
+        budget = usual[name]
+        out += ["", f"### {name}, {size:,} sequences at budget {budget:,}: {DISTRIBUTIONS[name][1].rstrip('.')}", ""]
+        rows = []
+        for world in (1, 8):
+            for planner, layout in PEER_CASES:
+                rows.append(peer_row(corpus, planner, layout, world, budget, None))
+                print(name + " | " + " | ".join(rows[-1]), flush=True)
+        out.append(table(header, rows))
     return out
 
 
