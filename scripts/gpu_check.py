@@ -48,6 +48,7 @@ if str(REPO) not in sys.path:  # run as python scripts/gpu_check.py
 KERNEL_MODULES = ("fla", "flash_attn", "causal_conv1d")  # the fast paths' packages, by import name
 DEFAULT_BUDGET_S = 300.0  # five minutes of a 15-minute device session: start-up and a rerun fit beside it
 BIG_MODEL_BUDGET_S = 1500.0
+CPU_BUDGET_S = 600.0  # no device time to save on CPU: room for a machine shared with other runs
 SUMMARY = "summary.json"
 GROUP = "gpu_check"  # the config group of the generated point files
 
@@ -703,8 +704,8 @@ def parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--plan", action="store_true", help="print the steps and their estimated seconds; run nothing")
     ap.add_argument("--budget-s", type=float, default=None,
                     help=f"the whole check's wall-clock limit; a step whose estimate does not fit in what is left "
-                         f"is skipped with its reason (default {DEFAULT_BUDGET_S:g} s; {BIG_MODEL_BUDGET_S:g} s "
-                         f"with --model-path)")
+                         f"is skipped with its reason (default {DEFAULT_BUDGET_S:g} s on a GPU, "
+                         f"{BIG_MODEL_BUDGET_S:g} s with --model-path, {CPU_BUDGET_S:g} s on CPU)")
     ap.add_argument("--only", default=None, help="comma-separated steps to run (default: all)")
     ap.add_argument("--backends", default=None,
                     help="comma-separated backends of the bf16 and fp32 steps (default: all)")
@@ -718,8 +719,6 @@ def parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
         ap.error(f"--examples: must be >= 1, got {args.examples}")
     if args.gpus is not None and args.gpus < 1:
         ap.error(f"--gpus: must be >= 1, got {args.gpus}")
-    if args.budget_s is None:
-        args.budget_s = BIG_MODEL_BUDGET_S if args.model_path else DEFAULT_BUDGET_S
     return args
 
 
@@ -744,6 +743,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(exc.code, file=sys.stderr)
             return 2
         raise
+    if args.budget_s is None:
+        args.budget_s = (BIG_MODEL_BUDGET_S if target.model_path else DEFAULT_BUDGET_S) if target.device == "cuda" \
+            else CPU_BUDGET_S
     rows = estimates(steps, target)
     if args.plan:
         print_plan(rows, target, args.budget_s)
