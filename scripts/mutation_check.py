@@ -324,7 +324,7 @@ MUTATIONS = (
     ),
     Mutation(
         "the chat rows' masks train the whole conversation (the assistant spans ignored)",
-        "harness/data/dataset.py",
+        "harness/data/rendering.py",
         "trained = [b > a and any(a < e and b > s for s, e in spans) for a, b in offsets]",
         "trained = [b > a for a, b in offsets]",
         ("tests/unit/test_dataset.py::test_chat_rows_train_on_the_assistant_turns_and_their_end_of_turn",),

@@ -299,12 +299,17 @@ def search(
                 continue
         run(i)
     _held_out_predictions(cands, points, quadratic, baseline_point)
+    return SearchResult(cands, model, limit_bytes, _choose(cands))
+
+
+def _choose(cands: Sequence[Candidate]) -> Optional[Candidate]:
+    """The fastest candidate that ran ``ok`` under the limit, or None."""
     fitting = [c for c in cands if c.status == "ok" and c.tok_per_s is not None]
     # Paired candidates are ranked by their speedup over the mbs=1 pass run beside each: a machine that slows
     # during the search would otherwise favour the candidates it measured first.
     paired = bool(fitting) and all(c.speedup is not None for c in fitting)
     chosen = max(fitting, key=lambda c: c.speedup if paired else c.tok_per_s) if fitting else None
-    return SearchResult(cands, model, limit_bytes, chosen)
+    return chosen
 
 
 def _gib(n: int) -> str:
