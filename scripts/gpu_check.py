@@ -593,6 +593,7 @@ def environment() -> dict:
     if torch.cuda.is_available():
         info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         info["tf32_matmul"] = torch.backends.cuda.matmul.allow_tf32
+    info["PYTORCH_CUDA_ALLOC_CONF"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
     from importlib import metadata
 
     for dist_name in ("transformers", "peft", "accelerate", "megatron-core", "hydra-core", "flash-linear-attention",
