@@ -250,7 +250,7 @@ def test_a_size_guard_is_told_from_other_guards():
 
 
 def test_compiling_in_float32_on_cpu_says_in_one_line_that_it_is_the_slowest_form():
-    from harness.point.point import slow_compile_warning
+    from harness.point.setup import slow_compile_warning
 
     line = slow_compile_warning(resolve_config(_compose("backend.compile=true", "backend.device=cpu")))
     assert line and line.startswith("backend.compile=true in float32 on CPU") and "\n" not in line
