@@ -524,7 +524,7 @@ def launch_args(step: Step, out: Path, target: Target, examples: Optional[int]) 
     warmup = 1 if target.device == "cuda" else 0
     common = ["bench.save_outputs=true", f"bench.warmup={warmup}", "bench.repeat=1", "bench.baseline=false",
               "bench.paired=false", "logger=none", "hot=true", "~hydra.callbacks.report",
-              f"hydra.searchpath=[file://{out / 'conf'}]", f"hydra.sweep.dir={out / 'runs' / step.name}"]
+              f"hydra.searchpath=['file://{out / 'conf'}']", f"hydra.sweep.dir='{out / 'runs' / step.name}'"]
     common.append("workload=smoke")
     if examples:
         common.append(f"workload.n_examples={examples}")

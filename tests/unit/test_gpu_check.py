@@ -211,3 +211,18 @@ def test_the_wheels_pin_every_runtime_import_at_the_tested_version_and_leave_tor
     assert not {"torch", "numpy", "triton"} & set(pins)  # the GPU machine's CUDA torch and what it was built with
     extra = tomllib.loads((Path(gpu_check.REPO) / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert all(pins[p.split("==")[0]] == p.split("==")[1] for p in extra["gpu"])
+
+
+def test_the_induced_out_of_memory_hooks_resolve_as_the_ranks_name_them_and_leave_a_cpu_pass_alone():
+    import torch
+
+    from backends.fsdp2 import FSDP2Hooks
+    from backends.registry import import_path
+    from backends.specs import BackendSpec
+
+    hooks_class = import_path("scripts.gpu_check:FSDP2OutOfMemoryInTheWarmup")
+    assert issubclass(hooks_class, FSDP2Hooks)
+    model = torch.nn.Linear(2, 2)
+    model(torch.ones(1, 2)).sum().backward()
+    hooks_class(BackendSpec(name="fsdp2"), 0, 1, torch.device("cpu")).start_pass(model, "forward_backward")
+    assert model.weight.grad is None  # FSDP2's own start of a fwd+bwd ran (gradients cleared), nothing raised
