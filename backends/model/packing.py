@@ -53,6 +53,7 @@ from backends.model.segments import (
     segment_causal_conv1d,
     segment_chunk_gated_delta_rule,
 )
+from backends.runtime.devices import host_to_device
 
 PACKED_PREFIX = "packed_"  # registered attention name = prefix + the model's own implementation
 _PACKED_MARK = kernels.SWAPPED_MARK  # set on our replacement functions (idempotence)
@@ -166,8 +167,8 @@ def collate_packed(examples: Sequence[Example], batch: Optional[Sequence[int]], 
     np.cumsum(lengths, out=cu[1:])
     starts = np.repeat(cu[:-1], lengths)
     positions = np.arange(int(cu[-1]), dtype=np.int64) - starts
-    as_row = lambda a: torch.from_numpy(np.ascontiguousarray(a)).unsqueeze(0).to(device, non_blocking=True)  # noqa: E731
-    cu_seqlens = torch.from_numpy(cu).to(device, non_blocking=True)
+    as_row = lambda a: host_to_device(a, device).unsqueeze(0)  # noqa: E731
+    cu_seqlens = host_to_device(cu, device)
     remember_bounds(cu_seqlens, cu.tolist())
     return PackedBatch(
         ids=as_row(np.concatenate([ex.input_ids for ex in chosen])),

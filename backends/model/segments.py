@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from backends.model import kernels
+from backends.runtime.devices import host_to_device
 
 # The host copy of the current micro-batch's boundaries: every layer of one forward gets the same
 # cu_seqlens tensor, so its bounds are read from the host list collate made, never from the device.
@@ -157,8 +158,8 @@ def segment_chunk_gated_delta_rule(
     n_slots = int(offset[-1])
     source = np.full(n_slots * chunk_size, total, dtype=np.int64)  # padding reads the zero row at `total`
     source[slot_token] = np.arange(total)
-    source_t = torch.from_numpy(source).to(device)
-    slot_token_t = torch.from_numpy(slot_token).to(device)
+    source_t = host_to_device(source, device)  # queued copies from pinned memory: the host does not wait
+    slot_token_t = host_to_device(slot_token, device)
 
     def to_chunks(x: torch.Tensor) -> torch.Tensor:  # [heads, total, ...] -> [slots, heads, chunk, ...]
         x = F.pad(x, (0, 0, 0, 1)) if x.dim() == 3 else F.pad(x, (0, 1))
