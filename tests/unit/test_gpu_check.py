@@ -75,6 +75,9 @@ def test_a_budget_too_small_skips_every_step_with_its_reason_and_runs_nothing(tm
     assert gpu_check.main(["--device", "cpu", "--budget-s", "50", "--out", str(tmp_path)]) == 1
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert launched == [] and summary["ok"] is False
+    assert {"ok", "device", "budget_s", "plan", "tolerances", "environment", "steps", "covered", "not_covered",
+            "wall_s"} <= set(summary)
+    assert [r["step"] for r in summary["plan"]] == list(summary["steps"]) and summary["budget_s"] == 50
     assert summary["steps"]["bf16"]["status"] == "skipped"
     assert "left of --budget-s" in summary["steps"]["bf16"]["reason"]
     assert "no CPU form" in summary["steps"]["compile"]["reason"]
