@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Optional
 
 from backends.errors import UserError
+from backends.planning.peers import peer_layout
 
 AUTO = "auto"  # mtpm=auto: search the budget (harness/auto/model.py)
 
@@ -30,7 +31,8 @@ class Batching:
     mbs: int = field(default=1, metadata={"backend": "micro_batch_size"})  # sequences per slice when mtpm is null
     # packed (sum of lengths <= mtpm, sequences end to end) or padded (count x longest <= mtpm); null: by budget
     layout: Optional[str] = field(default=None, metadata={"backend": "layout"})
-    # balanced (fewest steps, even modeled cost; needs a budget) or greedy (the original); null: by budget
+    # balanced (fewest steps, even modeled cost; needs a budget) or greedy (the original), or a peer's way
+    # (backends/planning/peers/: verl, nemo_rl_packing, ...; in its own layout unless one is set); null: by budget
     planner: Optional[str] = field(default=None, metadata={"backend": "planner"})
     # at most this many sequences in a micro-batch; null = no cap
     max_seqs_per_microbatch: Optional[int] = field(default=None, metadata={"backend": "max_seqs_per_microbatch"})
@@ -87,8 +89,8 @@ def asked(get: Callable[[str], Any]) -> dict[str, Any]:
     if auto:
         values["mtpm"] = None
     planner, layout = batching_by_budget(values["mtpm"] is not None or auto)
-    values["layout"] = values["layout"] or layout
     values["planner"] = values["planner"] or planner
+    values["layout"] = values["layout"] or peer_layout(values["planner"]) or layout  # a peer's own layout
     return values
 
 

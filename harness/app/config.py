@@ -22,6 +22,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 from backends.errors import UserError
 from backends.model.configs import check_model_spec
 from backends.planning import LAYOUTS, PLANNERS
+from backends.planning.peers import PEERS, peer_layout
 from backends.registry import backend_entry
 from backends.specs import BackendSpec, ModelSpec
 from harness.app.batching import AUTO, Batching, batching_by_budget, check_spellings, interpolations
@@ -205,6 +206,8 @@ def fill_batching_defaults(spec: HarnessConfig) -> None:
     planner, layout = batching_by_budget(has_budget)
     if b.planner is None:
         b.planner = planner
+    if b.layout is None and peer_layout(b.planner):
+        b.layout = peer_layout(b.planner)  # a peer runs its own layout (packed on a model that cannot is refused)
     if b.layout is None:
         b.layout = layout
         if layout == "packed" and not _packs(spec.model):
@@ -235,6 +238,10 @@ def validate(cfg: HarnessConfig) -> None:
     if cfg.backend.planner == "balanced" and cfg.backend.max_tokens_per_microbatch is None and cfg.mtpm != AUTO:
         raise UserError("planner: balanced needs a budget (set mtpm=<tokens>; with mtpm=null use planner=greedy: "
                         "fixed-size slices have nothing to balance)")
+    peer = PEERS.get(cfg.backend.planner)
+    if peer and peer.needs_budget and cfg.backend.max_tokens_per_microbatch is None and cfg.mtpm != AUTO:
+        raise UserError(f"planner: {peer.name} needs a budget (set mtpm=<tokens>; of the peers only trl_fixed plans "
+                        "without one)")
     # Named as the user types it: backend.max_seqs_per_microbatch interpolates the top-level knob.
     _positive_int("max_seqs_per_microbatch", cfg.backend.max_seqs_per_microbatch, allow_none=True)
     # model.vocab_size with a checkpoint; packed on an unsupported model

@@ -323,8 +323,9 @@ class Point:
         from backends.model.kernels import summary as kernel_summary
         from harness.metrics.flops import flops_record
 
-        # what the backend ran (same as planned; FSDP2 agrees on it by collective)
-        self.results.update(plan=result.plan)
+        # what the backend ran (same as planned; FSDP2 agrees on it by collective); a peer planner's record stays
+        peer = (self.results.doc.get("plan") or {}).get("peer")
+        self.results.update(plan={**result.plan, **({"peer": peer} if peer else {})})
         log.info("%s%s kernels: %s", self.label, pass_type, kernel_summary(result.kernels))
         flops = flops_record(pass_type, lengths, training, result.plan, spec.backend.gradient_checkpointing,
                              record.elapsed_s, world_size, self.results.doc["peak"], cost_model=self.cost_model,

@@ -237,3 +237,28 @@ def test_published_workload_keeps_its_documented_step_counts(name):
     else:
         with pytest.raises(PeerRefusal, match=f"planner: {name} refuses"):
             plan_batch(SEED, 4, 16384, align=True, layout=PEERS[name].layout, planner=name)
+
+
+def test_the_peers_preset_sweeps_every_planner():
+    import yaml
+
+    from tests.unit.test_batching import REPO
+
+    preset = yaml.safe_load((REPO / "conf" / "batching" / "peers.yaml").read_text())
+    assert preset["batching"] == {"name": "peers"}
+    assert tuple(preset["hydra"]["sweeper"]["params"]["planner"].split(",")) == PLANNERS
+
+
+def test_the_harness_runs_a_peer_in_its_own_layout_unless_one_is_set_and_refuses_one_without_its_budget():
+    from backends.errors import UserError
+    from harness.app.batching import asked
+    from tests.unit.test_batching import _resolved
+
+    assert _resolved("planner=fairseq", "mtpm=4096").backend.layout == "padded"
+    assert _resolved("planner=verl", "mtpm=4096").backend.layout == "packed"
+    assert _resolved("planner=fairseq", "mtpm=4096", "layout=packed").backend.layout == "packed"
+    assert _resolved("planner=trl_fixed").backend.max_tokens_per_microbatch is None  # a fixed count needs no budget
+    with pytest.raises(UserError, match="planner: verl needs a budget"):
+        _resolved("planner=verl")
+    values = {"mtpm": 4096, "planner": "automodel"}
+    assert asked(values.get)["layout"] == "padded"  # results.json's first record says the peer's layout too

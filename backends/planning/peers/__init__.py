@@ -21,6 +21,7 @@ class Peer:
     source: str
     plan: Callable[[Sequence[int], int, Optional[int], Optional[int]], PeerPlan]
     cap_knob: Optional[str] = None  # the peer's name for max_seqs_per_microbatch; None: it has none
+    needs_budget: bool = True  # False: plans without a token budget (TRL's fixed count)
 
 
 def _no_cap(fn):
@@ -34,7 +35,7 @@ PEERS: dict[str, Peer] = {p.name: p for p in (
     Peer(fairseq.NAME, fairseq.LAYOUT, fairseq.SOURCE,
          lambda lengths, world_size, budget, cap: fairseq.plan(lengths, world_size, budget, max_sentences=cap),
          cap_knob="max_sentences"),
-    Peer(trl.FIXED, trl.LAYOUT, trl.SOURCE, _no_cap(trl.plan_fixed)),
+    Peer(trl.FIXED, trl.LAYOUT, trl.SOURCE, _no_cap(trl.plan_fixed), needs_budget=False),
     Peer(trl.BUDGET, trl.LAYOUT, trl.SOURCE, _no_cap(trl.plan_budget)),
     Peer(automodel.NAME, automodel.LAYOUT, automodel.SOURCE,
          lambda lengths, world_size, budget, cap: automodel.plan(lengths, world_size, budget, max_batch_size=cap),
