@@ -208,8 +208,20 @@ def point_record(run: dict) -> dict:
         "fwdbwd_mem_peak_bytes": fb.get("mem_peak_bytes"), "fwdbwd_util_pct": fb.get("util_pct"),
         "mfu_pct": fb.get("mfu_pct"), "grad_norm": ((run.get("_outputs") or {}).get("forward_backward") or {}).get(
             "grad_norm"),
-        **what_ran(run), "folder": run.get("_dir"),
+        **what_ran(run), "notes": kernel_notes(run), "folder": run.get("_dir"),
     }
+
+
+def kernel_notes(run: dict) -> list[str]:
+    """What a point's kernel record cannot be taken at its word for: torch's grouped_mm is bf16-only on CUDA, so a
+    float32 point there that records grouped_mm (not transformers' per-expert loop) recorded what it asked for."""
+    notes = []
+    on_cuda = (run.get("device") or {}).get("type") == "cuda"
+    for pass_type, ops in (what_ran(run)["kernels"] or {}).items():
+        if on_cuda and dtype_of(run) == "float32" and "grouped_mm" in (ops.get("moe_experts") or {}):
+            notes.append(f"{pass_type}: moe_experts recorded grouped_mm in float32 on CUDA, where torch's grouped_mm "
+                         "runs bf16 only")
+    return notes
 
 
 def compare(run: dict, ref: dict, rtol: float, judge_grad: bool = True) -> dict:

@@ -162,6 +162,10 @@ def test_summary_records_each_points_kernels_and_the_feature_checks(tmp_path):
     runs = gpu_check.runs_in(tmp_path)
     record = gpu_check.point_record(runs["features.profile"])
     assert record["kernels"] == {"forward_backward": KERNELS} and record["precision"] == PRECISION
+    assert record["notes"] == []  # bf16 on CPU: grouped_mm is what ran
+    fp32_cuda = _point(tmp_path, 3, "fp32.fsdp2.packed", "fsdp2", "packed", [1.0], 1.0, dtype="float32", device="cuda")
+    (note,) = gpu_check.point_record(gpu_check.runs_in(fp32_cuda.parent)["fp32.fsdp2.packed"])["notes"]
+    assert "grouped_mm in float32 on CUDA" in note
     profile = gpu_check.check_profile(runs["features.profile"], prof)
     assert profile["ok"] and profile["traces"] == {"profile/forward_backward-rank0.json.gz": 10}
     oom = gpu_check.check_oom_snapshot(runs["features.oom_snapshot"], tmp_path / "1")
