@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from backends.model.build import build_model, describe_model, load_method, loaded_weights
+from backends.runtime import collectives
 from backends.runtime.memory import peak_memory_bytes, reset_peak_memory
 from backends.specs import ModelSpec
 
@@ -230,13 +231,13 @@ def fill_from_rank0(model: torch.nn.Module, source: Optional[torch.nn.Module], d
                 if isinstance(target, DTensor):
                     full = (sources[name].to(device) if is_source
                             else torch.empty(target.shape, dtype=target.dtype, device=device))
-                    dist.broadcast(full, src=0)
+                    collectives.broadcast(full, 0, timeout_s)  # on CUDA: a time-out raised here, not a watchdog abort
                     target.to_local().copy_(_local_chunk(full, target))
                     del full
                 else:
                     if is_source:
                         target.copy_(sources[name])
-                    dist.broadcast(target, src=0)
+                    collectives.broadcast(target, 0, timeout_s)
             except RuntimeError as exc:
                 if not _is_timeout(exc):
                     raise

@@ -21,3 +21,33 @@ def test_a_collective_the_watchdog_timed_out_names_the_time_out_key_in_one_line(
     assert "backend.dist_timeout_s=600" in line
     assert collective_timeout("a rank's ordinary warning", 1, "start-up", 600) is None
     assert collective_timeout(None, 0, "start-up", 600) is None
+
+
+def test_a_collective_waited_for_on_the_host_raises_a_time_out_in_time():
+    """The host wait that loading's broadcasts use on CUDA (backends/runtime/collectives.py): a real gloo work that
+    completes returns; one that never completes (a peer that never joins, here a work that never finishes) raises
+    a time-out in the rank, which loading names with backend.dist_timeout_s."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import HashStore
+
+    from backends.runtime.collectives import CollectiveTimeout, wait_until
+
+    dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
+    try:
+        work = dist.broadcast(torch.ones(4), src=0, async_op=True)
+        wait_until(work, 5.0, "broadcast")
+        assert work.is_completed()
+    finally:
+        dist.destroy_process_group()
+
+    class NeverCompletes:
+        def is_completed(self) -> bool:
+            return False
+
+    t0 = time.monotonic()
+    with pytest.raises(CollectiveTimeout, match="broadcast timed out: not completed after 0 s"):
+        wait_until(NeverCompletes(), 0.2, "broadcast")
+    assert 0.2 <= time.monotonic() - t0 < 2.0
