@@ -270,8 +270,10 @@ def check_profile(run: dict, folder: Path) -> dict:
     sizes = {t: (folder / t).stat().st_size for t in traces if (folder / t).is_file()}
     problems = _ok_status(run) + ([] if traces else ["no trace recorded"]) + [
         f"trace {t} missing" for t in traces if t not in sizes]
+    per_rank = [{k: r.get(k) for k in ("rank", "steps", "trace_bytes", "events", "pass_s", "covered_s")}
+                for r in prof.get("per_rank") or []]
     return {"ok": not problems, "problems": problems, "traces": sizes, "slowdown": prof.get("slowdown"),
-            "shares": prof.get("shares"), **{k: v for k, v in prof.items() if k in ("trace_bytes", "steps", "ranks")}}
+            "shares": prof.get("shares"), "per_rank": per_rank}
 
 
 def check_calibrated(run: dict, folder: Path) -> dict:
