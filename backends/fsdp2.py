@@ -126,5 +126,26 @@ class FSDP2Hooks(RankHooks):
         return math.sqrt(float(t.item()))
 
 
+    def wait_points(self, model: torch.nn.Module) -> list:
+        # Where a rank waits for its peers inside a step: each parameter group's all-gather wait (and copy-out) before
+        # its forward and backward, its post-backward reduce-scatter (which also waits for earlier ones to free
+        # their buffers) and the final wait for the last reduce-scatters. The host blocks there on gloo; on CUDA the
+        # compute stream waits on the collectives' events.
+        from torch.distributed.fsdp import FSDPModule
+
+        points = []
+        for module in model.modules():
+            if not isinstance(module, FSDPModule):
+                continue
+            state = module._get_fsdp_state()
+            for group in getattr(state, "_fsdp_param_groups", None) or []:
+                points += [(group, name) for name in FSDP_WAITS if hasattr(group, name)]
+        return points
+
+
+# FSDPParamGroup's methods that wait for a collective (torch 2.13)
+FSDP_WAITS = ("unshard", "wait_for_unshard", "post_backward", "finalize_backward")
+
+
 class FSDP2Backend(DistributedBackend):
     name = "fsdp2"

@@ -167,8 +167,8 @@ class PassResult:
     # compilations, recompilations, seconds, graph breaks, what dynamo traced); None when nothing is compiled.
     compile: Optional[dict] = None
     # Each rank's timed region step by step (backends/runtime/timeline.py): {"step_clock", "busy_clock", "per_rank":
-    # [{"start_s", "step_s": [...], "busy_s": [...], "sync_s", "elapsed_s"}]}, steps as the rank ran them (a
-    # lock-step rank's dummies included); None where the backend does not time its steps.
+    # [{"start_s", "step_s": [...], "busy_s": [...], "wait_s": [...] (lock-step only), "sync_s", "elapsed_s"}]},
+    # steps as the rank ran them (a lock-step rank's dummies included); None where the backend does not time its steps.
     timeline: Optional[dict] = None
 
     def as_dict(self) -> dict[str, Any]:

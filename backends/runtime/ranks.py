@@ -10,6 +10,7 @@ backends/runtime/launched.py (torchrun or Slurm did).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from datetime import timedelta
 from typing import Optional
@@ -26,7 +27,7 @@ from backends.planning import CostModel, Schedule, plan_stats
 from backends.registry import import_path, is_lockstep
 from backends.runtime.memory import MemoryHistory, peak_memory, reset_peak_memory
 from backends.runtime.profiling import profiled
-from backends.runtime.timeline import StepClock, busy_clock, step_clock_name
+from backends.runtime.timeline import CollectiveWaits, StepClock, busy_clock, step_clock_name
 from backends.specs import BackendSpec, ModelSpec
 
 
@@ -70,6 +71,11 @@ class RankHooks:
 
     def grad_norm(self, model: torch.nn.Module) -> float:  # pragma: no cover - interface
         raise NotImplementedError
+
+    def wait_points(self, model: torch.nn.Module) -> list:
+        """Where a step waits for a collective: ``(object, method name)`` pairs timed apart from the step's busy time
+        (backends/runtime/timeline.py ``CollectiveWaits``); none for a backend with no collective inside a step."""
+        return []
 
     def reduce_dtype(self, model: torch.nn.Module) -> Optional[torch.dtype]:
         """The dtype gradients are summed across ranks in (results.json ``precision.reduce``); None: not reduced."""
@@ -181,7 +187,9 @@ def _timed_steps(command, model, hooks, rank, examples, schedule, mine, lengths,
     (``StepClock.finish``: when each step started and ended, and how long the rank was busy in it).
     """
     pass_type = command.pass_type
-    clock = StepClock(device, is_lockstep(hooks.spec.name), on_step_end)
+    points = hooks.wait_points(model)
+    waits = CollectiveWaits(points, device) if points else None
+    clock = StepClock(device, is_lockstep(hooks.spec.name), on_step_end, waits)
     t0 = time.perf_counter()
     clock.start()
     hooks.start_pass(model, pass_type)
@@ -189,19 +197,20 @@ def _timed_steps(command, model, hooks, rank, examples, schedule, mine, lengths,
     if rank == 0:
         mine_tokens = sum(lengths[i] for i in mine)
         progress = ProgressLogger(wlog.info, f"rank 0 {pass_type}", mine_tokens, command.progress_every_s)
-    pending = run_steps(
-        model,
-        examples,
-        schedule,
-        pass_type,
-        total_weight,
-        device,
-        progress=progress,
-        before_step=lambda step, is_last: hooks.before_step(model, step, is_last),
-        layout=command.layout,
-        logprob_chunk_tokens=command.chunk_tokens(hooks.spec.logprob_chunk_tokens),
-        clock=clock,
-    )
+    with waits if waits is not None else contextlib.nullcontext():
+        pending = run_steps(
+            model,
+            examples,
+            schedule,
+            pass_type,
+            total_weight,
+            device,
+            progress=progress,
+            before_step=lambda step, is_last: hooks.before_step(model, step, is_last),
+            layout=command.layout,
+            logprob_chunk_tokens=command.chunk_tokens(hooks.spec.logprob_chunk_tokens),
+            clock=clock,
+        )
     # After the last step: the gradient sync (Megatron DDP's all-reduce, where a faster rank waits) and the norm.
     hooks.finish_pass(model, pass_type)
     grad_norm = hooks.grad_norm(model) if pass_type == "forward_backward" else None

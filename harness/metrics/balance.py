@@ -32,6 +32,8 @@ from backends.planning.cost import CostModel, microbatch_cost
 
 Schedule = Sequence[Optional[Sequence[int]]]
 _DIGITS = 6
+TIMELINE_KEYS = ("step_s", "busy_s", "start_s", "sync_s", "elapsed_s")
+OPTIONAL_KEYS = ("wait_s",)  # a lock-step rank's collective waits per step, where its backend counts them
 
 
 def timeline_record(timelines: Sequence[Optional[dict]]) -> Optional[dict]:
@@ -43,8 +45,9 @@ def timeline_record(timelines: Sequence[Optional[dict]]) -> Optional[dict]:
     if not timelines or any(t is None for t in timelines):
         return None
     first = timelines[0]
-    per_key = {k: [[rank[k] for rank in t["per_rank"]] for t in timelines]
-               for k in ("step_s", "busy_s", "start_s", "sync_s", "elapsed_s")}
+    ranks = [rank for t in timelines for rank in t["per_rank"]]
+    keys = TIMELINE_KEYS + tuple(k for k in OPTIONAL_KEYS if all(k in rank for rank in ranks))
+    per_key = {k: [[rank[k] for rank in t["per_rank"]] for t in timelines] for k in keys}
     return {"step_clock": first.get("step_clock"), "busy_clock": first.get("busy_clock"), "repeats": len(timelines),
             **per_key}
 
@@ -54,8 +57,11 @@ def merge_timelines(first: Optional[dict], more: Optional[dict]) -> Optional[dic
     if first is None or more is None:
         return first or more
     out = dict(first)
-    for k in ("step_s", "busy_s", "start_s", "sync_s", "elapsed_s"):
-        out[k] = list(first[k]) + list(more[k])
+    for k in TIMELINE_KEYS + OPTIONAL_KEYS:
+        if k in first and k in more:
+            out[k] = list(first[k]) + list(more[k])
+        else:
+            out.pop(k, None)
     out["repeats"] = first["repeats"] + more["repeats"]
     return out
 

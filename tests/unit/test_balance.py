@@ -10,7 +10,7 @@ import torch
 
 from backends.planning import CostModel, plan_batch
 from backends.planning.stats import plan_stats
-from backends.runtime.timeline import StepClock, busy_clock
+from backends.runtime.timeline import CollectiveWaits, StepClock, busy_clock
 from harness.metrics.balance import (
     balance_fields,
     measured_balance,
@@ -27,33 +27,31 @@ def _spin(seconds: float) -> None:
         pass
 
 
-class _threads:
-    """torch's intra-op threads set for a block (a rank sets them once at start-up)."""
+class _Peer:
+    """A stand-in for a backend's collective: ``wait`` blocks as a rank whose peer is slower does."""
 
-    def __init__(self, n: int):
-        self.n = n
-
-    def __enter__(self):
-        self.before = torch.get_num_threads()
-        torch.set_num_threads(self.n)
-
-    def __exit__(self, *exc):
-        torch.set_num_threads(self.before)
+    def wait(self, seconds: float) -> None:
+        time.sleep(seconds)
 
 
-def test_a_cpu_rank_clock_times_each_step_and_counts_blocked_time_as_busy_only_where_no_collective_is_inside():
-    with _threads(1):
-        clock = StepClock(torch.device("cpu"), lockstep=True)
-        assert clock.busy == "thread-cpu"
+def test_a_cpu_rank_clock_counts_the_time_in_its_collective_waits_apart_from_its_busy_time():
+    peer = _Peer()
+    with CollectiveWaits([(peer, "wait")], torch.device("cpu")) as waits:
+        clock = StepClock(torch.device("cpu"), lockstep=True, waits=waits)
+        assert clock.busy == "wall less collective waits"
         clock.start()
+        peer.wait(0.02)  # before the first step: not any step's
         clock.mark()
-        time.sleep(0.08)  # blocked, as a rank waiting in a collective: wall time, no CPU time
+        peer.wait(0.08)  # blocked, as a rank waiting in a collective
+        _spin(0.01)
         clock.mark()
         _spin(0.05)  # computing
         clock.mark()
         rank = clock.finish()
-    assert [round(x, 2) for x in rank["step_s"]][0] >= 0.08 and rank["step_s"][1] >= 0.05
-    assert rank["busy_s"][0] < 0.03 and rank["busy_s"][1] >= 0.045
+    assert "wait" not in vars(peer)  # the wait point is put back after the block
+    assert rank["step_s"][0] >= 0.09 and rank["step_s"][1] >= 0.05
+    assert rank["wait_s"][0] >= 0.08 and rank["wait_s"][1] == 0
+    assert 0.005 <= rank["busy_s"][0] < 0.04 and rank["busy_s"][1] == rank["step_s"][1]
     # the pieces are the whole region: before the first step, the steps, after the last one
     assert rank["start_s"] + sum(rank["step_s"]) + rank["sync_s"] == pytest.approx(rank["elapsed_s"], abs=1e-5)
     independent = StepClock(torch.device("cpu"), lockstep=False)  # no collective inside a step: busy is the step
@@ -63,13 +61,13 @@ def test_a_cpu_rank_clock_times_each_step_and_counts_blocked_time_as_busy_only_w
     independent.mark()
     rank = independent.finish()
     assert independent.busy == "wall" and rank["busy_s"] == rank["step_s"] and rank["step_s"][0] >= 0.03
+    assert "wait_s" not in rank
 
 
-def test_with_intra_op_threads_a_lockstep_ranks_busy_time_is_its_wall_time():
-    with _threads(2):
-        assert busy_clock(torch.device("cpu"), lockstep=True) == "wall"  # a thread's CPU time would miss their work
-    with _threads(1):
-        assert busy_clock(torch.device("cpu"), lockstep=True) == "thread-cpu"
+def test_a_lockstep_ranks_busy_clock_says_its_waits_are_taken_out_on_either_device():
+    assert busy_clock(torch.device("cpu"), lockstep=True) == "wall less collective waits"
+    assert busy_clock(torch.device("cuda"), lockstep=True) == "cuda-events less collective waits"
+    assert busy_clock(torch.device("cuda"), lockstep=False) == "cuda-events"
 
 
 def _timeline(busy: list[list[list[float]]], elapsed: list[list[float]]) -> dict:
