@@ -24,6 +24,7 @@ from backends.model.configs import check_model_spec
 from backends.planning import LAYOUTS, PLANNERS
 from backends.planning.peers import PEERS, peer_layout
 from backends.registry import backend_entry
+from backends.runtime.profiling import PROFILE_RANKS, PROFILE_STEPS
 from backends.specs import BackendSpec, ModelSpec
 from harness.app.batching import AUTO, Batching, batching_by_budget, check_spellings, interpolations
 from harness.data.workload import WorkloadSpec
@@ -49,6 +50,11 @@ class BenchConfig:
     # One more run of each pass type after the timed ones, not counted in tok/s, under torch.profiler: a trace per
     # rank (profile/<pass>-rank<r>.json.gz) and where the time went (passes.<type>.profile).
     profile: bool = False
+    # What a profiled run records (backends/runtime/profiling.py): this many micro-batches after the first (0: the
+    # whole pass), on these ranks (null: every rank), with the allocator's events or not
+    profile_steps: int = PROFILE_STEPS
+    profile_ranks: Optional[list] = field(default_factory=lambda: list(PROFILE_RANKS))
+    profile_memory: bool = False
     # On CUDA: the allocator's history recorded during each pass type's warm-up; a pass that runs out of memory
     # dumps memory/<pass>-rank<r>.pickle (https://pytorch.org/memory_viz) and results.json names it.
     memory_snapshot: bool = False
@@ -290,6 +296,26 @@ def validate(cfg: HarnessConfig) -> None:
     if cfg.bench.profile and cfg.target.url:
         raise UserError("bench.profile: profiles the ranks of a backend this run starts; a server (target.url) runs "
                         "its ranks elsewhere: drop target.url, or bench.profile")
+    _check_profile(cfg)
+    if cfg.backend.compile_eager_fallback and not cfg.backend.compile:
+        raise UserError("backend.compile_eager_fallback=true: says what a compiled layer may do, and "
+                        "backend.compile=false compiles none; set backend.compile=true, or drop the fallback")
+
+
+def _check_profile(cfg: HarnessConfig) -> None:
+    """bench.profile_steps / profile_ranks / profile_memory: valid, and only beside bench.profile=true."""
+    bench = cfg.bench
+    if bench.profile_steps < 0:
+        raise UserError(f"bench.profile_steps: must be >= 0 (0: the whole pass), got {bench.profile_steps}")
+    ranks = None if bench.profile_ranks is None else list(bench.profile_ranks)
+    if ranks is not None and (not ranks or any(not isinstance(r, int) or r < 0 for r in ranks)):
+        raise UserError(f"bench.profile_ranks: a list of rank numbers (>= 0) or null for every rank, got {ranks}")
+    changed = [k for k, v, default in (("profile_steps", bench.profile_steps, PROFILE_STEPS),
+                                       ("profile_ranks", ranks, list(PROFILE_RANKS)),
+                                       ("profile_memory", bench.profile_memory, False)) if v != default]
+    if changed and not bench.profile:
+        raise UserError(f"bench.{changed[0]}: says what a profiled run records, and bench.profile=false profiles "
+                        "nothing; set bench.profile=true, or drop it")
 
 
 def _check_memory_snapshot(cfg: HarnessConfig) -> None:

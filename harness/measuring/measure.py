@@ -16,6 +16,7 @@ from typing import Callable, Optional, Sequence
 
 from backends.backend import Backend
 from backends.messages import PASS_TYPES, Example, PassCommand, PassResult, make_command
+from backends.runtime.profiling import PROFILE_RANKS, PROFILE_STEPS
 from harness.measuring.records import PassRecord
 from harness.measuring.runner import PairedRunner, Pairing
 from harness.measuring.samplers import make_sampler
@@ -142,8 +143,11 @@ PROFILE_DIR = "profile"  # in the point's folder: <pass>-rank<r>.json.gz
 
 
 def profile_pass(backend: Backend, pass_type: str, command_for: Callable[[str], PassCommand], out_dir,
-                 timed_s: Optional[Sequence[float]] = None, label: str = "") -> dict:
-    """One more run of ``pass_type`` under torch.profiler, after its timed repeats (not counted in tok/s).
+                 timed_s: Optional[Sequence[float]] = None, label: str = "", steps: int = PROFILE_STEPS,
+                 ranks: Optional[Sequence[int]] = PROFILE_RANKS, memory: bool = False) -> dict:
+    """One more run of ``pass_type`` under torch.profiler, after its timed repeats (not counted in tok/s): ``steps``
+    micro-batches after the first (0: the whole pass) on ``ranks`` (None: every rank), the allocator's events with
+    ``memory`` (bench.profile_steps, profile_ranks, profile_memory).
 
     Returns ``passes.<type>.profile``: the traces (relative to ``out_dir``), the profiled pass's seconds and
     its breakdown's shares per rank, the shares averaged over ranks (they sum to 1) and each rank's top ops;
@@ -154,12 +158,16 @@ def profile_pass(backend: Backend, pass_type: str, command_for: Callable[[str], 
     out_dir = Path(out_dir).resolve()  # every rank writes there, whatever its working folder
     t0 = time.perf_counter()
     result = backend.run_pass(
-        command_for(pass_type).replace(profile_dir=str(out_dir / PROFILE_DIR), release_memory=False)
+        command_for(pass_type).replace(profile_dir=str(out_dir / PROFILE_DIR), release_memory=False,
+                                       profile_steps=steps, profile_ranks=None if ranks is None else tuple(ranks),
+                                       profile_memory=memory)
     )
     # the ranks the command asked to profile (PassCommand.profile_ranks; by default rank 0 alone)
     profiled = [(i, r) for i, r in enumerate(result.profile or []) if r]
     if not profiled:
-        raise RuntimeError(f"{pass_type}: the backend ran the profiled pass but returned no profile")
+        asked = None if ranks is None else list(ranks)
+        raise RuntimeError(f"{pass_type}: the backend ran the profiled pass but no rank profiled it "
+                           f"(bench.profile_ranks={asked}, ranks 0 to {backend.world_size - 1})")
     ranks = [r for _, r in profiled]
     shares = {k: sum(r["breakdown"]["shares"][k] for r in ranks) / len(ranks) for k in ranks[0]["breakdown"]["shares"]}
     record = {

@@ -296,7 +296,8 @@ class Point:
             self._record_pass(spec, lengths, training, backend.world_size, pass_type, record, result)
             if spec.bench.profile:  # one more run under the profiler, after the timed ones: not in tok/s
                 self.results.doc["passes"][pass_type]["profile"] = profile_pass(
-                    backend, pass_type, command_for, self.out_dir, timed_s=record.elapsed_s, label=self.label)
+                    backend, pass_type, command_for, self.out_dir, timed_s=record.elapsed_s, label=self.label,
+                    steps=spec.bench.profile_steps, ranks=spec.bench.profile_ranks, memory=spec.bench.profile_memory)
                 self.results.save()
             if spec.bench.save_outputs:
                 outputs[pass_type] = _example_outputs(result)

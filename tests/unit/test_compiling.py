@@ -62,6 +62,7 @@ def test_an_op_traced_into_a_graph_is_recorded_once_and_counted_calls_stay_eager
 @pytest.mark.parametrize("overrides, message", [
     (["backend.compile=true", "gc=true"], "backend.compile: a layer under gradient checkpointing is not compiled"),
     (["backend.compile=true", "bench.warmup=0"], "backend.compile: needs bench.warmup >= 1"),
+    (["backend.compile_eager_fallback=true"], "backend.compile_eager_fallback=true: says what a compiled layer may do"),
 ])
 def test_a_compile_the_harness_cannot_honour_is_one_line(overrides, message):
     with pytest.raises(UserError) as caught:

@@ -90,3 +90,19 @@ def test_a_profile_holds_only_its_window_of_steps_and_says_how_big_it_is(tmp_pat
 
     other_rank, seen = _loop(tmp_path, 6, ranks=(1,))  # rank 0 is not asked: nothing profiled, step() is free
     assert other_rank == {} and seen == set()
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (("bench.profile_steps=5",), "bench.profile_steps: says what a profiled run records, and bench.profile=false"),
+    (("bench.profile=true", "bench.profile_steps=-1"), "bench.profile_steps: must be >= 0"),
+    (("bench.profile=true", "bench.profile_ranks=[]"), "bench.profile_ranks: a list of rank numbers"),
+])
+def test_a_profile_setting_the_run_cannot_honour_is_one_line(overrides, message):
+    from backends.errors import UserError
+    from harness.app.config import resolve_config
+    from tests.unit.test_answer import _compose
+
+    with pytest.raises(UserError, match=message.replace("(", r"\(")):
+        resolve_config(_compose(*overrides))
+    every_rank = resolve_config(_compose("bench.profile=true", "bench.profile_ranks=null", "bench.profile_steps=0"))
+    assert every_rank.bench.profile_ranks is None and every_rank.bench.profile_steps == 0
