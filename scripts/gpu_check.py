@@ -45,6 +45,15 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as python scripts/gpu_check.py
     sys.path.insert(0, str(REPO))
 
+from backends.registry import BACKENDS  # noqa: E402
+
+# The backends by the part each plays here, read from the registry: the one-process reference every backend is
+# compared with, the lock-step (sharded) backend the features run on, and the distributed ones.
+ALL = [b.name for b in BACKENDS]
+REFERENCE = next(b.name for b in BACKENDS if not b.distributed)
+SHARDED = next(b.name for b in BACKENDS if b.distributed and b.lockstep)
+DISTRIBUTED = [b.name for b in BACKENDS if b.distributed]
+
 KERNEL_MODULES = ("fla", "flash_attn", "causal_conv1d")  # the fast paths' packages, by import name
 DEFAULT_BUDGET_S = 300.0  # five minutes of a 15-minute device session: start-up and a rerun fit beside it
 BIG_MODEL_BUDGET_S = 1500.0
@@ -131,7 +140,8 @@ class Step:
             if p.load not in loads:
                 loads.append(p.load)
         for load in loads:
-            kind = "load_inproc" if load.startswith("pytorch") else "cpu_load" if "cpu" in load.split("/") else "load"
+            where = load.split("/")
+            kind = "load_inproc" if where[0] == REFERENCE else "cpu_load" if "cpu" in where else "load"
             parts[kind] = parts.get(kind, 0.0) + costs[kind]
         for p in self.points:
             kind = "cpu_point" if "cpu" in p.load.split("/") else "point"
@@ -362,7 +372,7 @@ def plan(target: Target) -> list[Step]:
     """The steps, in order, for ``target``: each feature once, the published bf16 first."""
     big = target.model_path is not None
     cuda = target.device == "cuda"
-    backends = ["pytorch", "fsdp2", "megatron_ddp"] if not big else ["fsdp2", "megatron_ddp"]
+    backends = ALL if not big else DISTRIBUTED
     if target.backends:
         backends = [b for b in backends if b in target.backends]
     layouts = ["padded", "packed"]
@@ -398,50 +408,50 @@ def plan(target: Target) -> list[Step]:
         steps.append(Step("fp32", ["fp32", "padded vs packed (same backend)", "collectives (gloo, 2 CPU ranks)"],
                           grid("fp32", "float32", names), vs("fp32", names, names[0])))
     elif not big:
-        pts = [_p("fp32", "fsdp2.packed", "fsdp2/float32", {"backend": "fsdp2", "model.dtype": "float32",
-                                                             "layout": "packed", **budget})]
+        pts = [_p("fp32", f"{SHARDED}.packed", f"{SHARDED}/float32",
+                  {"backend": SHARDED, "model.dtype": "float32", "layout": "packed", **budget})]
         covers = ["fp32"]
         pairs: list = []
         if target.gpus >= 2:
-            pts = grid("fp32", "float32", ["fsdp2"])
-            pairs = vs("fp32", ["fsdp2"], "fsdp2")
+            pts = grid("fp32", "float32", [SHARDED])
+            pairs = vs("fp32", [SHARDED], SHARDED)
             covers += ["collectives (NCCL)", "FSDP2 sharding", "padded vs packed (same backend)"]
         else:
-            cpu = grid("fp32", "float32", ["fsdp2", "megatron_ddp"], device="cpu", extra={"world_size": 2})
+            cpu = grid("fp32", "float32", DISTRIBUTED, device="cpu", extra={"world_size": 2})
             cpu = [Point(p.name.replace("fp32.", "fp32.cpu_ranks."), p.settings, p.load, p.extra) for p in cpu]
             pts += cpu
-            pairs = [(p.name, "fp32.fsdp2.packed", "across") for p in cpu]
+            pairs = [(p.name, f"fp32.{SHARDED}.packed", "across") for p in cpu]
             covers += ["collectives (gloo, 2 CPU ranks)", "FSDP2 sharding", "megatron DDP grad sync",
                        "GPU against CPU ranks"]
         steps.append(Step("fp32", covers, pts, pairs))
     # 3. The features a point switches on, on one loaded FSDP2 in bf16: the profiler and the calibrated cost model;
     #    then (a second load, its hooks differ) a real CUDA out-of-memory error under the allocator's history; last
     #    mtpm=auto, which starts ranks of its own.
-    base = {"backend": "fsdp2", "model.dtype": "bfloat16"}
+    base = {"backend": SHARDED, "model.dtype": "bfloat16"}
     feats = [
-        _p("features", "profile", "fsdp2/bfloat16", {**base, **budget, "bench.profile": True}, ("profile",)),
-        _p("features", "calibrated", "fsdp2/bfloat16",
+        _p("features", "profile", f"{SHARDED}/bfloat16", {**base, **budget, "bench.profile": True}, ("profile",)),
+        _p("features", "calibrated", f"{SHARDED}/bfloat16",
            {**base, **budget, "cost_model": "calibrated", "calibration.cache": False, "calibration.repeat": 1},
            ("calibrate",)),
     ]
     judges = {"features.profile": check_profile, "features.calibrated": check_calibrated, "features.auto": check_auto}
     if cuda and not big:
-        feats.append(_p("features", "oom_snapshot", "fsdp2/bfloat16/oom",
+        feats.append(_p("features", "oom_snapshot", f"{SHARDED}/bfloat16/oom",
                         {**base, **budget, "bench.memory_snapshot": True,
                          "backend.hooks": "scripts.gpu_check:FSDP2OutOfMemoryInTheWarmup"}, ("oom",)))
         judges["features.oom_snapshot"] = check_oom_snapshot
     # Last: mtpm=auto releases a hot backend and starts its own ranks (alone under the memory limit).
-    feats.append(_p("features", "auto", "fsdp2/bfloat16/auto", {**base, "mtpm": "auto"}, ("auto",)))
+    feats.append(_p("features", "auto", f"{SHARDED}/bfloat16/auto", {**base, "mtpm": "auto"}, ("auto",)))
     steps.append(Step("features", ["bench.profile", "cost_model=calibrated", "mtpm=auto"]
                       + (["bench.memory_snapshot (an induced OOM)"] if cuda and not big else []), feats,
                       features=judges))
     # 4. backend.compile on FSDP2 in bf16, packed: the compile record, no recompile-limit hit, and the same losses
     #    as the eager packed point of step 1 (inductor's fused kernels round otherwise: bf16's tolerance).
     steps.append(Step("compile", ["backend.compile"],
-                      [_p("compile", "fsdp2.packed", "fsdp2/bfloat16/compile",
+                      [_p("compile", f"{SHARDED}.packed", f"{SHARDED}/bfloat16/compile",
                           {**base, **budget, "layout": "packed", "backend.compile": True}, ("compile",))],
-                      [("compile.fsdp2.packed", "bf16.fsdp2.packed", "across")] if "fsdp2" in backends else [],
-                      features={"compile.fsdp2.packed": check_compile},
+                      [(f"compile.{SHARDED}.packed", f"bf16.{SHARDED}.packed", "across")] if SHARDED in backends
+                      else [], features={f"compile.{SHARDED}.packed": check_compile},
                       cpu_form=False, why_not_on_cpu="inductor's C++ compile of the layers on 2 cores takes minutes; "
                                                      "tests/integration/test_compile.py covers it on CPU"))
     return steps

@@ -29,9 +29,6 @@ ALLOWED_NAME_USES = {
     "backends/megatron_ddp.py": Counter(megatron_ddp=1),
     # BackendSpec's default backend, for code that builds one directly (the CLI always names one: conf/backend/).
     "backends/specs.py": Counter(pytorch=1),
-    # The GPU check asserts what one particular backend does (FSDP2 shards, Megatron syncs
-    # gradients, pytorch is the single-process reference), so it names that backend.
-    "scripts/gpu_check.py": Counter(pytorch=2, fsdp2=2, megatron_ddp=1),
 }
 
 
