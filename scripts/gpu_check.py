@@ -720,6 +720,9 @@ def describe(args: argparse.Namespace) -> Target:
             raise SystemExit(f"--backends: {args.backends!r} names no backend or an unknown one; valid: "
                              f"{', '.join(known)}")
     if args.device == "cpu":
+        if model_path:
+            raise SystemExit("--model-path: the 35B variant runs on GPUs (the checkpoint does not fit 2 CPU ranks); "
+                             "drop --device cpu, or --model-path")
         return Target("cpu", 0, model_path, backends)
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if args.plan and args.device == "cuda":
@@ -732,7 +735,8 @@ def describe(args: argparse.Namespace) -> Target:
 
 def parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu_check_out")))
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu_check_out")),
+                    help="where summary.json, each step's log and its points go (default: $OUT, else gpu_check_out)")
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                     help="auto: CUDA when there is one; cpu: the CPU form; cuda: a GPU (with --plan, none needed)")
     ap.add_argument("--gpus", type=int, default=None, help="with --plan --device cuda: the GPUs to plan for (1)")

@@ -175,7 +175,7 @@ def test_summary_records_each_points_kernels_and_the_feature_checks(tmp_path):
 
 
 def test_bad_arguments_are_one_line_and_exit_2(capsys):
-    for argv in (["--only", "nosuch"], ["--backends", "fsdp3"]):
+    for argv in (["--only", "nosuch"], ["--backends", "fsdp3"], ["--model-path", "/models/x"]):
         assert gpu_check.main(["--plan", "--device", "cpu", *argv]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith(argv[0])
