@@ -36,6 +36,7 @@ from reports.render import (
     short_block,
     write_csv,
 )
+from reports.side_by_side import with_side_by_side
 
 PACKAGE = Path(__file__).resolve().parent
 REPO = PACKAGE.parent
@@ -191,11 +192,12 @@ def report(args: argparse.Namespace) -> int:
     df["plan_png"] = write_plan_figures(df, out_dir)
     df["lengths_png"] = write_length_histograms(df, out_dir)  # each setting's workload: sequences and tokens by length
     df["profile_png"] = write_profile_figures(df, out_dir)  # each profiled point: seconds per category, pass and rank
-    print(markdown_tables(df))
+    print(with_side_by_side(markdown_tables(df), df))
     if committed:  # the README's plan figures are committed files: only the committed run redraws them
         _write(plan_pngs[0] if plan_pngs else PACKAGE, lambda: draw_side_by_side(plans, plan_pngs), here)
     _write(csv, lambda: write_csv(df, csv), "give --csv a path in a writable folder" if args.csv else here)
-    _write(out_dir / "report.md", lambda: (out_dir / "report.md").write_text(markdown_tables(df, out_dir) + "\n"), here)
+    report_md = with_side_by_side(markdown_tables(df, out_dir), df)  # with the planners side by side, if several ran
+    _write(out_dir / "report.md", lambda: (out_dir / "report.md").write_text(report_md + "\n"), here)
     for path, old, new in blocks if readme is not None else []:
         _write(path, lambda p=path, o=old, n=new: p.write_text(replace_block(o, n, p)), f"{path} must be writable")
         print(f"{path}: results block rewritten ({len(df)} runs)")
