@@ -1,4 +1,5 @@
-"""NeMo Automodel's ``DynamicTokenBatchSampler`` (PR #3473, 2026), written here from its published algorithm.
+"""NeMo Automodel's ``DynamicTokenBatchSampler`` (its pull request of 2026-08-10), written here from its published
+algorithm.
 
 Every rank plans the same global list: the indices shuffled with ``seed + epoch``, sorted longest first inside
 windows of ``sort_window`` samples, then cut greedily while count × longest stays within the padded-token budget
@@ -18,8 +19,8 @@ from backends.planning.peers.common import PeerPlan, budget_of
 
 NAME = "automodel"
 LAYOUT = "padded"
-SOURCE = ("NVIDIA-NeMo/Automodel nemo_automodel/components/datasets/llm/dynamic_token_batch_sampler.py, PR #3473 "
-          "(opened 2026-08-10)")
+SOURCE = ("NVIDIA-NeMo/Automodel nemo_automodel/components/datasets/llm/dynamic_token_batch_sampler.py, as proposed "
+          "in https://github.com/NVIDIA-NeMo/Automodel/pull/3473 (opened 2026-08-10)")
 
 
 def token_budget_batches(order: Sequence[int], lengths: Sequence[int], budget: int,

@@ -6,8 +6,8 @@ from its published algorithm.
 2. Each rank takes ``ceil(Σ L ÷ max_token_len)`` micro-batches (never more than its sequences), the ranks agree on
    the largest count (``same_micro_num_in_dp``), and Karmarkar–Karp (sizes free) partitions the rank's sequences by
    workload into that many.
-3. Strict budget (PR #7553): while any micro-batch sums to more than ``max_token_len`` tokens, every rank
-   repartitions with one more.
+3. Strict budget (the change merged 2026-08-25): while any micro-batch sums to more than ``max_token_len``
+   tokens, every rank repartitions with one more.
 4. The micro-batches run heaviest in the middle, lightest at both ends (``use_dynamic_bsz_balance``).
 
 A sequence longer than ``max_token_len`` is refused, as verl's assert does. Rows are packed (remove-padding).
@@ -24,7 +24,7 @@ from backends.planning.peers.common import PeerPlan, PeerRefusal, budget_of, cei
 NAME = "verl"
 LAYOUT = "packed"
 SOURCE = ("verl-project/verl verl/utils/seqlen_balancing.py and verl/trainer/ppo/ray_trainer.py at 1dda039 "
-          "(2026-08-22), with PR #7553 (strict max_token_len, merged 2026-08-25)")
+          "(2026-08-22), with https://github.com/verl-project/verl/pull/7553 (strict max_token_len, merged 2026-08-25)")
 LINEAR_WEIGHT = 24576  # verl's calculate_workload: 24576·L + L² (a 7B model's 12·h² and 2·h with h = 4096)
 
 
@@ -144,6 +144,6 @@ def plan(lengths: Sequence[int], world_size: int, budget: Optional[int], strict:
         over = any(sum(lengths[i] for i in mb) > budget for rank in grid for mb in rank)
         if not (strict and over):
             break
-        k += 1  # PR #7553: one more on every rank (the retry is collective) until none is over
+        k += 1  # the strict change: one more on every rank (the retry is collective) until none is over
     knobs["micro_batches_per_rank"] = k
     return PeerPlan(grid, knobs, spread)
