@@ -213,7 +213,7 @@ def test_an_interrupted_sweep_resumes_where_it_stopped(workdir):
     sweep = workdir / "sweep"
     args = [
         "-m",
-        "mtpm=600,5000,100000",
+        "mtpm=600,5000",  # the first point finishes, the second is interrupted: resume runs the second alone
         "bench.baseline=false",
         "backend=fsdp2",
         "workload=cpu_mixed",
@@ -241,7 +241,7 @@ def test_an_interrupted_sweep_resumes_where_it_stopped(workdir):
     assert again.returncode == 0, again.stdout + again.stderr
     assert "already ok" in again.stdout + again.stderr
     assert _digest(first) == before  # the finished point was not run again
-    assert [r["status"] for r in sweep_results(sweep)] == ["ok", "ok", "ok"]
+    assert [r["status"] for r in sweep_results(sweep)] == ["ok", "ok"]
 
 
 def test_a_controller_killed_outright_leaves_no_rank_and_no_fork_server(workdir):
