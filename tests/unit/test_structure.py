@@ -5,6 +5,9 @@
   imports down without coming back. Module-level and function-level imports both count.
 * The backend names are written once, in ``backends/registry.py``; every other place reads
   the table. The few uses left are listed in ``ALLOWED_NAME_USES`` with the reason.
+* Rooms a reader can take in: no module of harness/ or backends/ over ``MAX_MODULE_LINES``, no function over
+  ``MAX_FUNCTION_LINES`` (but the delta-rule scan, kept line-comparable with its upstream), and at most
+  ``MAX_TOP_LEVEL`` modules at harness/'s top level: the rest lives in its sub-packages, as backends/'s does.
 """
 
 from __future__ import annotations
@@ -19,6 +22,15 @@ PACKAGES = ("harness", "backends", "reports", "hydra_plugins")
 NAMES = ("pytorch", "fsdp2", "megatron_ddp")
 REGISTRY = "backends/registry.py"
 _ANY = "|".join(NAMES)
+
+MAX_MODULE_LINES = 500
+MAX_FUNCTION_LINES = 80
+MAX_TOP_LEVEL = 8
+# (file, function) -> why it may be longer
+LONG_FUNCTIONS = {
+    # a numerical kernel kept line-comparable with the upstream scan it follows
+    ("backends/model/segments.py", "segment_chunk_gated_delta_rule"),
+}
 
 # file -> how often each backend name may appear there as a string of its own, and why.
 ALLOWED_NAME_USES = {
@@ -162,3 +174,23 @@ def test_the_registry_imports_without_torch():
 
     code = "import sys, backends.registry, harness.app.config, reports.collect; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)
+
+
+def test_modules_and_functions_stay_small_and_harness_keeps_to_its_rooms():
+    files = [p for package in ("harness", "backends") for p in sorted((REPO / package).rglob("*.py"))]
+    long_modules, long_functions, seen = {}, {}, set()
+    for path in files:
+        rel, text = path.relative_to(REPO).as_posix(), path.read_text()
+        if len(text.splitlines()) > MAX_MODULE_LINES:
+            long_modules[rel] = len(text.splitlines())
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                seen.add((rel, node.name))
+                if lines > MAX_FUNCTION_LINES and (rel, node.name) not in LONG_FUNCTIONS:
+                    long_functions[f"{rel}:{node.name}"] = lines
+    assert not long_modules, f"modules over {MAX_MODULE_LINES} lines (split them by meaning): {long_modules}"
+    assert not long_functions, f"functions over {MAX_FUNCTION_LINES} lines: {long_functions}"
+    top = sorted(p.name for p in (REPO / "harness").glob("*.py"))
+    assert len(top) <= MAX_TOP_LEVEL, f"harness/ holds {len(top)} modules at its top level: {top}"
+    assert LONG_FUNCTIONS <= seen, f"exempt functions no longer there: {sorted(LONG_FUNCTIONS - seen)}"
