@@ -1,4 +1,5 @@
-"""``python -m reports [DIR ...] [--readme PATH] [--check] [--csv PATH] [--out DIR]``: results.json → table, CSV, plots.
+"""``python -m reports [DIR ...] [--readme PATH] [--check] [--csv PATH] [--out DIR] [--no-plots]``: results.json →
+table, CSV, plots.
 
 Without DIR it reads the results committed under reports/results and, with
 --check, compares README.md's results block against them, and docs/results.md's (the full table: the README's
@@ -58,6 +59,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--csv", type=Path, help="write the collected frame as CSV here")
     ap.add_argument("--out", type=Path, help="the folder report.md, results.csv and plots/ go into (default: DIR; "
                     f"with several DIRs, {COMBINED} in the folder they all lie in, never one sweep's own)")
+    ap.add_argument("--no-plots", action="store_true",
+                    help="report.md and results.csv only: no figures drawn, none linked (a text report in a second)")
     return ap.parse_args(argv)
 
 
@@ -148,6 +151,8 @@ def report(args: argparse.Namespace) -> int:
     readme = args.readme or (REPO / "README.md" if committed and args.check else None)
     if args.check and readme is None:
         raise UserError("--check needs --readme PATH (or no DIR, to check README.md)")
+    if args.no_plots and args.readme is not None and not args.check:
+        raise UserError("--no-plots: the README's results block links the figures; drop --no-plots or --readme")
     # Before anything is written: a README the command cannot check or rewrite stops it here.
     verb = "check" if args.check else "rewrite"
     text = readme_text(readme, verb) if readme is not None else None
@@ -187,11 +192,14 @@ def report(args: argparse.Namespace) -> int:
     _write(out_dir, lambda: out_dir.mkdir(parents=True, exist_ok=True), here)
     csv = args.csv or out_dir / "results.csv"
     csv = csv / "results.csv" if csv.is_dir() else csv
-    _write(plots[0], lambda: write_plots(df, out_dir), here)
-    # A figure it cannot draw is a warning, and the report links only the figures drawn.
-    df["plan_png"] = write_plan_figures(df, out_dir)
-    df["lengths_png"] = write_length_histograms(df, out_dir)  # each setting's workload: sequences and tokens by length
-    df["profile_png"] = write_profile_figures(df, out_dir)  # each profiled point: seconds per category, pass and rank
+    if args.no_plots:
+        df["plan_png"] = df["lengths_png"] = df["profile_png"] = None
+    else:
+        _write(plots[0], lambda: write_plots(df, out_dir), here)
+        # A figure it cannot draw is a warning, and the report links only the figures drawn.
+        df["plan_png"] = write_plan_figures(df, out_dir)
+        df["lengths_png"] = write_length_histograms(df, out_dir)  # each setting's workload: sequences, tokens by length
+        df["profile_png"] = write_profile_figures(df, out_dir)  # each profiled point: seconds per category, pass, rank
     print(with_side_by_side(markdown_tables(df), df))
     if committed:  # the README's plan figures are committed files: only the committed run redraws them
         _write(plan_pngs[0] if plan_pngs else PACKAGE, lambda: draw_side_by_side(plans, plan_pngs), here)

@@ -103,6 +103,17 @@ def test_a_missing_readme_is_one_line_and_nothing_is_written(check, tmp_path, ca
     _one_line_error(capsys, str(tmp_path), "not a file")
 
 
+def test_a_readme_block_without_its_figures_is_refused_in_one_line(tmp_path, capsys):
+    from reports.__main__ import main
+
+    sweep = _sweep(tmp_path / "sweep", {"0": _ok_doc()})
+    readme = tmp_path / "README.md"
+    readme.write_text("# x\n")
+    assert main([str(sweep), "--readme", str(readme), "--no-plots"]) == 2
+    _one_line_error(capsys, "--no-plots", "--readme")
+    assert readme.read_text() == "# x\n" and not (sweep / "report.md").exists()
+
+
 @pytest.mark.parametrize("check", [True, False], ids=["--check", "rewrite"])
 def test_a_readme_without_the_markers_says_which_to_add(check, tmp_path, capsys):
     from reports.__main__ import main
@@ -165,10 +176,10 @@ def test_a_sweeps_csv_names_points_relative_to_it(tmp_path, capsys):
     from reports.__main__ import main
 
     sweep = _sweep(tmp_path / "sweep", {"0": _ok_doc(), "1": _ok_doc()})
-    assert main([str(sweep)]) == 0
+    assert main([str(sweep), "--no-plots"]) == 0
     assert sorted(pd.read_csv(sweep / "results.csv")["path"]) == ["0/results.json", "1/results.json"]
     elsewhere = tmp_path / "elsewhere" / "frame.csv"  # not above the results: their absolute paths
-    assert main([str(sweep), "--csv", str(elsewhere)]) == 0
+    assert main([str(sweep), "--csv", str(elsewhere), "--no-plots"]) == 0
     assert sorted(pd.read_csv(elsewhere)["path"]) == [str((sweep / n / "results.json").resolve()) for n in "01"]
 
 
@@ -186,11 +197,14 @@ def _failed_at_start(**changes) -> dict:
 
 
 def _report(tmp_path, docs: dict) -> str:
+    """report.md of a sweep of ``docs``, text only (--no-plots: the figures are the tests' that draw them)."""
     from reports.__main__ import main
 
     sweep = _sweep(tmp_path / "sweep", docs)
-    assert main([str(sweep)]) == 0
-    return (sweep / "report.md").read_text()
+    assert main([str(sweep), "--no-plots"]) == 0
+    report = (sweep / "report.md").read_text()
+    assert ".png" not in report and not (sweep / "plots").exists()  # none drawn, none linked
+    return report
 
 
 def _header_and_rows(report: str, backend: str = "FSDP2") -> tuple[list[str], list[str]]:
