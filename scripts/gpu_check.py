@@ -431,7 +431,8 @@ def plan(target: Target) -> list[Step]:
     feats = [
         _p("features", "profile", f"{SHARDED}/bfloat16", {**base, **budget, "bench.profile": True}, ("profile",)),
         _p("features", "calibrated", f"{SHARDED}/bfloat16",
-           {**base, **budget, "cost_model": "calibrated", "calibration.cache": False, "calibration.repeat": 1},
+           {**base, **budget, "cost_model": "calibrated", "calibration.cache": False, "calibration.repeat": 1,
+            "calibration.warmup": 1 if cuda else 0},  # as the points' own warm-up: Triton's compile on a GPU
            ("calibrate",)),
     ]
     judges = {"features.profile": check_profile, "features.calibrated": check_calibrated, "features.auto": check_auto}
@@ -474,7 +475,7 @@ def estimates(steps: list[Step], target: Target) -> list[dict]:
 def print_plan(rows: list[dict], target: Target, budget_s: float) -> None:
     what = f"{target.device}" + (f", {target.gpus} GPU(s)" if target.device == "cuda" else "") + (
         f", model {target.model_path}" if target.model_path else ", the tiny model")
-    source = "reasoned, not yet measured" if target.device == "cuda" else "measured on the 2-core machine"
+    source = "reasoned, not yet measured" if target.device == "cuda" else "from the 2-core machine's step logs"
     print(f"gpu_check plan ({what}); estimates ({source}):")
     total = 0.0
     for row in rows:
