@@ -8,10 +8,12 @@
 Each step is one ``python -m harness -m`` launch with ``hot=true``: its points share a loaded backend wherever
 they load the same thing (points that differ in bench.*, the layout or the budget switch through the control
 file), no mbs=1 baselines are added (``bench.baseline=false``), nothing is paired (``bench.paired=false``), no
-sweep report is drawn, and every point runs one warm-up and one timed repeat of the smoke workload. A point's
+sweep report is drawn, and every point runs one timed repeat of the smoke workload after one warm-up (on a GPU; none
+on CPU, where nothing compiles). A point's
 own settings are a generated config file (``DIR/conf/gpu_check/<step>.<point>.yaml``), so one launch holds points
 that differ in several keys at once. fla's Triton kernels are compiled once per dtype and layout: the compiled
-kernels stay in Triton's disk cache for the later launches, and ``FLA_CACHE_RESULTS=1`` keeps its autotuning.
+kernels stay in Triton's disk cache for the later launches, and so do the autotuning's choices
+(``FLA_CACHE_RESULTS=1``, ``TRITON_CACHE_AUTOTUNING=1``).
 
 Before each step the estimate of its seconds is held against what is left of ``--budget-s``: a step that does not
 fit is skipped, its reason written; a step that runs past its cap is stopped, and its finished points still count.
@@ -496,7 +498,10 @@ def print_plan(rows: list[dict], target: Target, budget_s: float) -> None:
 def harness_env(target: Target) -> dict:
     env = dict(os.environ, PYTHONUNBUFFERED="1", WANDB_MODE=os.environ.get("WANDB_MODE", "disabled"))
     env["PYTHONPATH"] = os.pathsep.join(p for p in [str(REPO), env.get("PYTHONPATH", "")] if p)
-    env.setdefault("FLA_CACHE_RESULTS", "1")  # fla's autotuning kept beside Triton's compiled kernels
+    # Autotuning's choices kept on disk beside Triton's compiled kernels, so a later launch does not tune again:
+    # fla's own switch (on by default in its releases) and Triton's for every autotuned kernel.
+    env.setdefault("FLA_CACHE_RESULTS", "1")
+    env.setdefault("TRITON_CACHE_AUTOTUNING", "1")
     if target.device == "cpu":
         # One compute thread per rank: on a shared machine more threads than free cores wait on each other (the
         # in-process backend's fwd+bwd ran 40x slower with 2 threads beside another run on 2 cores).
