@@ -173,9 +173,9 @@ MUTATIONS = (
     Mutation(
         "packed cu_seqlens make the whole row one sequence",
         "backends/model/packing.py",
-        "    cu_seqlens = torch.from_numpy(cu).to(device, non_blocking=True)\n"
+        "    cu_seqlens = host_to_device(cu, device)\n"
         "    remember_bounds(cu_seqlens, cu.tolist())",
-        "    cu_seqlens = torch.from_numpy(cu[[0, -1]].copy()).to(device, non_blocking=True)\n"
+        "    cu_seqlens = host_to_device(cu[[0, -1]].copy(), device)\n"
         "    remember_bounds(cu_seqlens, cu[[0, -1]].tolist())",
         (
             "tests/unit/test_packing.py::test_collate_lays_sequences_end_to_end",
