@@ -146,6 +146,14 @@ def write_length_histograms(df: pd.DataFrame, out_dir: Path) -> list:
     return [drawn.get(s) for s in df["setting"]]
 
 
+def truncation_note(dataset: dict) -> str:
+    """", N truncated to L" for a dataset's results.json record that cut examples, else ""; results written before
+    ``workload.truncate_to`` was named so record the length as ``max_len``."""
+    if not dataset.get("truncated"):
+        return ""
+    return f", {dataset['truncated']:,} truncated to {dataset.get('truncate_to', dataset.get('max_len')):,}"
+
+
 def draw_length_histogram(lengths, png: Path, workload: dict) -> Path:
     """Two panels over log-spaced length bins: how many sequences, and how many tokens, have each length; the
     median and p99 marked. Long sequences are few but hold the tokens (and set the budget)."""
@@ -174,10 +182,8 @@ def draw_length_histogram(lengths, png: Path, workload: dict) -> Path:
     name = (
         f"workload {workload.get('name')}" + (f" ({Path(source).name})" if source else "") if workload else "workload"
     )
-    data = workload.get("dataset") or {}
-    cut = f", {data['truncated']:,} truncated to {data['max_len']:,}" if data.get("truncated") else ""
     fig.suptitle(f"{name}: {n.size:,} sequences, {int(n.sum()):,} tokens, {int(n.min()):,}–{int(n.max()):,} per "
-                 f"sequence{cut}", fontsize=10)
+                 f"sequence{truncation_note(workload.get('dataset') or {})}", fontsize=10)
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=100)

@@ -116,7 +116,7 @@ class HarnessConfig(Batching):
     batching: Dict[str, Any] = field(default_factory=dict)
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
     gc: bool = False  # gradient checkpointing
-    seed: int = 0  # the generated token ids' (a dataset's ids are its text's: refused there)
+    token_seed: int = 0  # the generated token ids' (a dataset's ids are its text's: refused there)
     world_size: Optional[int] = None  # ranks; null = one per GPU, else 2 CPU ranks (1 for pytorch)
     dry_run: bool = False  # plan only: no model, no processes
     hot: bool = False  # multirun: load the backend once, switch mtpm/mbs through its control file
@@ -179,12 +179,19 @@ def composition_error_line(exc: BaseException) -> str:
     override = getattr(exc, "override", None) or _override_in(first)
     if isinstance(cause, (ConfigKeyError, ConfigAttributeError)):
         key = getattr(cause, "full_key", None) or "?"
+        if key in RENAMED:
+            return f"{key}: renamed {RENAMED[key]}"
         where = f" (from {override})" if override else ""
         return f"{key}: not a config key{where}; `python -m harness --cfg job` lists them"
     if isinstance(cause, OmegaConfBaseException):
         return config_error_line(cause) + (f" (from {override})" if override else "")
     return first
 
+
+# Keys that were renamed: the old spelling is refused with the new one (a key still in the schema under its old name,
+# a dataset's workload.max_len, is refused by harness.data.workload.check_unused).
+RENAMED = {"seed": "token_seed (it seeds the generated token ids; workload.seed draws lengths or examples, "
+                   "model.init_seed the weights)"}
 
 # Hydra's first line for a value with a comma outside a sweep: "Ambiguous value for argument 'key=a,b'".
 _AMBIGUOUS = re.compile(r"Ambiguous value for argument '([^=']+)=(.*)'")
@@ -253,11 +260,11 @@ def validate(cfg: HarnessConfig) -> None:
     # model.vocab_size with a checkpoint; packed on an unsupported model
     check_model_spec(cfg.model, cfg.backend.layout)
     # numpy's generators take no negative seed, and the published length generator (RandomState) none above 2**32-1.
-    if cfg.seed < 0:
-        raise UserError(f"seed: must be an integer >= 0, got {cfg.seed}")
-    if cfg.seed != 0 and cfg.workload.kind == "dataset":  # 0, the default, is the unset value
-        raise UserError(f"seed: {cfg.seed} seeds generated token ids, and workload {cfg.workload.name}'s are its "
-                        "text's, so it would be ignored; drop it (workload.seed draws the dataset's rows)")
+    if cfg.token_seed < 0:
+        raise UserError(f"token_seed: must be an integer >= 0, got {cfg.token_seed}")
+    if cfg.token_seed != 0 and cfg.workload.kind == "dataset":  # 0, the default, is the unset value
+        raise UserError(f"token_seed: {cfg.token_seed} seeds generated token ids, and workload {cfg.workload.name}'s "
+                        "are its text's, so it would be ignored; drop it (workload.seed draws the dataset's rows)")
     if not 0 <= cfg.workload.seed <= 2**32 - 1:
         raise UserError(f"workload.seed: must be an integer in 0..{2**32 - 1}, got {cfg.workload.seed}")
     _positive_int("backend.logprob_chunk_tokens", cfg.backend.logprob_chunk_tokens, allow_none=True)

@@ -158,9 +158,9 @@ def check_options(spec) -> None:
     if spec.train_on not in TRAIN_ON:
         raise UserError(f"workload.train_on: '{spec.train_on}' is not valid (valid: completion (the completion or "
                         "assistant tokens, as a trainer masks the prompt), all)")
-    if spec.max_len is not None and spec.max_len < 0:
-        raise UserError(f"workload.max_len: must be a positive integer (truncate longer examples to it), or 0 or null "
-                        f"(no truncation), got {spec.max_len}")
+    if spec.truncate_to is not None and spec.truncate_to < 0:
+        raise UserError(f"workload.truncate_to: must be a positive integer (cut longer examples to it), or 0 or null "
+                        f"(no truncation), got {spec.truncate_to}")
     if spec.n_examples is not None and spec.n_examples < 0:
         raise UserError(f"workload.n_examples: must be >= 0 or null (0 or null: every example; N: N drawn with "
                         f"workload.seed), got {spec.n_examples}")
@@ -241,7 +241,7 @@ def _warn_of_roles(tokens: Tokenized, path: str) -> None:
 
 
 def select(tokens: Tokenized, spec, record: dict) -> DatasetExamples:
-    """Rows with tokens, truncated to ``max_len``, ``n_examples`` drawn with ``seed`` and shuffled (or in file
+    """Rows with tokens, truncated to ``truncate_to``, ``n_examples`` drawn with ``seed`` and shuffled (or in file
     order)."""
     lengths = np.diff(tokens.offsets)
     usable = np.flatnonzero(lengths > 0)
@@ -255,7 +255,7 @@ def select(tokens: Tokenized, spec, record: dict) -> DatasetExamples:
     chosen = np.sort(rng.choice(usable, size=n, replace=False)) if n else usable
     if spec.shuffle:
         chosen = rng.permutation(chosen)
-    limit = spec.max_len or None
+    limit = spec.truncate_to or None
     ids, trained = [], []
     truncated = cut = emptied = 0
     for i in chosen:
@@ -263,7 +263,7 @@ def select(tokens: Tokenized, spec, record: dict) -> DatasetExamples:
         if limit is not None and row_ids.size > limit:
             truncated += 1
             cut += int(row_ids.size - limit)
-            # an example whose trained tokens all lie past max_len still runs, but trains on nothing
+            # an example whose trained tokens all lie past truncate_to still runs, but trains on nothing
             emptied += bool(example_weights(row_trained, spec.train_on).any()
                             and not example_weights(row_trained[:limit], spec.train_on).any())
             row_ids, row_trained = row_ids[:limit], row_trained[:limit]
@@ -273,12 +273,12 @@ def select(tokens: Tokenized, spec, record: dict) -> DatasetExamples:
     weights = [example_weights(t, spec.train_on) for t in trained]
     n_trained = sum(int((w > 0).sum()) for w in weights)
     if n_trained == 0:
+        after = " left after truncation to workload.truncate_to" if truncated else ""
         raise UserError(f"workload.train_on: completion, but none of the {len(ids):,} examples has a completion or "
-                        f"assistant token{' left after truncation to workload.max_len' if truncated else ''} to train "
-                        "on (use train_on=all, or check the rows' roles)")
+                        f"assistant token{after} to train on (use train_on=all, or check the rows' roles)")
     if emptied:
-        log.warning("workload.max_len=%d cut every trained token from %s of the %s examples (%s truncated): they run "
-                    "but train on nothing; a larger max_len keeps them", limit, f"{emptied:,}", f"{len(ids):,}",
+        log.warning("workload.truncate_to=%d cut every trained token from %s of the %s examples (%s truncated): they "
+                    "run but train on nothing; a larger truncate_to keeps them", limit, f"{emptied:,}", f"{len(ids):,}",
                     f"{truncated:,}")
     examples.record = {
         **record,
@@ -287,7 +287,7 @@ def select(tokens: Tokenized, spec, record: dict) -> DatasetExamples:
         "examples_available": int(usable.size),
         "sampled": n or None,
         "order": "shuffled" if spec.shuffle else "file order",
-        "max_len": limit,
+        "truncate_to": limit,
         "truncated": truncated,
         "tokens_cut": cut,
         "trained_tokens": n_trained,

@@ -201,7 +201,9 @@ class WorkloadSpec:
     # mixed: how many to generate. lengths_file, dataset: how many to draw (0 or null: every sequence in it).
     n_examples: Optional[int] = 128
     min_len: int = 64
-    max_len: Optional[int] = 32768  # dataset: truncate longer examples to it (0 or null: no truncation)
+    max_len: Optional[int] = 32768  # mixed, chat: the longest length generated
+    # Which lengths are drawn (mixed, chat), which sequences and in what order (lengths_file, dataset); the token ids
+    # are the top-level token_seed's, the weights model.init_seed's.
     seed: int = 42
     path: Optional[str] = None
     # dataset only (harness/data/dataset.py)
@@ -212,6 +214,7 @@ class WorkloadSpec:
     shuffle: bool = True  # requests in an order drawn with seed (false: file order)
     cache: bool = True  # read and write the tokenized rows in cache_dir
     cache_dir: Optional[str] = None  # null: $BALANCE_BATCH_CACHE, else $XDG_CACHE_HOME/balance_batch/tokenized
+    truncate_to: Optional[int] = None  # cut longer examples to this many tokens (0 or null: no truncation)
 
 
 @dataclass
@@ -261,9 +264,11 @@ def file_lengths(spec: WorkloadSpec) -> Workload:
 # keep the value that means "not set" (the schema's default, or the 0 / null a preset writes), else it is refused:
 # results.json would record, as a setting of the run, a value that did nothing.
 READS = {"mixed": {"min_len", "max_len"}, "chat": {"min_len", "max_len"}, "lengths_file": {"path"},
-         "dataset": {"max_len", "path", "format", "tokenizer", "field", "train_on", "shuffle", "cache", "cache_dir"}}
+         "dataset": {"truncate_to", "path", "format", "tokenizer", "field", "train_on", "shuffle", "cache",
+                     "cache_dir"}}
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(WorkloadSpec)}
 UNSET = {"min_len": (0, None, _DEFAULTS["min_len"]), "max_len": (0, None, _DEFAULTS["max_len"]),
+         "truncate_to": (0, None),
          **{key: (_DEFAULTS[key],) for key in ("path", "format", "tokenizer", "field", "train_on", "shuffle", "cache",
                                               "cache_dir")}}
 _KIND_WORDS = {"mixed": "generated lengths", "chat": "generated lengths", "lengths_file": "lengths read from a file",
@@ -279,6 +284,10 @@ def check_unused(spec: WorkloadSpec) -> None:
         value = getattr(spec, key)
         if key in reads or any(value == u and type(value) is type(u) for u in unset):
             continue
+        if (spec.kind, key) == ("dataset", "max_len"):  # the old spelling of a dataset's truncation length
+            raise UserError(f"workload.max_len: renamed workload.truncate_to for a dataset (it cuts longer examples "
+                            f"to that many tokens; max_len is the generators' longest length): "
+                            f"workload.truncate_to={value}")
         kinds = [k for k, keys in READS.items() if key in keys]
         users = ", ".join(kinds[:-1]) + f" or {kinds[-1]}" if len(kinds) > 1 else kinds[0]
         shown = "null" if value is None else str(value).lower() if isinstance(value, bool) else value

@@ -242,7 +242,7 @@ class Point:
         """The point's examples: a dataset's real ids (checked against the vocabulary the backend has), else random
         ids."""
         owner = f"the server at {spec.target.url}" if spec.target.url else f"model {spec.model.name}"
-        return self.workload.examples(self.vocab_size, spec.seed, owner)
+        return self.workload.examples(self.vocab_size, spec.token_seed, owner)
 
     def command_for(self, spec: HarnessConfig, examples, mtpm: Optional[int], mbs: int, layout: str, planner: str):
         """The pass commands of one batching (the point's own, or a candidate's of mtpm=auto)."""

@@ -16,13 +16,13 @@ from tests.integration.test_harness_cli import _one_error_line
 from tests.loss_oracle import oracle, plain_model
 
 BF16_RTOL = 3e-2  # as tests/integration/test_precision.py
-N_EXAMPLES, MAX_LEN, SEED = 8, 160, 5
+N_EXAMPLES, TRUNCATE_TO, SEED = 8, 160, 5
 
 
 def _data_args(demo_data, cache) -> list[str]:
     return ["workload=dataset", f"workload.path={demo_data['chats']}", f"workload.tokenizer={demo_data['tokenizer']}",
-            f"workload.cache_dir={cache}", f"workload.n_examples={N_EXAMPLES}", f"workload.max_len={MAX_LEN}",
-            f"workload.seed={SEED}"]
+            f"workload.cache_dir={cache}", f"workload.n_examples={N_EXAMPLES}",
+            f"workload.truncate_to={TRUNCATE_TO}", f"workload.seed={SEED}"]
 
 
 def test_each_backend_runs_the_dataset_and_matches_the_oracle(workdir, demo_data):
@@ -55,7 +55,7 @@ def test_each_backend_runs_the_dataset_and_matches_the_oracle(workdir, demo_data
         tokenizer=str(demo_data["tokenizer"]),
         cache_dir=str(workdir / "oracle-cache"),
         n_examples=N_EXAMPLES,
-        max_len=MAX_LEN,
+        truncate_to=TRUNCATE_TO,
         seed=SEED,
     )
     examples = load_workload(spec, ModelSpec()).examples(2048, 0)
@@ -73,7 +73,8 @@ def test_each_backend_runs_the_dataset_and_matches_the_oracle(workdir, demo_data
             300,
         )
         assert data["tokenizer"]["vocab_size"] == 2048 and data["largest_id"] < 2048
-        assert wl["max_len"] <= MAX_LEN and data["truncated"] == sum(1 for e in examples if len(e) == MAX_LEN)
+        assert wl["max_len"] <= TRUNCATE_TO == data["truncate_to"]
+        assert data["truncated"] == sum(1 for e in examples if len(e) == TRUNCATE_TO)
         plan = load_json(folder / "plan.json")
         assert plan["lengths"] == [len(e) for e in examples]  # the same lengths on every point: from the cache
         losses = np.array(load_json(folder / "example_outputs.json")["forward_backward"]["loss"])

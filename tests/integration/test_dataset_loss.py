@@ -27,7 +27,7 @@ def workload(demo_data, tmp_path_factory):
         tokenizer=str(demo_data["tokenizer"]),
         cache_dir=str(tmp_path_factory.mktemp("cache")),
         n_examples=6,
-        max_len=96,
+        truncate_to=96,
         seed=1,
     )
     return load_workload(spec, ModelSpec())

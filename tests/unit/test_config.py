@@ -32,7 +32,7 @@ from tests.unit.test_sweeps import SWEEP_FILES, grid_points
         ("planner=balanced", "planner", "mtpm"),  # mtpm is null here: fixed slices have no budget to balance
         ("max_seqs_per_microbatch=0", "max_seqs_per_microbatch", "positive integer or null"),
         ("max_seqs_per_microbatch=true", "max_seqs_per_microbatch", "Integer"),  # a bool is not a count
-        ("seed=-1", "seed", ">= 0"),
+        ("token_seed=-1", "token_seed", ">= 0"),
         ("workload.seed=-1", "workload.seed", "0..4294967295"),
         ("backend.logprob_chunk_tokens=0", "backend.logprob_chunk_tokens", "positive integer or null"),
         ("backend.startup_timeout_s=0", "backend.startup_timeout_s", "positive number of seconds or null"),
@@ -87,7 +87,8 @@ def test_a_value_with_a_comma_is_one_line_that_keeps_hydras_advice():
     (["workload=lengths_file", "workload.path={lengths}", "workload.min_len=5"], "workload.min_len: 5",
      "only workloads of kind mixed or chat do"),
     (["workload=lengths_file", "workload.path={lengths}", "workload.max_len=100"], "workload.max_len: 100",
-     "only workloads of kind mixed, chat or dataset do"),
+     "only workloads of kind mixed or chat do"),
+    (["workload=smoke", "workload.truncate_to=100"], "workload.truncate_to: 100", "only workloads of kind dataset do"),
     (["workload=dataset", "workload.path={lengths}", "workload.min_len=16"], "workload.min_len: 16",
      "only workloads of kind mixed or chat do"),
 ])
@@ -102,12 +103,26 @@ def test_a_workload_key_the_workload_does_not_read_is_refused_not_recorded(tmp_p
 
 
 def test_the_token_seed_on_a_dataset_is_refused_as_ignored_and_its_default_accepted(tmp_path):
-    """``seed`` seeds generated token ids; a dataset's ids are its text's (its draw is workload.seed's)."""
+    """``token_seed`` seeds generated token ids; a dataset's ids are its text's (its draw is workload.seed's)."""
     rows = tmp_path / "rows.jsonl"
     rows.write_text('{"text": "a"}\n')
     dataset = ["dry_run=true", "workload=dataset", f"workload.path={rows}", "workload.format=text"]
-    line = config_error(*dataset, "seed=5")
+    line = config_error(*dataset, "token_seed=5")
     assert line is not None and "\n" not in line, line
-    assert line.startswith("seed: 5 seeds generated token ids") and "would be ignored" in line, line
-    assert not (config_error(*dataset, "seed=0") or "").startswith("seed:")  # the default: nothing to ignore
-    assert config_error("dry_run=true", "workload=smoke", "seed=5") is None  # generated ids read it
+    assert line.startswith("token_seed: 5 seeds generated token ids") and "would be ignored" in line, line
+    assert not (config_error(*dataset, "token_seed=0") or "").startswith("token_seed:")  # the default
+    assert config_error("dry_run=true", "workload=smoke", "token_seed=5") is None  # generated ids read it
+
+
+def test_the_old_spellings_of_the_token_seed_and_the_truncation_length_are_refused_naming_the_new(tmp_path):
+    """``seed`` became ``token_seed``, a dataset's ``workload.max_len`` became ``workload.truncate_to``: the old
+    spelling is one line naming the new one (tests/unit/test_dataset.py truncates with the new one)."""
+    line = config_error("dry_run=true", "seed=3")
+    assert line == ("seed: renamed token_seed (it seeds the generated token ids; workload.seed draws lengths or "
+                    "examples, model.init_seed the weights)"), line
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"text": "a"}\n')
+    line = config_error("dry_run=true", "workload=dataset", f"workload.path={rows}", "workload.max_len=64")
+    assert line is not None and "\n" not in line, line
+    assert line.startswith("workload.max_len: renamed workload.truncate_to for a dataset") and line.endswith(
+        "workload.truncate_to=64"), line

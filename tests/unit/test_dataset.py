@@ -22,7 +22,7 @@ pytestmark = pytest.mark.unit
 def spec(path, tokenizer, cache_dir, **kw) -> WorkloadSpec:
     base = dict(name="dataset", kind="dataset", path=str(path), tokenizer=None if tokenizer is None else str(tokenizer),
                 cache_dir=str(cache_dir),
-                max_len=None, n_examples=None, shuffle=False)
+                truncate_to=None, n_examples=None, shuffle=False)
     return WorkloadSpec(**{**base, **kw})
 
 
@@ -100,8 +100,8 @@ def test_the_cache_is_read_on_a_second_run_and_invalidated_by_a_change(tmp_path,
     assert all(np.array_equal(a, b) for a, b in zip(first.ids, second.ids))
     assert all(np.array_equal(a, b) for a, b in zip(first.trained, second.trained))
     # options applied after tokenizing reuse the cache; train_on=all needs no masks, so it has a key of its own
-    again = load_dataset(spec(f, demo_data["tokenizer"], tmp_path / "cache", max_len=64, n_examples=10, shuffle=True),
-                         None)
+    again = load_dataset(spec(f, demo_data["tokenizer"], tmp_path / "cache", truncate_to=64, n_examples=10,
+                              shuffle=True), None)
     assert again.record["cache"]["hit"] and again.record["cache"]["key"] == first.record["cache"]["key"]
     every = spec(f, demo_data["tokenizer"], tmp_path / "cache", train_on="all")
     assert [load_dataset(every, None).record["cache"]["hit"] for _ in range(2)] == [False, True]
@@ -131,9 +131,9 @@ def test_truncation_sampling_and_order_are_recorded(tmp_path, demo_data):
     s = dict(path=demo_data["chats"], tokenizer=demo_data["tokenizer"], cache_dir=tmp_path / "cache")
     whole = load_dataset(spec(**s), None)
     lengths = np.array(whole.lengths)
-    cut = load_dataset(spec(**s, max_len=128), None)
+    cut = load_dataset(spec(**s, truncate_to=128), None)
     assert max(cut.lengths) == 128
-    assert cut.record["truncated"] == int((lengths > 128).sum()) > 0
+    assert cut.record["truncated"] == int((lengths > 128).sum()) > 0 and cut.record["truncate_to"] == 128
     assert cut.record["tokens_cut"] == int(np.maximum(lengths - 128, 0).sum())
     a = load_dataset(spec(**s, n_examples=20, seed=3), None)
     b = load_dataset(spec(**s, n_examples=20, seed=3), None)
@@ -257,7 +257,7 @@ def test_bad_tokenizers_and_options_are_one_line(tmp_path, demo_data):
     for key, value, match in (("format", "chatml", r"workload.format: 'chatml' is not a format \(valid: messages, "),
                               ("train_on", "prompt", r"workload.train_on: 'prompt' is not valid"),
                               ("n_examples", 10_000, r"workload.n_examples: 10,000, but .* has 300 examples"),
-                              ("max_len", -1, r"workload.max_len: must be a positive integer")):
+                              ("truncate_to", -1, r"workload.truncate_to: must be a positive integer")):
         with pytest.raises(UserError, match=match) as e:
             load_dataset(spec(chats, demo_data["tokenizer"], tmp_path / "cache", **{key: value}), None)
         cases.append(e)
@@ -350,8 +350,8 @@ def test_json_lines_split_at_newlines_only(tmp_path, demo_data, tok, sep):
     assert d.record["rows"] == 1 and tok.decode(d.ids[0]) == f"one{sep}two<|im_end|>"
 
 
-def test_a_miscased_assistant_role_and_a_max_len_that_cuts_every_trained_token_are_warned_once(tmp_path, demo_data,
-                                                                                             caplog):
+def test_a_miscased_assistant_role_and_a_truncation_that_cuts_every_trained_token_are_warned_once(
+        tmp_path, demo_data, caplog):
     import logging
 
     rows = [{"messages": CHAT}, {"messages": [CHAT[1], {"role": "Assistant", "content": "Tokens."}]}]
@@ -368,9 +368,9 @@ def test_a_miscased_assistant_role_and_a_max_len_that_cuts_every_trained_token_a
     assert emptied > 0
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="harness"):
-        load_dataset(spec(demo_data["chats"], demo_data["tokenizer"], tmp_path / "cache", max_len=limit), None)
+        load_dataset(spec(demo_data["chats"], demo_data["tokenizer"], tmp_path / "cache", truncate_to=limit), None)
     (line,) = [r.getMessage() for r in caplog.records]
-    assert f"workload.max_len=64 cut every trained token from {emptied} of the 300 examples" in line
+    assert f"workload.truncate_to=64 cut every trained token from {emptied} of the 300 examples" in line
 
 
 def test_relative_paths_are_recorded_absolute(tmp_path, demo_data, monkeypatch):

@@ -367,3 +367,13 @@ def test_a_readme_beside_docs_results_gets_the_short_table_and_the_page_the_full
     assert main([str(sweep), "--readme", str(readme), "--check"]) == 1
     out = capsys.readouterr().out
     assert str(page) in out and f"{readme}," not in out and "stale" in out
+
+
+def test_the_length_histogram_names_the_truncation_length_of_new_and_old_results():
+    """A dataset's truncation length is recorded as ``truncate_to``; results written before the rename say
+    ``max_len``, and the report reads both."""
+    from reports.plots import truncation_note
+
+    assert truncation_note({"truncated": 3, "truncate_to": 1024}) == ", 3 truncated to 1,024"
+    assert truncation_note({"truncated": 3, "max_len": 1024}) == ", 3 truncated to 1,024"
+    assert truncation_note({"truncated": 0, "truncate_to": 1024}) == truncation_note({}) == ""
