@@ -359,13 +359,13 @@ MUTATIONS = (
         ("tests/unit/test_profiling.py::test_a_hand_made_timeline_is_split_exactly",),
     ),
     Mutation(
-        "an FSDP2 CPU rank's busy time is its steps' wall time: a rank blocked in a collective looks busy",
+        "an FSDP2 rank's busy time keeps its collective waits: a rank blocked in a collective looks busy",
         "backends/runtime/timeline.py",
-        "    if lockstep and torch.get_num_threads() == 1:",
-        "    if False:",
+        "        busy = [t - w for t, w in zip(steps, waits)] if waits else steps",
+        "        busy = steps",
         (
-            "tests/unit/test_balance.py::test_a_cpu_rank_clock_times_each_step_and_counts_blocked_time_as_busy_only_where_no_collective_is_inside",
-            "tests/integration/test_balance.py::test_a_rank_with_less_work_is_measured_waiting_for_the_other",
+            "tests/unit/test_balance.py::test_a_cpu_rank_clock_counts_the_time_in_its_collective_waits_apart_from_its_busy_time",
+            "tests/integration/test_balance_waits.py::test_fsdp2_measured_idle_tracks_the_modeled_idle_of_an_uneven_plan",
         ),
     ),
     Mutation(
@@ -479,7 +479,7 @@ MUTATIONS = (
         "harness/measuring/runner.py",
         '        control = getattr(backend, "control", None)\n',
         "        control = None\n",
-        ("tests/integration/test_hot.py::test_hot_and_cold_sweeps_agree_and_hot_loads_once",),
+        ("tests/integration/test_hot.py::test_a_hot_sweep_loads_once_switches_budgets_and_gives_the_cold_answer",),
     ),
     Mutation(
         "a rank forked by the fork server keeps the fork server's environment, not its controller's",
