@@ -11,9 +11,9 @@ from tests.conftest import run_harness, sweep_results
 def test_the_peers_preset_measures_planners_in_pairs_beside_one_baseline_and_reports_them_side_by_side(tmp_path):
     sweep = tmp_path / "sweep"
     proc = run_harness("-m", "batching=peers", "mtpm=1024", "planner=balanced,fairseq", "backend=pytorch",
-                       "workload=smoke", "model.dtype=bfloat16", "hot=true", "bench.paired=true", "bench.warmup=0",
-                       "bench.repeat=2",
-                       f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+                       "workload=smoke", "workload.n_examples=6", "model.dtype=bfloat16", "hot=true",
+                       "bench.paired=true", "bench.warmup=0", "bench.repeat=2", f"hydra.sweep.dir={sweep}",
+                       cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = sweep_results(sweep)
     assert [(r["mtpm"], r["planner"], r["layout"], r["status"]) for r in results] == [
