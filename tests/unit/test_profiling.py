@@ -83,7 +83,10 @@ def test_a_profile_holds_only_its_window_of_steps_and_says_how_big_it_is(tmp_pat
     assert profile["trace_bytes"] == os.path.getsize(profile["trace"]) > 0 and profile["events"] > 10
     got = profile["breakdown"]
     assert got["covered_s"] == pytest.approx(got["pass_s"]) and got["seconds"]["other"] > 0
-    assert got["top_ops"][0]["calls"] == 10  # tanh or mm: 5 per step, two steps
+    # tanh and mm: 5 per step, two steps (by name: on a loaded machine a range's own time, the gaps between its
+    # operators, can outweigh either, so neither need come first)
+    calls = {op["name"]: op["calls"] for op in got["top_ops"]}
+    assert calls.get("aten::tanh") == calls.get("aten::mm") == 10, got["top_ops"]
 
     whole, seen = _loop(tmp_path, 3, steps=3)  # no more steps than the window: the whole pass
     assert seen == {"iteration0", "iteration1", "iteration2"} and whole["steps"] == [0, 2]
