@@ -76,6 +76,7 @@ class ReportCallback(Callback):
             from reports.plan_figure import write_plan_figures
             from reports.plots import write_length_histograms, write_plots, write_profile_figures
             from reports.render import markdown_tables, write_csv
+            from reports.side_by_side import with_side_by_side
 
             df = collect([sweep_dir])
             if df.empty:
@@ -83,7 +84,7 @@ class ReportCallback(Callback):
             df["plan_png"] = write_plan_figures(df, sweep_dir)  # plots/plan-<point>.png, one linked per row
             df["lengths_png"] = write_length_histograms(df, sweep_dir)  # plots/lengths-<point>.png, one per setting
             df["profile_png"] = write_profile_figures(df, sweep_dir)  # plots/profile-<point>.png (bench.profile)
-            table = markdown_tables(df, sweep_dir)
+            table = with_side_by_side(markdown_tables(df, sweep_dir), df)  # several planners: side by side
             (sweep_dir / "report.md").write_text(table + "\n")
             write_csv(df, sweep_dir / "results.csv")
             write_plots(df, sweep_dir)

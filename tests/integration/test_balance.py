@@ -58,7 +58,7 @@ def test_a_rank_with_less_work_is_measured_waiting_for_the_other(backend_runs, b
     # rank 0 holds 2,900 tokens, rank 1 128; a step's fixed cost (FSDP2's per-layer all-gathers run on the rank's own
     # thread) keeps the busy ratio far below the token ratio: 3.0x on a quiet machine, 2.96x seen in CI
     assert busy[0] > 2 * busy[1], balance
-    assert balance["measured_critical_path"] > 1.5, balance
+    assert balance["measured_critical_path"] > 4 / 3, balance  # what twice the busy time means over 2 ranks
     # busy is a step's time less its collective waits, so on a shared machine time a rank spends waiting for a core
     # counts as busy, and the figures move with the load; what does not is that the rank with less work idles far more
     idle = balance["idle_fraction"]

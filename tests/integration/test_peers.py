@@ -23,12 +23,13 @@ def test_the_peers_preset_measures_planners_in_pairs_beside_one_baseline_and_rep
     assert all(len(r["speedup"]["pairs"]) == 2 for r in results[1:])  # each beside mbs=1 passes, in pairs
 
     section = side_by_side(collect([sweep]))
-    assert section.startswith(TITLE)
+    assert section.startswith(TITLE) and section in (sweep / "report.md").read_text()  # the sweep's own report
     header, _, *rows = [[c.strip() for c in line.strip("|").split("|")] for line in section.splitlines()
                         if line.startswith("|")]
     table = [dict(zip(header, row)) for row in rows]
     assert [(r["mtpm"], r["planner"]) for r in table] == [("1,024", "balanced"), ("1,024", "fairseq")]
     for r in table:  # a paired speedup with its interval, and its share of the balanced planner's
-        assert "2 pairs" in r["speedup vs mbs=1"] and "95%" in r["speedup vs mbs=1"]
+        # its interval as ±% or, wider than ±25%, as its bounds (reports/render.py), either way with its pairs
+        assert "2 pairs" in r["speedup vs mbs=1"] and ("95%" in r["speedup vs mbs=1"] or "±" in r["speedup vs mbs=1"])
         assert r["speedup ÷ balanced's"] != "—" and r["steps / bound"] != "—"
     assert table[0]["speedup ÷ balanced's"] == "1.000"
