@@ -72,26 +72,12 @@ class ReportCallback(Callback):
             return
         record_sweep_status(sweep_dir)
         try:
-            from reports.collect import collect
-            from reports.plan_figure import write_plan_figures
-            from reports.plots import write_length_histograms, write_plots, write_profile_figures
-            from reports.render import markdown_tables, write_csv
-            from reports.side_by_side import with_side_by_side
+            from reports.__main__ import parse_args, report
 
-            df = collect([sweep_dir])
-            if df.empty:
-                return
-            df["plan_png"] = write_plan_figures(df, sweep_dir)  # plots/plan-<point>.png, one linked per row
-            df["lengths_png"] = write_length_histograms(df, sweep_dir)  # plots/lengths-<point>.png, one per setting
-            df["profile_png"] = write_profile_figures(df, sweep_dir)  # plots/profile-<point>.png (bench.profile)
-            table = with_side_by_side(markdown_tables(df, sweep_dir), df)  # several planners: side by side
-            (sweep_dir / "report.md").write_text(table + "\n")
-            write_csv(df, sweep_dir / "results.csv")
-            write_plots(df, sweep_dir)
-            log.info(
-                "report: %s (table), %s, %s", sweep_dir / "report.md", sweep_dir / "results.csv", sweep_dir / "plots"
-            )
-            print(table, flush=True)
+            report(parse_args([str(sweep_dir)]))  # python -m reports SWEEP, the one place a report is built
+            if (sweep_dir / "report.md").exists():
+                log.info("report: %s (table), %s, %s", sweep_dir / "report.md", sweep_dir / "results.csv",
+                         sweep_dir / "plots")
         except Exception as exc:  # noqa: BLE001 - the results are already on disk
             log.warning("report for %s failed (%s: %s); results.json files are intact; "
                         "retry with: python -m reports %s",
