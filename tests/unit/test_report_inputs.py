@@ -63,7 +63,7 @@ def test_a_bad_results_json_is_a_warning_naming_it_and_the_others_are_reported(t
 
     from reports.__main__ import main
 
-    assert main([str(sweep)]) == 0  # the report is written around it
+    assert main([str(sweep), "--no-plots"]) == 0  # the report is written around it (figures: the torn-file test's)
     report = (sweep / "report.md").read_text()
     assert report.count("| FSDP2") == 2 and "unreadable" in report
 
