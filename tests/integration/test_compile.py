@@ -13,8 +13,10 @@ own) at least once:
   transformers' loop (float32 has no grouped GEMM), the inference graphs, and the warm-up / timed split;
 - fsdp2 bfloat16, packed rows, forward+backward: FSDP2 around the compiled layers at the published setting, with
   torch's grouped GEMM experts (FSDP2's bf16 input cast is what once broke packed rows);
-- megatron_ddp bfloat16, padded rows, forward+backward: Megatron DDP around them, the other layout, on 1 rank
-  (tests/backend_runs.py's COMPILED_RANKS says why), compared with the eager run on 2.
+- megatron_ddp bfloat16, padded rows, forward+backward: Megatron DDP around them, the other layout.
+
+Each wrapper's cell runs on 1 rank (tests/backend_runs.py's COMPILED_RANKS says why) and is compared with its
+backend's eager run on 2.
 
 The plain model's bf16 graphs (grouped GEMM experts without a wrapper) are in no cell: the two wrapped bf16 cells
 compile the grouped GEMM. A wrapper does change the graphs (FSDP2's ranks compile other graphs than the plain
