@@ -30,11 +30,15 @@ def test_planning_modules_do_not_import_torch():
 
 
 def _cpu_seconds(lengths, world, budget, planner, layout, repeats: int) -> float:
-    best = math.inf
+    """The best of ``repeats`` plans' CPU time, or of those made before a second of CPU was spent."""
+    best, spent = math.inf, 0.0
     for _ in range(repeats):
         t0 = time.process_time()
         plan_batch(lengths, world, budget, planner=planner, layout=layout, align=True)
-        best = min(best, time.process_time() - t0)
+        took = time.process_time() - t0
+        best, spent = min(best, took), spent + took
+        if spent > 1.0:
+            break
     return best
 
 
@@ -45,11 +49,12 @@ def test_planning_time_grows_about_linearly(name, budget, world):
 
     The bound (x40) leaves room for n log n, caches and a machine busy with the rest of the suite (x33 was
     measured there once, with x25 as the bound); the planner this replaced took x79 on the first of these.
-    The small plan, a few milliseconds, is timed at its best of 5.
+    The small plan, a few milliseconds, is timed at its best of 5 (of fewer when they pass a second); the large one
+    once.
     """
     make = bench.DISTRIBUTIONS[name][0]
     small, large = make(3_000), make(30_000)
     for planner, layout in (("balanced", "packed"), ("balanced", "padded")):
-        ratio = (_cpu_seconds(large, world, budget, planner, layout, 2)
+        ratio = (_cpu_seconds(large, world, budget, planner, layout, 1)
                  / max(_cpu_seconds(small, world, budget, planner, layout, 5), 1e-3))
         assert ratio <= 40, f"{planner} {layout}: t(30k) / t(3k) = {ratio:.1f}"
