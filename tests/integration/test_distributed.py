@@ -288,7 +288,10 @@ def test_closing_leaves_no_process():
 
 
 def test_cli_backends_agree_and_leave_nothing_in_their_session(workdir):
-    """Through the CLI, the backends' outputs are within 1e-4 of pytorch's, and the sweep's session empty at the end."""
+    """Through the CLI, the backends' outputs are within 1e-4 of pytorch's, and the sweep's session empty at the end.
+
+    Each point closes its backend as a single run does (the session check once also ran single runs of fsdp2 and
+    megatron_ddp: the same close, in two more cold processes)."""
     sweep = workdir / "sweep"
     log = workdir / "log.txt"
     proc = start_harness(
@@ -327,13 +330,3 @@ def test_cli_backends_agree_and_leave_nothing_in_their_session(workdir):
         assert math.isclose(
             out["forward_backward"]["grad_norm"], outs[0]["forward_backward"]["grad_norm"], rel_tol=1e-4
         )
-
-
-@pytest.mark.parametrize("backend", ["fsdp2", "megatron_ddp"])
-def test_a_run_in_its_own_session_leaves_no_process(workdir, backend):
-    proc = start_harness(f"backend={backend}", "workload=smoke", "workload.n_examples=4", "bench.warmup=0",
-                         "bench.repeat=1", f"hydra.run.dir={workdir / 'run'}", cwd=workdir)
-    assert proc.wait(timeout=300) == 0
-    assert load_json(workdir / "run" / "results.json")["status"] == "ok"
-    left = wait_session_empty(proc.pid)
-    assert left == [], [p.cmdline() for p in left]
