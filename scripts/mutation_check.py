@@ -39,6 +39,13 @@ class Mutation:
 
 MUTATIONS = (
     Mutation(
+        "the kernel record trusts the package's import, not what transformers bound when its module was imported",
+        "backends/model/packing.py",
+        "return _cuda_kernel_available(package) if bound is None else bound",
+        "return _cuda_kernel_available(package)",
+        ("tests/unit/test_kernels.py::test_the_record_follows_what_transformers_bound_at_import_not_what_imports_now",),
+    ),
+    Mutation(
         "backend.compile traces the delta-rule scan into the compiled layer (a graph per set of boundaries)",
         "backends/model/packing.py",
         "    torch_chunk_gated_delta_rule = _eager(torch_chunk_gated_delta_rule)\n",

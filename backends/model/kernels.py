@@ -27,6 +27,7 @@ import contextlib
 import functools
 import importlib
 import importlib.util
+import inspect
 import logging
 import threading
 from collections import Counter
@@ -206,6 +207,21 @@ def package_imports(name: str) -> bool:
     except Exception:  # noqa: BLE001 - a broken build is the same as none: the torch path is exact, only slower
         return False
     return True
+
+
+def transformers_bound_kernel(function: Callable) -> Optional[bool]:
+    """What transformers' kernel wrapper around ``function`` bound when its modeling module was imported: True, a
+    kernel package's function (fla, causal-conv1d), which it then runs; False, its own torch function, which it runs
+    whatever imports later; None, ``function`` is no such wrapper (``package_imports`` decides).
+
+    The wrapper (``use_kernel_func_from_hub_with_fallback``) keeps the choice in its closure: a package that imports
+    here but that transformers could not use at its import is not a kernel that ran.
+    """
+    try:
+        bound = inspect.getclosurevars(function).nonlocals.get("is_new_implementation")
+    except (TypeError, ValueError):
+        return None
+    return bound if isinstance(bound, bool) else None
 
 
 # (import name, pip distribution, op it serves, what its absence costs on a GPU)

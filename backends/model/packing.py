@@ -189,6 +189,12 @@ def _cuda_kernel_available(name: str) -> bool:
     return kernels.package_imports(name)
 
 
+def _runs_kernel(bound: Optional[bool], package: str) -> bool:
+    """Whether the stock function runs ``package``'s kernel for CUDA tensors: what transformers bound at its import
+    (``kernels.transformers_bound_kernel``) where it says, else whether the package imports."""
+    return _cuda_kernel_available(package) if bound is None else bound
+
+
 def _torch_function(function: Callable) -> Callable:
     """The pure-torch function under transformers' kernel dispatch wrapper (which binds fla or causal-conv1d when
     they import, with no device check): what CPU tensors must run."""
@@ -239,11 +245,12 @@ def _register_packed_attention(implementation: str, modeling_module: str) -> str
 
 def _packed_conv1d(original: Callable) -> Callable:
     torch_conv1d = _torch_function(original)
+    bound = kernels.transformers_bound_kernel(original)
 
     @functools.wraps(original)
     def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
         cu = kwargs.get("cu_seq_lens_q")
-        fused = hidden_states.is_cuda and _cuda_kernel_available("causal_conv1d")
+        fused = hidden_states.is_cuda and _runs_kernel(bound, "causal_conv1d")
         kernels.note("short_conv", kernels.CAUSAL_CONV1D if fused else kernels.TORCH_CONV1D)
         if cu is None:
             # CPU tensors take the torch function even where causal-conv1d imports (a CPU rank on a GPU host)
@@ -269,6 +276,7 @@ def _packed_conv1d(original: Callable) -> Callable:
 
 def _packed_delta_rule(original: Callable) -> Callable:
     torch_delta_rule = _torch_function(original)
+    bound = kernels.transformers_bound_kernel(original)
 
     def dispatch(
         query,
@@ -290,7 +298,7 @@ def _packed_delta_rule(original: Callable) -> Callable:
             output_final_state=output_final_state,
             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         )
-        if query.is_cuda and _cuda_kernel_available("fla"):
+        if query.is_cuda and _runs_kernel(bound, "fla"):
             # the stock wrapper dispatches to flash-linear-attention, whose kernel takes cu_seqlens
             # (and, given the host copy, computes its chunk indices without a device-to-host sync)
             kernels.note("delta_rule", kernels.FLA_CHUNK)

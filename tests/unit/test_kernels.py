@@ -158,3 +158,36 @@ def test_attention_is_chosen_once_for_both_layouts():
     assert kernels.attention_implementation(None, "cuda", True, available=lambda name: False) == "sdpa"
     assert kernels.attention_implementation(None, "cpu", True, available=has_all) == "sdpa"
     assert kernels.attention_implementation("eager", "cuda", True, available=has_all) == "eager"
+
+
+def test_the_record_follows_what_transformers_bound_at_import_not_what_imports_now(monkeypatch):
+    """transformers binds a kernel package's function (or its own torch one) once, when its modeling module is
+    imported; a package that imports now but was not bound then does not run, so it is not what a pass records."""
+    from transformers.integrations.hub_kernels import use_kernel_func_from_hub_with_fallback
+
+    def reference(x):
+        return x
+
+    # transformers' own wrapper, bound to a package function that exists (math.sqrt) and to one that does not
+    bound = use_kernel_func_from_hub_with_fallback("sqrt", "math")(reference)
+    unbound = use_kernel_func_from_hub_with_fallback("sqrt", "no_such_kernel_package")(reference)
+    assert kernels.transformers_bound_kernel(bound) is True
+    assert kernels.transformers_bound_kernel(unbound) is False
+    assert kernels.transformers_bound_kernel(reference) is None  # no wrapper: the import check decides
+    # the dispatch's choice for CUDA tensors, where the package imports today
+    monkeypatch.setattr(packing, "_cuda_kernel_available", lambda name: True)
+    assert packing._runs_kernel(kernels.transformers_bound_kernel(unbound), "fla") is False
+    assert packing._runs_kernel(kernels.transformers_bound_kernel(bound), "fla") is True
+    assert packing._runs_kernel(None, "fla") is True
+    # this machine's modeling module: transformers' wrappers, read (a change of their form would fail here, not
+    # silently fall back to the import check); a package that does not import here was not bound
+    import transformers.models.qwen3_5_moe.modeling_qwen3_5_moe as modeling
+
+    from tests.loss_oracle import stock_transformers
+
+    with stock_transformers():
+        for name, package in (("torch_chunk_gated_delta_rule", "fla"), ("causal_conv1d_fn", "causal_conv1d")):
+            got = kernels.transformers_bound_kernel(getattr(modeling, name))
+            assert isinstance(got, bool), name
+            if not kernels.package_imports(package):
+                assert got is False, name
