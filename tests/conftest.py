@@ -144,15 +144,21 @@ def run_python(code: str, *args: str, cwd: Path, timeout: float = 120) -> subpro
 
 
 def unpaired(args) -> list[str]:
-    """A test's harness arguments with ``bench.paired=false`` added unless the test sets bench.paired itself.
+    """A test's harness arguments with what it does not check left out: ``bench.paired=false`` unless the test sets
+    bench.paired itself, and the end-of-sweep report's figures unless it sets ``hydra.callbacks.report.plots``.
 
-    A paired point runs mbs=1 passes beside each timed repeat (3 fwd+bwd passes more for one repeat);
-    only the tests of pairing pay for them, by asking with bench.paired=true.
+    A paired point runs mbs=1 passes beside each timed repeat (3 fwd+bwd passes more for one repeat), and a sweep's
+    report draws a plan figure per point (about half a CPU-second each, 190 of them in the suite); only the tests of
+    pairing and of the figures pay for them, by asking with bench.paired=true or hydra.callbacks.report.plots=true.
     """
     args = list(args)
-    if "--cfg" in args or any(a.startswith("bench.paired=") for a in args):
+    if "--cfg" in args:
         return args
-    return [*args, "bench.paired=false"]
+    if not any(a.startswith("bench.paired=") for a in args):
+        args.append("bench.paired=false")
+    if not any(a.startswith("hydra.callbacks.report.plots=") for a in args):
+        args.append("hydra.callbacks.report.plots=false")
+    return args
 
 
 def run_harness(*args: str, cwd: Path, timeout: float = 600, env: dict | None = None,
@@ -310,7 +316,8 @@ def golden_sweep(tmp_path_factory) -> Path:
     sweep = root / "sweep"
     proc = run_harness(
         "-m", "mtpm=600,100000", "backend=pytorch", "workload=smoke", "bench.warmup=0", "bench.repeat=2",
-        "bench.baseline=false", f"hydra.sweep.dir={sweep}", cwd=root, env=harness_env(WANDB_MODE="offline"),
+        "bench.baseline=false", "hydra.callbacks.report.plots=true", f"hydra.sweep.dir={sweep}", cwd=root,
+        env=harness_env(WANDB_MODE="offline"),
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return sweep

@@ -185,6 +185,8 @@ def composition_error_line(exc: BaseException) -> str:
         return f"{key}: not a config key{where}; `python -m harness --cfg job` lists them"
     if isinstance(cause, OmegaConfBaseException):
         return config_error_line(cause) + (f" (from {override})" if override else "")
+    if first.startswith("Error in call to target") and isinstance(exc.__cause__, (ValueError, TypeError)):
+        return str(exc.__cause__)  # a callback refused its settings (hydra.callbacks.*): its own line
     return first
 
 

@@ -34,6 +34,7 @@ def test_each_backend_runs_the_dataset_and_matches_the_oracle(workdir, demo_data
         "model.dtype=float32,bfloat16",
         *_data_args(demo_data, cache),
         "mtpm=400",
+        "hydra.callbacks.report.plots=true",  # the report's length histogram, drawn from the dataset's lengths
         "bench.warmup=0",
         "bench.repeat=1",
         "bench.save_outputs=true",

@@ -61,7 +61,7 @@ def test_the_command_line_profiles_every_rank_of_fsdp2_and_megatron(workdir):
     sweep = workdir / "sweep"
     proc = run_harness("-m", "backend=fsdp2,megatron_ddp", "bench.profile=true", "layout=packed", "planner=balanced",
                        "bench.profile_ranks=null", "mtpm=2048", "workload=smoke", "bench.warmup=0", "bench.repeat=1",
-                       "bench.baseline=false",
+                       "bench.baseline=false", "hydra.callbacks.report.plots=true",
                        "logger=wandb", "logger.mode=offline", f"hydra.sweep.dir={sweep}", cwd=workdir, timeout=1200,
                        env=harness_env(WANDB_MODE="offline"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

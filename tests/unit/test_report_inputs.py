@@ -82,6 +82,29 @@ def test_the_end_of_sweep_report_is_written_despite_a_bad_results_json(tmp_path,
     assert state.STATE.exit_code == state.EXIT_FAILED  # the sweep still says a point went wrong
 
 
+def test_the_end_of_sweep_report_without_figures_when_asked_and_a_bad_setting_is_named(tmp_path, monkeypatch):
+    from omegaconf import OmegaConf
+
+    from harness.app import state
+    from harness.app.callbacks import ReportCallback
+    from harness.app.config import composition_error_line
+
+    monkeypatch.setattr(state, "STATE", state.RunState())
+    sweep = _sweep(tmp_path / "sweep", {"0": _ok_doc(), "1": _ok_doc()})
+    ReportCallback(plots=False).on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep)}}}))
+    assert (sweep / "report.md").read_text().count("| FSDP2") == 2 and not (sweep / "plots").exists()
+    with pytest.raises(ValueError) as refused:
+        ReportCallback(plots="maybe")
+    # as Hydra raises it when it builds the callback from hydra.callbacks.report.plots=maybe: the line is the key's
+    from hydra.errors import InstantiationException
+
+    try:
+        raise InstantiationException("Error in call to target 'harness.app.callbacks.ReportCallback':") \
+            from refused.value
+    except InstantiationException as exc:
+        assert composition_error_line(exc) == "hydra.callbacks.report.plots: true or false, got 'maybe'"
+
+
 def _one_line_error(capsys, *words: str) -> str:
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and err.startswith("error: "), err
