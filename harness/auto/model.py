@@ -142,15 +142,26 @@ def attention_term(lengths: Sequence[int], microbatch: Sequence[int], layout: st
 
 
 def candidates_of(lengths: Sequence[int], budgets: Sequence[int], plan_at: Callable[[int], object],
-                  layout: str, on_planned: Optional[Callable[[int, int, int], None]] = None) -> list[Candidate]:
+                  layout: str, on_planned: Optional[Callable[[int, int, int], None]] = None,
+                  refused: Optional[list] = None) -> list[Candidate]:
     """One candidate per distinct plan over ``budgets`` (ascending); ``plan_at(b)`` plans the workload at budget b.
 
-    ``on_planned(done, total, budget)`` is called after each budget is planned (progress: PlanningProgress)."""
+    ``on_planned(done, total, budget)`` is called after each budget is planned (progress: PlanningProgress). A budget
+    a peer planner refuses (its own refusal: a sequence over its budget) is no candidate: with ``refused`` (a list)
+    it is appended there as ``{"mtpm", "reason"}`` and the search goes on; without, the refusal is raised."""
+    from backends.planning.peers.common import PeerRefusal
+
     out: list[Candidate] = []
     previous = None
     ordered = sorted(set(budgets))
     for done, b in enumerate(ordered, 1):
-        plan = plan_at(b)
+        try:
+            plan = plan_at(b)
+        except PeerRefusal as exc:
+            if refused is None:
+                raise
+            refused.append({"mtpm": b, "reason": str(exc)})
+            continue
         if on_planned is not None:
             on_planned(done, len(ordered), b)
         schedules = plan.schedules

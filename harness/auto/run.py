@@ -82,8 +82,15 @@ class AutoRun:
         point.cost_model = setup.cost_model
         budgets = power_of_two_budgets(lengths, setup.world_size, setup.layout)
         progress = PlanningProgress(point.label, budgets, len(lengths), spec.bench.progress_every_s)
+        refused: list = []
         self.cands = cands = candidates_of(lengths, budgets, lambda m: plan_for(lengths, setup, m), setup.layout,
-                                           on_planned=progress)
+                                           on_planned=progress, refused=refused)
+        if refused:  # a peer planner's budgets under a sequence it will not run: the search keeps to the others
+            if not cands:
+                raise UserError(refused[-1]["reason"])
+            log.warning("%smtpm=auto: planner %s refuses mtpm=%s (%s); searching the budgets it plans",
+                        point.label, setup.planner, ", ".join(str(r["mtpm"]) for r in refused),
+                        refused[0]["reason"].split("; ")[0])
         self.limit, self.source = limit, source = memory_limit(spec.bench.memory_limit_gb, setup.device or {},
                                                                setup.world_size, spec.bench.memory_headroom)
         headroom = spec.bench.memory_headroom  # applied to the device's memory; limit_source says which limit ruled
@@ -91,7 +98,8 @@ class AutoRun:
                  len(cands), ", ".join(str(c.mtpm) for c in cands), setup.name, f"{setup.planner} {setup.layout}",
                  limit / 2**30, source)
         self.auto = {"candidates": [c.as_dict() for c in cands], "memory_model": None, "headroom": headroom,
-                     "limit_bytes": limit, "limit_source": source, "baseline": None, "chosen": None}
+                     "limit_bytes": limit, "limit_source": source, "baseline": None, "chosen": None,
+                     "refused": refused}
         point.results.update(backend=setup.name, world_size=setup.world_size, device=setup.device,
                              planner=setup.planner, layout=setup.layout,
                              workload=workload_record(spec.workload, lengths, self.workload.file,

@@ -207,6 +207,27 @@ def test_candidates_are_distinct_plans_the_smallest_budget_naming_each():
     assert all(a.tokens <= b.tokens for a, b in zip(cands, cands[1:]))
 
 
+def test_a_peer_planners_refused_budgets_are_no_candidates_and_are_recorded():
+    """mtpm=auto with a peer that refuses a sequence over its budget (verl): the budgets under the longest sequence
+    are refused as verl refuses them, recorded with its line, and the search keeps to the budgets it plans."""
+    from backends.planning.peers.common import PeerRefusal
+
+    lengths = [3000, 500, 700, 1200, 90, 2500]
+    budgets = power_of_two_budgets(lengths, 2, "packed")  # from 2,048: under the longest (3,000)
+    assert budgets[0] < max(lengths)
+
+    def plan_at(b):
+        return plan_batch(lengths, 2, b, align=True, layout="packed", planner="verl")
+
+    refused: list = []
+    cands = candidates_of(lengths, budgets, plan_at, "packed", refused=refused)
+    assert [r["mtpm"] for r in refused] == [b for b in budgets if b < max(lengths)]
+    assert all("verl refuses example 0 of 3000 tokens" in r["reason"] for r in refused)
+    assert cands and all(c.mtpm >= max(lengths) for c in cands)
+    with pytest.raises(PeerRefusal):  # without a list to record them in, the refusal is the caller's
+        candidates_of(lengths, budgets, plan_at, "packed")
+
+
 def test_the_limit_is_the_given_cap_or_the_device_less_headroom_shared_by_cpu_ranks():
     assert memory_limit(3, {"type": "cpu", "memory_bytes": 24 * GiB}, 2, 0.1) == (3 * GiB, "bench.memory_limit_gb")
     limit, source = memory_limit(None, {"type": "cpu", "memory_bytes": 24 * GiB}, 2, 0.1)
