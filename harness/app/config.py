@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Sequence
 
 from hydra.core.config_store import ConfigStore
-from hydra.errors import MissingConfigException
+from hydra.errors import InstantiationException, MissingConfigException
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
@@ -185,7 +185,7 @@ def composition_error_line(exc: BaseException) -> str:
         return f"{key}: not a config key{where}; `python -m harness --cfg job` lists them"
     if isinstance(cause, OmegaConfBaseException):
         return config_error_line(cause) + (f" (from {override})" if override else "")
-    if first.startswith("Error in call to target") and isinstance(exc.__cause__, (ValueError, TypeError)):
+    if isinstance(exc, InstantiationException) and isinstance(exc.__cause__, (ValueError, TypeError)):
         return str(exc.__cause__)  # a callback refused its settings (hydra.callbacks.*): its own line
     return first
 
