@@ -130,7 +130,8 @@ def cut_sentences(text: str) -> list[str]:
 
 
 def test_no_page_begins_or_breaks_off_mid_sentence():
-    cut = [f"{page.relative_to(REPO)}: {c}" for page in pages() for c in cut_sentences(page.read_text(encoding="utf-8"))]
+    cut = [f"{page.relative_to(REPO)}: {c}" for page in pages()
+           for c in cut_sentences(page.read_text(encoding="utf-8"))]
     assert cut == []
 
 
