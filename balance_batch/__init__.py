@@ -1,8 +1,8 @@
 """Micro-batch planning over sequence lengths, Python and numpy (no torch): greedy and balanced planners, cost model,
 statistics."""
 
-from backends.planning.balanced import balanced_schedules, fewest_padded_microbatches
-from backends.planning.cost import (
+from balance_batch.balanced import balanced_schedules, fewest_padded_microbatches
+from balance_batch.cost import (
     LAYOUTS,
     CostModel,
     active_matmul_params,
@@ -11,7 +11,7 @@ from backends.planning.cost import (
     microbatch_cost,
     microbatch_tokens,
 )
-from backends.planning.greedy import (
+from balance_batch.greedy import (
     MicroBatch,
     Schedule,
     align_schedules,
@@ -22,8 +22,8 @@ from backends.planning.greedy import (
     microbatches_for_rank,
     sort_by_length,
 )
-from backends.planning.plan import PLAN_JSON_VERSION, PLANNERS, Plan, plan_batch
-from backends.planning.stats import (
+from balance_batch.plan import PLAN_JSON_VERSION, PLANNERS, Plan, plan_batch
+from balance_batch.stats import (
     PlanStats,
     critical_path_lower_bound,
     lower_bound_bins,
