@@ -39,7 +39,7 @@ ALLOWED_NAME_USES = {
     "backends/pytorch.py": Counter(pytorch=1),
     "backends/fsdp2.py": Counter(fsdp2=1),
     "backends/megatron_ddp.py": Counter(megatron_ddp=1),
-    # BackendSpec's default backend, for code that builds one directly (the CLI always names one: conf/backend/).
+    # BackendSpec's default backend, for code that builds one directly (the CLI names one: harness/conf/backend/).
     "backends/specs.py": Counter(pytorch=1),
 }
 
@@ -195,3 +195,20 @@ def test_modules_and_functions_stay_small_and_harness_keeps_to_its_rooms():
     top = sorted(p.name for p in (REPO / "harness").glob("*.py"))
     assert len(top) <= MAX_TOP_LEVEL, f"harness/ holds {len(top)} modules at its top level: {top}"
     assert LONG_FUNCTIONS <= seen, f"exempt functions no longer there: {sorted(LONG_FUNCTIONS - seen)}"
+
+
+def test_the_distribution_holds_the_library_and_the_apps_with_their_configs_as_data():
+    """What pyproject.toml puts in site-packages, found as setuptools finds it: the library, the harness, the backends,
+    the reports and the sweeper plugin; no generic top-level tests, conf or sweeps; every Hydra config file as the
+    harness's package data (python -m harness composes them from an installed copy)."""
+    import tomllib
+
+    from setuptools import find_namespace_packages
+
+    setup = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    found = find_namespace_packages(where=str(REPO), include=setup["packages"]["find"]["include"])
+    assert {p.split(".")[0] for p in found} == {"balance_batch", "harness", "backends", "reports", "hydra_plugins"}
+    conf = REPO / "harness" / "conf"
+    assert "harness.conf" in found and (conf / "__init__.py").is_file()
+    shipped = {p for pattern in setup["package-data"]["harness.conf"] for p in conf.glob(pattern)}
+    assert shipped == set(conf.rglob("*.yaml")) and len(shipped) > 20
