@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from backends.errors import UserError
-from backends.planning.cost import CostModel, cost_model_from_config
 from backends.specs import ModelSpec
+from balance_batch.cost import CostModel, cost_model_from_config
 
 # The benchmark model's architecture (Qwen3.5-MoE: gated delta-net linear
 # attention and full attention layers, 3:1, routed experts plus a shared
@@ -66,7 +66,7 @@ QWEN3_5_35B_A3B_TEXT_CONFIG = dict(
     tie_word_embeddings=False,
 )
 
-# Configs shipped in the repository, by model name (conf/model/<name>.yaml).
+# Configs shipped in the repository, by model name (harness/conf/model/<name>.yaml).
 SHIPPED_CONFIGS: dict[str, dict[str, Any]] = {
     "tiny": {**TINY_CONFIG, "model_type": "qwen3_5_moe_text"},
     "qwen3_5_35b_a3b": QWEN3_5_35B_A3B_TEXT_CONFIG,

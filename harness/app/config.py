@@ -1,4 +1,4 @@
-"""The config: the schema Hydra validates conf/ against, the checks it cannot express, resolution, and one-line
+"""The config: the schema Hydra validates harness/conf/ against, the checks it cannot express, resolution, and one-line
 config errors.
 
 ``resolve_config`` turns Hydra's DictConfig into a checked HarnessConfig (a
@@ -21,11 +21,11 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 
 from backends.errors import UserError
 from backends.model.configs import check_model_spec
-from backends.planning import LAYOUTS, PLANNERS
-from backends.planning.peers import PEERS, peer_layout
 from backends.registry import backend_entry
 from backends.runtime.profiling import PROFILE_RANKS, PROFILE_STEPS
 from backends.specs import BackendSpec, ModelSpec
+from balance_batch import LAYOUTS, PLANNERS
+from balance_batch.peers import PEERS, peer_layout
 from harness.app.batching import AUTO, Batching, batching_by_budget, check_spellings, interpolations
 from harness.data.workload import WorkloadSpec
 from harness.metrics.calibration import CALIBRATED, check_cost_model
@@ -112,7 +112,7 @@ class HarnessConfig(Batching):
     workload: WorkloadSpec = MISSING
     bench: BenchConfig = field(default_factory=BenchConfig)
     logger: Any = None  # logger/ group (W&B); free-form, read by harness.point.tracking
-    # What a batching=<name> preset sets (conf/batching/<name>.yaml): its name and the knobs it fixes.
+    # What a batching=<name> preset sets (harness/conf/batching/<name>.yaml): its name and the knobs it fixes.
     batching: Dict[str, Any] = field(default_factory=dict)
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
     gc: bool = False  # gradient checkpointing
