@@ -2,12 +2,9 @@
 
 from typing import Optional
 
+from balance_batch.errors import UserError
 
-class UserError(Exception):
-    """A mistake in what the user asked for: a config value, a path, a request.
-
-    The message names the key (or path) and says what would be valid.
-    """
+__all__ = ["BackendError", "UserError", "first_line"]
 
 
 class BackendError(RuntimeError):

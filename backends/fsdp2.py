@@ -11,10 +11,10 @@ import torch.distributed as dist
 from backends.model.build import decoder_layers
 from backends.model.loading import LOAD_PROGRESS_EVERY_S, load_sharded, read_source
 from backends.model.step import grad_sq_sum, local_grads
-from backends.planning import Schedule
 from backends.runtime.ranks import RankHooks
 from backends.runtime.spawned import DistributedBackend
 from backends.specs import ModelSpec
+from balance_batch import Schedule
 
 
 def mixed_precision_policy(model: torch.nn.Module):

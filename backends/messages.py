@@ -16,9 +16,9 @@ from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 
-from backends.planning import LAYOUTS, PLANNERS, CostModel, Plan, plan_batch
-from backends.planning.plan import check_choice, given_plan
 from backends.runtime.profiling import PROFILE_RANKS, PROFILE_STEPS
+from balance_batch import LAYOUTS, PLANNERS, CostModel, Plan, plan_batch
+from balance_batch.plan import check_choice, given_plan
 
 PASS_TYPES = ("forward", "forward_backward")
 # PassCommand.logprob_chunk_tokens: use the backend's ``logprob_chunk_tokens`` (None there means full logits).

@@ -19,8 +19,9 @@ from typing import Iterator, Optional, Sequence, Union
 
 import numpy as np
 
-from backends.planning import LAYOUTS, PLANNERS, CostModel, plan_batch
-from backends.planning.balanced import balanced_schedules
+from balance_batch.balanced import balanced_schedules
+from balance_batch.cost import LAYOUTS, CostModel
+from balance_batch.plan import PLANNERS, plan_batch
 
 STATE_VERSION = 1
 Schedule = Union[int, Sequence[Sequence[int]]]  # tokens_per_step: a number, or [(consumed_tokens, tokens), ...]

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from backends.errors import UserError
-from backends.planning.plan import PLAN_FILE
+from balance_batch.plan import PLAN_FILE
 from reports.plan_blocks import MAX_COLUMNS, Layout, PlanBlocks, measured_blocks, plan_blocks, plan_layout
 from reports.plan_files import find_plan, load_plan, plan_figure_paths, results_beside, workload_name
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Optional
 
 from backends.errors import UserError
-from backends.planning.plan import PLAN_FILE
+from balance_batch.plan import PLAN_FILE
 from reports.plan_blocks import plan_blocks
 
 

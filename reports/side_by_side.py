@@ -9,7 +9,7 @@ from typing import Optional
 
 import pandas as pd
 
-from backends.planning import PLANNERS
+from balance_batch import PLANNERS
 from harness.app.batching import KEYS
 from reports.collect import BACKEND_LABEL, settings_of
 from reports.render import _critical_path, _is_baseline, _missing, _speedup_cell, _status, _text, _tok_cell, speedups

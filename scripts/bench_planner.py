@@ -27,7 +27,7 @@ with 1,000,000 sequences on 1 and 8 ranks, every planner and layout, and the
 growth from 100,000 (the full grid at a million is ``--sizes
 10000,100000,1000000``: hours on 2 cores).
 
-Part 4 (the peers, backends/planning/peers/): every peer planner in its own
+Part 4 (the peers, balance_batch/peers/): every peer planner in its own
 layout beside the balanced and greedy ones, on the published workload (4 and
 8 ranks, the four budgets, Qwen3.5's cost model) and on each distribution
 (``--peers-size`` sequences at its usual budget, 1 and 8 ranks, cost = tokens):
@@ -49,9 +49,9 @@ from typing import Callable
 import numpy as np
 
 from backends.model.configs import cost_model_for
-from backends.planning import PLANNERS, critical_path_lower_bound, lower_bound_bins, plan_batch
-from backends.planning.peers import PEER_NAMES, PeerRefusal, peer_layout
 from backends.specs import ModelSpec
+from balance_batch import PLANNERS, critical_path_lower_bound, lower_bound_bins, plan_batch
+from balance_batch.peers import PEER_NAMES, PeerRefusal, peer_layout
 from harness.data.workload import mixed_lengths
 
 BUDGETS = (16384, 32768, 65536, 131072)
@@ -333,7 +333,7 @@ def peers(size: int, names: list[str]) -> list[str]:
               "critical path", "critical path ≥", "over budget", "plan ms"]
     lengths = mixed_lengths(128, 64, 32768, 42)
     out = ["", "## Part 4: the peers beside the balanced and greedy planners", "",
-           (f"Peers: {', '.join(PEER_NAMES)} (backends/planning/peers/), each in its own layout. "
+           (f"Peers: {', '.join(PEER_NAMES)} (balance_batch/peers/), each in its own layout. "
            "A refusal is the peer's own (its assert, its ValueError, or a sample it would drop)."), "",
            f"### seed_mixed_128 ({len(lengths)} examples, {sum(lengths):,} tokens), cost model {cost_model.source}", ""]
     rows = []

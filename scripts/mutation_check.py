@@ -63,7 +63,7 @@ MUTATIONS = (
     ),
     Mutation(
         "packed planner without its exact search for few sequences: a tight fill LPT misses costs a step",
-        "backends/planning/balanced/packed.py",
+        "balance_batch/balanced/packed.py",
         "_EXACT_MAX = 16",
         "_EXACT_MAX = 0",
         ("tests/unit/test_planner.py::test_balanced_packed_reaches_the_bound_whenever_a_plan_can",),
@@ -86,7 +86,7 @@ MUTATIONS = (
     ),
     Mutation(
         "greedy closes a micro-batch at the budget (> becomes >=)",
-        "backends/planning/greedy.py",
+        "balance_batch/greedy.py",
         "if count and ((count + 1) * longest > max_tokens or count == cap):",
         "if count and ((count + 1) * longest >= max_tokens or count == cap):",
         (
@@ -96,14 +96,14 @@ MUTATIONS = (
     ),
     Mutation(
         "the histogram packer's best fit forgets the cap on sequences per micro-batch",
-        "backends/planning/balanced/packed.py",
+        "balance_batch/balanced/packed.py",
         "q = int(min(room // length, cap - self.cnt[g]))",
         "q = int(room // length)",
         ("tests/unit/test_planner_scaling.py::test_histogram_best_fit_decreasing_packs_as_the_one_at_a_time_form",),
     ),
     Mutation(
         "the balanced planner's LPT keeps filling a micro-batch past the cap",
-        "backends/planning/balanced/packed.py",
+        "balance_batch/balanced/packed.py",
         "t = min(room // length, k // nb, cap - self.cnt[g])",
         "t = min(room // length, k // nb)",
         (
@@ -112,7 +112,7 @@ MUTATIONS = (
     ),
     Mutation(
         "the lower bound leaves out the cap on sequences",
-        "backends/planning/stats.py",
+        "balance_batch/stats.py",
         "    if max_seqs:\n        most = min(most, max_seqs)\n",
         "",
         (
@@ -146,7 +146,7 @@ MUTATIONS = (
     ),
     Mutation(
         "ranks dealt contiguous blocks instead of cards",
-        "backends/planning/greedy.py",
+        "balance_batch/greedy.py",
         "return [order[r::world_size] for r in range(world_size)]",
         "return [order[r * len(order) // world_size : (r + 1) * len(order) // world_size] for r in range(world_size)]",
         (
@@ -398,7 +398,7 @@ MUTATIONS = (
     ),
     Mutation(
         "a calibrated model's cost per micro-batch is left out of the plan's statistics",
-        "backends/planning/stats.py",
+        "balance_batch/stats.py",
         "    if cost_model.fixed:\n",
         "    if False:\n",
         (

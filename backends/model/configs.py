@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from backends.errors import UserError
-from backends.planning.cost import CostModel, cost_model_from_config
 from backends.specs import ModelSpec
+from balance_batch.cost import CostModel, cost_model_from_config
 
 # The benchmark model's architecture (Qwen3.5-MoE: gated delta-net linear
 # attention and full attention layers, 3:1, routed experts plus a shared

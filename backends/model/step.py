@@ -12,8 +12,8 @@ from backends.messages import PASS_TYPES, Example, ExampleOutput
 from backends.model import kernels
 from backends.model.logprobs import find_logprob_head
 from backends.model.packing import check_packable, collate_packed, model_layer_types, prepare_model_for_packing
-from backends.planning import LAYOUTS, Schedule  # padded: one row per sequence; packed: one row, end to end
 from backends.runtime.devices import host_to_device
+from balance_batch import LAYOUTS, Schedule  # padded: one row per sequence; packed: one row, end to end
 
 
 class PassTimeout(RuntimeError):

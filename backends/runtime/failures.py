@@ -18,11 +18,11 @@ import torch.distributed as dist
 
 from backends.errors import first_line
 from backends.messages import PassCommand
-from backends.planning import microbatch_tokens
 from backends.registry import is_lockstep
 from backends.runtime.memory import is_out_of_memory, is_thread_start_failure, oom_message
 from backends.runtime.ranks import rank_share
 from backends.specs import BackendSpec
+from balance_batch import microbatch_tokens
 
 
 @dataclass(frozen=True)

@@ -23,12 +23,12 @@ from backends.model import compiling, kernels
 from backends.model.build import build_model, describe_model, describe_precision, load_method
 from backends.model.loading import LoadMeter
 from backends.model.step import ProgressLogger, outputs_to_host, run_steps, synchronize, total_loss_weight
-from backends.planning import CostModel, Schedule, plan_stats
 from backends.registry import import_path, is_lockstep
 from backends.runtime.memory import MemoryHistory, peak_memory, reset_peak_memory
 from backends.runtime.profiling import profiled
 from backends.runtime.timeline import CollectiveWaits, StepClock, busy_clock, step_clock_name
 from backends.specs import BackendSpec, ModelSpec
+from balance_batch import CostModel, Schedule, plan_stats
 
 
 class RankHooks:

@@ -21,11 +21,11 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 
 from backends.errors import UserError
 from backends.model.configs import check_model_spec
-from backends.planning import LAYOUTS, PLANNERS
-from backends.planning.peers import PEERS, peer_layout
 from backends.registry import backend_entry
 from backends.runtime.profiling import PROFILE_RANKS, PROFILE_STEPS
 from backends.specs import BackendSpec, ModelSpec
+from balance_batch import LAYOUTS, PLANNERS
+from balance_batch.peers import PEERS, peer_layout
 from harness.app.batching import AUTO, Batching, batching_by_budget, check_spellings, interpolations
 from harness.data.workload import WorkloadSpec
 from harness.metrics.calibration import CALIBRATED, check_cost_model

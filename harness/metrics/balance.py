@@ -28,7 +28,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from backends.planning.cost import CostModel, microbatch_cost
+from balance_batch.cost import CostModel, microbatch_cost
 
 Schedule = Sequence[Optional[Sequence[int]]]
 _DIGITS = 6

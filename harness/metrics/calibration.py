@@ -1,7 +1,7 @@
 """``cost_model=calibrated``: the planner's cost model fitted to micro-batch times measured on the hardware that runs
 it.
 
-The FLOP model (a·L + b·L² per sequence, backends/planning/cost.py) leaves out
+The FLOP model (a·L + b·L² per sequence, balance_batch/cost.py) leaves out
 what the hardware adds: a cost per micro-batch (launches, FSDP2's per-layer
 all-gathers), a cost per sequence (attention and the delta-rule scan run once
 per sequence of a packed row on the CPU paths), memory-bound layers. So once
@@ -44,7 +44,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from backends.errors import UserError
-from backends.planning.cost import CostModel
+from balance_batch.cost import CostModel
 
 log = logging.getLogger("harness.calibration")  # the log channel's name, kept when the module moved
 

@@ -5,7 +5,7 @@ multiply-adds count 2; elementwise work, norms, softmax and the embedding
 gather are left out):
 
 - Forward, per sequence of length L: every weight matmul a token goes
-  through (``backends.planning.cost.weight_matmuls``: projections, router,
+  through (``balance_batch.cost.weight_matmuls``: projections, router,
   top-k routed experts, shared expert, LM head) and the short depthwise
   convolution; with LoRA also each adapter, 2·r·(d_in + d_out) per token of
   every ``nn.Linear`` peft's "all-linear" adapts (not the router, the fused
@@ -39,8 +39,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence, Union
 
-from backends.planning import CostModel
-from backends.planning.cost import token_mixers, weight_matmuls
+from balance_batch import CostModel
+from balance_batch.cost import token_mixers, weight_matmuls
 
 # Dense data-sheet peaks (no sparsity), FLOP/s per device, per compute dtype: bf16 (and fp16) on the tensor cores;
 # float32 without them (torch's float32 matrix products are IEEE float32 unless TF32 is switched on, which this

@@ -17,9 +17,9 @@ from omegaconf import DictConfig
 
 from backends.errors import BackendError, UserError
 from backends.model.configs import cost_model_for
-from backends.planning import CostModel
-from backends.planning.plan import PLAN_FILE
 from backends.registry import is_distributed, is_lockstep
+from balance_batch import CostModel
+from balance_batch.plan import PLAN_FILE
 from harness.app.config import AUTO, HarnessConfig, launcher_sets_world_size, resolve_config
 from harness.app.state import EXIT_OK
 from harness.data.workload import Workload, load_workload
@@ -55,7 +55,7 @@ class Point:
         self.vocab_size = 0
         self.workload: Optional[Workload] = None  # the point's lengths and, from a dataset, its real examples
         self.tracker = None
-        self.cost_model = None  # the planner's cost model (backends.planning.CostModel), from the model's config
+        self.cost_model = None  # the planner's cost model (balance_batch.CostModel), from the model's config
         self.schedules = None  # the plan's micro-batches per rank
         self.measurement_key = None  # what its measurement depends on (a multirun shares identical plans by it)
         self.sharing = False  # whether this point may share (and be shared): a sweep's, not a client's or launched

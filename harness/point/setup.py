@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from backends.model.configs import cost_model_for
-from backends.planning import CostModel, plan_batch
 from backends.registry import LOCKSTEP_BACKENDS
 from backends.runtime.job import resolve_world_size
+from balance_batch import CostModel, plan_batch
 from harness.app.batching import KEYS
 from harness.app.config import AUTO, HarnessConfig
 from harness.data.workload import Workload
@@ -159,7 +159,7 @@ def setup_fields(spec: HarnessConfig, workload: Workload, setup: Setup, plan) ->
         device=setup.device,
         model=model_record(spec.model, setup.built),
         workload=workload_record(spec.workload, workload.lengths, workload.file, workload.dataset),
-        plan=plan.record(),  # the statistics, and a peer planner's record (backends/planning/peers/)
+        plan=plan.record(),  # the statistics, and a peer planner's record (balance_batch/peers/)
         # what the backend built runs in (params, adapters, compute, reduce); a dry run builds nothing
         precision=setup.precision,
         load=setup.load,  # how the backend loaded the weights: time and host/device peaks per rank

@@ -10,9 +10,9 @@ import torch
 
 from backends.messages import make_command
 from backends.model.step import grad_norm_local_sq, run_schedule, total_loss_weight
-from backends.planning import plan_batch
 from backends.pytorch import PyTorchBackend
 from backends.specs import BackendSpec, ModelSpec
+from balance_batch import plan_batch
 from harness.data.workload import make_examples, mixed_lengths
 from tests.loss_oracle import oracle, tiny_examples
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from backends.planning import plan_batch
+from balance_batch import plan_batch
 
 _SPEC = importlib.util.spec_from_file_location(
     "bench_planner", Path(__file__).resolve().parents[2] / "scripts" / "bench_planner.py"
@@ -23,7 +23,7 @@ _SPEC.loader.exec_module(bench)
 
 def test_planning_modules_do_not_import_torch():
     code = (
-        "import sys, backends.planning, backends.planning, backends.model.configs; "
+        "import sys, balance_batch, balance_batch.peers, backends.model.configs; "
         "sys.exit(1 if 'torch' in sys.modules else 0)"
     )
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

@@ -21,8 +21,8 @@ from torch.utils.flop_counter import FlopCounterMode, conv_flop_count, sdpa_back
 from backends.model.build import build_model
 from backends.model.configs import SHIPPED_CONFIGS, model_config
 from backends.model.step import run_schedule, total_loss_weight
-from backends.planning.cost import weight_matmuls
 from backends.specs import ModelSpec
+from balance_batch.cost import weight_matmuls
 from harness.data.workload import make_examples
 from harness.metrics.flops import FULL_FINE_TUNING_FACTOR, pass_flops, training_flops_from_config
 

@@ -11,7 +11,7 @@ import json
 import pytest
 
 from backends.errors import UserError
-from backends.planning import plan_batch
+from balance_batch import plan_batch
 from harness.app.config import resolve_config
 from harness.auto.model import (
     Candidate,
@@ -210,7 +210,7 @@ def test_candidates_are_distinct_plans_the_smallest_budget_naming_each():
 def test_a_peer_planners_refused_budgets_are_no_candidates_and_are_recorded():
     """mtpm=auto with a peer that refuses a sequence over its budget (verl): the budgets under the longest sequence
     are refused as verl refuses them, recorded with its line, and the search keeps to the budgets it plans."""
-    from backends.planning.peers.common import PeerRefusal
+    from balance_batch.peers.common import PeerRefusal
 
     lengths = [3000, 500, 700, 1200, 90, 2500]
     budgets = power_of_two_budgets(lengths, 2, "packed")  # from 2,048: under the longest (3,000)

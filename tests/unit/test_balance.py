@@ -8,9 +8,9 @@ import time
 import pytest
 import torch
 
-from backends.planning import CostModel, plan_batch
-from backends.planning.stats import plan_stats
 from backends.runtime.timeline import CollectiveWaits, StepClock, busy_clock
+from balance_batch import CostModel, plan_batch
+from balance_batch.stats import plan_stats
 from harness.metrics.balance import (
     balance_fields,
     measured_balance,

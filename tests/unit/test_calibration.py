@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from backends.errors import UserError
-from backends.planning import CostModel, microbatch_cost, plan_batch
-from backends.planning.stats import plan_stats
 from backends.specs import ModelSpec
+from balance_batch import CostModel, microbatch_cost, plan_batch
+from balance_batch.stats import plan_stats
 from harness.app.config import CalibrationConfig
 from harness.metrics.calibration import (
     COEFFICIENTS,

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from backends.planning import CostModel, plan_batch
+from balance_batch import CostModel, plan_batch
 from harness.metrics.flops import device_peak, flops_record, gpu_peak_flops, pass_flops
 
 COST = CostModel(a=100.0, b=2.0, source="test")

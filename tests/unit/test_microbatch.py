@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from backends.planning import (
+from balance_batch import (
     align_schedules,
     deal_to_ranks,
     make_fixed_size_microbatches,

@@ -1,13 +1,13 @@
-"""The peer planners (backends/planning/peers/): small hand-computed plans, each peer's edges (a sequence over the
+"""The peer planners (balance_batch/peers/): small hand-computed plans, each peer's edges (a sequence over the
 budget, no sequences, one, all equal), what plan_batch records of them, and the published workload's step counts."""
 
 from __future__ import annotations
 
 import pytest
 
-from backends.planning import PLANNERS, plan_batch
-from backends.planning.peers import PEER_NAMES, PEERS, PeerRefusal, automodel, fairseq, nemo_rl, peer_layout, trl, verl
-from backends.planning.plan import check_plan_json
+from balance_batch import PLANNERS, plan_batch
+from balance_batch.peers import PEER_NAMES, PEERS, PeerRefusal, automodel, fairseq, nemo_rl, peer_layout, trl, verl
+from balance_batch.plan import check_plan_json
 from harness.data.workload import mixed_lengths
 
 SEED = mixed_lengths(128, 64, 32768, 42)  # the published workload's generator, as tests/unit/test_planner.py

@@ -10,7 +10,8 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from backends.model.configs import QWEN3_5_35B_A3B_TEXT_CONFIG, SHIPPED_CONFIGS, cost_model_for
-from backends.planning import (
+from backends.specs import ModelSpec
+from balance_batch import (
     CostModel,
     critical_path_lower_bound,
     deal_to_ranks,
@@ -21,8 +22,7 @@ from backends.planning import (
     plan_batch,
     sort_by_length,
 )
-from backends.planning.cost import active_matmul_params, cost_model_from_config, layer_types
-from backends.specs import ModelSpec
+from balance_batch.cost import active_matmul_params, cost_model_from_config, layer_types
 from harness.data.workload import mixed_lengths
 
 QWEN = cost_model_for(ModelSpec(name="qwen3_5_35b_a3b", path="/nonexistent/Qwen3.5-35B-A3B"))

@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from backends.planning import lower_bound_bins, plan_batch
-from backends.planning.balanced.packed import _Packer
-from backends.planning.greedy import sort_by_length
+from balance_batch import lower_bound_bins, plan_batch
+from balance_batch.balanced.packed import _Packer
+from balance_batch.greedy import sort_by_length
 
 _SPEC = importlib.util.spec_from_file_location(
     "bench_planner", Path(__file__).resolve().parents[2] / "scripts" / "bench_planner.py"

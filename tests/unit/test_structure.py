@@ -18,7 +18,7 @@ from collections import Counter
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-PACKAGES = ("harness", "backends", "reports", "hydra_plugins")
+PACKAGES = ("balance_batch", "harness", "backends", "reports", "hydra_plugins")
 NAMES = ("pytorch", "fsdp2", "megatron_ddp")
 REGISTRY = "backends/registry.py"
 _ANY = "|".join(NAMES)
@@ -168,11 +168,12 @@ def test_the_backend_names_are_written_only_in_the_registry():
     assert not gone, f"allowed uses no longer there (drop them from ALLOWED_NAME_USES): {gone}"
 
 
-def test_the_registry_imports_without_torch():
+def test_the_library_and_the_registry_import_without_torch():
     import subprocess
     import sys
 
-    code = "import sys, backends.registry, harness.app.config, reports.collect; assert 'torch' not in sys.modules"
+    code = ("import sys, balance_batch, balance_batch.peers, backends.registry, harness.app.config, reports.collect; "
+            "assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)
 
 

@@ -8,11 +8,11 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from backends.planning.balanced.bins import _Bins
-from backends.planning.balanced.ranks import _assign_ranks
-from backends.planning.balanced.steps import _Grid
-from backends.planning.cost import CostModel
-from backends.planning.greedy import _greedy_token_budget, deal_to_ranks, length_order, sort_by_length
+from balance_batch.balanced.bins import _Bins
+from balance_batch.balanced.ranks import _assign_ranks
+from balance_batch.balanced.steps import _Grid
+from balance_batch.cost import CostModel
+from balance_batch.greedy import _greedy_token_budget, deal_to_ranks, length_order, sort_by_length
 
 _PADDED_IMBALANCE = 1.005  # padded: a per-rank cost max/mean above this is worth a step more
 _PADDED_RETRIES = 8  # padded: at most this many steps more than the fewest, each a whole planning pass

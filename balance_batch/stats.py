@@ -9,8 +9,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from backends.planning.cost import CostModel
-from backends.planning.greedy import MicroBatch, Schedule
+from balance_batch.cost import CostModel
+from balance_batch.greedy import MicroBatch, Schedule
 
 
 def padded_tokens(batch: Optional[MicroBatch], lengths: Sequence[int]) -> int:

@@ -7,7 +7,7 @@ import bisect
 import math
 from typing import Optional, Sequence
 
-from backends.planning.cost import CostModel
+from balance_batch.cost import CostModel
 
 _CANDIDATES = 24  # sequences of one micro-batch considered for a move or swap
 

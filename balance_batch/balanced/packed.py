@@ -9,9 +9,9 @@ import itertools
 import math
 from typing import Optional, Sequence
 
-from backends.planning.balanced.bins import _Bins
-from backends.planning.cost import CostModel
-from backends.planning.stats import lower_bound_bins
+from balance_batch.balanced.bins import _Bins
+from balance_batch.cost import CostModel
+from balance_batch.stats import lower_bound_bins
 
 # Packed, at most this many sequences within the budget: where LPT misses the fewest steps, an exact search of at
 # most _EXACT_NODES placements looks for them (a few milliseconds)

@@ -46,7 +46,7 @@ micro-batches every step works on), ``steps`` (steps 3-4: ``_Grid``) and
 ``ranks`` (step 5).
 """
 
-from backends.planning.balanced.padded import fewest_padded_microbatches
-from backends.planning.balanced.schedules import balanced_schedules
+from balance_batch.balanced.padded import fewest_padded_microbatches
+from balance_batch.balanced.schedules import balanced_schedules
 
 __all__ = ["balanced_schedules", "fewest_padded_microbatches"]

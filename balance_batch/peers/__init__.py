@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-from backends.planning.peers import automodel, fairseq, nemo_rl, trl, verl
-from backends.planning.peers.common import PeerPlan, PeerRefusal
+from balance_batch.peers import automodel, fairseq, nemo_rl, trl, verl
+from balance_batch.peers.common import PeerPlan, PeerRefusal
 
 
 @dataclass(frozen=True)

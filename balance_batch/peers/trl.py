@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from backends.planning.greedy import Schedule
-from backends.planning.peers.common import PeerPlan, PeerRefusal, budget_of
+from balance_batch.greedy import Schedule
+from balance_batch.peers.common import PeerPlan, PeerRefusal, budget_of
 
 FIXED, BUDGET = "trl_fixed", "trl_budget"
 LAYOUT = "packed"

@@ -6,12 +6,12 @@ from __future__ import annotations
 import math
 from typing import Optional, Sequence
 
-from backends.planning.balanced.packed import _packed_groups
-from backends.planning.balanced.padded import _padded_attempt, _padded_plan, fewest_padded_microbatches
-from backends.planning.balanced.ranks import _assign_ranks
-from backends.planning.balanced.steps import _Grid
-from backends.planning.cost import CostModel
-from backends.planning.greedy import Schedule, sort_by_length
+from balance_batch.balanced.packed import _packed_groups
+from balance_batch.balanced.padded import _padded_attempt, _padded_plan, fewest_padded_microbatches
+from balance_batch.balanced.ranks import _assign_ranks
+from balance_batch.balanced.steps import _Grid
+from balance_batch.cost import CostModel
+from balance_batch.greedy import Schedule, sort_by_length
 
 # Bounds on refinement work (candidate evaluations), so huge inputs still plan in seconds.
 _WORK_PER_ITEM = 400

@@ -6,7 +6,7 @@ from __future__ import annotations
 import heapq
 import math
 
-from backends.planning.balanced.bins import _Bins
+from balance_batch.balanced.bins import _Bins
 
 
 class _Grid:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
-from backends.errors import UserError
-from backends.planning.greedy import Schedule
+from balance_batch.errors import UserError
+from balance_batch.greedy import Schedule
 
 
 class PeerRefusal(UserError, ValueError):

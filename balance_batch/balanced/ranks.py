@@ -3,8 +3,8 @@ steps allow (swaps within steps, then sequences moved between ranks, never past 
 
 from __future__ import annotations
 
-from backends.planning.balanced.bins import _CANDIDATES, _Bins
-from backends.planning.balanced.steps import _Grid
+from balance_batch.balanced.bins import _CANDIDATES, _Bins
+from balance_batch.balanced.steps import _Grid
 
 _MIN_CALL = 50_000  # evaluations one search for a transfer between two ranks may always use
 _OVERRUN = 200_000  # the last round of transfers may finish its searches this far past the budget

@@ -6,13 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from backends.planning.balanced import balanced_schedules
-from backends.planning.cost import LAYOUTS, CostModel
-from backends.planning.greedy import Schedule, align_schedules, deal_to_ranks, length_order, microbatches_for_rank
-from backends.planning.peers import PEER_NAMES, peer_record, plan_peer
-from backends.planning.stats import PlanStats, plan_stats
+from balance_batch.balanced import balanced_schedules
+from balance_batch.cost import LAYOUTS, CostModel
+from balance_batch.greedy import Schedule, align_schedules, deal_to_ranks, length_order, microbatches_for_rank
+from balance_batch.peers import PEER_NAMES, peer_record, plan_peer
+from balance_batch.stats import PlanStats, plan_stats
 
-PLANNERS = ("greedy", "balanced") + PEER_NAMES  # the two of this harness, then the peers (backends/planning/peers/)
+PLANNERS = ("greedy", "balanced") + PEER_NAMES  # the two of this harness, then the peers (balance_batch/peers/)
 PLAN_JSON_VERSION = 1
 PLAN_FILE = "plan.json"  # a point's plan, in its output folder (Plan.to_json; read back by reports/)
 
@@ -31,7 +31,7 @@ class Plan:
     lengths: list[int] = field(default_factory=list, repr=False)
     lockstep: bool = False
     max_seqs_per_microbatch: Optional[int] = None  # at most this many sequences per micro-batch (None: no cap)
-    peer: Optional[dict] = None  # a peer planner's record (backends/planning/peers/peer_record); None for ours
+    peer: Optional[dict] = None  # a peer planner's record (balance_batch/peers/peer_record); None for ours
 
     def record(self) -> dict:
         """results.json's ``plan``: the statistics, and a peer planner's record under ``peer``."""
@@ -170,7 +170,7 @@ def plan_batch(
     each rank's micro-batches greedily (``count * longest <= budget`` padded,
     sum of lengths packed), and for lock-step backends (``align=True``) pad
     shorter schedules with ``None``. ``planner="balanced"`` plans globally for
-    the fewest steps and even modeled cost (see backends/planning/balanced/);
+    the fewest steps and even modeled cost (see balance_batch/balanced/);
     it needs a budget. With ``align=False`` (ranks run independently) its
     empty slots are dropped. The FSDP backend agrees on the step count with a
     collective; computing it here from the same inputs gives the same answer.
