@@ -49,6 +49,8 @@ def epoch(lengths: list[int]) -> None:
         tokens.append(step.global_tokens)
     total = time.perf_counter() - t
     full = tokens[:-1]
+    print("| epoch | steps | cutting | planning every step | per step | micro-batches per rank per step |")
+    print("|---|---|---|---|---|---|")
     print(f"| {len(lengths):,} sequences, {sum(lengths):,} tokens | {n_steps:,} steps (tokens per step "
           f"{min(full):,}–{max(full):,}, last {tokens[-1]:,}) | cut {cut:.2f} s | planned in {total:.1f} s | per step "
           f"mean {1e3 * statistics.mean(times):.1f} ms, max {1e3 * max(times):.1f} ms | micro-batches per rank per "
@@ -64,6 +66,7 @@ def per_step(lengths: list[int], n: int) -> None:
         t = time.perf_counter()
         next(steps)
         times.append(time.perf_counter() - t)
+    print("\n| step size | steps timed | per step |\n|---|---|---|")
     print(f"| {STEP_SEQUENCES:,} sequences a step, {RANKS} ranks | {len(times)} steps | per step median "
           f"{1e3 * statistics.median(times):.1f} ms, mean {1e3 * statistics.mean(times):.1f} ms, max "
           f"{1e3 * max(times):.1f} ms |")
@@ -84,10 +87,12 @@ def refinement(lengths: list[int], n: int = 20) -> None:
             st = plan_stats(grid, step, layout="packed", cost_model=cm, max_tokens=BUDGET, lockstep=True,
                             planner="balanced")
             rows[work].append((st.steps, st.critical_path, st.cost_imbalance, dt))
+    print(f"\n| {n} steps planned by | lock-step micro-batch slots | critical path | cost imbalance | planning |")
+    print("|---|---|---|---|---|")
     for work, label in ((0, "sampler (work=0)"), (None, "plan_batch's refinement")):
         r = rows[work]
-        print(f"| {label} | steps {sum(x[0] for x in r)} | critical path mean {statistics.mean(x[1] for x in r):.4f} "
-              f"| cost imbalance mean {statistics.mean(x[2] for x in r):.4f} | planning mean "
+        print(f"| {label} | {sum(x[0] for x in r)} | mean {statistics.mean(x[1] for x in r):.4f} "
+              f"| mean {statistics.mean(x[2] for x in r):.4f} | mean "
               f"{1e3 * statistics.mean(x[3] for x in r):.0f} ms |")
 
 
@@ -96,7 +101,7 @@ def main() -> None:
     parser.add_argument("--sequences", type=int, default=1_000_000)
     parser.add_argument("--steps", type=int, default=50, help="part 2's steps")
     args = parser.parse_args()
-    print(f"Python {platform.python_version()} on {platform.machine()}, {platform.processor() or 'cpu'}")
+    print(f"Python {platform.python_version()} on {platform.machine()}, {platform.processor() or 'cpu'}\n")
     lengths = heavy_tailed_lengths(args.sequences)
     epoch(lengths)
     per_step(lengths, args.steps)
