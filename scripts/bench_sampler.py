@@ -24,10 +24,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_planner import heavy_tailed_lengths  # noqa: E402
+from bench_planner import heavy_tailed_lengths
 
-from balance_batch import CostModel, TokenBudgetSampler, plan_stats  # noqa: E402
-from balance_batch.balanced import balanced_schedules  # noqa: E402
+from balance_batch import CostModel, TokenBudgetSampler, plan_stats
+from balance_batch.balanced import balanced_schedules
 
 RANKS, BUDGET, STEP_TOKENS, STEP_SEQUENCES = 8, 8192, 1_000_000, 4096
 
