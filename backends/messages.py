@@ -17,7 +17,7 @@ from typing import Any, Optional, Sequence, Union
 import numpy as np
 
 from backends.runtime.profiling import PROFILE_RANKS, PROFILE_STEPS
-from balance_batch import LAYOUTS, PLANNERS, CostModel, Plan, plan_batch
+from balance_batch import LAYOUTS, PLANNERS, CostModel, Plan, plan_step
 from balance_batch.plan import check_choice, given_plan
 
 PASS_TYPES = ("forward", "forward_backward")
@@ -92,18 +92,19 @@ class PassCommand:
         return backend_default if self.logprob_chunk_tokens == BACKEND_CHUNK else self.logprob_chunk_tokens
 
     def plan(self, world_size: int, lockstep: bool) -> Plan:
-        """The global plan: every rank (and the controller) computes the same one from the same inputs."""
+        """The global plan, by the library's ``plan_step``: every rank (and the controller) computes the same one from
+        the same inputs."""
         if self.schedules is not None:
             if len(self.schedules) != world_size:
                 raise ValueError(f"a given plan has {len(self.schedules)} ranks' schedules for {world_size} ranks")
             return given_plan(self.schedules, self.all_lengths(), align=lockstep, layout=self.layout,
                               cost_model=CostModel.from_dict(self.cost_model))
-        return plan_batch(
+        return plan_step(
             self.all_lengths(),
-            world_size,
-            self.max_tokens_per_microbatch,
-            self.micro_batch_size,
-            align=lockstep,
+            world_size=world_size,
+            max_tokens_per_microbatch=self.max_tokens_per_microbatch,
+            micro_batch_size=self.micro_batch_size,
+            lockstep=lockstep,
             layout=self.layout,
             planner=self.planner,
             cost_model=CostModel.from_dict(self.cost_model),

@@ -1,7 +1,7 @@
 """The backends, in one table: every other place (config checks, start-up, ranks, reports) reads it.
 
 Importing this module imports no torch: harness/config.py and reports/ read it too.
-Adding a backend is one row here, its module, and its conf/backend/<name>.yaml.
+Adding a backend is one row here, its module, and its harness/conf/backend/<name>.yaml.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The configs backends take, as plain dataclasses (no torch): Hydra validates conf/ against them."""
+"""The configs backends take, as plain dataclasses (no torch): Hydra validates harness/conf/ against them."""
 
 from __future__ import annotations
 
@@ -8,12 +8,13 @@ from typing import Optional
 
 @dataclass
 class BackendSpec:
-    """A backend config: what a backend runs. The CLI's are these defaults (conf/backend/ sets only the name), its
-    batching fields filled from the top-level knobs (harness/app/batching.py). Built in code with its defaults it runs
-    what the CLI runs with none typed (tests/unit/test_batching.py holds every field but the name to that)."""
+    """A backend config: what a backend runs. The CLI's are these defaults (harness/conf/backend/ sets only the name),
+    its batching fields filled from the top-level knobs (harness/app/batching.py). Built in code with its defaults it
+    runs what the CLI runs with none typed (tests/unit/test_batching.py holds every field but the name to that)."""
 
-    # Differs from the CLI's default (fsdp2, conf/config.yaml) on purpose: built in code, the default backend runs in
-    # this process with no ranks to start, and the name decides which backend's rules apply (lock-step steps or not).
+    # Differs from the CLI's default (fsdp2, harness/conf/config.yaml) on purpose: built in code, the default backend
+    # runs in this process with no ranks to start, and the name decides which backend's rules apply (lock-step steps
+    # or not).
     name: str = "pytorch"
     max_tokens_per_microbatch: Optional[int] = None
     micro_batch_size: int = 1
@@ -47,7 +48,7 @@ class BackendSpec:
 
 @dataclass
 class ModelSpec:
-    """What the backends need to know of a model config (see conf/model/)."""
+    """What the backends need to know of a model config (see harness/conf/model/)."""
 
     name: str = "tiny"
     path: Optional[str] = None  # a local checkpoint directory; None builds the tiny model

@@ -1,5 +1,10 @@
-"""Micro-batch planning over sequence lengths, Python and numpy (no torch): greedy and balanced planners, cost model,
-statistics."""
+"""balance_batch: token-budget micro-batch planning over sequence lengths, in Python and numpy (no torch).
+
+``plan_step(lengths, world_size=..., max_tokens_per_microbatch=...)`` plans one step of a batch in memory: each
+rank's micro-batches, their modeled cost and the step's token totals. Underneath: the balanced and the greedy planner,
+the peers' planners (``balance_batch.peers``), the cost model and plan statistics. The harness and its backends plan
+through ``plan_step`` too, so what they measure is what the library plans.
+"""
 
 from balance_batch.balanced import balanced_schedules, fewest_padded_microbatches
 from balance_batch.cost import (
@@ -22,7 +27,7 @@ from balance_batch.greedy import (
     microbatches_for_rank,
     sort_by_length,
 )
-from balance_batch.plan import PLAN_JSON_VERSION, PLANNERS, Plan, plan_batch
+from balance_batch.plan import PLAN_JSON_VERSION, PLANNERS, Plan, plan_batch, plan_step
 from balance_batch.sampler import Step, TokenBudgetSampler
 from balance_batch.stats import (
     PlanStats,
@@ -62,6 +67,7 @@ __all__ = [
     "microbatches_for_rank",
     "padded_tokens",
     "plan_batch",
+    "plan_step",
     "plan_stats",
     "sort_by_length",
 ]

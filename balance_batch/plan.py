@@ -1,10 +1,13 @@
-"""One pass's plan: which rank runs which examples in which step, by the chosen planner and layout; its plan.json and
-the check of one."""
+"""One pass's plan: which rank runs which examples in which step, by the chosen planner and layout (``plan_step``, the
+library's entry point); its plan.json and the check of one."""
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
+
+import numpy as np
 
 from balance_batch.balanced import balanced_schedules
 from balance_batch.cost import LAYOUTS, CostModel
@@ -32,6 +35,27 @@ class Plan:
     lockstep: bool = False
     max_seqs_per_microbatch: Optional[int] = None  # at most this many sequences per micro-batch (None: no cap)
     peer: Optional[dict] = None  # a peer planner's record (balance_batch/peers/peer_record); None for ours
+    loss_tokens: Optional[int] = None  # the tokens the loss counts, over every rank (None given: every real token)
+
+    def __post_init__(self):
+        if self.loss_tokens is None:
+            self.loss_tokens = self.stats.real_tokens
+
+    @property
+    def microbatches(self) -> list[list[list[int]]]:
+        """Per rank, its micro-batches in order: lists of indices into the lengths; an empty list is a dummy (a
+        lock-step rank runs it, with zero loss weight, so every rank takes the same number of steps)."""
+        return [[[] if b is None else list(b) for b in s] for s in self.schedules]
+
+    @property
+    def cost_per_rank(self) -> list[float]:
+        """Each rank's modeled cost: the sum of its micro-batches' costs under ``cost_model``."""
+        return list(self.stats.cost_per_rank)
+
+    @property
+    def real_tokens(self) -> int:
+        """The tokens of every sequence planned, pad excluded."""
+        return self.stats.real_tokens
 
     def record(self) -> dict:
         """results.json's ``plan``: the statistics, and a peer planner's record under ``peer``."""
@@ -229,3 +253,106 @@ def plan_batch(
         max_seqs_per_microbatch=cap,
         peer=record,
     )
+
+
+def plan_step(
+    lengths: Sequence[int],
+    *,
+    world_size: int,
+    max_tokens_per_microbatch: Optional[int],
+    layout: str = "packed",
+    planner: str = "balanced",
+    max_seqs_per_microbatch: Optional[int] = None,
+    loss_tokens_per_sequence: Optional[Sequence[int]] = None,
+    cost_model: Optional[CostModel] = None,
+    micro_batch_size: int = 1,
+    lockstep: bool = True,
+) -> Plan:
+    """Plan one optimizer step over a batch already in memory: which rank runs which sequences, in which micro-batches.
+
+    ``lengths``: each sequence's token count (positive integers; a list or a numpy array). ``world_size`` ranks
+    share the step; every micro-batch holds at most ``max_tokens_per_microbatch`` tokens (``layout="packed"``: the
+    sum of its lengths, sequences laid end to end in one row; ``"padded"``: count × longest), but a sequence longer
+    than the budget, which gets a micro-batch of its own. ``planner``: ``"balanced"`` (the fewest lock-step steps,
+    with every step's micro-batches of about equal modeled cost), ``"greedy"`` (sort, deal to ranks like cards, fill
+    greedily) or a peer framework's planner (``balance_batch.PLANNERS``). ``max_seqs_per_microbatch`` caps the
+    sequences of any micro-batch (None: no cap). ``max_tokens_per_microbatch=None`` (greedy only) cuts fixed slices
+    of ``micro_batch_size`` sequences instead.
+
+    ``cost_model`` prices a sequence of length L as a·L + b·L² (default: its token count; ``CostModel(a, b,
+    source)`` or ``cost_model_from_config(model_config, source)`` for a model's attention term).
+    ``loss_tokens_per_sequence``: how many of each sequence's tokens the loss counts (a prompt masked out, or L − 1
+    for shifted labels); default: all of them.
+
+    Returns a ``Plan``:
+
+    - ``microbatches``: per rank, its micro-batches in order, each a list of indices into ``lengths``; every rank
+      gets the same number, an empty list being a dummy the rank still runs (zero loss weight) so lock-step ranks
+      (FSDP, any collective per micro-batch) never wait on each other. ``lockstep=False`` (ranks that never meet
+      inside a step) drops the dummies instead.
+    - ``cost_per_rank``: each rank's modeled cost; ``stats`` holds the rest (pad efficiency, critical path, ...).
+    - ``real_tokens`` and ``loss_tokens``: the step's totals over every rank, known before the step runs, so a
+      loss summed per token and divided by ``loss_tokens`` needs no all-reduce of the denominator.
+
+    The plan is a pure function of its arguments: every rank computes the same one with no collective. A bad
+    argument raises one ``ValueError`` naming it and what would be valid.
+    """
+    n = _checked_lengths(lengths)
+    world_size = _positive_int("world_size", world_size)
+    check_choice("layout", layout, LAYOUTS)
+    check_choice("planner", planner, PLANNERS)
+    if max_tokens_per_microbatch is None and planner == "balanced":
+        raise ValueError("max_tokens_per_microbatch: planner 'balanced' needs a token budget (a positive integer); "
+                         "None (fixed slices of micro_batch_size sequences) is for planner 'greedy'")
+    budget = _positive_int("max_tokens_per_microbatch", max_tokens_per_microbatch, none_ok=True)
+    cap = _positive_int("max_seqs_per_microbatch", max_seqs_per_microbatch, none_ok=True)
+    mbs = _positive_int("micro_batch_size", micro_batch_size)
+    loss = _checked_loss_tokens(loss_tokens_per_sequence, n)
+    plan = plan_batch(n, world_size, budget, mbs, align=bool(lockstep), layout=layout, planner=planner,
+                      cost_model=cost_model, max_seqs_per_microbatch=cap)
+    plan.loss_tokens = plan.stats.real_tokens if loss is None else loss
+    return plan
+
+
+def _positive_int(key: str, value, none_ok: bool = False) -> Optional[int]:
+    """``value`` as an int, or one ValueError naming ``key`` (None passes where ``none_ok``)."""
+    if value is None and none_ok:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{key}: must be a positive integer{' or None' if none_ok else ''}, got {value!r}")
+    return int(value)
+
+
+def _checked_lengths(lengths) -> list[int]:
+    """``lengths`` as a list of ints, or one ValueError saying what is wrong with it."""
+    try:
+        arr = np.asarray(lengths)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"lengths: must be a sequence of positive integers ({exc})") from None
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise ValueError(f"lengths: must be a flat sequence of positive integers, got {_shown(lengths)}")
+    if arr.size and int(arr.min()) < 1:
+        i = int(np.argmin(arr))
+        raise ValueError(f"lengths: every length must be a positive integer; lengths[{i}] is {int(arr[i])}")
+    return arr.tolist()
+
+
+def _checked_loss_tokens(loss_tokens, lengths: list[int]) -> Optional[int]:
+    """The step's loss tokens from per-sequence counts (None: not given), or one ValueError."""
+    if loss_tokens is None:
+        return None
+    arr = np.asarray(loss_tokens)
+    if arr.ndim != 1 or len(arr) != len(lengths) or (arr.size and arr.dtype.kind not in "iu"):
+        raise ValueError(f"loss_tokens_per_sequence: must be one integer per sequence ({len(lengths)}), got "
+                         f"{_shown(loss_tokens)}")
+    bad = np.flatnonzero((arr < 0) | (arr > np.asarray(lengths, dtype=np.int64)))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"loss_tokens_per_sequence: each count must be between 0 and its sequence's length; "
+                         f"loss_tokens_per_sequence[{i}] is {int(arr[i])} for a length of {lengths[i]}")
+    return int(arr.sum())
+
+
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

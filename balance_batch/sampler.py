@@ -80,9 +80,9 @@ class TokenBudgetSampler:
     the sum of lengths; padded: count x longest); a longer sequence runs alone. A step is ``sequences_per_step``
     sequences, or at most ``tokens_per_step`` tokens over all ranks (a number, or a ramp
     ``[(consumed_tokens, tokens_per_step), ...]``: the size from the last threshold the tokens consumed before the step
-    have reached). ``loss_tokens``: per item, the tokens its loss counts (default length - 1: a causal LM predicts
-    every token but the first). ``cost_model`` (default: cost = tokens) is what the planner balances;
-    ``max_seqs_per_microbatch`` caps a micro-batch's sequences.
+    have reached). ``loss_tokens_per_sequence``: per item, the tokens its loss counts (default length - 1: a causal LM
+    predicts every token but the first, as ``balance_batch.collate.pack_collate`` lays it out). ``cost_model``
+    (default: cost = tokens) is what the planner balances; ``max_seqs_per_microbatch`` caps a micro-batch's sequences.
     """
 
     def __init__(
@@ -100,7 +100,7 @@ class TokenBudgetSampler:
         planner: str = "balanced",
         drop_last: bool = False,
         max_seqs_per_microbatch: Optional[int] = None,
-        loss_tokens: Optional[Sequence[int]] = None,
+        loss_tokens_per_sequence: Optional[Sequence[int]] = None,
         cost_model: Optional[CostModel] = None,
     ):
         _positive_int("max_tokens_per_microbatch", max_tokens_per_microbatch)
@@ -124,13 +124,13 @@ class TokenBudgetSampler:
         if L.ndim != 1 or L.size == 0 or not np.issubdtype(L.dtype, np.integer) or (L <= 0).any():
             raise ValueError("TokenBudgetSampler: lengths must be a non-empty sequence of positive integers")
         self.lengths = L.astype(np.int64)
-        if loss_tokens is None:
+        if loss_tokens_per_sequence is None:
             self.loss_tokens = self.lengths - 1
         else:
-            lt = np.asarray(loss_tokens)
+            lt = np.asarray(loss_tokens_per_sequence)
             if (lt.shape != L.shape or not np.issubdtype(lt.dtype, np.integer) or (lt < 0).any()
                     or (lt > self.lengths).any()):
-                raise ValueError("TokenBudgetSampler: loss_tokens must give, per item, an integer in "
+                raise ValueError("TokenBudgetSampler: loss_tokens_per_sequence must give, per item, an integer in "
                                  "[0, its length]")
             self.loss_tokens = lt.astype(np.int64)
         self.max_tokens_per_microbatch = int(max_tokens_per_microbatch)

@@ -14,13 +14,13 @@ from harness.app.state import STATE
 from harness.point.task import run_point
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def _hydra_main(cfg: DictConfig) -> int:
     # Also what the submitit launcher runs in each task: there every point's Hydra job is the whole launched job.
     return run_point(cfg)
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def _hydra_main_spanning_job(cfg: DictConfig) -> int:
     # Rank 0 of a torchrun / srun job that this process itself is: the job lasts until main() ends it.
     return run_point(cfg, job_spans_run=True)

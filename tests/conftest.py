@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+CONF = REPO / "harness" / "conf"  # the Hydra configs python -m harness composes
 TIERS = ("unit", "integration")
 
 
@@ -38,6 +39,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # loaded machine. Scalar C++ (TORCHINDUCTOR_VEC_ISA_OK=0) cost 28% less CPU for that forward but saved nothing
 # measurable over the whole suite (the cells 370 worker-s against 377), so the kernels stay the ones a run compiles.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+# The installed distribution holds no top-level tests package (a generic name in site-packages collides with other
+# projects'): the processes the tests start (CLI runs in a temporary folder, their ranks) import tests.probes and
+# tests.faults from this checkout.
+if str(REPO) not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
 
 # The processes the tests start get Ctrl-C as from a terminal, even when the suite itself was started in the
 # background: a shell starts a background job with SIGINT ignored, every process it starts inherits that, and
@@ -230,7 +236,7 @@ def start_harness(*args: str, cwd: Path, env: dict | None = None, log: Path | No
 
 
 def compose_config(*overrides: str):
-    """Hydra's composed config for ``overrides`` in-process (conf/, as ``python -m harness`` composes it); a
+    """Hydra's composed config for ``overrides`` in-process (harness/conf/, as ``python -m harness`` composes it); a
     composition mistake is the UserError with the one line the CLI prints."""
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
@@ -239,7 +245,7 @@ def compose_config(*overrides: str):
     from harness.app.config import composition_error_line, register_configs
 
     register_configs()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         try:
             return compose("config", overrides=list(overrides))
         except HydraException as exc:

@@ -66,7 +66,7 @@ QWEN3_5_35B_A3B_TEXT_CONFIG = dict(
     tie_word_embeddings=False,
 )
 
-# Configs shipped in the repository, by model name (conf/model/<name>.yaml).
+# Configs shipped in the repository, by model name (harness/conf/model/<name>.yaml).
 SHIPPED_CONFIGS: dict[str, dict[str, Any]] = {
     "tiny": {**TINY_CONFIG, "model_type": "qwen3_5_moe_text"},
     "qwen3_5_35b_a3b": QWEN3_5_35B_A3B_TEXT_CONFIG,

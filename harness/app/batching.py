@@ -44,7 +44,7 @@ class Batching:
 KEYS: tuple[str, ...] = tuple(f.name for f in fields(Batching))  # the top-level knobs, in results.json's order
 BACKEND_FIELDS: dict[str, str] = {f.name: f.metadata["backend"] for f in fields(Batching) if "backend" in f.metadata}
 DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(Batching)}
-PRESETS = "batching"  # the config group of presets (conf/batching/) and the node a preset's settings land in
+PRESETS = "batching"  # the config group of presets (harness/conf/batching/) and the node a preset's settings land in
 COST_MODEL_SETTINGS = "calibration"  # how cost_model=calibrated measures its fit: part of how a point batches
 
 

@@ -1,4 +1,4 @@
-"""The config: the schema Hydra validates conf/ against, the checks it cannot express, resolution, and one-line
+"""The config: the schema Hydra validates harness/conf/ against, the checks it cannot express, resolution, and one-line
 config errors.
 
 ``resolve_config`` turns Hydra's DictConfig into a checked HarnessConfig (a
@@ -112,7 +112,7 @@ class HarnessConfig(Batching):
     workload: WorkloadSpec = MISSING
     bench: BenchConfig = field(default_factory=BenchConfig)
     logger: Any = None  # logger/ group (W&B); free-form, read by harness.point.tracking
-    # What a batching=<name> preset sets (conf/batching/<name>.yaml): its name and the knobs it fixes.
+    # What a batching=<name> preset sets (harness/conf/batching/<name>.yaml): its name and the knobs it fixes.
     batching: Dict[str, Any] = field(default_factory=dict)
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
     gc: bool = False  # gradient checkpointing

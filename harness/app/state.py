@@ -27,7 +27,7 @@ class RunState:
 
 
 # The one mutable global of a run, because Hydra hands nothing back: a task function's return value is
-# dropped (and a multirun calls it once per point), and callbacks are built by Hydra from conf/config.yaml.
+# dropped (and a multirun calls it once per point), and callbacks are built by Hydra from harness/conf/config.yaml.
 # Written by run_point (harness/point/task.py) after every point and by ReportCallback.on_multirun_end
 # (harness/app/callbacks.py: points a launcher ran in other processes), and by the sweeper (sweep_folders: which
 # points a resumed sweep lists); read by __main__ for the exit status

@@ -193,7 +193,7 @@ def read_lengths_file(path: str) -> list[int]:
 
 @dataclass
 class WorkloadSpec:
-    """What the harness needs to know of a workload config (see conf/workload/)."""
+    """What the harness needs to know of a workload config (see harness/conf/workload/)."""
 
     name: str
     # "mixed" (the published generator), "chat" (many short, a long tail), "lengths_file", "dataset"

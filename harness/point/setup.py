@@ -11,7 +11,7 @@ from typing import Any, Optional, Sequence
 from backends.model.configs import cost_model_for
 from backends.registry import LOCKSTEP_BACKENDS
 from backends.runtime.job import resolve_world_size
-from balance_batch import CostModel, plan_batch
+from balance_batch import CostModel, plan_step
 from harness.app.batching import KEYS
 from harness.app.config import AUTO, HarnessConfig
 from harness.data.workload import Workload
@@ -108,11 +108,13 @@ class Setup:
 
 
 def plan_for(lengths: Sequence[int], setup: Setup, mtpm: Any = "setup"):
-    """The workload planned as ``setup``'s backend runs it (``mtpm``: another budget than the setup's)."""
+    """The workload planned as ``setup``'s backend runs it (``mtpm``: another budget than the setup's), by the library's
+    entry point, as the backend's ranks plan it (backends/messages.py)."""
     budget = setup.mtpm if mtpm == "setup" else mtpm
-    return plan_batch(lengths, setup.world_size, budget, setup.mbs, align=setup.name in LOCKSTEP_BACKENDS,
-                      layout=setup.layout, planner=setup.planner, cost_model=setup.cost_model,
-                      max_seqs_per_microbatch=setup.max_seqs_per_microbatch)
+    return plan_step(lengths, world_size=setup.world_size, max_tokens_per_microbatch=budget,
+                     micro_batch_size=setup.mbs, lockstep=setup.name in LOCKSTEP_BACKENDS, layout=setup.layout,
+                     planner=setup.planner, cost_model=setup.cost_model,
+                     max_seqs_per_microbatch=setup.max_seqs_per_microbatch)
 
 
 def slow_compile_warning(spec: HarnessConfig) -> Optional[str]:

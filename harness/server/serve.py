@@ -169,7 +169,7 @@ def main() -> int:
     exit_code = 0
 
     # Hydra drops a task function's return value, so the status comes back through this closure.
-    @hydra.main(version_base="1.3", config_path="../../conf", config_name="config")
+    @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
     def _hydra_main(cfg: DictConfig) -> None:
         nonlocal exit_code
         exit_code = serve(cfg)

@@ -142,7 +142,7 @@ def test_committed_gradient_is_the_tiny_models_own():
         and res["model"]["lora_rank"] == 32
         and not any("seed" in o for o in res["overrides"])
     )
-    # conf/config.yaml's token_seed
+    # harness/conf/config.yaml's token_seed
     examples = make_examples(_workload_lengths(res), res["model"]["built"]["vocab_size"], seed=0)
     assert res["passes"]["forward_backward"]["grad_norm"] == pytest.approx(oracle(examples)["grad_norm"], rel=1e-4)
 

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from harness.app.batching import BACKEND_FIELDS, KEYS, is_batching_key
-from tests.conftest import REPO, compose_config, config_error
+from tests.conftest import CONF, REPO, compose_config, config_error
 
 
 def _resolved(*overrides: str):
@@ -79,7 +79,7 @@ def test_a_workload_key_the_workload_does_not_read_is_still_refused():
 
 # -- presets named for what they run -------------------------------------------------------------------------------
 # a sweep preset (# @package _global_: peers.yaml's planner list for the sweeper) sets no knob: tests/unit/test_peers.py
-PRESETS = sorted(p for p in (REPO / "conf" / "batching").glob("*.yaml") if not p.read_text().startswith("# @package"))
+PRESETS = sorted(p for p in (CONF / "batching").glob("*.yaml") if not p.read_text().startswith("# @package"))
 
 
 @pytest.mark.parametrize("path", PRESETS, ids=lambda p: p.stem)
@@ -132,16 +132,16 @@ def _key_lists(path: Path) -> list[str]:
 
 def test_the_batching_keys_are_listed_in_harness_batching_alone():
     """The sweeper, hot switching, plan sharing, results.json and the config read harness/app/batching.py's list; no
-    other module lists them, and no config file spells them out (conf/batching/ presets set values, which is their
-    job). backends/ keeps its own spelling (the planner's parameters and the pass command: backends know nothing of
-    the harness); reports/ lays out results.json's columns."""
+    other module lists them, and no config file spells them out (harness/conf/batching/ presets set values, which is
+    their job). backends/ keeps its own spelling (the planner's parameters and the pass command: backends know nothing
+    of the harness); reports/ lays out results.json's columns."""
     sources = [p for root in ("harness", "hydra_plugins") for p in sorted((REPO / root).rglob("*.py"))
                if p != REPO / "harness" / "app" / "batching.py"]
     assert len(sources) > 10
     listed = [hit for path in sources for hit in _key_lists(path)]
     assert listed == [], listed
     names = set(KEYS) | set(BACKEND_FIELDS.values())
-    for path in [REPO / "conf" / "config.yaml", *sorted((REPO / "conf" / "backend").glob("*.yaml"))]:
+    for path in [CONF / "config.yaml", *sorted((CONF / "backend").glob("*.yaml"))]:
         doc = yaml.safe_load(path.read_text()) or {}
         spelled = names & (set(doc) | set(doc.get("backend") or {}))
         assert not spelled, f"{path.relative_to(REPO)} sets {sorted(spelled)}: harness/app/batching.py says them"
@@ -156,7 +156,7 @@ def test_the_scan_finds_a_key_list(tmp_path, monkeypatch):
 
 
 def test_backend_files_say_only_what_differs():
-    for path in sorted((REPO / "conf" / "backend").glob("*.yaml")):
+    for path in sorted((CONF / "backend").glob("*.yaml")):
         assert yaml.safe_load(path.read_text()) == {"name": path.stem}
     spec = _resolved("backend=megatron_ddp", "gc=true", "world_size=2", "bench.memory_limit_gb=3", "mtpm=512")
     b = spec.backend

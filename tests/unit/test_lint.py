@@ -16,8 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 # Where code, configuration and build files live; README.md and docs/ may speak of issues (they are prose),
 # and this file, whose examples are what it looks for.
-SOURCE_DIRS = ("backends", "balance_batch", "conf", "harness", "hydra_plugins", "reports", "scripts", "sweeps", "tests",
-               ".ci")
+SOURCE_DIRS = ("backends", "balance_batch", "harness", "hydra_plugins", "reports", "scripts", "sweeps", "tests", ".ci")
 SOURCE_FILES = ("Makefile", "pyproject.toml")
 SOURCE_SUFFIXES = {".py", ".yaml", ".yml", ".toml", ".sh", ".cfg", ".ini"}
 # "issue 38", "issues 22 and 23", "Issue #7", "(#38 item 10)": a number a reader of the code cannot look up.

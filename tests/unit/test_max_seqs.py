@@ -18,7 +18,7 @@ from backends.messages import make_command
 from backends.specs import BackendSpec, ModelSpec
 from balance_batch import lower_bound_steps
 from harness.app.config import composition_error_line, register_configs, resolve_config, validate
-from tests.conftest import REPO
+from tests.conftest import CONF, REPO
 from tests.loss_oracle import tiny_examples
 
 COMMITTED = REPO / "reports" / "results" / "cpu-2rank-tiny"
@@ -30,7 +30,7 @@ def _resolved(*overrides: str):
     from hydra.errors import HydraException
 
     register_configs()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         try:
             cfg = compose("config", overrides=["dry_run=true", *overrides])
         except HydraException as exc:  # what harness/app/cli.py turns into its one error line

@@ -242,9 +242,9 @@ def test_published_workload_keeps_its_documented_step_counts(name):
 def test_the_peers_preset_sweeps_every_planner():
     import yaml
 
-    from tests.unit.test_batching import REPO
+    from tests.conftest import CONF
 
-    preset = yaml.safe_load((REPO / "conf" / "batching" / "peers.yaml").read_text())
+    preset = yaml.safe_load((CONF / "batching" / "peers.yaml").read_text())
     assert preset["batching"] == {"name": "peers"}
     assert tuple(preset["hydra"]["sweeper"]["params"]["planner"].split(",")) == PLANNERS
 

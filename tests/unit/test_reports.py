@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from reports.collect import collect
-from tests.conftest import REPO
+from tests.conftest import CONF, REPO
 
 
 def _committed_points() -> list[Path]:
@@ -19,13 +19,14 @@ def _committed_points() -> list[Path]:
 
 
 def _workload_lengths(res: dict) -> list[int]:
-    """The lengths the point's workload config generates (conf/workload/<name>.yaml plus the point's overrides), at
-    the size the point recorded (the committed sweep ran when cpu_mixed's default was 24 examples; now 16)."""
+    """The lengths the point's workload config generates (harness/conf/workload/<name>.yaml plus the point's
+    overrides), at the size the point recorded (the committed sweep ran when cpu_mixed's default was 24 examples; now
+    16)."""
     import yaml
 
     from harness.data.workload import mixed_lengths
 
-    conf = yaml.safe_load((REPO / "conf" / "workload" / f"{res['workload']['name']}.yaml").read_text())
+    conf = yaml.safe_load((CONF / "workload" / f"{res['workload']['name']}.yaml").read_text())
     conf["n_examples"] = res["workload"]["n_examples"]
     for override in res["overrides"]:
         key, _, value = override.partition("=")

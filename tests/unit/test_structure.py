@@ -39,7 +39,7 @@ ALLOWED_NAME_USES = {
     "backends/pytorch.py": Counter(pytorch=1),
     "backends/fsdp2.py": Counter(fsdp2=1),
     "backends/megatron_ddp.py": Counter(megatron_ddp=1),
-    # BackendSpec's default backend, for code that builds one directly (the CLI always names one: conf/backend/).
+    # BackendSpec's default backend, for code that builds one directly (the CLI names one: harness/conf/backend/).
     "backends/specs.py": Counter(pytorch=1),
 }
 
@@ -195,3 +195,67 @@ def test_modules_and_functions_stay_small_and_harness_keeps_to_its_rooms():
     top = sorted(p.name for p in (REPO / "harness").glob("*.py"))
     assert len(top) <= MAX_TOP_LEVEL, f"harness/ holds {len(top)} modules at its top level: {top}"
     assert LONG_FUNCTIONS <= seen, f"exempt functions no longer there: {sorted(LONG_FUNCTIONS - seen)}"
+
+
+def test_the_distribution_holds_the_library_and_the_apps_with_their_configs_as_data():
+    """What pyproject.toml puts in site-packages, found as setuptools finds it: the library, the harness, the backends,
+    the reports and the sweeper plugin; no generic top-level tests, conf or sweeps; every Hydra config file as the
+    harness's package data (python -m harness composes them from an installed copy)."""
+    import tomllib
+
+    from setuptools import find_namespace_packages
+
+    setup = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    found = find_namespace_packages(where=str(REPO), include=setup["packages"]["find"]["include"])
+    assert {p.split(".")[0] for p in found} == {"balance_batch", "harness", "backends", "reports", "hydra_plugins"}
+    conf = REPO / "harness" / "conf"
+    assert "harness.conf" in found and (conf / "__init__.py").is_file()
+    shipped = {p for pattern in setup["package-data"]["harness.conf"] for p in conf.glob(pattern)}
+    assert shipped == set(conf.rglob("*.yaml")) and len(shipped) > 20
+
+
+# The library's planners and their parts: harness/ and backends/ reach them only through balance_batch.plan_step (and
+# define none of their own), so what the harness measures is what the library plans.
+PLANNER_PARTS = frozenset({
+    "plan_batch", "balanced_schedules", "fewest_padded_microbatches", "make_token_balanced_microbatches",
+    "make_fixed_size_microbatches", "greedy_packed_microbatches", "deal_to_ranks", "microbatches_for_rank",
+    "align_schedules", "sort_by_length", "length_order", "plan_peer",
+})
+PLANNER_MODULES = ("balance_batch.balanced", "balance_batch.greedy", "balance_batch.peers.")
+
+
+def planner_uses(path: Path) -> list[str]:
+    """Where ``path`` reaches a planner but through plan_step, or defines one: ``line: what``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("balance_batch"):
+            module = node.module
+            names = [a.name for a in node.names]
+            if module.startswith(PLANNER_MODULES) and module != "balance_batch.peers.common":
+                found.append(f"{node.lineno}: from {module} import {', '.join(names)}")
+            found += [f"{node.lineno}: imports {n}" for n in names if n in PLANNER_PARTS]
+        elif isinstance(node, ast.Import):
+            found += [f"{node.lineno}: import {a.name}" for a in node.names if a.name.startswith(PLANNER_MODULES)]
+        elif isinstance(node, ast.Attribute) and node.attr in PLANNER_PARTS:
+            found.append(f"{node.lineno}: uses .{node.attr}")
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in PLANNER_PARTS:
+            found.append(f"{node.lineno}: defines {node.name}")
+    return sorted(found, key=lambda line: int(line.split(":")[0]))
+
+
+def test_the_harness_and_the_backends_plan_only_through_the_librarys_entry_point():
+    assert not (REPO / "backends" / "planning").exists()
+    files = [p for package in ("harness", "backends") for p in sorted((REPO / package).rglob("*.py"))]
+    found = {path.relative_to(REPO).as_posix(): uses for path in files if (uses := planner_uses(path))}
+    assert not found, f"plan through balance_batch.plan_step, not the planners beneath it: {found}"
+    planned = sorted(p.relative_to(REPO).as_posix() for p in files if "plan_step(" in p.read_text())
+    assert planned == ["backends/messages.py", "harness/point/setup.py"]  # the ranks' plan, and the harness's
+
+
+def test_the_planner_scan_finds_each_way_round_it(tmp_path):
+    code = tmp_path / "m.py"
+    code.write_text("from balance_batch import plan_batch, CostModel\nfrom balance_batch.balanced.packed import x\n"
+                    "import balance_batch.greedy\nimport balance_batch as bb\nbb.plan_batch([1], 1)\n"
+                    "def deal_to_ranks(order, world):\n    return [order]\nfrom balance_batch.peers.common import R\n")
+    assert planner_uses(code) == ["1: imports plan_batch", "2: from balance_batch.balanced.packed import x",
+                                  "3: import balance_batch.greedy", "5: uses .plan_batch", "6: defines deal_to_ranks"]
