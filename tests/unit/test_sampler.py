@@ -8,7 +8,8 @@ import sys
 import numpy as np
 import pytest
 
-from balance_batch import TokenBudgetSampler
+from balance_batch import PLANNERS, TokenBudgetSampler
+from balance_batch.peers import peer_layout
 
 B = 256
 
@@ -199,3 +200,13 @@ def test_bad_arguments_are_one_clear_value_error(kw, named):
     args = dict(lengths=[3, 4], max_tokens_per_microbatch=B, tokens_per_step=100)
     with pytest.raises(ValueError, match=named):
         TokenBudgetSampler(**{**args, **kw})
+
+
+@pytest.mark.parametrize("planner", [p for p in PLANNERS if p != "balanced"])
+def test_every_planner_of_the_library_plans_the_steps(planner):
+    lengths = [min(n, B) for n in skewed(120)]  # some peers refuse a sequence over the budget
+    layout = peer_layout(planner) or "packed"
+    # steps of 21 sequences, 15 in the last: verl and NeMo-RL's dynamic batching split a step evenly over the ranks
+    steps = epoch_steps(lengths, 3, sequences_per_step=21, planner=planner, layout=layout)
+    assert sorted(used(steps)) == list(range(len(lengths)))
+    assert all(len({len(rs.microbatches) for rs in step}) == 1 for step in steps)
