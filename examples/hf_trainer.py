@@ -64,7 +64,7 @@ class TokenBudgetTrainer(Trainer):
         return (loss, outputs) if return_outputs else loss
 
 
-LENGTHS = [9, 3, 17, 6, 12, 4, 15, 8, 5, 11]
+LENGTHS = [9, 3, 17, 6, 12, 7]
 LR = 0.5
 
 
@@ -97,7 +97,7 @@ def reference(dataset, sampler: TokenBudgetSampler) -> tuple[list[float], dict]:
 
 def main() -> None:
     dataset = ToyDataset(LENGTHS)
-    make = lambda: TokenBudgetSampler(LENGTHS, max_tokens_per_microbatch=24, tokens_per_step=40, seed=0)  # noqa: E731
+    make = lambda: TokenBudgetSampler(LENGTHS, max_tokens_per_microbatch=16, tokens_per_step=30, seed=0)  # noqa: E731
     sampler = make()
     model = tiny_model(lora_rank=4)
     with tempfile.TemporaryDirectory() as out:
