@@ -21,7 +21,7 @@ import numpy as np
 
 from balance_batch.balanced import balanced_schedules
 from balance_batch.cost import LAYOUTS, CostModel
-from balance_batch.plan import PLANNERS, plan_batch
+from balance_batch.plan import PLANNERS, plan_step
 
 STATE_VERSION = 1
 Schedule = Union[int, Sequence[Sequence[int]]]  # tokens_per_step: a number, or [(consumed_tokens, tokens), ...]
@@ -233,7 +233,7 @@ class TokenBudgetSampler:
         p, q = bounds[step_in_epoch]
         members = order[p:q]
         schedules = self._schedules(self.lengths[members].tolist())
-        mine = [[] if mb is None else members[mb].tolist() for mb in schedules[self.rank]]
+        mine = [members[mb].tolist() if mb else [] for mb in schedules[self.rank]]
         start_steps, _ = self._epoch_start(epoch)
         step = Step(microbatches=mine, global_tokens=int(self.lengths[members].sum()),
                     global_loss_tokens=int(self.loss_tokens[members].sum()), step=start_steps + step_in_epoch,
@@ -244,15 +244,15 @@ class TokenBudgetSampler:
         return step
 
     def _schedules(self, lengths: list[int]) -> list[list]:
-        """Per rank, the step's micro-batches (indices into ``lengths``), equal counts, ``None`` for a dummy."""
+        """Per rank, the step's micro-batches (indices into ``lengths``), equal counts, ``None`` or [] for a dummy."""
         B, W = self.max_tokens_per_microbatch, self.world_size
         if self.planner == "balanced":
-            # no refinement: planned every step, it must take milliseconds (docs/measurements/2026-12-04-sampler.md)
-            grid = balanced_schedules(lengths, W, B, self.layout, self.cost_model, self.max_seqs_per_microbatch,
+            # plan_step's planner without its refinement rounds: planned every step, it must take milliseconds, and the
+            # rounds change a step's critical path by 0.01% (docs/measurements/2026-12-04-sampler.md)
+            return balanced_schedules(lengths, W, B, self.layout, self.cost_model, self.max_seqs_per_microbatch,
                                       work=0)
-            return grid
-        return plan_batch(lengths, W, B, align=True, layout=self.layout, planner=self.planner,
-                          cost_model=self.cost_model, max_seqs_per_microbatch=self.max_seqs_per_microbatch).schedules
+        return plan_step(lengths, world_size=W, max_tokens_per_microbatch=B, layout=self.layout, planner=self.planner,
+                         cost_model=self.cost_model, max_seqs_per_microbatch=self.max_seqs_per_microbatch).microbatches
 
     # ------------------------------------------------------------------ iteration
 
