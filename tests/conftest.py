@@ -257,10 +257,11 @@ def config_error(*overrides: str, composed=None) -> str | None:
     point builds it first: harness/point/point.py, Point._run); None: valid. ``composed``: a config already composed."""
     from backends.errors import UserError
     from harness.app.config import resolve_config
-    from harness.data.workload import load_workload
+    from harness.data.workload import check_one_size, load_workload
 
     try:
         spec = resolve_config(composed if composed is not None else compose_config(*overrides))
+        check_one_size(spec.workload, overrides)
         load_workload(spec.workload, spec.model, check_vocabulary=not spec.target.url)
     except UserError as exc:
         return str(exc)

@@ -242,12 +242,12 @@ def _warn_of_roles(tokens: Tokenized, path: str) -> None:
 
 def select(tokens: Tokenized, spec, record: dict) -> DatasetExamples:
     """Rows with tokens, truncated to ``truncate_to``, ``n_examples`` drawn with ``seed`` and shuffled (or in file
-    order)."""
+    order); or, with ``n_tokens``, the first of them in that order while their tokens stay within it."""
     lengths = np.diff(tokens.offsets)
     usable = np.flatnonzero(lengths > 0)
     if usable.size == 0:
         raise UserError(f"workload.path: {spec.path}: every one of its {tokens.rows:,} rows renders to no tokens")
-    n = spec.n_examples or 0
+    n = 0 if spec.n_tokens else spec.n_examples or 0
     if n > usable.size:
         raise UserError(f"workload.n_examples: {n:,}, but {spec.path} has {usable.size:,} examples (0 or null: all "
                         f"of them; at most {usable.size:,})")
@@ -256,6 +256,9 @@ def select(tokens: Tokenized, spec, record: dict) -> DatasetExamples:
     if spec.shuffle:
         chosen = rng.permutation(chosen)
     limit = spec.truncate_to or None
+    if spec.n_tokens:
+        chosen = _within_tokens(chosen, lengths, limit, spec)
+        n = len(chosen)
     ids, trained = [], []
     truncated = cut = emptied = 0
     for i in chosen:
@@ -295,6 +298,17 @@ def select(tokens: Tokenized, spec, record: dict) -> DatasetExamples:
         "largest_id": int(max(int(a.max()) for a in ids)),
     }
     return examples
+
+
+def _within_tokens(chosen: np.ndarray, lengths: np.ndarray, limit: Optional[int], spec) -> np.ndarray:
+    """The first rows of ``chosen`` whose tokens (each cut to ``limit``) sum to at most ``spec.n_tokens``, at least
+    one; a dataset holding fewer tokens than that is refused, as more examples than it has are."""
+    total = np.cumsum(np.minimum(lengths[chosen], limit) if limit else lengths[chosen])
+    if total[-1] < spec.n_tokens:
+        cut = " after truncation to workload.truncate_to" if limit else ""
+        raise UserError(f"workload.n_tokens: {spec.n_tokens:,}, but {spec.path} holds {int(total[-1]):,} tokens{cut} "
+                        f"in {len(chosen):,} examples (at most {int(total[-1]):,}; or workload.n_examples)")
+    return chosen[: max(1, int(np.searchsorted(total, spec.n_tokens, side="right")))]
 
 
 def example_weights(trained: np.ndarray, train_on: str) -> np.ndarray:

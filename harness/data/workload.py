@@ -4,11 +4,13 @@ ids, or your own data tokenized from a local dataset (harness/data/dataset.py), 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -200,6 +202,9 @@ class WorkloadSpec:
     kind: str = "mixed"
     # mixed: how many to generate. lengths_file, dataset: how many to draw (0 or null: every sequence in it).
     n_examples: Optional[int] = 128
+    # The batch sized in tokens instead: examples taken in the workload's order while their sum stays within it (at
+    # least one); null: n_examples counts them. A workload's own n_examples then gives way; a typed one is refused.
+    n_tokens: Optional[int] = None
     min_len: int = 64
     max_len: Optional[int] = 32768  # mixed, chat: the longest length generated
     # Which lengths are drawn (mixed, chat), which sequences and in what order (lengths_file, dataset); the token ids
@@ -236,19 +241,49 @@ class Workload:
         return dataset_examples(self.dataset)
 
 
+def tokens_prefix(draw: Callable[[int], Sequence[int]], n_tokens: int, guess: int) -> list[int]:
+    """The batch ``workload.n_tokens`` asks for: the first lengths of ``draw(n)`` whose sum is at most ``n_tokens`` (at
+    least one, so a first sequence longer than the target runs alone). ``n`` starts at ``guess`` and doubles until the
+    ``n`` lengths drawn hold the target, so the batch depends on the workload's settings alone."""
+    n = max(1, guess)
+    while True:
+        lengths = np.asarray(draw(n), dtype=np.int64)
+        total = np.cumsum(lengths)
+        if total[-1] >= n_tokens:
+            break
+        n *= 2
+    return lengths[: max(1, int(np.searchsorted(total, n_tokens, side="right")))].tolist()
+
+
+def check_one_size(spec: WorkloadSpec, overrides: Sequence[str]) -> None:
+    """``workload.n_tokens`` sizes the batch in tokens, and a workload's own ``n_examples`` gives way to it; one typed
+    on the command line beside it (``overrides``: Hydra's) is refused naming both, as it would be ignored."""
+    from harness.sweep.points import override_key
+
+    if spec.n_tokens is not None and any(override_key(o) == "workload.n_examples" for o in overrides):
+        raise UserError(f"workload.n_examples: {spec.n_examples} and workload.n_tokens: {spec.n_tokens} both size the "
+                        "batch (n_examples counts examples; n_tokens takes them until that many tokens); keep one")
+
+
 def file_lengths(spec: WorkloadSpec) -> Workload:
-    """A lengths file's batch: ``n_examples`` > 0 draws that many (with replacement, weighted by count, ``seed``);
-    0 or null takes every sequence, a plain file in its own order and a histogram shuffled with ``seed``
-    (a histogram lists lengths sorted, and requests in sorted order are no workload)."""
+    """A lengths file's batch: ``n_examples`` > 0 draws that many (with replacement, weighted by count, ``seed``), and
+    ``n_tokens`` draws so until that many tokens; 0 or null takes every sequence, a plain file in its own order and a
+    histogram shuffled with ``seed`` (a histogram lists lengths sorted, and requests in sorted order are no
+    workload)."""
     if not spec.path:
         raise UserError("workload.path: not set (give a text file with one sequence length per line, or length,count "
                         "lines)")
-    n = spec.n_examples or 0
+    n = 0 if spec.n_tokens else spec.n_examples or 0
     if n < 0:
         raise UserError(f"workload.n_examples: must be >= 0 or null for a lengths file (0 or null: every sequence in "
                         f"the file; more: that many drawn from it), got {n}")
     table = load_lengths_file(spec.path)
-    if n > 0:
+    if spec.n_tokens:
+        mean = float(np.average(table.lengths, weights=table.counts))
+        lengths = np.asarray(tokens_prefix(lambda k: table.sample(k, spec.seed), spec.n_tokens,
+                                           math.ceil(spec.n_tokens / mean)))
+        n, order = len(lengths), "sampled"
+    elif n > 0:
         lengths, order = table.sample(n, spec.seed), "sampled"
     elif table.format == HISTOGRAM:
         lengths, order = table.shuffled(spec.seed), "shuffled"
@@ -303,6 +338,9 @@ def load_workload(spec: WorkloadSpec, model=None, check_vocabulary: bool = True)
     against its vocabulary before anything starts (``check_vocabulary``; a server's is checked when it answers).
     """
     check_unused(spec)
+    if spec.n_tokens is not None and spec.n_tokens <= 0:
+        raise UserError(f"workload.n_tokens: must be a positive integer (the batch's tokens) or null "
+                        f"(workload.n_examples counts the examples), got {spec.n_tokens}")
     if spec.kind == "lengths_file":
         return file_lengths(spec)
     if spec.kind == "dataset":
@@ -312,23 +350,31 @@ def load_workload(spec: WorkloadSpec, model=None, check_vocabulary: bool = True)
                         "dataset)")
     if spec.max_len is None:
         raise UserError(f"workload.max_len: must be a positive integer for the {spec.kind} generator, got null")
-    for key in ("n_examples", "min_len"):
+    for key in ("min_len",) if spec.n_tokens else ("n_examples", "min_len"):
         value = getattr(spec, key)
         if value is None or value <= 0:
             raise UserError(f"workload.{key}: must be a positive integer, got {'null' if value is None else value}")
     if spec.max_len < spec.min_len:
         raise UserError(f"workload.max_len: must be >= workload.min_len ({spec.min_len}), got {spec.max_len}")
+    generate = functools.partial(_generated, spec)
+    if spec.n_tokens:  # a first guess of the count from the longest length; tokens_prefix doubles it as needed
+        return Workload(tokens_prefix(generate, spec.n_tokens, 2 * math.ceil(spec.n_tokens / spec.max_len)))
+    return Workload(generate(spec.n_examples))
+
+
+def _generated(spec: WorkloadSpec, n: int) -> list[int]:
+    """``n`` lengths of the mixed or the chat generator, with ``spec``'s bounds and seed."""
     if spec.kind == "chat":
-        return Workload(chat_lengths(spec.n_examples, spec.min_len, spec.max_len, spec.seed))
+        return chat_lengths(n, spec.min_len, spec.max_len, spec.seed)
     # The generator's three bands: [min_len, 256], [257, 3/4 max_len), [3/4 max_len, max_len].
     if spec.min_len > 256:
         raise UserError("workload.min_len: the mixed generator's short band is min_len..256, so min_len must be <= "
                         f"256, got {spec.min_len}")
-    n_mid = spec.n_examples - 2 * max(1, int(0.15 * spec.n_examples))
+    n_mid = n - 2 * max(1, int(0.15 * n))
     if n_mid > 0 and max(spec.min_len, 3 * spec.max_len // 4) <= 257:
         raise UserError("workload.max_len: the mixed generator's middle band 257..3/4 max_len needs max_len >= 344, "
                         f"got {spec.max_len}")
-    return Workload(mixed_lengths(spec.n_examples, spec.min_len, spec.max_len, spec.seed))
+    return mixed_lengths(n, spec.min_len, spec.max_len, spec.seed)
 
 
 def dataset_workload(spec: WorkloadSpec, model=None, check_vocabulary: bool = True) -> Workload:

@@ -22,7 +22,7 @@ from balance_batch import CostModel
 from balance_batch.plan import PLAN_FILE
 from harness.app.config import AUTO, HarnessConfig, launcher_sets_world_size, resolve_config
 from harness.app.state import EXIT_OK
-from harness.data.workload import Workload, load_workload
+from harness.data.workload import Workload, check_one_size, load_workload
 from harness.metrics.balance import balance_fields
 from harness.point import failures
 from harness.point.logs import log_ok, log_plan
@@ -93,6 +93,7 @@ class Point:
                 from backends.runtime.forkserver import start_early
 
                 start_early()
+        check_one_size(spec.workload, self.hydra_run.overrides)
         # A server's vocabulary is checked once it answers (self.examples), not against this config's model.
         self.workload = workload = load_workload(spec.workload, spec.model, check_vocabulary=not spec.target.url)
         lengths = workload.lengths

@@ -139,6 +139,7 @@ def workload_record(workload, lengths: Sequence[int], file: Optional[dict] = Non
     record = {
         "name": workload.name,
         "n_examples": len(lengths),
+        "n_tokens": workload.n_tokens,  # the batch's size in tokens as asked (null: sized by n_examples)
         "total_tokens": sum(lengths),
         "min_len": min(lengths),
         "max_len": max(lengths),

@@ -142,6 +142,12 @@ def test_truncation_sampling_and_order_are_recorded(tmp_path, demo_data):
     assert a.record["order"] == "file order" and set(a.lengths) <= set(whole.lengths)
     shuffled = load_dataset(spec(**s, shuffle=True), None)
     assert sorted(shuffled.lengths) == sorted(whole.lengths) and shuffled.lengths != whole.lengths
+    # sized in tokens: the examples in the order drawn, each cut to truncate_to, while their tokens stay within it
+    cut_order = load_dataset(spec(**s, shuffle=True, truncate_to=128), None).lengths
+    tokens = load_dataset(spec(**s, shuffle=True, truncate_to=128, n_tokens=5000, n_examples=20), None)
+    k = len(tokens.lengths)
+    assert tokens.lengths == cut_order[:k] and sum(cut_order[:k]) <= 5000 < sum(cut_order[: k + 1])
+    assert tokens.record["sampled"] == k and tokens.record["order"] == "shuffled"
     rec = workload_record(spec(**s), whole.lengths, None, whole)
     assert rec["dataset"]["rows"] == 300 and rec["median_len"] == int(np.quantile(lengths, 0.5, method="lower"))
     assert rec["dataset"]["trained_tokens"] == sum(int((e.weights > 0).sum()) for e in dataset_examples(whole))
@@ -257,6 +263,7 @@ def test_bad_tokenizers_and_options_are_one_line(tmp_path, demo_data):
     for key, value, match in (("format", "chatml", r"workload.format: 'chatml' is not a format \(valid: messages, "),
                               ("train_on", "prompt", r"workload.train_on: 'prompt' is not valid"),
                               ("n_examples", 10_000, r"workload.n_examples: 10,000, but .* has 300 examples"),
+                              ("n_tokens", 10**9, r"workload.n_tokens: 1,000,000,000, but .* holds [\d,]+ tokens"),
                               ("truncate_to", -1, r"workload.truncate_to: must be a positive integer")):
         with pytest.raises(UserError, match=match) as e:
             load_dataset(spec(chats, demo_data["tokenizer"], tmp_path / "cache", **{key: value}), None)

@@ -275,3 +275,53 @@ def test_a_lengths_files_lines_are_counted_at_newlines_only(tmp_path):
         read_lengths_file(str(f))
     f.write_text("# note\u2029\n100\r\n200\n", encoding="utf-8")
     assert read_lengths_file(str(f)) == [100, 200]
+
+
+@pytest.mark.parametrize("kind, max_len", [("mixed", 32768), ("chat", 4096)])
+def test_a_batch_sized_in_tokens_takes_the_generators_examples_while_they_fit(kind, max_len):
+    spec = dict(name="x", kind=kind, n_examples=128, min_len=64, max_len=max_len, seed=42)
+    for target in (200_000, 1_000_000):
+        lengths = workload_lengths(WorkloadSpec(**spec, n_tokens=target))
+        assert target - max_len < sum(lengths) <= target  # the next example would not have fitted
+        assert all(64 <= n <= max_len for n in lengths) and len(lengths) != 128  # the preset's count gave way
+        assert lengths == workload_lengths(WorkloadSpec(**spec, n_tokens=target))
+    assert workload_lengths(WorkloadSpec(**{**spec, "seed": 7}, n_tokens=1_000_000)) != lengths
+    alone = workload_lengths(WorkloadSpec(**spec, n_tokens=10))  # a first example over the target runs alone
+    assert len(alone) == 1 and alone[0] > 10
+
+
+def test_a_lengths_file_sized_in_tokens_draws_by_count_until_the_target(tmp_path):
+    f = tmp_path / "lengths.csv"
+    f.write_text("length,count\n100,5\n2000,3\n")
+    w = load_workload(WorkloadSpec(name="lengths_file", kind="lengths_file", path=str(f), n_examples=0,
+                                   n_tokens=50_000))
+    assert 50_000 - 2000 < sum(w.lengths) <= 50_000 and set(w.lengths) == {100, 2000}
+    assert (w.file["sampled"], w.file["order"]) == (len(w.lengths), "sampled")
+
+
+def test_a_batch_is_sized_once_and_results_json_records_the_target(tmp_path):
+    """A dry run in-process as the CLI runs it: the preset's n_examples gives way to a typed n_tokens, recorded
+    beside what ran; both typed, or a target that is no positive integer, is one line and exit 2."""
+    import json
+
+    from harness.point.point import Point
+    from harness.point.setup import HydraRun
+    from tests.conftest import compose_config, config_error
+
+    def point(name, *typed):
+        overrides = ["dry_run=true", "workload=smoke", "logger=none", *typed]
+        run = HydraRun(out_dir=tmp_path / name, overrides=overrides, folder_key="hydra.run.dir", group=None)
+        code = Point(compose_config(*overrides), run).run()
+        return code, json.loads((tmp_path / name / "results.json").read_text())
+
+    code, doc = point("tokens", "workload.n_tokens=3000")
+    wl = doc["workload"]
+    assert code == 0 and wl["n_tokens"] == 3000 and 3000 - 512 < wl["total_tokens"] <= 3000
+    assert wl["n_examples"] == len(json.loads((tmp_path / "tokens" / "plan.json").read_text())["lengths"]) < 16
+    assert point("count")[1]["workload"]["n_tokens"] is None
+    code, doc = point("both", "workload.n_examples=8", "workload.n_tokens=3000")
+    assert code == 2 and doc["error"] == ("workload.n_examples: 8 and workload.n_tokens: 3000 both size the batch "
+                                          "(n_examples counts examples; n_tokens takes them until that many tokens); "
+                                          "keep one")
+    assert config_error("workload.n_tokens=0").startswith("workload.n_tokens: must be a positive integer")
+    assert config_error("workload.n_examples=8", "workload.n_tokens=3000") == doc["error"]
