@@ -4,6 +4,9 @@
 rank's micro-batches, their modeled cost and the step's token totals. Underneath: the balanced and the greedy planner,
 the peers' planners (``balance_batch.peers``), the cost model and plan statistics. The harness and its backends plan
 through ``plan_step`` too, so what they measure is what the library plans.
+
+``TokenBudgetSampler`` samples a dataset in optimizer steps sized in sequences or tokens, each planned over the ranks
+(docs/library.md); ``balance_batch.collate`` (the one module that imports torch) packs a micro-batch into one row.
 """
 
 from balance_batch.balanced import balanced_schedules, fewest_padded_microbatches
