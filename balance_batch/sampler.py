@@ -267,9 +267,11 @@ class TokenBudgetSampler:
 
     def __iter__(self) -> Iterator[list[int]]:
         """This rank's micro-batches from the current position to the end of the epoch, one at a time (a
-        ``DataLoader``'s ``batch_sampler``). Moves no position: a loader prefetches, so the training loop's
-        ``steps()`` is what says how far training has got."""
-        epoch, start = self._epoch, self._position
+        ``DataLoader``'s ``batch_sampler``). Starts where ``steps()`` is when ``iter`` is called, and moves no position:
+        a loader prefetches, so the training loop's ``steps()`` is what says how far training has got."""
+        return self._microbatches(self._epoch, self._position)  # the position now, not at the first next()
+
+    def _microbatches(self, epoch: int, start: int) -> Iterator[list[int]]:
         for s in range(start, len(self._cut(epoch)[1])):
             yield from (list(mb) for mb in self.plan(s, epoch).microbatches)
 

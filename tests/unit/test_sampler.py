@@ -210,3 +210,15 @@ def test_every_planner_of_the_library_plans_the_steps(planner):
     steps = epoch_steps(lengths, 3, sequences_per_step=21, planner=planner, layout=layout)
     assert sorted(used(steps)) == list(range(len(lengths)))
     assert all(len({len(rs.microbatches) for rs in step}) == 1 for step in steps)
+
+
+def test_a_single_process_dataloader_follows_the_loop_started_before_it():
+    from torch.utils.data import DataLoader
+
+    lengths = skewed()
+    sampler = TokenBudgetSampler(lengths, max_tokens_per_microbatch=B, world_size=2, rank=0, tokens_per_step=3000)
+    batches = iter(DataLoader(range(len(lengths)), batch_sampler=sampler, collate_fn=list))  # fetched lazily
+    for step in sampler.steps():  # the loop's first step is taken before the loader fetches anything
+        for microbatch in step.microbatches:
+            assert next(batches) == microbatch
+    assert next(batches, None) is None
