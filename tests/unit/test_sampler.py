@@ -226,3 +226,14 @@ def test_a_single_process_dataloader_follows_the_loop_started_before_it(world):
             dummies += microbatch == []
     assert next(batches, None) is None
     assert dummies > 0 or world == 2
+
+
+def test_one_ranks_state_resumes_another_rank():
+    kw = dict(max_tokens_per_microbatch=B, world_size=3, seed=3, tokens_per_step=1000)
+    lengths = skewed()
+    saver = TokenBudgetSampler(lengths, rank=0, **kw)
+    steps = saver.steps()
+    next(steps), next(steps)
+    other = TokenBudgetSampler(lengths, rank=2, **kw)
+    other.load_state_dict(saver.state_dict())
+    assert list(other.steps()) == list(TokenBudgetSampler(lengths, rank=2, **kw).steps())[2:]
