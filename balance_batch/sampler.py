@@ -140,7 +140,6 @@ class TokenBudgetSampler:
         self.layout, self.planner = layout, planner
         self.max_seqs_per_microbatch = max_seqs_per_microbatch
         self.cost_model = cost_model or CostModel.tokens()
-        self._tokens_prefix = np.concatenate([[0], np.cumsum(self.lengths)])
         self._epoch_starts: dict[int, tuple[int, int]] = {0: (0, 0)}  # epoch -> (steps, tokens) before it
         self._plans: OrderedDict = OrderedDict()
         self._epoch, self._position = 0, 0  # the next step steps() yields, within the epoch
@@ -154,9 +153,14 @@ class TokenBudgetSampler:
         return np.random.default_rng([self.seed, epoch]).permutation(len(self.lengths))
 
     def _cut(self, epoch: int):
-        """(order, step bounds [(start, end)] into order, tokens consumed before each step) for ``epoch``."""
-        if self._cut_epoch == epoch:
-            return self._cut_value
+        """``_cut_steps(epoch)``, kept for the epoch last asked about."""
+        if self._cut_epoch != epoch:
+            self._cut_value, self._cut_epoch = self._cut_steps(epoch), epoch
+        return self._cut_value
+
+    def _cut_steps(self, epoch: int):
+        """(order, step bounds [(start, end)] into order, tokens consumed before each step, tokens consumed after the
+        epoch) for ``epoch``."""
         order = self._order(epoch)
         prefix = np.concatenate([[0], np.cumsum(self.lengths[order])])
         n = len(order)
@@ -177,8 +181,7 @@ class TokenBudgetSampler:
             before.append(consumed)
             consumed += int(prefix[q] - prefix[p])
             p = q
-        self._cut_epoch, self._cut_value = epoch, (order, bounds, before, consumed)
-        return self._cut_value
+        return order, bounds, before, consumed
 
     def _target(self, consumed: int) -> int:
         return next(t for c, t in reversed(self._ramp) if consumed >= c)
@@ -188,21 +191,10 @@ class TokenBudgetSampler:
         known = max(e for e in self._epoch_starts if e <= epoch)
         while known < epoch:
             steps, _ = self._epoch_starts[known]
-            if self._cut_epoch == known:
-                _, bounds, _, end = self._cut_value
-            else:
-                _, bounds, _, end = self._cut_uncached(known)
+            _, bounds, _, end = self._cut_value if self._cut_epoch == known else self._cut_steps(known)
             self._epoch_starts[known + 1] = (steps + len(bounds), end)
             known += 1
         return self._epoch_starts[epoch]
-
-    def _cut_uncached(self, epoch: int):
-        saved = self._cut_epoch, getattr(self, "_cut_value", None)
-        self._cut_epoch = None
-        try:
-            return self._cut(epoch)
-        finally:
-            self._cut_epoch, self._cut_value = saved
 
     @property
     def epoch(self) -> int:

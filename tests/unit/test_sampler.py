@@ -237,3 +237,15 @@ def test_one_ranks_state_resumes_another_rank():
     other = TokenBudgetSampler(lengths, rank=2, **kw)
     other.load_state_dict(saver.state_dict())
     assert list(other.steps()) == list(TokenBudgetSampler(lengths, rank=2, **kw).steps())[2:]
+
+
+def test_an_epoch_started_directly_counts_the_steps_and_tokens_before_it():
+    kw = dict(lengths=skewed(), max_tokens_per_microbatch=B, world_size=2, tokens_per_step=[(0, 1000), (9000, 3000)],
+              drop_last=True)
+    sequential = TokenBudgetSampler(**kw)
+    for epoch in range(3):
+        sequential.set_epoch(epoch)
+        run = list(sequential.steps())
+    direct = TokenBudgetSampler(**kw)
+    direct.set_epoch(2)
+    assert list(direct.steps()) == run and run[0].step > 0 and run[0].consumed_tokens > 9000
