@@ -305,6 +305,7 @@ def test_a_batch_is_sized_once_and_results_json_records_the_target(tmp_path):
     import json
 
     from harness.point.point import Point
+    from harness.point.results import workload_record
     from harness.point.setup import HydraRun
     from tests.conftest import compose_config, config_error
 
@@ -318,7 +319,7 @@ def test_a_batch_is_sized_once_and_results_json_records_the_target(tmp_path):
     wl = doc["workload"]
     assert code == 0 and wl["n_tokens"] == 3000 and 3000 - 512 < wl["total_tokens"] <= 3000
     assert wl["n_examples"] == len(json.loads((tmp_path / "tokens" / "plan.json").read_text())["lengths"]) < 16
-    assert point("count")[1]["workload"]["n_tokens"] is None
+    assert workload_record(WorkloadSpec(name="smoke"), [300, 200])["n_tokens"] is None  # sized by count
     code, doc = point("both", "workload.n_examples=8", "workload.n_tokens=3000")
     assert code == 2 and doc["error"] == ("workload.n_examples: 8 and workload.n_tokens: 3000 both size the batch "
                                           "(n_examples counts examples; n_tokens takes them until that many tokens); "
