@@ -4,6 +4,9 @@
 rank's micro-batches, their modeled cost and the step's token totals. Underneath: the balanced and the greedy planner,
 the peers' planners (``balance_batch.peers``), the cost model and plan statistics. The harness and its backends plan
 through ``plan_step`` too, so what they measure is what the library plans.
+
+``TokenBudgetSampler`` samples a dataset in optimizer steps sized in sequences or tokens, each planned over the ranks
+(docs/library.md); ``balance_batch.collate`` (the one module that imports torch) packs a micro-batch into one row.
 """
 
 from balance_batch.balanced import balanced_schedules, fewest_padded_microbatches
@@ -28,6 +31,7 @@ from balance_batch.greedy import (
     sort_by_length,
 )
 from balance_batch.plan import PLAN_JSON_VERSION, PLANNERS, Plan, plan_batch, plan_step
+from balance_batch.sampler import Step, TokenBudgetSampler
 from balance_batch.stats import (
     PlanStats,
     critical_path_lower_bound,
@@ -46,6 +50,8 @@ __all__ = [
     "Plan",
     "PlanStats",
     "Schedule",
+    "Step",
+    "TokenBudgetSampler",
     "active_matmul_params",
     "align_schedules",
     "balanced_schedules",

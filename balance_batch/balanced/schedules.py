@@ -28,18 +28,20 @@ def _sequence_order(lengths: Sequence[int], costs: Sequence[float], a: float, b:
 
 def balanced_schedules(
     lengths: Sequence[int], world_size: int, max_tokens: int, layout: str, cost_model: CostModel,
-    max_seqs: Optional[int] = None,
+    max_seqs: Optional[int] = None, work: Optional[int] = None,
 ) -> list[Schedule]:
     """Per rank, S micro-batches (``None`` for an empty slot): see the package's docstring.
 
-    ``max_seqs`` caps the sequences of a micro-batch (None: no cap).
+    ``max_seqs`` caps the sequences of a micro-batch (None: no cap). ``work`` bounds the refinement (steps 4-5) in
+    candidate evaluations; None: the bounds above; 0: none (what a sampler planning every optimizer step uses).
     """
     n, W, B = len(lengths), world_size, max_tokens
     if n == 0:
         return [[] for _ in range(W)]
     seq_cost = {x: cost_model.sequence(x) for x in set(lengths)}
     costs = list(map(seq_cost.__getitem__, lengths))
-    work = min(_MAX_WORK, max(_MIN_WORK, _WORK_PER_ITEM * n))
+    if work is None:
+        work = min(_MAX_WORK, max(_MIN_WORK, _WORK_PER_ITEM * n))
     order = _sequence_order(lengths, costs, cost_model.a, cost_model.b)
     if layout == "packed":
         bins, n_steps = _packed_groups(order, lengths, costs, B, W, cost_model, max_seqs, seq_cost)

@@ -1,0 +1,42 @@
+"""The torch-facing part of the library: a micro-batch laid end to end in one row, the padding-free layout Hugging Face
+models take (``position_ids`` restarting at 0 for each sequence, plus flash-attention's cumulative lengths)."""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import torch
+
+IGNORE_INDEX = -100  # what Hugging Face losses skip
+
+
+def pack_collate(samples: Sequence[Mapping], *, pad_token_id: int = 0, flash_attn_kwargs: bool = True) -> dict:
+    """One packed row from ``samples`` (each with ``input_ids`` and optional ``labels``, equal lengths).
+
+    Returns ``input_ids``, ``labels`` and ``position_ids``, each ``[1, total tokens]``, and with
+    ``flash_attn_kwargs`` ``cu_seq_lens_q/k`` (int32 ``[sequences + 1]``) and ``max_length_q/k``: keyword arguments
+    of a Hugging Face causal LM's forward. Each sequence's first label is ``-100``, so the shifted loss never predicts
+    across a boundary: a sequence of L tokens counts L - 1 loss tokens (``TokenBudgetSampler``'s default
+    ``loss_tokens``), fewer where its own labels are -100. No samples (the sampler's dummy micro-batch) gives one
+    ``pad_token_id`` token with no loss: it runs the model, and adds nothing to the loss or the gradient.
+    """
+    ids, labels = [], []
+    for sample in samples:
+        seq = torch.as_tensor(sample["input_ids"], dtype=torch.long).reshape(-1)
+        lab = torch.as_tensor(sample.get("labels", seq), dtype=torch.long).reshape(-1).clone()
+        if lab.shape != seq.shape:
+            raise ValueError(f"pack_collate: a sample's labels have {lab.numel()} tokens, its input_ids {seq.numel()}")
+        lab[0] = IGNORE_INDEX
+        ids.append(seq)
+        labels.append(lab)
+    if not ids:
+        ids, labels = [torch.tensor([pad_token_id])], [torch.tensor([IGNORE_INDEX])]
+    lengths = torch.tensor([len(s) for s in ids])
+    cu = torch.zeros(len(ids) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(lengths, 0)
+    positions = torch.arange(int(cu[-1])) - torch.repeat_interleave(cu[:-1].long(), lengths)
+    batch = {"input_ids": torch.cat(ids)[None], "labels": torch.cat(labels)[None], "position_ids": positions[None]}
+    if flash_attn_kwargs:
+        longest = int(lengths.max())
+        batch.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu.clone(), max_length_q=longest, max_length_k=longest)
+    return batch

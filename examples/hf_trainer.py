@@ -1,0 +1,121 @@
+"""The Hugging Face Trainer training the tiny model with LoRA on the sampler's packed micro-batches.
+
+    python -m examples.hf_trainer
+
+The Trainer accumulates a fixed number of batches per optimizer step; the sampler's steps hold as many micro-batches
+as their tokens need. So one Trainer batch is one whole step (``StepBatches``), and ``TokenBudgetTrainer`` runs its
+micro-batches forward and backward one at a time, each loss summed over its tokens and divided by the step's
+``global_loss_tokens`` (``num_items_in_batch``), so the step's gradient is the mean over all its loss tokens whatever
+the micro-batches. The run is checked against a reference of the same steps with one sequence per forward and the
+same denominator: every step's loss and the final LoRA weights, float32, within 1e-5.
+"""
+
+from __future__ import annotations
+
+import tempfile
+
+import torch
+from transformers import Trainer, TrainingArguments
+
+from balance_batch import TokenBudgetSampler
+from balance_batch.collate import pack_collate
+from examples.tiny import ToyDataset, tiny_model
+
+
+class StepBatches:
+    """One item per optimizer step: this rank's micro-batches, collated, and the step's loss denominator."""
+
+    def __init__(self, dataset, sampler: TokenBudgetSampler, collate_fn=pack_collate):
+        self.dataset, self.sampler, self.collate_fn = dataset, sampler, collate_fn
+
+    def __len__(self) -> int:
+        return self.sampler.steps_in_epoch
+
+    def set_epoch(self, epoch: int) -> None:  # the Trainer calls this at each epoch
+        self.sampler.set_epoch(epoch)
+
+    def __iter__(self):
+        for step in self.sampler.steps():
+            yield {"microbatches": [self.collate_fn([self.dataset[i] for i in mb]) for mb in step.microbatches],
+                   "global_loss_tokens": step.global_loss_tokens}
+
+
+class TokenBudgetTrainer(Trainer):
+    """A Trainer whose optimizer steps are the sampler's (run with ``gradient_accumulation_steps=1``)."""
+
+    def __init__(self, *args, sampler: TokenBudgetSampler, collate_fn=pack_collate, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.step_batches = StepBatches(self.train_dataset, sampler, collate_fn)
+        self.loss_is_scaled_for_ga = True  # our loss is already over the whole step: the Trainer must not divide it
+
+    def get_train_dataloader(self):
+        return self.step_batches
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        denominator = inputs["global_loss_tokens"]
+        losses = [super(TokenBudgetTrainer, self).training_step(model, mb, num_items_in_batch=denominator)
+                  for mb in inputs["microbatches"]]
+        return torch.stack(losses).sum()
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        outputs = model(**inputs, num_items_in_batch=num_items_in_batch)  # sum over tokens / denominator
+        # DDP averages gradients over processes while the denominator already counts every rank's tokens
+        loss = outputs.loss * self.accelerator.num_processes
+        return (loss, outputs) if return_outputs else loss
+
+
+LENGTHS = [9, 3, 17, 6, 12, 7]
+LR = 0.5
+
+
+def sgd(model):
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+
+
+def lora_weights(model) -> dict:
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def reference(dataset, sampler: TokenBudgetSampler) -> tuple[list[float], dict]:
+    """The same steps with one sequence per forward and the same denominator."""
+    model = tiny_model(lora_rank=4)
+    optimizer, _ = sgd(model)
+    losses = []
+    for step in sampler.steps():
+        total = 0.0
+        for i in (i for mb in step.microbatches for i in mb):
+            item = dataset[i]["input_ids"][None]
+            loss = model(input_ids=item, labels=item, num_items_in_batch=step.global_loss_tokens).loss
+            loss.backward()
+            total += loss.item()
+        losses.append(total)
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses, lora_weights(model)
+
+
+def main() -> None:
+    dataset = ToyDataset(LENGTHS)
+    make = lambda: TokenBudgetSampler(LENGTHS, max_tokens_per_microbatch=16, tokens_per_step=30, seed=0)  # noqa: E731
+    sampler = make()
+    model = tiny_model(lora_rank=4)
+    with tempfile.TemporaryDirectory() as out:
+        args = TrainingArguments(output_dir=out, max_steps=sampler.steps_in_epoch, logging_steps=1, report_to="none",
+                                 use_cpu=True, save_strategy="no", max_grad_norm=0.0, remove_unused_columns=False,
+                                 disable_tqdm=True)
+        trainer = TokenBudgetTrainer(model=model, args=args, train_dataset=dataset, sampler=sampler,
+                                     optimizers=sgd(model))
+        trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    expected_losses, expected_weights = reference(dataset, make())
+    weights = lora_weights(model)
+    loss_gap = max(abs(a - b) for a, b in zip(losses, expected_losses))
+    weight_gap = max((weights[n] - w).abs().max().item() for n, w in expected_weights.items())
+    assert len(losses) == len(expected_losses) and loss_gap <= 1e-5 and weight_gap <= 1e-5, (loss_gap, weight_gap)
+    print(f"Trainer, {len(losses)} steps of packed micro-batches: losses {[round(x, 4) for x in losses]} equal the "
+          f"one-sequence-per-forward reference within {loss_gap:.1e}, LoRA weights within {weight_gap:.1e}")
+
+
+if __name__ == "__main__":
+    main()
