@@ -2,6 +2,7 @@
 statistics."""
 
 from balance_batch.balanced import balanced_schedules, fewest_padded_microbatches
+from balance_batch.corpus import Packing, pack
 from balance_batch.cost import (
     LAYOUTS,
     CostModel,
@@ -38,6 +39,7 @@ __all__ = [
     "PLAN_JSON_VERSION",
     "CostModel",
     "MicroBatch",
+    "Packing",
     "Plan",
     "PlanStats",
     "Schedule",
@@ -57,6 +59,7 @@ __all__ = [
     "microbatch_cost",
     "microbatch_tokens",
     "microbatches_for_rank",
+    "pack",
     "padded_tokens",
     "plan_batch",
     "plan_stats",
