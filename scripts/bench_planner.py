@@ -418,6 +418,7 @@ def packing(sizes) -> list[str]:
         corpora = {n: np.asarray(DISTRIBUTIONS[name][0](n), dtype=np.int64) for n in ns}
         lists = {n: corpora[n].tolist() for n in ns}
         bounds = {n: lower_bound_bins(corpora[n], capacity) for n in ns}
+        measure(name, capacity, NAIVE_SIZE, *packers[0])  # ours beside the first-fit packers at their size
         naive_s = {label: measure(name, capacity, NAIVE_SIZE, label, fn, kind)
                    for label, fn, kind in packers if kind == "naive"}
         for n in sorted(sizes):
