@@ -10,6 +10,7 @@ through ``plan_step`` too, so what they measure is what the library plans.
 """
 
 from balance_batch.balanced import balanced_schedules, fewest_padded_microbatches
+from balance_batch.corpus import Packing, pack
 from balance_batch.cost import (
     LAYOUTS,
     CostModel,
@@ -47,6 +48,7 @@ __all__ = [
     "PLAN_JSON_VERSION",
     "CostModel",
     "MicroBatch",
+    "Packing",
     "Plan",
     "PlanStats",
     "Schedule",
@@ -68,6 +70,7 @@ __all__ = [
     "microbatch_cost",
     "microbatch_tokens",
     "microbatches_for_rank",
+    "pack",
     "padded_tokens",
     "plan_batch",
     "plan_step",

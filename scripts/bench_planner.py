@@ -34,6 +34,14 @@ layout beside the balanced and greedy ones, on the published workload (4 and
 steps against the lower bound, pad efficiency, per-rank cost max/mean, the
 critical path, micro-batches over budget and planning time; a peer that
 refuses the input (a sequence over its budget, say) says so in the row.
+
+Part 5 (packing a corpus): ``balance_batch.pack`` beside the corpus packers of
+other projects (balance_batch/peers/corpus_packers.py, NeMo-RL's in
+balance_batch/peers/nemo_rl.py) on the pre-training stand-in (``short``) at 512
+and the QA set at 384, at ``--packing-sizes`` sequences: rows against the lower
+bound, efficiency, and the time of one call with the lengths in memory (wall
+and CPU seconds). A packer whose time grows with sequences × rows is run at
+``NAIVE_SIZE`` only, its time at the larger sizes extrapolated and marked so.
 """
 
 from __future__ import annotations
@@ -51,7 +59,10 @@ import numpy as np
 from backends.model.configs import cost_model_for
 from backends.specs import ModelSpec
 from balance_batch import PLANNERS, critical_path_lower_bound, lower_bound_bins, plan_batch
+from balance_batch.corpus import pack
 from balance_batch.peers import PEER_NAMES, PeerRefusal, peer_layout
+from balance_batch.peers.corpus_packers import histogram_packer, rows_of, torchtune_greedy, trl_bfd
+from balance_batch.peers.nemo_rl import first_fit_decreasing, modified_first_fit_decreasing
 from harness.data.workload import mixed_lengths
 
 BUDGETS = (16384, 32768, 65536, 131072)
@@ -68,6 +79,10 @@ MILLION_RANKS = (1, 8)
 # Part 4: every planner in its own layout (ours: balanced packed, greedy padded), the peers after them
 PEER_CASES = [(p, peer_layout(p) or ("packed" if p == "balanced" else "padded")) for p in PLANNERS]
 PEER_RANKS = (4, 8)
+# Part 5: packing a corpus, the full Wikipedia histogram's size last (16.3M sequences, Krell et al. 2021)
+PACKING_CASES = (("short", 512), ("qa", 384))
+PACKING_SIZES = (100_000, 1_000_000, 16_300_000)
+NAIVE_SIZE = 10_000  # first-fit scanning every row per sequence: quadratic, run at this size only
 PEER_SIZE = 1_000  # verl's Karmarkar–Karp keeps k partitions per item: memory and time grow as n × k
 
 
@@ -187,6 +202,8 @@ def main(argv=None) -> int:
     ap.add_argument("--peers-size", type=int, default=PEER_SIZE, help="part 4's sequences per distribution (0 skips "
                     "part 4's distributions; --no-peers skips part 4)")
     ap.add_argument("--no-peers", action="store_true", help="skip part 4")
+    ap.add_argument("--packing-sizes", type=parse_ints, default=PACKING_SIZES,
+                    help="part 5's corpus sizes (none: skip part 5)")
     args = ap.parse_args(argv)
     unknown = [d for d in args.distributions.split(",") if d not in DISTRIBUTIONS]
     if unknown:
@@ -209,6 +226,8 @@ def main(argv=None) -> int:
         out += million()
     if not args.no_peers:
         out += peers(args.peers_size, [d for d in args.distributions.split(",") if d])
+    if args.packing_sizes:
+        out += packing(args.packing_sizes)
     text = "\n".join(out) + "\n"
     if args.out:
         args.out.write_text(text)
@@ -354,6 +373,64 @@ def peers(size: int, names: list[str]) -> list[str]:
                 rows.append(peer_row(corpus, planner, layout, world, budget, None))
                 print(name + " | " + " | ".join(rows[-1]), flush=True)
         out.append(table(header, rows))
+    return out
+
+
+def _timed(fn):
+    wall, cpu = time.perf_counter(), time.process_time()
+    result = fn()
+    return result, time.perf_counter() - wall, time.process_time() - cpu
+
+
+def packing(sizes) -> list[str]:
+    """Part 5: each corpus packer's rows, efficiency and time of one call at each size."""
+    header = ["lengths", "capacity", "sequences", "packer", "rows", "of the bound", "efficiency", "wall s", "CPU s"]
+    packers = [
+        ("balance_batch.pack", lambda ls, c: pack(ls, c).rows, "array"),
+        ("balanced planner, 1 rank (plan_batch)", lambda ls, c: plan_batch(
+            ls, 1, c, 1, align=True, layout="packed", planner="balanced").stats.steps, "list"),
+        ("TRL pack_dataset bfd", lambda ls, c: len(trl_bfd(ls, c)), "list"),
+        ("torchtune PackedDataset greedy", lambda ls, c: len(torchtune_greedy(ls, c)), "list"),
+        ("NeMo-RL first-fit decreasing", lambda ls, c: len(first_fit_decreasing(ls, c)), "naive"),
+        ("NeMo-RL modified first-fit decreasing", lambda ls, c: len(modified_first_fit_decreasing(ls, c)), "naive"),
+        ("LPFHP, 3 a pack (packed-BERT)", lambda ls, c: rows_of(histogram_packer(ls, c, True, 3)), "array"),
+        ("SPFHP, 3 a pack (packed-BERT)", lambda ls, c: rows_of(histogram_packer(ls, c, False, 3)), "array"),
+        ("LPFHP, any number a pack", lambda ls, c: rows_of(histogram_packer(ls, c, True, None)), "array"),
+    ]
+    out = ["", "## Part 5: packing a corpus", "",
+           ("One call each, the lengths already in memory (a numpy array for the array packers, a list for the "
+            "others); *of the bound* is the fewest rows any packing can have ÷ the rows made; efficiency is real "
+            "tokens ÷ (rows × capacity). The balanced planner runs at the two smaller sizes only (its plan is Python "
+            f"lists); NeMo-RL's first-fit packers at {NAIVE_SIZE:,} only, their time at larger sizes extrapolated "
+            "(× the square of the size ratio) and marked *est.*"), ""]
+    rows = []
+
+    def measure(name: str, capacity: int, n: int, label: str, fn, kind: str) -> float:
+        lengths = corpora[n]
+        n_rows, wall, cpu = _timed(lambda: fn(lengths if kind == "array" else lists[n], capacity))
+        rows.append([name, f"{capacity:,}", f"{n:,}", label, f"{n_rows:,}", f"{bounds[n] / n_rows:.6f}",
+                     f"{lengths.sum() / (n_rows * capacity):.6f}", f"{wall:.3f}", f"{cpu:.3f}"])
+        print(" | ".join(rows[-1]), flush=True)
+        return wall
+
+    for name, capacity in PACKING_CASES:
+        ns = sorted(set(sizes) | {NAIVE_SIZE})
+        corpora = {n: np.asarray(DISTRIBUTIONS[name][0](n), dtype=np.int64) for n in ns}
+        lists = {n: corpora[n].tolist() for n in ns}
+        bounds = {n: lower_bound_bins(corpora[n], capacity) for n in ns}
+        measure(name, capacity, NAIVE_SIZE, *packers[0])  # ours beside the first-fit packers at their size
+        naive_s = {label: measure(name, capacity, NAIVE_SIZE, label, fn, kind)
+                   for label, fn, kind in packers if kind == "naive"}
+        for n in sorted(sizes):
+            for label, fn, kind in packers:
+                if kind == "naive":
+                    if n > NAIVE_SIZE:
+                        est = naive_s[label] * (n / NAIVE_SIZE) ** 2
+                        rows.append([name, f"{capacity:,}", f"{n:,}", label, "not run", "—", "—", f"est. {est:,.0f}",
+                                     "—"])
+                elif not (label.startswith("balanced") and n > 1_000_000):
+                    measure(name, capacity, n, label, fn, kind)
+    out.append(table(header, rows))
     return out
 
 

@@ -1,0 +1,146 @@
+"""``python -m balance_batch.pack LENGTHS --capacity N``: pack a corpus on disk into rows a training loop reads.
+
+LENGTHS is a lengths file (text: one length per line, or ``length,count`` lines, as ``workload=lengths_file``
+reads), a ``.npy`` array of lengths, or a tokenized dataset cache (``.npz`` with ``offsets``, as
+``workload=dataset`` writes under ``workload.cache_dir``). The rows go to ``--out`` (default: beside LENGTHS,
+``<name>.packed<N>.npz``), written atomically, as the arrays ``balance_batch.pack`` returns:
+
+    z = np.load("corpus.packed512.npz")
+    indices, offsets = z["indices"], z["offsets"]   # row r: indices[offsets[r]:offsets[r + 1]]
+
+A line on stderr per stage (reading, packing, writing), and a last line on stdout with the rows, the packing's
+share of the lower bound, its efficiency and the time it took. A mistake (no such file, a bad capacity, a length
+over the capacity with ``--oversize error``) is one line and exit 2.
+
+The function is ``balance_batch.pack`` (``balance_batch/corpus.py``); import this module only to run it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+
+from balance_batch.corpus import OVERSIZE, Packing, pack
+
+PROG = "python -m balance_batch.pack"
+
+
+class _Refused(Exception):
+    """A mistake in the command: one line, exit 2."""
+
+
+def _say(text: str) -> None:
+    print(f"{PROG}: {text}", file=sys.stderr, flush=True)
+
+
+def read_lengths(path: Path) -> np.ndarray:
+    """Every sequence's length, in corpus order, from a text lengths file, a .npy array or a tokenized cache."""
+    if path.is_dir():
+        raise _Refused(f"'{path}' is a folder, not a file (expected a lengths file, a .npy array or a tokenized "
+                       "cache .npz)")
+    if not path.is_file():
+        raise _Refused(f"no such file '{path}' (expected a lengths file, a .npy array or a tokenized cache .npz)")
+    if path.suffix == ".npy":
+        try:
+            arr = np.load(path, allow_pickle=False)
+        except (OSError, ValueError) as exc:
+            raise _Refused(f"'{path}' is not a readable .npy array ({exc})") from None
+        if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+            raise _Refused(f"'{path}' holds a {arr.dtype} array of shape {arr.shape} (expected one integer length "
+                           "per sequence)")
+        return arr.astype(np.int64, copy=False)
+    if path.suffix == ".npz":
+        import zipfile
+
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                if "offsets" not in z.files:
+                    raise _Refused(f"'{path}' has no 'offsets' array (expected a tokenized dataset cache, as "
+                                   "workload=dataset writes)")
+                offsets = z["offsets"].astype(np.int64)
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
+            raise _Refused(f"'{path}' is not a readable .npz file ({exc})") from None
+        return np.diff(offsets)
+    from balance_batch.errors import UserError
+    from harness.data.workload import load_lengths_file
+
+    try:
+        return load_lengths_file(str(path)).expanded()
+    except UserError as exc:
+        raise _Refused(str(exc).removeprefix("workload.path: ")) from None
+
+
+def default_out(path: Path, capacity: int) -> Path:
+    return path.with_name(f"{path.stem}.packed{capacity}.npz")
+
+
+def write_rows(out: Path, packing: Packing) -> None:
+    """The rows as an .npz (indices, offsets, capacity), written to a temporary name and renamed into place."""
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            np.savez(f, indices=packing.indices, offsets=packing.offsets, capacity=np.int64(packing.capacity))
+        os.replace(tmp, out)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True) if tmp.parent.is_dir() else None
+        raise _Refused(f"--out: cannot write '{out}' ({exc.strerror or exc})") from None
+
+
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer (expected a positive number)") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n} is not positive (expected a positive number)")
+    return n
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2 (argparse would print the usage first)
+        self.exit(2, f"{PROG}: {message} (see --help)\n")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = _Parser(prog=PROG, description="Pack a corpus into rows of at most --capacity tokens.")
+    parser.add_argument("lengths", type=Path, help="a lengths file, a .npy array of lengths or a tokenized cache .npz")
+    parser.add_argument("--capacity", type=_positive, required=True, help="tokens per row")
+    parser.add_argument("--max-seqs-per-row", type=_positive, default=None, help="sequences per row, at most")
+    parser.add_argument("--oversize", choices=OVERSIZE, default="alone",
+                        help="a sequence over the capacity: a row of its own (alone) or refused (error)")
+    parser.add_argument("--out", type=Path, default=None, help="where the rows go (default: beside LENGTHS)")
+    args = parser.parse_args(argv)
+    out = args.out or default_out(args.lengths, args.capacity)
+    try:
+        if not out.parent.is_dir():
+            raise _Refused(f"--out: no folder '{out.parent}' to write '{out.name}' in")
+        t0 = time.perf_counter()
+        _say(f"reading {args.lengths} ...")
+        lengths = read_lengths(args.lengths)
+        _say(f"read {lengths.size:,} lengths ({int(lengths.sum()):,} tokens) in {time.perf_counter() - t0:.2f} s; "
+             f"packing into rows of {args.capacity:,} ...")
+        t1 = time.perf_counter()
+        try:
+            packing = pack(lengths, args.capacity, max_seqs_per_row=args.max_seqs_per_row, oversize=args.oversize)
+        except ValueError as exc:
+            raise _Refused(str(exc).removeprefix("pack: ").replace("oversize='alone'", "--oversize alone")) from None
+        packed_s = time.perf_counter() - t1
+        _say(f"packed in {packed_s:.2f} s; writing {out} ...")
+        write_rows(out, packing)
+    except _Refused as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 2
+    print(f"{lengths.size:,} sequences into {packing.rows:,} rows of {args.capacity:,} tokens in {packed_s:.2f} s: "
+          f"{packing.bound_ratio:.6f} of the lower bound ({packing.lower_bound:,} rows), efficiency "
+          f"{packing.efficiency:.6f}; rows in {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
