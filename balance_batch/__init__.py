@@ -7,6 +7,8 @@ through ``plan_step`` too, so what they measure is what the library plans.
 
 ``TokenBudgetSampler`` samples a dataset in optimizer steps sized in sequences or tokens, each planned over the ranks
 (docs/library.md); ``balance_batch.collate`` (the one module that imports torch) packs a micro-batch into one row.
+``pack(lengths, capacity)`` packs a whole corpus offline into rows, as arrays (``python -m balance_batch.pack`` on
+disk).
 """
 
 from balance_batch.balanced import balanced_schedules, fewest_padded_microbatches
