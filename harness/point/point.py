@@ -128,7 +128,7 @@ class Point:
             return
         examples = None
         if spec.target.url:
-            # the server's batching changes only once this run is known to run: its plan valid, its ids in the vocabulary
+            # the server's batching changes only once this run is known to run: its plan valid, its ids in vocabulary
             examples = self.examples(spec)
             backend.apply()
         self.measure(spec, lengths, backend, examples)

@@ -165,8 +165,8 @@ def test_set_then_a_pass_uses_the_new_budget(server):
         ({"input_ids": [1, 99999], "target_tokens": [2, 3], "weights": [1, 1]}, "vocabulary"),
         ({"input_ids": [1, -2], "target_tokens": [2, 3], "weights": [1, 1]}, "vocabulary"),
         # beyond int64: refused by its range like any id outside the vocabulary, not an OverflowError's 500
-        ({"input_ids": [1, 2], "target_tokens": [2, 10**30], "weights": [1, 1]}, "target_tokens: token ids must lie "
-                                                                                   "in 0..2047"),
+        ({"input_ids": [1, 2], "target_tokens": [2, 10**30], "weights": [1, 1]},
+         "target_tokens: token ids must lie in 0..2047"),
         ({"input_ids": [1, 2], "target_tokens": [2, 3], "weights": [1, "a"]}, "weights"),
         ({"input_ids": "1 2", "target_tokens": [2, 3], "weights": [1, 1]}, "input_ids"),
         # float32 cannot hold the first two; the third overflows the loss

@@ -57,8 +57,9 @@ def test_what_is_typed_is_what_runs_and_what_results_json_records(overrides, ran
     (["backend.max_tokens_per_microbatch=4096"], "backend.max_tokens_per_microbatch: 4096 is a second spelling of mtpm",
      ["mtpm=null here", "set mtpm=4096"]),
     # the same value under both names: nothing to set instead, only the second spelling to drop
-    (["mtpm=4096", "backend.max_tokens_per_microbatch=4096"], "backend.max_tokens_per_microbatch: a second spelling "
-     "of mtpm, which is 4096 here already", ["drop backend.max_tokens_per_microbatch=4096"]),
+    (["mtpm=4096", "backend.max_tokens_per_microbatch=4096"],
+     "backend.max_tokens_per_microbatch: a second spelling of mtpm, which is 4096 here already",
+     ["drop backend.max_tokens_per_microbatch=4096"]),
     (["backend.micro_batch_size=2"], "backend.micro_batch_size: 2 is a second spelling of mbs", ["set mbs=2"]),
     (["backend.planner=greedy"], "backend.planner: greedy is a second spelling of planner", ["set planner=greedy"]),
     (["backend.max_seqs_per_microbatch=3"], "backend.max_seqs_per_microbatch: 3 is a second spelling",

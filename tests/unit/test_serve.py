@@ -27,8 +27,8 @@ def serve_checks(monkeypatch):
     # a search, not a budget: it served with none and answered every pass with a 500
     (["mtpm=auto"], "mtpm: auto searches for the fastest budget"),
     # loaded the model, then a KeyError from uvicorn
-    (["server.log_level=bogus"], "server.log_level: 'bogus' is not a level (valid: critical, error, warning, info, "
-                                 "debug, trace)"),
+    (["server.log_level=bogus"],
+     "server.log_level: 'bogus' is not a level (valid: critical, error, warning, info, debug, trace)"),
     # each started a server that refused everything
     (["server.queue_size=-1"], "server.queue_size: must be an integer >= 0"),
     (["server.max_request_tokens=0"], "server.max_request_tokens: must be a positive integer, got 0"),
