@@ -4,7 +4,7 @@ The writer replaces the file atomically (write a temporary file, then rename),
 owner-only, so a reader sees the old or the new content, never half of it.
 Unreadable or corrupt content keeps the last good values and logs one warning;
 so does a budget of "unset" where the planner needs one (``budget_required``:
-a balanced server), which the admin API refuses too.
+a balanced server, or a peer's that plans by a budget), which the admin API refuses too.
 """
 
 from __future__ import annotations
@@ -51,14 +51,14 @@ def _check_value(name: str, value, allow_none: bool) -> None:
         raise ValueError(f"{name} must be a positive integer{' or null' if allow_none else ''}, got {value!r}")
 
 
-def _parse(text: str, budget_required: bool = False) -> BatchingSettings:
+def _parse(text: str, budget_required: bool = False, planner: str = "balanced") -> BatchingSettings:
     data = json.loads(text)
     mtpm = data["max_tokens_per_microbatch"]
     mtpm = None if mtpm == UNSET else mtpm
     mbs = data["micro_batch_size"]
     if mtpm is None and budget_required:
-        raise ValueError(f"max_tokens_per_microbatch: {UNSET!r} is not allowed with planner=balanced "
-                         "(fixed-size slices have no budget to balance)")
+        raise ValueError(f"max_tokens_per_microbatch: {UNSET!r} is not allowed with planner={planner}, which plans by "
+                         "a token budget")
     _check_value("max_tokens_per_microbatch", mtpm, allow_none=True)
     _check_value("micro_batch_size", mbs, allow_none=False)
     return BatchingSettings(mtpm, mbs)
@@ -68,9 +68,10 @@ class ControlFile:
     """The current ``max_tokens_per_microbatch`` ("unset" = fixed slices) and ``micro_batch_size``."""
 
     def __init__(self, path: Optional[os.PathLike] = None, initial: Optional[BatchingSettings] = None,
-                 budget_required: bool = False):
+                 budget_required: bool = False, planner: str = "balanced"):
         self.path = Path(path) if path is not None else default_control_path()
-        self.budget_required = budget_required  # "unset" is bad content (the balanced planner needs a budget)
+        self.budget_required = budget_required  # "unset" is bad content (the planner needs a budget)
+        self.planner = planner  # the planner that needs it, for the messages
         self._last_good = initial or BatchingSettings(None, 1)
         self._warned_for: Optional[str] = None
         if initial is not None or not self.path.exists():
@@ -91,7 +92,7 @@ class ControlFile:
         content)."""
         try:
             text = self.path.read_text()
-            settings = _parse(text, self.budget_required)
+            settings = _parse(text, self.budget_required, self.planner)
         except (OSError, ValueError, KeyError, TypeError) as exc:
             marker = f"{type(exc).__name__}: {exc}"
             if marker != self._warned_for:

@@ -206,13 +206,14 @@ def plan_dynamic(lengths: Sequence[int], world_size: int, budget: Optional[int],
     order = sorted(range(n), key=lambda i: lengths[i])
     shards = [order[r::world_size] for r in range(world_size)]
     width = max(lengths, default=0)  # the batch's padded width: no position is rounded past it
+    widths = [min(round_up(max(lengths[s[p]] for s in shards), round_to), width) for p in range(n // world_size)]
+    over = [m for m in widths if m > budget]
+    if over:  # named at once, the largest: the budget that plans every position, not the next one that fails
+        raise PeerRefusal(f"planner: {DYNAMIC} refuses padded ({round_to}) sequence lengths up to {max(over)}, over "
+                          f"max_tokens_per_microbatch {budget} (NeMo-RL asserts); raise mtpm to at least {max(over)}")
     cuts: list[list[int]] = []
     longest = 0
-    for p in range(n // world_size):
-        m = min(round_up(max(lengths[s[p]] for s in shards), round_to), width)
-        if m > budget:
-            raise PeerRefusal(f"planner: {DYNAMIC} refuses a padded ({round_to}) sequence length of {m}, over "
-                              f"max_tokens_per_microbatch {budget} (NeMo-RL asserts); raise mtpm to at least {m}")
+    for p, m in enumerate(widths):
         if cuts and (len(cuts[-1]) + 1) * max(longest, m) <= budget:
             cuts[-1].append(p)
             longest = max(longest, m)

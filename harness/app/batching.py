@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Optional
 
 from backends.errors import UserError
-from balance_batch.peers import peer_layout
+from balance_batch.peers import PEERS, peer_layout
 
 AUTO = "auto"  # mtpm=auto: search the budget (harness/auto/model.py)
 
@@ -52,6 +52,13 @@ def batching_by_budget(has_budget: bool) -> tuple[str, str]:
     """The planner and layout a null knob means: the balanced planner's packed rows with a token budget, the
     original greedy padded slices without one (mbs=1 rows read as they always did)."""
     return ("balanced", "packed") if has_budget else ("greedy", "padded")
+
+
+def needs_budget(planner: Optional[str]) -> bool:
+    """Whether ``planner`` plans by a token budget, so that mtpm=null leaves it nothing to plan with: balanced and
+    every peer but TRL's fixed count."""
+    peer = PEERS.get(planner or "")
+    return planner == "balanced" or (peer is not None and peer.needs_budget)
 
 
 def is_batching_key(key: str) -> bool:
@@ -122,9 +129,12 @@ def check_spellings(cfg: Any) -> None:
     backend = OmegaConf.select(cfg, "backend")
     for key, field_name in BACKEND_FIELDS.items():
         if backend is not None and field_name in backend and not OmegaConf.is_interpolation(backend, field_name):
-            typed = _shown(backend[field_name])
-            raise UserError(f"backend.{field_name}: {typed} is a second spelling of {key} ({key}={_shown(value(key))} "
-                            f"here), the knob results.json and the report read; set {key}={typed} instead")
+            typed, knob = _shown(backend[field_name]), _shown(value(key))
+            if typed == knob:  # the same value twice: the second spelling only has to go
+                raise UserError(f"backend.{field_name}: a second spelling of {key}, which is {knob} here already; "
+                                f"drop backend.{field_name}={typed}")
+            raise UserError(f"backend.{field_name}: {typed} is a second spelling of {key} ({key}={knob} here), the "
+                            f"knob results.json and the report read; set {key}={typed} instead")
     preset = OmegaConf.select(cfg, PRESETS) or {}
     name = preset.get("name", "?")
     for key in preset:

@@ -91,3 +91,23 @@ class ReportCallback(Callback):
             log.warning("report for %s failed (%s: %s); results.json files are intact; "
                         "retry with: python -m reports %s",
                         sweep_dir, type(exc).__name__, exc, sweep_dir)
+
+
+class SingleRunCallback(Callback):
+    """Before a single run (``python -m harness`` or ``harness.serve`` without -m): a batching knob its config sweeps
+    (``batching=peers``'s planner list) and it does not set is refused in one line, not dropped for the knob's
+    default (harness/sweep/points.py, check_single_run)."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from omegaconf import OmegaConf
+
+        from backends.errors import UserError
+        from harness.app.cli import StartRefused
+        from harness.sweep.points import check_single_run
+
+        params = OmegaConf.select(config, "hydra.sweeper.params", default=None)
+        preset = OmegaConf.select(config, "hydra.runtime.choices.batching", default=None)
+        try:
+            check_single_run(params, list(config.hydra.overrides.task), preset, server=config.hydra.job.name == "serve")
+        except UserError as exc:
+            raise StartRefused(str(exc)) from None

@@ -276,9 +276,7 @@ def select(tokens: Tokenized, spec, record: dict) -> DatasetExamples:
     weights = [example_weights(t, spec.train_on) for t in trained]
     n_trained = sum(int((w > 0).sum()) for w in weights)
     if n_trained == 0:
-        after = " left after truncation to workload.truncate_to" if truncated else ""
-        raise UserError(f"workload.train_on: completion, but none of the {len(ids):,} examples has a completion or "
-                        f"assistant token{after} to train on (use train_on=all, or check the rows' roles)")
+        raise UserError(_nothing_to_train(tokens, chosen, spec, limit, len(ids), truncated))
     if emptied:
         log.warning("workload.truncate_to=%d cut every trained token from %s of the %s examples (%s truncated): they "
                     "run but train on nothing; a larger truncate_to keeps them", limit, f"{emptied:,}", f"{len(ids):,}",
@@ -309,6 +307,31 @@ def _within_tokens(chosen: np.ndarray, lengths: np.ndarray, limit: Optional[int]
         raise UserError(f"workload.n_tokens: {spec.n_tokens:,}, but {spec.path} holds {int(total[-1]):,} tokens{cut} "
                         f"in {len(chosen):,} examples (at most {int(total[-1]):,}; or workload.n_examples)")
     return chosen[: max(1, int(np.searchsorted(total, spec.n_tokens, side="right")))]
+
+
+def _nothing_to_train(tokens: Tokenized, chosen, spec, limit: Optional[int], n: int, truncated: int) -> str:
+    """The line for examples with no trained token, naming a setting that trains some: a truncate_to long enough to
+    keep one (the least that does), train_on=all where the examples have two tokens or more, else the rows' roles."""
+    rows = [tokens.row(int(i)) for i in chosen]
+    # position t predicts token t + 1: a row trains once it keeps its first trained token past position 0 (or, with
+    # train_on=all, any second token)
+    firsts = [int(np.flatnonzero(t[1:])[0]) + 2 for _, t in rows if t[1:].any()] if spec.train_on != "all" else []
+    need = 2 if spec.train_on == "all" else min(firsts, default=None)
+    longest = max(int(ids.size) for ids, _ in rows)
+    works = []
+    if truncated and need is not None:
+        works.append(f"workload.truncate_to={need} or more (0: no truncation)")
+    if spec.train_on != "all" and min(longest, limit or longest) >= 2:
+        works.append("workload.train_on=all")
+    if spec.train_on == "all":
+        cut = f" (workload.truncate_to={limit})" if truncated else ""
+        what = (f"workload.train_on: all, but each of the {n:,} examples is one token long{cut}, and a token trains "
+                "only as the next one's target")
+    else:
+        after = f" left after workload.truncate_to={limit}" if truncated else ""
+        what = (f"workload.train_on: {spec.train_on}, but none of the {n:,} examples has a completion or assistant "
+                f"token{after} to train on")
+    return f"{what}; {'set ' + ' or '.join(works) if works else 'check the rows (their roles, their lengths)'}"
 
 
 def example_weights(trained: np.ndarray, train_on: str) -> np.ndarray:

@@ -127,7 +127,12 @@ class Point:
         if shared is not None:
             self._share(shared)
             return
-        self.measure(spec, lengths, backend)
+        examples = None
+        if spec.target.url:
+            # the server's batching changes only once this run is known to run: its plan valid, its ids in vocabulary
+            examples = self.examples(spec)
+            backend.apply()
+        self.measure(spec, lengths, backend, examples)
 
     # -- a plan measured earlier in the sweep (harness/point/sharing.py) ------------------------------
     def _shared_measurement(self, spec: HarnessConfig, lengths: list[int]) -> Optional[tuple[Path, dict, Setup, Any]]:

@@ -13,7 +13,8 @@ from fastapi import Request  # at module level: FastAPI resolves the route annot
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 
-from backends.errors import BackendError
+from backends.errors import BackendError, UserError
+from harness.app.batching import needs_budget
 from harness.server.client import TOKEN_ENV
 from harness.server.requests import RequestError, json_body, parse_examples, parse_setting
 from harness.server.supervisor import ServedBackend
@@ -99,9 +100,10 @@ class ServerState:
         return self.current()
 
     def set_budget(self, value: Optional[int]):
-        if value is None and self.plan_options.get("planner") == "balanced":
-            raise RequestError(422, "max_tokens_per_microbatch: null is not allowed with planner=balanced "
-                                    "(fixed-size slices have no budget to balance)")
+        planner = self.plan_options.get("planner")
+        if value is None and needs_budget(planner):
+            raise RequestError(422, f"max_tokens_per_microbatch: null is not allowed with planner={planner}, which "
+                                    "plans by a token budget (this server's planner, fixed for its life)")
         return self.control.set_max_tokens_per_microbatch(value)
 
     def set_micro_batch_size(self, value: Optional[int]):
@@ -123,6 +125,11 @@ class ServerState:
                 # The backend fills in the budget from the control file before the pass.
                 command = make_command(pass_type, examples, None, 1, **self.plan_options)
                 result = await run_in_threadpool(self.served.run_pass, command)
+        except UserError as exc:  # the planner refuses these examples at this budget (a peer, as its own code does)
+            budget = self.control.read().max_tokens_per_microbatch
+            log.info("%s refused: %s", pass_type, exc)
+            return _error(422, f"{exc} (this server: max_tokens_per_microbatch={'null' if budget is None else budget},"
+                               " set by POST /admin/set_max_tokens_per_microbatch)")
         except BackendError as exc:
             log.error("%s failed: %s", pass_type, exc)
             return _error(500, str(exc))

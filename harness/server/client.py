@@ -51,6 +51,7 @@ class RemoteBackend(Backend):
         self.cost_model: Optional[dict] = self.info.get("cost_model")
         # (max_tokens_per_microbatch, micro_batch_size) every pass of this run must report in its plan
         self.batching: Optional[tuple[Optional[int], int]] = None
+        self._to_set: Optional[str] = None  # the admin token, while configure's values wait for apply
 
     def _request(
         self, method: str, path: str, body: Any = None, timeout: Optional[float] = None, token: Optional[str] = None
@@ -74,19 +75,18 @@ class RemoteBackend(Backend):
             raise BackendError(f"server {self.url}{path} unreachable: {getattr(exc, 'reason', exc)}") from None
 
     def configure(self, max_tokens_per_microbatch: Optional[int], micro_batch_size: int) -> tuple[Optional[int], int]:
-        """Make the server run this budget and micro-batch size; returns what it runs, to be recorded.
+        """The budget and micro-batch size this run will have the server run; returns them, to be recorded and
+        planned with. Nothing is set on the server yet: ``apply`` sets them once the plan is known to be valid, so
+        a run refused before it measures leaves the server's batching as it found it.
 
-        With the admin token the values are set. Without it they cannot be, so a
+        With the admin token the values will be set. Without it they cannot be, so a
         request the server does not already run is refused: recording it would
         label the server's numbers with a budget that never ran.
         """
         token = os.environ.get(TOKEN_ENV)
         if token:
-            self._request(
-                "POST", "/admin/set_max_tokens_per_microbatch", {"value": max_tokens_per_microbatch}, 30, token
-            )
-            self._request("POST", "/admin/set_micro_batch_size", {"value": micro_batch_size}, 30, token)
             self.batching = (max_tokens_per_microbatch, micro_batch_size)
+            self._to_set = token
             return self.batching
         info = self._request("GET", "/healthz", timeout=10)
         server_mtpm, server_mbs = info["max_tokens_per_microbatch"], int(info["micro_batch_size"])
@@ -104,6 +104,15 @@ class RemoteBackend(Backend):
         # With a budget set, micro_batch_size is not used by the planner: record the server's.
         self.batching = (server_mtpm, server_mbs)
         return self.batching
+
+    def apply(self) -> None:
+        """Set what ``configure`` decided on the server (with the admin token; without it the server runs it
+        already)."""
+        token, self._to_set = self._to_set, None
+        if token and self.batching is not None:
+            mtpm, mbs = self.batching
+            self._request("POST", "/admin/set_max_tokens_per_microbatch", {"value": mtpm}, 30, token)
+            self._request("POST", "/admin/set_micro_batch_size", {"value": mbs}, 30, token)
 
     def describe_device(self) -> dict:
         return dict(self.info["device"])

@@ -74,11 +74,12 @@ def parse_examples(body: Any, vocab_size: int, max_tokens: int):
             else:
                 if not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
                     raise RequestError(422, f"{where}.{key}: every token must be an integer")
-                arr = np.asarray(value, dtype=np.int64)
-                if arr.min() < 0 or arr.max() >= vocab_size:
+                # checked as Python integers: one past int64 (10**30) would overflow numpy before any range check
+                if min(value) < 0 or max(value) >= vocab_size:
+                    bad = next(t for t in value if not 0 <= t < vocab_size)
                     raise RequestError(422, f"{where}.{key}: token ids must lie in 0..{vocab_size - 1} (the model's "
-                                            "vocabulary)")
-                arrays[key] = arr
+                                            f"vocabulary), got {bad}")
+                arrays[key] = np.asarray(value, dtype=np.int64)
         n = {k: len(v) for k, v in arrays.items()}
         if len(set(n.values())) != 1:
             raise RequestError(

@@ -25,6 +25,7 @@ import hydra
 from omegaconf import DictConfig
 
 from backends.errors import BackendError, UserError
+from harness.app.batching import AUTO, needs_budget
 from harness.app.cli import run_hydra_cli
 from harness.server.app import build_app
 from harness.server.client import TOKEN_ENV, is_loopback
@@ -77,6 +78,7 @@ def _prepare(cfg: DictConfig):
     from harness.app.config import resolve_config
 
     spec = resolve_config(cfg)
+    check_served(spec)
     server = spec.server
     b = spec.backend
     token = os.environ.get(TOKEN_ENV) or None
@@ -85,13 +87,11 @@ def _prepare(cfg: DictConfig):
             f"server.host: {server.host} is not a loopback address and {TOKEN_ENV} is unset; "
             "set a token (or keep server.host=127.0.0.1)"
         )
-    if not 0 <= server.port <= 65535:
-        raise UserError(f"server.port: must be 0..65535, got {server.port}")
     sock = bind_port(server.host, server.port)
     try:
-        # a balanced server needs a budget: "unset" written into its file is bad content, not fixed slices
+        # a planner that plans by a budget (balanced, most peers): "unset" written into its file is bad content
         control = ControlFile(server.control_path, BatchingSettings(b.max_tokens_per_microbatch, b.micro_batch_size),
-                              budget_required=b.planner == "balanced")
+                              budget_required=needs_budget(b.planner), planner=b.planner)
     except OSError as exc:
         sock.close()
         raise UserError(
@@ -99,6 +99,35 @@ def _prepare(cfg: DictConfig):
             "choose a writable path, or null for one in /dev/shm"
         ) from None
     return spec, token, sock, control
+
+
+def check_served(spec) -> None:
+    """What a server cannot serve, refused in one line before it binds its port or loads the model: mtpm=auto (a
+    search, not a budget) and server.* values out of range (a server that would start only to refuse everything, or
+    stop at its first log line)."""
+    from uvicorn.config import LOG_LEVELS
+
+    server, b = spec.server, spec.backend
+    if spec.mtpm == AUTO:
+        raise UserError("mtpm: auto searches for the fastest budget by measuring it (python -m harness mtpm=auto), and "
+                        "a server runs the budget it is given: start it with mtpm=<tokens> (the one that search "
+                        "answers), or mtpm=null with planner=greedy")
+    if not 0 <= server.port <= 65535:
+        raise UserError(f"server.port: must be 0..65535 (0: any free port), got {server.port}")
+    for key, least in (("queue_size", 0), ("max_request_tokens", 1), ("max_request_bytes", 1), ("mtpm_ceiling", 1),
+                       ("mbs_ceiling", 1)):
+        value = getattr(server, key)
+        if value < least:
+            what = "an integer >= 0 (passes that may wait behind the running one)" if least == 0 else \
+                "a positive integer"
+            raise UserError(f"server.{key}: must be {what}, got {value}")
+    for key, ceiling, knob, own in (("mtpm_ceiling", server.mtpm_ceiling, "mtpm", b.max_tokens_per_microbatch),
+                                    ("mbs_ceiling", server.mbs_ceiling, "mbs", b.micro_batch_size)):
+        if own is not None and own > ceiling:
+            raise UserError(f"server.{key}: {ceiling} is below the server's own {knob}={own}; the admin API could not "
+                            f"set back the value it starts with: raise server.{key} to at least {own}, or lower {knob}")
+    if server.log_level not in LOG_LEVELS:
+        raise UserError(f"server.log_level: '{server.log_level}' is not a level (valid: {', '.join(LOG_LEVELS)})")
 
 
 def _serve_backend(spec, token: Optional[str], sock: socket.socket, control) -> int:

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 from backends.errors import UserError
-from harness.app.batching import AUTO, is_batching_key
+from harness.app.batching import AUTO, KEYS, PRESETS, is_batching_key
 from harness.point.results import RESULTS_FILE
 
 log = logging.getLogger("harness.points")  # the log channel's name, kept when the module moved
@@ -21,6 +21,29 @@ BASELINE = ("mtpm=null", "mbs=1")
 
 def override_key(override: str) -> str:
     return override.split("=", 1)[0].lstrip("+~")
+
+
+def unswept(params: Any, job: Sequence[str]) -> dict[str, str]:
+    """What a config's own sweep (``hydra.sweeper.params``, e.g. batching=peers's planner list) sweeps that ``job``
+    does not set: the keys and their values, which a multirun's job expands (the sweeper) and a single run would drop
+    (``check_single_run``)."""
+    typed = {override_key(o) for o in job}
+    return {str(k): str(v) for k, v in (params or {}).items() if str(k).lstrip("+~") not in typed}
+
+
+def check_single_run(params: Any, task: Sequence[str], preset: Optional[str], server: bool) -> None:
+    """A run without -m whose config sweeps a batching knob it does not set (``batching=peers`` sweeps the planner)
+    would run one point of that sweep, at the knob's default, and say nothing: a UserError of one line instead.
+    ``preset``: the batching preset chosen (its name), ``server``: the run is ``python -m harness.serve``."""
+    dropped = {k: v for k, v in unswept(params, task).items() if k in KEYS}
+    if not dropped:
+        return
+    key, values = next(iter(dropped.items()))
+    source = f"{PRESETS}={preset}" if preset and preset != "default" else "this config (hydra.sweeper.params)"
+    if server:
+        raise UserError(f"{key}: {source} sweeps it over {values}, and a server runs one: set {key}=<one of them>")
+    raise UserError(f"{key}: {source} sweeps it over {values}, which only a multirun does: add -m to run them all, "
+                    f"or set {key}=<one of them> for one point")
 
 
 def identity(overrides: Iterable[str]) -> tuple[str, ...]:

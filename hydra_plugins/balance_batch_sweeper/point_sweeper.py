@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
 from omegaconf import OmegaConf
 
@@ -41,6 +42,23 @@ def _compose(loader, config, job):
         return None
 
 
+def expand_swept_presets(jobs: List[List[str]], compose: Callable[[List[str]], Any],
+                         split: Callable[[List[str]], List[List[str]]]) -> List[List[str]]:
+    """Each job whose config sweeps keys of its own that the job does not set (a preset chosen in a sweep list,
+    ``-m batching=peers,greedy_padded``, whose planner list Hydra reads only from the primary config) as the jobs of
+    that sweep: what the preset says, as when it is the only value. ``split`` expands a list of overrides as the
+    basic sweeper does."""
+    from harness.sweep.points import unswept
+
+    out: List[List[str]] = []
+    for job in jobs:
+        config = compose(job)
+        params = OmegaConf.select(config, "hydra.sweeper.params", default=None) if config is not None else None
+        more = unswept(params, job)
+        out.extend(split(job + [f"{k}={v}" for k, v in more.items()]) if more else [job])
+    return out
+
+
 class PointSweeper(BasicSweeper):
     """Expands the sweep like BasicSweeper, then de-duplicates it and places each point before anything is written."""
 
@@ -48,9 +66,19 @@ class PointSweeper(BasicSweeper):
         from harness.sweep.points import add_baselines, check_writable, dedupe, place_points
 
         assert self.config is not None and self.hydra_context is not None
-        jobs = dedupe(BasicSweeper.split_arguments(overrides, None)[0])
         loader = self.hydra_context.config_loader
-        jobs = add_baselines(jobs, lambda job: _compose(loader, self.config, job))
+        composed: Dict[tuple, Any] = {}
+
+        def compose(job):  # each job composed once, for both steps below
+            key = tuple(job)
+            if key not in composed:
+                composed[key] = _compose(loader, self.config, job)
+            return composed[key]
+
+        parser = OverridesParser.create(config_loader=loader)
+        jobs = expand_swept_presets(BasicSweeper.split_arguments(overrides, None)[0], compose,
+                                    lambda job: BasicSweeper.split_arguments(parser.parse_overrides(job), None)[0])
+        jobs = add_baselines(dedupe(jobs), compose)
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         check_writable("hydra.sweep.dir", sweep_dir)
         resume = bool(OmegaConf.select(self.config, "resume", default=False))

@@ -164,6 +164,9 @@ def test_set_then_a_pass_uses_the_new_budget(server):
         ({"input_ids": [], "target_tokens": [], "weights": []}, "non-empty"),
         ({"input_ids": [1, 99999], "target_tokens": [2, 3], "weights": [1, 1]}, "vocabulary"),
         ({"input_ids": [1, -2], "target_tokens": [2, 3], "weights": [1, 1]}, "vocabulary"),
+        # beyond int64: refused by its range like any id outside the vocabulary, not an OverflowError's 500
+        ({"input_ids": [1, 2], "target_tokens": [2, 10**30], "weights": [1, 1]},
+         "target_tokens: token ids must lie in 0..2047"),
         ({"input_ids": [1, 2], "target_tokens": [2, 3], "weights": [1, "a"]}, "weights"),
         ({"input_ids": "1 2", "target_tokens": [2, 3], "weights": [1, 1]}, "input_ids"),
         # float32 cannot hold the first two; the third overflows the loss
@@ -470,3 +473,43 @@ def test_a_packed_server_is_recorded_as_it_runs_by_its_client_and_keeps_its_budg
         assert "not allowed with planner=balanced" in s.log.read_text()
     finally:
         assert stop(s) == 0
+
+
+@pytest.fixture(scope="module")
+def peer_server(tmp_path_factory):
+    """A server whose planner refuses what its peer's code refuses: verl, whose budget is strict."""
+    tmp = tmp_path_factory.mktemp("serve-verl")
+    s = start_server(tmp, "backend=pytorch", "workload=smoke", "planner=verl", "mtpm=1024")
+    yield s
+    assert stop(s) == 0
+
+
+def test_what_a_peer_planner_refuses_is_a_422_in_one_line_and_null_is_refused(peer_server):
+    """A pass verl refuses (an example over its budget) was a bare 500 with an ASGI traceback, and a budget of null,
+    accepted, made every later pass one."""
+    status, body = peer_server.call("POST", "/forward", {"examples": examples([1500, 100])})
+    assert status == 422, body
+    detail = body["detail"]
+    assert "\n" not in detail and "verl refuses example 0 of 1500 tokens" in detail
+    assert "this server: max_tokens_per_microbatch=1024" in detail
+    status, body = peer_server.call("POST", "/admin/set_max_tokens_per_microbatch", {"value": None})
+    assert status == 422 and "null is not allowed with planner=verl" in body["detail"], body
+    assert peer_server.config()["max_tokens_per_microbatch"] == 1024
+    status, reply = peer_server.call("POST", "/forward", {"examples": examples([500, 100])})
+    assert status == 200 and reply["plan"]["max_tokens_per_microbatch"] == 1024, reply
+    log = peer_server.log.read_text()
+    assert "Traceback" not in log and "Exception in ASGI application" not in log
+
+
+def test_a_client_run_the_plan_refuses_leaves_the_servers_budget_as_it_was(peer_server, tmp_path):
+    """The client once set its budget on the server, then found its plan refused: the server kept a budget no run
+    measured."""
+    run = tmp_path / "run"
+    proc = run_harness(f"target.url={peer_server.url}", "mtpm=256", "workload=smoke", "workload.n_examples=4",
+                       "bench.warmup=0", "bench.repeat=1", "logger=none", f"hydra.run.dir={run}", cwd=tmp_path,
+                       env=harness_env(BALANCE_BATCH_ADMIN_TOKEN=TOKEN))
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 2, text
+    assert "verl refuses example" in text and "Traceback" not in text
+    assert load_json(run / "results.json")["status"] == "error"
+    assert peer_server.config()["max_tokens_per_microbatch"] == 1024

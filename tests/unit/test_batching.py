@@ -56,8 +56,10 @@ def test_what_is_typed_is_what_runs_and_what_results_json_records(overrides, ran
     # a second spelling of a knob, which results.json and the report would not read
     (["backend.max_tokens_per_microbatch=4096"], "backend.max_tokens_per_microbatch: 4096 is a second spelling of mtpm",
      ["mtpm=null here", "set mtpm=4096"]),
-    (["mtpm=4096", "backend.max_tokens_per_microbatch=4096"], "backend.max_tokens_per_microbatch: 4096 is a second",
-     ["mtpm=4096"]),
+    # the same value under both names: nothing to set instead, only the second spelling to drop
+    (["mtpm=4096", "backend.max_tokens_per_microbatch=4096"],
+     "backend.max_tokens_per_microbatch: a second spelling of mtpm, which is 4096 here already",
+     ["drop backend.max_tokens_per_microbatch=4096"]),
     (["backend.micro_batch_size=2"], "backend.micro_batch_size: 2 is a second spelling of mbs", ["set mbs=2"]),
     (["backend.planner=greedy"], "backend.planner: greedy is a second spelling of planner", ["set planner=greedy"]),
     (["backend.max_seqs_per_microbatch=3"], "backend.max_seqs_per_microbatch: 3 is a second spelling",
@@ -171,3 +173,58 @@ def test_the_clis_backend_defaults_are_backendspecs():
     for f in fields(BackendSpec):
         if f.name != "name":  # the CLI's default backend is fsdp2; BackendSpec's, pytorch, needs no processes
             assert getattr(got, f.name) == getattr(default, f.name), f.name
+
+
+# -- a preset that sweeps: batching=peers runs every planner, or is refused ------------------------------------------
+def _with_hydra(*overrides: str):
+    """The composed config with its hydra node (its sweep, its overrides), as Hydra hands it to a callback."""
+    from hydra import compose, initialize_config_dir
+
+    from harness.app.config import register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return compose("config", overrides=list(overrides), return_hydra_config=True)
+
+
+def test_a_sweep_list_holding_peers_runs_every_planner_it_sweeps():
+    """-m batching=peers,greedy_padded once ran 2 points: the preset's planner list is Hydra's only when the preset is
+    the primary config's, so each of its jobs is expanded as that sweep (here with the sweeper's own parser)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from hydra_plugins.balance_batch_sweeper.point_sweeper import expand_swept_presets
+
+    parser = OverridesParser.create()
+    split = lambda job: BasicSweeper.split_arguments(parser.parse_overrides(job), None)[0]  # noqa: E731
+    planners = yaml.safe_load((REPO / "conf" / "batching" / "peers.yaml").read_text())["hydra"]["sweeper"]["params"]
+    planners = planners["planner"].split(",")
+    jobs = expand_swept_presets([["batching=peers", "mtpm=4096"], ["batching=greedy_padded", "mtpm=4096"],
+                                 ["batching=peers", "mtpm=4096", "planner=fairseq"]], lambda j: _with_hydra(*j), split)
+    assert jobs == [["batching=peers", "mtpm=4096", f"planner={p}"] for p in planners] + [
+        ["batching=greedy_padded", "mtpm=4096"], ["batching=peers", "mtpm=4096", "planner=fairseq"]]
+    assert len(planners) == 9
+
+
+@pytest.mark.parametrize("overrides, refused", [
+    (["batching=peers", "mtpm=4096"], True),  # ran the default planner alone, saying nothing
+    (["batching=peers", "mtpm=4096", "planner=verl"], False),  # one planner of the list, as typed
+    (["batching=greedy_padded", "mtpm=4096"], False),
+    (["experiment=seed_b200", "backend=fsdp2", "mtpm=32768"], False),  # sweeps a preset, not a knob: docs/gpus.md
+])
+def test_a_single_run_of_a_preset_that_sweeps_a_knob_is_refused_in_one_line(overrides, refused):
+    from harness.app.callbacks import SingleRunCallback
+    from harness.app.cli import StartRefused
+
+    config = _with_hydra(*overrides)
+    if not refused:
+        SingleRunCallback().on_run_start(config)
+        return
+    with pytest.raises(StartRefused) as single:
+        SingleRunCallback().on_run_start(config)
+    line = str(single.value)
+    assert line.startswith("planner: batching=peers sweeps it over greedy,balanced,verl,") and "\n" not in line
+    assert line.endswith("add -m to run them all, or set planner=<one of them> for one point"), line
+    config.hydra.job.name = "serve"  # python -m harness.serve: a server runs one planner, and -m is no advice
+    with pytest.raises(StartRefused, match="and a server runs one: set planner=<one of them>$"):
+        SingleRunCallback().on_run_start(config)

@@ -292,6 +292,28 @@ def test_a_template_that_renders_a_turn_differently_in_context_is_named(tmp_path
                           tmp_path / "cache"), None)
 
 
+def test_examples_with_nothing_to_train_name_the_setting_that_trains_some(tmp_path, demo_data):
+    """train_on=all truncate_to=1 once advised "use train_on=all"; the advice now names what works, checked here."""
+    import re
+
+    f = write_jsonl(tmp_path / "c.jsonl", [{"messages": CHAT}])
+    at = lambda **kw: spec(f, demo_data["tokenizer"], tmp_path / "cache", **kw)  # noqa: E731
+    with pytest.raises(UserError) as one_token:
+        load_dataset(at(train_on="all", truncate_to=1), None)
+    line = str(one_token.value)
+    assert line.startswith("workload.train_on: all, but each of the 1 examples is one token long") and "\n" not in line
+    assert line.endswith("; set workload.truncate_to=2 or more (0: no truncation)"), line
+    assert load_dataset(at(train_on="all", truncate_to=2), None).record["trained_tokens"] == 1
+    # completion, cut before the first assistant token: the least truncate_to that keeps one, or train_on=all
+    with pytest.raises(UserError) as cut:
+        load_dataset(at(truncate_to=3), None)
+    need = int(re.search(r"set workload.truncate_to=(\d+) or more \(0: no truncation\) or workload.train_on=all$",
+                         str(cut.value)).group(1))
+    assert load_dataset(at(truncate_to=need), None).record["trained_tokens"] == 1
+    with pytest.raises(UserError, match=f"truncate_to={need} or more"):
+        load_dataset(at(truncate_to=need - 1), None)
+
+
 def test_the_demo_data_is_made_the_same_way_twice_and_fits_the_tiny_model(tmp_path, demo_data, tok):
     from harness.data.demo_data import write
 
