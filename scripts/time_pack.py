@@ -1,12 +1,16 @@
-"""The time of one ``balance_batch.pack`` call, three times, on the two corpora of issue 58's targets: 16.3 million
-pre-training-like lengths at 512 and a million QA-like ones at 384 (a script, not a test).
+"""The time of one ``balance_batch.pack`` call, three times, on two corpora: 16.3 million pre-training-like
+lengths at 512 (the size of the Wikipedia histogram) and a million QA-like ones at 384 (a script, not a test).
 
     PYTHONPATH=. python scripts/time_pack.py
 """
 
-import time, numpy as np
-from scripts.bench_planner import short_lengths, qa_lengths
+import time
+
+import numpy as np
+
 from balance_batch import pack
+from scripts.bench_planner import qa_lengths, short_lengths
+
 for name, make, n, cap in (("short", short_lengths, 16_300_000, 512), ("qa", qa_lengths, 1_000_000, 384)):
     lengths = np.asarray(make(n))
     runs = []

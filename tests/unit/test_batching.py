@@ -183,7 +183,7 @@ def _with_hydra(*overrides: str):
     from harness.app.config import register_configs
 
     register_configs()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         return compose("config", overrides=list(overrides), return_hydra_config=True)
 
 
@@ -197,7 +197,7 @@ def test_a_sweep_list_holding_peers_runs_every_planner_it_sweeps():
 
     parser = OverridesParser.create()
     split = lambda job: BasicSweeper.split_arguments(parser.parse_overrides(job), None)[0]  # noqa: E731
-    planners = yaml.safe_load((REPO / "conf" / "batching" / "peers.yaml").read_text())["hydra"]["sweeper"]["params"]
+    planners = yaml.safe_load((CONF / "batching" / "peers.yaml").read_text())["hydra"]["sweeper"]["params"]
     planners = planners["planner"].split(",")
     jobs = expand_swept_presets([["batching=peers", "mtpm=4096"], ["batching=greedy_padded", "mtpm=4096"],
                                  ["batching=peers", "mtpm=4096", "planner=fairseq"]], lambda j: _with_hydra(*j), split)
