@@ -69,7 +69,7 @@ def _hardware(dev: dict) -> Optional[str]:
     if dev.get("type") == "cpu":
         name = dev.get("name") or "a CPU"
         cores = f", {dev['cores']} cores" if dev.get("cores") else ""
-        return f"{name}{cores} (no GPU)"  # what the ranks talk over is the devices column's: the PyTorch backend has none
+        return f"{name}{cores} (no GPU)"  # what ranks talk over is the devices column's (the PyTorch backend: none)
     if dev.get("type") == "cuda":
         return dev.get("name") or "GPU"
     return dev.get("name") or dev.get("type") or None

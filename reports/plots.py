@@ -74,7 +74,8 @@ def _groups(frame: pd.DataFrame) -> list:
     labels = setting_labels(frame["setting"])
     out = []
     for setting, backend, devices in dict.fromkeys(zip(frame["setting"], frame["backend"], frame["devices"])):
-        label = f"{BACKEND_LABEL.get(backend, backend)}, {devices}" + (f", {labels[setting]}" if labels[setting] else "")
+        label = f"{BACKEND_LABEL.get(backend, backend)}, {devices}"
+        label += f", {labels[setting]}" if labels[setting] else ""
         mine = frame[(frame["setting"] == setting) & (frame["backend"] == backend) & (frame["devices"] == devices)]
         out.append((label, mine))
     return out

@@ -1,7 +1,7 @@
 """The "planners side by side" section: where one setting, backend and devices ran two or more planners
-(batching=peers), each planner's plan (steps against the lower bound, pad efficiency, modeled and measured critical path) beside what it
-measured (fwd+bwd tok/s and the paired speedup over mbs=1, each with its interval) and its speedup as a share of the
-balanced planner's at the same budget."""
+(batching=peers), each planner's plan (steps against the lower bound, pad efficiency, modeled and measured critical
+path) beside what it measured (fwd+bwd tok/s and the paired speedup over mbs=1, each with its interval) and its speedup
+as a share of the balanced planner's at the same budget."""
 
 from __future__ import annotations
 
@@ -100,7 +100,7 @@ def side_by_side(df: pd.DataFrame) -> str:
         for backend, devices in dict.fromkeys(zip(mine["backend"], mine["devices"])):
             if _missing(backend):
                 continue
-            sub = mine[(mine["backend"] == backend) & mine["devices"].map(lambda d: _same(d, devices))]
+            sub = mine[(mine["backend"] == backend) & mine["devices"].map(lambda d, want=devices: _same(d, want))]
             sub = sub[[not _is_baseline(r) and not _missing(r.mtpm) for r in sub.itertuples(index=False)]]
             if sub["planner"].nunique() < 2:
                 continue

@@ -73,7 +73,6 @@ class ReportCallback(Callback):
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         from harness.sweep.hot import HOT
-
         from harness.sweep.lock import LOCK_FILE, release
 
         HOT.close()  # a hot sweep's backend lives until its last point

@@ -403,7 +403,7 @@ def test_the_length_histogram_names_the_truncation_length_of_new_and_old_results
     assert truncation_note({"truncated": 0, "truncate_to": 1024}) == truncation_note({}) == ""
 
 
-# -- issue 55: a row is what ran ------------------------------------------------------------------------------------
+# -- a row is what ran ----------------------------------------------------------------------------------------------
 
 
 def _point(n: int, **changes) -> dict:
@@ -427,7 +427,7 @@ def _paired(median: float) -> dict:
 
 
 def test_planners_side_by_side_one_table_per_devices_each_row_divided_by_its_own_balanced_row(tmp_path):
-    """Item 9: two world sizes at one budget are two tables (the devices named), and a balanced row reads 1.000."""
+    """two world sizes at one budget are two tables (the devices named), and a balanced row reads 1.000."""
     from reports.side_by_side import side_by_side
 
     docs = {"0": _point(0), "1": _point(6, speedup=_paired(1.2)),
@@ -442,7 +442,7 @@ def test_planners_side_by_side_one_table_per_devices_each_row_divided_by_its_own
 
 
 def test_a_combined_report_of_unpaired_sweeps_divides_each_row_by_its_own_sweeps_baseline(tmp_path):
-    """Item 10: sweep B's unpaired budget row reads B's own speedup in a report of A and B, not one over A's mbs=1."""
+    """sweep B's unpaired budget row reads B's own speedup in a report of A and B, not one over A's mbs=1."""
     from reports.render import speedups
 
     def sweep(name: str, base_tok: float, ratio: float) -> Path:
@@ -459,7 +459,7 @@ def test_a_combined_report_of_unpaired_sweeps_divides_each_row_by_its_own_sweeps
 
 
 def test_readme_on_a_users_page_holds_its_own_results_and_says_how_to_regenerate_them(tmp_path, capsys):
-    """Items 11 and 26: no plan figure of the repository's own on a user's page, and the hint names the results."""
+    """no plan figure of the repository's own on a user's page, and the hint names the results."""
     from reports.__main__ import main
     from reports.render import BEGIN, END
 
@@ -474,7 +474,7 @@ def test_readme_on_a_users_page_holds_its_own_results_and_says_how_to_regenerate
 
 
 def test_plot_lines_never_run_through_two_settings(tmp_path):
-    """Item 12: a sweep over model.dtype draws each precision's lines, each legend entry once."""
+    """a sweep over model.dtype draws each precision's lines, each legend entry once."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -503,7 +503,7 @@ def test_plot_lines_never_run_through_two_settings(tmp_path):
 
 
 def test_a_point_that_ran_out_of_memory_shows_no_peak_of_a_pass_it_finished_before(tmp_path):
-    """Item 13: fwd+bwd ran out; the forward pass's peak is not the row's peak."""
+    """fwd+bwd ran out; the forward pass's peak is not the row's peak."""
     from reports.render import short_frame, table_frame
 
     oom = _point(6, status="oom", error="out of memory in forward_backward on rank 0 (largest micro-batch 16,384 "
@@ -518,7 +518,7 @@ def test_a_point_that_ran_out_of_memory_shows_no_peak_of_a_pass_it_finished_befo
 
 
 def test_the_header_says_what_ranks_talk_over_only_where_they_do_and_p99_only_where_it_is_not_the_longest(tmp_path):
-    """Item 18: the PyTorch backend is one process (no "ranks on gloo"); p99 is the nearest-rank percentile."""
+    """the PyTorch backend is one process (no "ranks on gloo"); p99 is the nearest-rank percentile."""
     from types import SimpleNamespace
 
     from harness.point.results import workload_record
@@ -535,7 +535,7 @@ def test_the_header_says_what_ranks_talk_over_only_where_they_do_and_p99_only_wh
 
 
 def test_refused_points_of_a_dry_run_sweep_are_rows_of_its_table_with_their_reasons(tmp_path):
-    """Item 25: one table headed as a dry run, the refusals' reasons under it, a contradiction's mbs shown."""
+    """one table headed as a dry run, the refusals' reasons under it, a contradiction's mbs shown."""
     planned = {**_point(6), "status": "planned", "passes": {}, "speedup": None}
     refused = _failed_at_start(mtpm=-5, error="mtpm: must be a positive integer, got -5",
                                overrides=["dry_run=true", "mtpm=-5"])
@@ -553,12 +553,12 @@ def test_refused_points_of_a_dry_run_sweep_are_rows_of_its_table_with_their_reas
 
 
 def test_what_the_report_refuses_and_prints(tmp_path, capsys):
-    """Item 26: a combined report's folder of only /, multirun.yaml as a sweep, an unwritable --csv before any
+    """a combined report's folder of only /, multirun.yaml as a sweep, an unwritable --csv before any
     output; the terminal's short table names report.md and only what was written beside it; an all-OOM sweep draws
     no empty tok/s axes."""
+    from backends.errors import UserError
     from reports.__main__ import main, report_folder
     from reports.plots import plot_paths
-    from backends.errors import UserError
     from reports.render import SHORT_COLUMNS
 
     with pytest.raises(UserError, match="share no folder but /.*--out DIR"):
