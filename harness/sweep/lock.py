@@ -52,13 +52,22 @@ def _mine(holder: Optional[dict]) -> bool:
 
 def _place(path: Path, record: dict) -> bool:
     """Write the lock whole, then link it into place: False where a lock is there already (never a torn one)."""
+    text = json.dumps(record, indent=1) + "\n"
     tmp = path.with_name(f".{LOCK_FILE}.{os.getpid()}")
-    tmp.write_text(json.dumps(record, indent=1) + "\n")
+    tmp.write_text(text)
     try:
         os.link(tmp, path)
         return True
     except FileExistsError:
         return False
+    except OSError:  # a file system without hard links: created exclusively instead (a reader may see it empty)
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "w") as out:
+            out.write(text)
+        return True
     finally:
         tmp.unlink(missing_ok=True)
 
