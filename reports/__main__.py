@@ -258,8 +258,8 @@ def regenerate_command(dirs, readme: Optional[Path], full: Optional[Path]) -> st
     base = readme.resolve().parent if readme is not None else REPO
     rel = lambda p: Path(os.path.relpath(Path(p).resolve(), base)).as_posix()  # noqa: E731
     parts = ["python -m reports", *(rel(d) for d in dirs or []), "--readme", rel(readme) if readme else "README.md"]
-    if full is not None:
-        parts += ["--full", rel(full)]
+    if full is not None and readme is not None and Path(full).resolve() != base / "docs" / "results.md":
+        parts += ["--full", rel(full)]  # the default page goes unsaid, however the command was typed
     return " ".join(parts)
 
 
