@@ -38,7 +38,7 @@ from reports.render import (
     short_tables,
     write_csv,
 )
-from reports.side_by_side import side_by_side, with_side_by_side
+from reports.side_by_side import TITLE, with_side_by_side
 
 PACKAGE = Path(__file__).resolve().parent
 REPO = PACKAGE.parent
@@ -209,7 +209,7 @@ def report(args: argparse.Namespace) -> int:
     for path, old, new in blocks if readme is not None else []:
         _write(path, lambda p=path, o=old, n=new: p.write_text(replace_block(o, n, p)), f"{path} must be writable")
     # The terminal gets the answer and the short table; every column is in report.md, whose path it ends with.
-    print(terminal_text(df, out_dir / "report.md", csv, len(set(drawn)), bool(side_by_side(df))))
+    print(terminal_text(df, out_dir / "report.md", csv, len(set(drawn)), TITLE in report_md))
     for path, _, _ in blocks if readme is not None else []:
         print(f"{path}: results block rewritten ({len(df)} runs)")
     return 0
