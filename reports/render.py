@@ -463,8 +463,7 @@ def _asked_phrase(r) -> str:
     if _missing(r.mtpm) and _missing(r.mbs):
         return "—"
     phrase = _setting_phrase(r)
-    return f"mbs={int(r.mbs)} {phrase}" if _mbs_cell(r, not _missing(r.mtpm)) != "—" and not _missing(r.mtpm) \
-        else phrase
+    return f"mbs={int(r.mbs)} {phrase}" if not _missing(r.mtpm) and _mbs_cell(r, True) != "—" else phrase
 
 
 SHORT_COLUMNS = ["backend", "batching", "fwd+bwd tok/s", "speedup vs mbs=1", "peak GiB (largest rank)",
