@@ -35,9 +35,10 @@ from reports.render import (
     readme_block,
     replace_block,
     short_block,
+    short_tables,
     write_csv,
 )
-from reports.side_by_side import with_side_by_side
+from reports.side_by_side import TITLE, with_side_by_side
 
 PACKAGE = Path(__file__).resolve().parent
 REPO = PACKAGE.parent
@@ -145,9 +146,7 @@ def report(args: argparse.Namespace) -> int:
 
     committed = not args.dirs
     dirs = args.dirs or [COMMITTED]
-    missing = [d for d in dirs if not d.exists()]
-    if missing:
-        raise UserError(f"{missing[0]}: no such folder (give run or multirun folders holding results.json)")
+    check_dirs(dirs)
     readme = args.readme or (REPO / "README.md" if committed and args.check else None)
     if args.check and readme is None:
         raise UserError("--check needs --readme PATH (or no DIR, to check README.md)")
@@ -161,19 +160,21 @@ def report(args: argparse.Namespace) -> int:
     df = collect(dirs)
     out_dir = args.out or (PACKAGE if committed else report_folder(dirs))
     source = "reports/results" if committed else ", ".join(str(d) for d in dirs)
-    plots = plot_paths(out_dir)
+    plots = plot_paths(out_dir, df)  # the figures that have something to show (no tok/s axes where nothing ran)
     if not df.empty:
         df["plan_png"] = plan_figure_paths(df, out_dir)
         df["lengths_png"] = length_histogram_paths(df, out_dir)  # each setting's workload, drawn below
         df["profile_png"] = profile_figure_paths(df, out_dir)  # bench.profile's breakdowns, drawn below
-    plans = published_plans(PLANS) if readme is not None else []
+    # the repository's own plan figures go on the repository's pages only: a user's page gets its results' figures
+    plans = published_plans(PLANS) if committed and readme is not None else []
     plan_pngs = [PACKAGE / "plots" / f"plan-{p.parent.name}.png" for p in plans]
     # every column, the plots and the plan figures: the full page's block where there is one, else the README's
     page = full if full is not None else readme
     plan_lines = readme_plan_lines(plan_pngs, plans, page.parent if page else REPO)
-    block = readme_block(df, plots, page, source, plan_lines)
-    blocks = [(readme, text, block)] if full is None else [(readme, text, short_block(df, readme, full, source)),
-                                                          (full, full_text, block)]
+    command = regenerate_command(args.dirs, readme, args.full)
+    block = readme_block(df, plots, page, source, plan_lines, command)
+    blocks = [(readme, text, block)] if full is None else [
+        (readme, text, short_block(df, readme, full, source, command)), (full, full_text, block)]
 
     if args.check:
         stale = [path for path, old, new in blocks if current_block(old) != new]
@@ -185,34 +186,81 @@ def report(args: argparse.Namespace) -> int:
         print(f"{' and '.join(str(path) for path, _, _ in blocks)}: results block matches {source} ({len(df)} runs)")
         return 0
 
-    if df.empty:
-        print(markdown_tables(df))
-        return 0
     here = f"the report goes into {out_dir}; --out DIR chooses another folder"
     _write(out_dir, lambda: out_dir.mkdir(parents=True, exist_ok=True), here)
     csv = args.csv or out_dir / "results.csv"
     csv = csv / "results.csv" if csv.is_dir() else csv
+    # the CSV first: an output it cannot write stops the command before anything is drawn or printed
+    _write(csv, lambda: write_csv(df, csv), "give --csv a path in a writable folder" if args.csv else here)
+    drawn = []
     if args.no_plots:
         df["plan_png"] = df["lengths_png"] = df["profile_png"] = None
     else:
-        _write(plots[0], lambda: write_plots(df, out_dir), here)
+        drawn = _write_figures(lambda: write_plots(df, out_dir), plots[0] if plots else out_dir, here)
         # A figure it cannot draw is a warning, and the report links only the figures drawn.
         df["plan_png"] = write_plan_figures(df, out_dir)
         df["lengths_png"] = write_length_histograms(df, out_dir)  # each setting's workload: sequences, tokens by length
         df["profile_png"] = write_profile_figures(df, out_dir)  # each profiled point: seconds per category, pass, rank
-    print(with_side_by_side(markdown_tables(df), df))
+        drawn += [p for col in ("plan_png", "lengths_png", "profile_png") for p in df[col].dropna()]
     if committed:  # the README's plan figures are committed files: only the committed run redraws them
         _write(plan_pngs[0] if plan_pngs else PACKAGE, lambda: draw_side_by_side(plans, plan_pngs), here)
-    _write(csv, lambda: write_csv(df, csv), "give --csv a path in a writable folder" if args.csv else here)
     report_md = with_side_by_side(markdown_tables(df, out_dir), df)  # with the planners side by side, if several ran
     _write(out_dir / "report.md", lambda: (out_dir / "report.md").write_text(report_md + "\n"), here)
     for path, old, new in blocks if readme is not None else []:
         _write(path, lambda p=path, o=old, n=new: p.write_text(replace_block(o, n, p)), f"{path} must be writable")
+    # The terminal gets the answer and the short table; every column is in report.md, whose path it ends with.
+    print(terminal_text(df, out_dir / "report.md", csv, len(set(drawn)), TITLE in report_md))
+    for path, _, _ in blocks if readme is not None else []:
         print(f"{path}: results block rewritten ({len(df)} runs)")
-    if len(dirs) > 1 or args.out:
-        print(f"report of {len(dirs)} folder(s), {len(df)} runs: {out_dir / 'report.md'} "
-              f"(results.csv{'' if args.csv else ' and'} plots/ beside it)")
     return 0
+
+
+def _write_figures(draw, path: Path, hint: str) -> list:
+    out: list = []
+    _write(path, lambda: out.extend(draw()), hint)
+    return out
+
+
+def terminal_text(df, report_md: Path, csv: Path, n_figures: int, planners: bool) -> str:
+    """What ``python -m reports`` (and so the end of a sweep) prints: per setting the answer lines, the setting and
+    the short table (the README's columns), then where the full report is and what was written."""
+    full = f"{report_md}" + (", with the planners side by side" if planners else "")
+    beside = ["results.csv"] if csv == report_md.parent / "results.csv" else []
+    if n_figures:
+        beside.append(f"plots/ ({n_figures} figure{'s' if n_figures != 1 else ''})")
+    tail = f"Beside it: {' and '.join(beside)}." if beside else ""
+    if csv != report_md.parent / "results.csv":
+        tail += f"{' ' if tail else ''}The CSV: {csv}."
+    return f"{short_tables(df, None, full)}\n\n{tail}"
+
+
+def check_dirs(dirs) -> None:
+    """Each DIR is a folder holding at least one results.json, or a results.json (UserError naming the first that
+    is not)."""
+    from backends.errors import UserError
+    from reports.collect import find_results
+
+    usage = "give run or multirun folders holding results.json"
+    for d in dirs:
+        if not d.exists():
+            raise UserError(f"{d}: no such folder ({usage})")
+        if d.is_file() and d.name != "results.json":
+            raise UserError(f"{d}: a file, not a run or multirun folder ({usage})")
+        if d.is_dir() and not find_results([d]):
+            raise UserError(f"{d}: no results.json in it or below ({usage})")
+
+
+def regenerate_command(dirs, readme: Optional[Path], full: Optional[Path]) -> str:
+    """The command that regenerates a page's block, its paths relative to the README's folder (the same text however
+    the command was typed, so --check compares like with like)."""
+    import os
+
+    base = readme.resolve().parent if readme is not None else REPO
+    rel = lambda p: Path(os.path.relpath(Path(p).resolve(), base)).as_posix()  # noqa: E731
+    parts = ["python -m reports", *(rel(d) for d in dirs or []), "--readme", rel(readme) if readme else "README.md"]
+    if full is not None and readme is not None and Path(full).resolve() != base / "docs" / "results.md":
+        parts += ["--full", rel(full)]  # the default page goes unsaid, however the command was typed
+    return " ".join(parts)
 
 
 def full_page(given: Optional[Path], readme: Optional[Path]) -> Optional[Path]:
@@ -237,10 +285,16 @@ def report_folder(dirs) -> Path:
     own (``COMBINED``) in the folder they all lie in: a combined table never overwrites one sweep's own report."""
     import os
 
+    from backends.errors import UserError
+
     folders = [(d if d.is_dir() else d.parent).resolve() for d in dirs]
     if len(set(folders)) == 1:
         return Path(dirs[0]) if Path(dirs[0]).is_dir() else Path(dirs[0]).parent
-    return Path(os.path.commonpath(folders)) / COMBINED
+    common = Path(os.path.commonpath(folders))
+    if common == Path(common.anchor):  # /combined-report: not where anyone looks for a report, nor may write
+        raise UserError(f"{', '.join(map(str, dirs))}: these folders share no folder but {common}, where the combined "
+                        "report would go; choose one with --out DIR")
+    return common / COMBINED
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ log = logging.getLogger(__name__)
 # The README table shows the distributed backends first, then the rest, each in the registry's order.
 BACKEND_ORDER = {b.name: i for i, b in enumerate(sorted(BACKENDS, key=lambda b: not b.distributed))}
 BACKEND_LABEL = {b.name: b.label for b in BACKENDS}
+DISTRIBUTED = {b.name for b in BACKENDS if b.distributed}  # backends whose ranks talk over gloo (CPU) or NCCL (GPU)
 PASSES = ("forward", "forward_backward")
 PLANNER_ORDER = {"greedy": 0, "balanced": 1}
 LAYOUT_ORDER = {"padded": 0, "packed": 1}
@@ -45,14 +46,18 @@ def _overrides(path: Path, doc: dict) -> list[str]:
 
 
 def _devices(doc: dict) -> Optional[str]:
-    """The devices a run used, as recorded; without a recorded device only its rank count, if that (None: nothing
-    known)."""
+    """The devices a run used, as recorded, and what its ranks talk over (a distributed backend's: gloo on CPUs, NCCL
+    on GPUs; the PyTorch backend is one process and talks to no one); without a recorded device only its rank count,
+    if that (None: nothing known)."""
     dev = doc.get("device") or {}
     count = dev.get("count") or doc.get("world_size")
+    ranks = doc.get("backend") in DISTRIBUTED
     if dev.get("type") == "cuda":
-        return f"{count or 1} × {dev.get('name') or 'GPU'}"
+        return f"{count or 1} × {dev.get('name') or 'GPU'}" + (" (NCCL)" if ranks else "")
     if dev.get("type") == "cpu":
-        return "1 × CPU process" if (count or 1) == 1 else f"{count} × CPU ranks"
+        if not ranks:
+            return "1 × CPU process"
+        return f"{count or 1} × CPU rank{'s' if (count or 1) != 1 else ''} (gloo)"
     if dev.get("type"):
         return f"{count or 1} × {dev['type']}"
     if isinstance(count, int) and count > 0:  # failed before the backend reported its devices
@@ -64,10 +69,18 @@ def _hardware(dev: dict) -> Optional[str]:
     if dev.get("type") == "cpu":
         name = dev.get("name") or "a CPU"
         cores = f", {dev['cores']} cores" if dev.get("cores") else ""
-        return f"{name}{cores} (no GPU; ranks on gloo)"
+        return f"{name}{cores} (no GPU)"  # what ranks talk over is the devices column's (the PyTorch backend: none)
     if dev.get("type") == "cuda":
-        return f"{dev.get('name') or 'GPU'} (NCCL)"
+        return dev.get("name") or "GPU"
     return dev.get("name") or dev.get("type") or None
+
+
+def _dry_run(doc: dict) -> bool:
+    """A point asked to plan only: planned, or refused before it planned with ``dry_run=true`` among its overrides."""
+    if doc.get("status") == "planned":
+        return True
+    typed = [o.split("=", 1) for o in doc.get("overrides") or [] if isinstance(o, str) and "=" in o]
+    return any(k.lstrip("+~") == "dry_run" and v.strip().lower() in ("true", "yes", "1", "on") for k, v in typed)
 
 
 def _setting(doc: dict) -> str:
@@ -76,6 +89,11 @@ def _setting(doc: dict) -> str:
     Only what the results.json records: a point that failed before its backend started has no
     hardware phrase (not "unknown hardware"), an unreadable one no setting at all ("").
     """
+    return ", ".join(_setting_parts(doc))
+
+
+def _setting_parts(doc: dict) -> list[str]:
+    """``_setting``'s phrases, in order."""
     model = doc.get("model") or {}
     wl = doc.get("workload") or {}
     bench = doc.get("bench") or {}
@@ -88,8 +106,9 @@ def _setting(doc: dict) -> str:
         parts.append(f"model `{model['name']}`{tuning}")
     if wl.get("n_examples"):
         source = (wl.get("dataset") or {}).get("path")  # your own data: the file (or folder) it came from
-        spread = (f", median {wl['median_len']:,}, p99 {wl['p99_len']:,}"
-                  if wl.get("median_len") is not None and wl.get("p99_len") is not None else "")
+        spread = f", median {wl['median_len']:,}" if wl.get("median_len") is not None else ""
+        if wl.get("p99_len") is not None and wl["n_examples"] >= P99_FROM:  # below 100 sequences p99 is the longest
+            spread += f", p99 {wl['p99_len']:,}"
         parts.append(
             f"workload `{wl.get('name')}`" + (f" from `{Path(source).name}`" if source else "")
             + f" ({wl['n_examples']} examples, {wl.get('total_tokens', 0):,} tokens, "
@@ -102,13 +121,17 @@ def _setting(doc: dict) -> str:
     if (model.get("built") or {}).get("compile"):  # backend.compile: its own setting, with its own mbs=1 baseline
         parts.append("torch.compile per decoder layer")
     parts.append(_precision(doc.get("precision")))
-    if doc.get("status") == "planned":
+    if _dry_run(doc):
         parts.append("not timed (dry run)")  # a dry run plans; its bench settings were never used
     elif bench.get("repeat") is not None:
         warmup = f"{bench['warmup']} warm-up + " if bench.get("warmup") is not None else ""
         parts.append(f"{warmup}{bench['repeat']} timed repeats")
-    return ", ".join(p for p in parts if p)
+    return [p for p in parts if p]
 
+
+# Fewer sequences than this: no p99 in a setting's header (the 99th percentile of 24 lengths is the longest, already
+# shown as the range's end).
+P99_FROM = 100
 
 _SHORT_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
@@ -223,8 +246,11 @@ def row_of(path: Path, doc: dict) -> dict:
         if rec.get("mem_pct") is not None:
             mems.append(rec["mem_pct"])
         rank_peaks = _max_per_rank(rank_peaks, rec.get("mem_peak_bytes") or [])
-    row["peak_mem_pct"] = max(mems) if mems else None
-    row["peak_mem_bytes_per_rank"] = rank_peaks or None  # each rank's peak over both passes
+    # Each rank's peak over both passes, of a point that ran both: one that ran out of memory (or failed) in fwd+bwd
+    # peaked above anything its finished forward pass recorded, so that figure is not shown as its peak.
+    finished = doc.get("status") == "ok"
+    row["peak_mem_pct"] = max(mems) if mems and finished else None
+    row["peak_mem_bytes_per_rank"] = (rank_peaks or None) if finished else None
     return row
 
 
@@ -317,16 +343,40 @@ def read_results(path: Path) -> dict:
 
 def collect(dirs: Iterable[Path]) -> pd.DataFrame:
     """Every results.json under ``dirs`` as a row; unreadable files are a warning and a row, never silently dropped."""
-    rows = []
+    rows, parts = [], []
     for path in find_results(dirs):
         doc = read_results(path)
         try:
             rows.append(row_of(path, doc))
+            # a point that stopped before its backend reported its devices records only part of its setting
+            parts.append((_setting_parts(doc), bool(doc.get("device"))))
         except (TypeError, ValueError, AttributeError, KeyError) as exc:  # a shape shape_problem does not check
             log.warning("%s: unreadable (%s: %s); shown as an unreadable row", path, type(exc).__name__, exc)
             rows.append(row_of(path, {"status": "unreadable", "error": f"{type(exc).__name__}: {exc}"}))
+            parts.append(([], False))
+    _join_known_settings(rows, parts)
     df = pd.DataFrame(rows)
     return sort_rows(df) if not df.empty else df
+
+
+def _fits(phrase: str, full: list[str]) -> bool:
+    """A partial setting's phrase is one of ``full``'s, or its start (``workload `smoke``` of the workload's whole
+    phrase with its sizes)."""
+    return any(f == phrase or f.startswith(phrase + " ") for f in full)
+
+
+def _join_known_settings(rows: list[dict], parts: list) -> None:
+    """A point refused or failed before its backend reported (no devices, no workload sizes, no precision) goes into
+    the table of the one setting of the others whose phrases hold each of its own, so a refused point of a sweep is a
+    row of the sweep's table, not a table of its own under a header made of what it never ran; where no setting or
+    several fit, it keeps the part it recorded. ``parts``: each row's (phrases, whether its backend reported)."""
+    known = {r["setting"]: phrases for r, (phrases, started) in zip(rows, parts) if started and phrases}
+    for r, (phrases, started) in zip(rows, parts):
+        if started or not phrases:
+            continue
+        fits = [s for s, full in known.items() if all(_fits(x, full) for x in phrases)]
+        if len(fits) == 1:
+            r["setting"] = fits[0]
 
 
 def sort_rows(df: pd.DataFrame) -> pd.DataFrame:

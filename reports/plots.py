@@ -1,9 +1,10 @@
-"""Plots: tok/s against mtpm per backend, pass, planner, layout, cap and cost model (fixed-mbs runs as reference
-lines), pad efficiency against mtpm."""
+"""Plots: tok/s against mtpm per setting, backend and devices, pass, planner, layout, cap and cost model (fixed-mbs
+runs as reference lines), pad efficiency against mtpm."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 import pandas as pd
 
@@ -28,70 +29,115 @@ def _lines(frame: pd.DataFrame):
                + ("" if model == "flops" else f" {model}")), pts
 
 
-def plot_paths(out_dir: Path) -> list[Path]:
-    return [out_dir / "plots" / name for name in PLOT_FILES]
+def _measured(df: pd.DataFrame) -> pd.DataFrame:
+    return df[df["status"] == "ok"]
+
+
+def _planned_budgets(df: pd.DataFrame) -> pd.DataFrame:
+    return df[df["mtpm"].notna() & df["pad_efficiency"].notna()]
+
+
+def plot_paths(out_dir: Path, df: Optional[pd.DataFrame] = None) -> list[Path]:
+    """The figures ``write_plots`` draws of ``df`` (all of them without one): tok/s only where a point was measured,
+    pad efficiency only where a budget planned; a figure with nothing to show is neither drawn nor linked."""
+    has = {"tok_per_s.png": df is None or not _measured(df).empty,
+           "pad_efficiency.png": df is None or not _planned_budgets(df).empty}
+    return [out_dir / "plots" / name for name in PLOT_FILES if has[name]]
+
+
+def _phrases(setting: str) -> list[str]:
+    """A setting's phrases: split at the commas outside brackets (a workload's sizes stay one phrase)."""
+    out, depth, start = [], 0, 0
+    for i, ch in enumerate(setting):
+        if ch in "([":
+            depth += 1
+        elif ch in ")]":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            out.append(setting[start:i].strip())
+            start = i + 1
+    out.append(setting[start:].strip())
+    return [x for x in out if x]
+
+
+def setting_labels(settings) -> dict:
+    """Each setting's phrases that not every setting has: what tells its lines apart in a figure of several ("" for
+    one setting)."""
+    split = {s: _phrases(s) for s in dict.fromkeys(settings)}
+    common = set.intersection(*(set(p) for p in split.values())) if split else set()
+    return {s: ", ".join(x for x in p if x not in common) for s, p in split.items()}
+
+
+def _groups(frame: pd.DataFrame) -> list:
+    """(setting, backend, devices) of ``frame``'s rows, first seen first, each with its legend label: a line never
+    runs through two settings (a sweep over model.dtype draws each dtype's own)."""
+    labels = setting_labels(frame["setting"])
+    out = []
+    for setting, backend, devices in dict.fromkeys(zip(frame["setting"], frame["backend"], frame["devices"])):
+        label = f"{BACKEND_LABEL.get(backend, backend)}, {devices}"
+        label += f", {labels[setting]}" if labels[setting] else ""
+        mine = frame[(frame["setting"] == setting) & (frame["backend"] == backend) & (frame["devices"] == devices)]
+        out.append((label, mine))
+    return out
 
 
 def write_plots(df: pd.DataFrame, out_dir: Path) -> list[Path]:
+    """Draw the figures ``plot_paths`` names for ``df``; the paths drawn."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    paths = plot_paths(out_dir)
+    paths = plot_paths(out_dir, df)
+    if not paths:
+        return []
     paths[0].parent.mkdir(parents=True, exist_ok=True)
-    ok = df[df["status"] == "ok"]
-    budget = ok[ok["mtpm"].notna()]
-    fixed = ok[ok["mtpm"].isna()]
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    groups = list(dict.fromkeys(zip(ok["backend"], ok["devices"])))
+    ok = _measured(df)
+    if not ok.empty:
+        fig, axes = plt.subplots(1, len(PASSES), figsize=(11, 4.2), squeeze=False)
+        for ax, pass_type in zip(axes[0], PASSES):
+            col = f"{pass_type}_tok_per_s"
+            for i, (label, mine) in enumerate(_groups(ok)):
+                color = colors[i % len(colors)]
+                # one line per planner and layout (and cap): the original greedy padded solid, the others dashed/dotted
+                for k, (batching, pts) in enumerate(_lines(mine[mine["mtpm"].notna()])):
+                    pts = pts.sort_values("mtpm")
+                    ax.plot(pts["mtpm"], pts[col], marker=MARKERS[k % len(MARKERS)], color=color,
+                            linestyle=("-", "--", "-.", ":")[k % 4], label=f"{label}, {batching}")
+                for j, r in enumerate(mine[mine["mtpm"].isna()].itertuples(index=False)):
+                    ax.axhline(getattr(r, col), color=color, linestyle=("--", ":", "-.")[j % 3], linewidth=1,
+                               label=f"{label}, mbs={int(r.mbs)}")
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("max tokens per micro-batch (mtpm)")
+            ax.set_ylabel("tokens / s")
+            ax.set_title(PASS_TITLE[pass_type])
+            ax.grid(True, alpha=0.3)
+        handles, labels = axes[0][0].get_legend_handles_labels()
+        if handles:
+            fig.legend(handles, labels, loc="lower center", ncol=2, fontsize=8, frameon=False)
+        fig.tight_layout(rect=(0, 0.08 + 0.04 * ((len(labels) + 1) // 2), 1, 1))
+        fig.savefig(out_dir / "plots" / PLOT_FILES[0], dpi=110)
+        plt.close(fig)
 
-    fig, axes = plt.subplots(1, len(PASSES), figsize=(11, 4.2), squeeze=False)
-    for ax, pass_type in zip(axes[0], PASSES):
-        col = f"{pass_type}_tok_per_s"
-        for i, (backend, devices) in enumerate(groups):
-            color = colors[i % len(colors)]
-            label = f"{BACKEND_LABEL.get(backend, backend)}, {devices}"
-            mine = budget[(budget["backend"] == backend) & (budget["devices"] == devices)]
-            # one line per planner and layout (and cap): the original greedy padded solid, the others dashed/dotted
+    planned = _planned_budgets(df)
+    if not planned.empty:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for i, (label, mine) in enumerate(_groups(planned)):
             for k, (batching, pts) in enumerate(_lines(mine)):
                 pts = pts.sort_values("mtpm")
-                ax.plot(pts["mtpm"], pts[col], marker=MARKERS[k % len(MARKERS)], color=color,
-                        linestyle=("-", "--", "-.", ":")[k % 4], label=f"{label}, {batching}")
-            base = fixed[(fixed["backend"] == backend) & (fixed["devices"] == devices)]
-            for j, r in enumerate(base.itertuples(index=False)):
-                ax.axhline(getattr(r, col), color=color, linestyle=("--", ":", "-.")[j % 3], linewidth=1,
-                           label=f"{label}, mbs={int(r.mbs)}")
+                ax.plot(pts["mtpm"], 100 * pts["pad_efficiency"], marker=MARKERS[k % len(MARKERS)],
+                        color=colors[i % len(colors)], linestyle=("-", "--", "-.", ":")[k % 4],
+                        label=f"{label}, {batching}")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("max tokens per micro-batch (mtpm)")
-        ax.set_ylabel("tokens / s")
-        ax.set_title(PASS_TITLE[pass_type])
+        ax.set_ylabel("pad efficiency (real / padded tokens), %")
         ax.grid(True, alpha=0.3)
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    if handles:
-        fig.legend(handles, labels, loc="lower center", ncol=2, fontsize=8, frameon=False)
-    fig.tight_layout(rect=(0, 0.08 + 0.04 * ((len(labels) + 1) // 2), 1, 1))
-    fig.savefig(paths[0], dpi=110)
-    plt.close(fig)
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    planned = df[df["mtpm"].notna() & df["pad_efficiency"].notna()]
-    for i, (backend, devices) in enumerate(dict.fromkeys(zip(planned["backend"], planned["devices"]))):
-        mine = planned[(planned["backend"] == backend) & (planned["devices"] == devices)]
-        for k, (batching, pts) in enumerate(_lines(mine)):
-            pts = pts.sort_values("mtpm")
-            ax.plot(pts["mtpm"], 100 * pts["pad_efficiency"], marker=MARKERS[k % len(MARKERS)],
-                    color=colors[i % len(colors)], linestyle=("-", "--", "-.", ":")[k % 4],
-                    label=f"{BACKEND_LABEL.get(backend, backend)}, {devices}, {batching}")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("max tokens per micro-batch (mtpm)")
-    ax.set_ylabel("pad efficiency (real / padded tokens), %")
-    ax.grid(True, alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(paths[1], dpi=110)
-    plt.close(fig)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out_dir / "plots" / PLOT_FILES[1], dpi=110)
+        plt.close(fig)
     return paths
 
 
@@ -167,7 +213,7 @@ def draw_length_histogram(lengths, png: Path, workload: dict) -> Path:
     edges = np.unique(np.geomspace(max(1, n.min()), n.max() + 1, num=min(40, max(2, n.size)) + 1).astype(np.int64))
     if edges.size < 2:
         edges = np.array([n.min(), n.min() + 1])
-    median, p99 = np.quantile(n, [0.5, 0.99], method="lower")
+    median, p99 = np.quantile(n, [0.5, 0.99], method="inverted_cdf")  # as results.json's (harness/point/results.py)
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
     for ax, weights, ylabel in ((axes[0], None, "sequences"), (axes[1], n, "tokens")):
         ax.hist(n, bins=edges, weights=weights, color="#4c72b0", edgecolor="white", linewidth=0.5)

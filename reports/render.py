@@ -135,16 +135,25 @@ def _auto_of(r) -> Optional[dict]:
     return auto if isinstance(auto, dict) else None
 
 
+def sweep_of(r) -> Optional[str]:
+    """The folder a row's point lies in (a multirun's, or a run folder's parent): a combined report's rows each compare
+    with their own sweep's mbs=1 row."""
+    return None if _missing(getattr(r, "path", None)) else str(Path(r.path).parent.parent)
+
+
 def baselines(df: pd.DataFrame) -> dict:
-    """(setting, backend) → the fwd+bwd tok/s of its mbs=1 row; else of the mbs=1 run an mtpm=auto search measured."""
+    """(setting, backend, sweep) → the fwd+bwd tok/s of the sweep's mbs=1 row, else of the mbs=1 run its mtpm=auto
+    search measured; (setting, backend, None) → the first such of any sweep (for a sweep without one)."""
     base = {}
     for r in df.itertuples(index=False):
         if _is_baseline(r) and not _missing(r.forward_backward_tok_per_s):
-            base.setdefault((r.setting, r.backend), r.forward_backward_tok_per_s)
+            for sweep in (sweep_of(r), None):
+                base.setdefault((r.setting, r.backend, sweep), r.forward_backward_tok_per_s)
     for r in df.itertuples(index=False):
         searched = (_auto_of(r) or {}).get("baseline") or {}
         if searched.get("status") == "ok" and searched.get("tok_per_s"):
-            base.setdefault((r.setting, r.backend), searched["tok_per_s"])
+            for sweep in (sweep_of(r), None):
+                base.setdefault((r.setting, r.backend, sweep), searched["tok_per_s"])
     return base
 
 
@@ -156,7 +165,8 @@ def _paired(r) -> Optional[dict]:
 
 def speedups(df: pd.DataFrame) -> list[Optional[float]]:
     """Each row's fwd+bwd speedup over mbs=1: the median of its pairs where it was measured in pairs, else its tok/s ÷
-    that of the same setting's and backend's mbs=1 row, measured at another time (None without one)."""
+    that of the same setting's and backend's mbs=1 row of its own sweep (of another sweep where its own has none),
+    measured at another time (None without one)."""
     base = baselines(df)
     out = []
     for r in df.itertuples(index=False):
@@ -164,7 +174,7 @@ def speedups(df: pd.DataFrame) -> list[Optional[float]]:
         if paired is not None and r.status == "ok":
             out.append(paired["median"])
             continue
-        ref = base.get((r.setting, r.backend))
+        ref = base.get((r.setting, r.backend, sweep_of(r)), base.get((r.setting, r.backend, None)))
         ok = ref and r.status == "ok" and not _missing(r.forward_backward_tok_per_s)
         out.append(r.forward_backward_tok_per_s / ref if ok else None)
     return out
@@ -175,8 +185,11 @@ def _pairs(paired: dict) -> int:
 
 
 def _speedup_cell(r, speedup: Optional[float]) -> str:
-    """"1.38× ±3.1% (3 pairs)" measured in pairs (a wide interval by its bounds), "1.38× (unpaired)" from the mbs=1
-    row, the baseline's own."""
+    """"1.38× (95% 1.27–1.43, 3 pairs)" measured in pairs, "1.38× (unpaired)" from the mbs=1 row, the baseline's own.
+
+    A speedup's interval is always shown by its bounds: it is the interval of the pairs' geometric mean, while the
+    figure before it is their median, so "±x%" after the median would describe an interval around another centre
+    (0.95× ±19.8% read as 0.76–1.14 where the interval was 0.86–1.23)."""
     if _missing(speedup):
         return "—"
     if _is_baseline(r):
@@ -184,10 +197,10 @@ def _speedup_cell(r, speedup: Optional[float]) -> str:
     paired = _paired(r)
     if paired is not None:
         n = _pairs(paired)
-        shown = interval_text(paired.get("ci"), n, "{:.2f}", "pairs")
-        if "pairs" not in shown:  # the count inside the bounds' brackets, or after the ±
-            shown = f"{shown[:-1]}, {n} pairs)" if shown.endswith(")") else f"{shown} ({n} pairs)"
-        return f"{speedup:.2f}×{shown}"
+        count = f"{'only ' if n == 2 else ''}{n} pair{'' if n == 1 else 's'}"
+        ci = paired.get("ci")
+        bounds = f"95% {ci[0]:.2f}–{ci[1]:.2f}, " if isinstance(ci, (list, tuple)) and len(ci) == 2 else ""
+        return f"{speedup:.2f}× ({bounds}{count})"
     return f"{speedup:.2f}× (unpaired)"
 
 
@@ -326,6 +339,19 @@ def _options(pool: pd.DataFrame, by_pairs: bool) -> list[dict]:
     return out
 
 
+def _never_planned(r) -> bool:
+    """A point refused or failed before it planned: its row says what it was asked, as its results.json records it."""
+    return r.status not in ("ok", "planned") and _missing(getattr(r, "steps", None))
+
+
+def _mbs_cell(r, budget: bool) -> str:
+    """mbs where it cuts the batch (no budget); beside a budget only on a point that never planned and was asked for
+    another than the default 1: ``mbs=2 mtpm=4096``, refused as a contradiction, shows both."""
+    if _missing(r.mbs) or (budget and not (_never_planned(r) and int(r.mbs) != 1)):
+        return "—"
+    return f"{int(r.mbs)}"
+
+
 def table_frame(df: pd.DataFrame, base: Optional[Path] = None) -> pd.DataFrame:
     """The displayed table: one formatted row per run, in ``df``'s order.
 
@@ -341,7 +367,7 @@ def table_frame(df: pd.DataFrame, base: Optional[Path] = None) -> pd.DataFrame:
             [
                 "—" if _missing(r.backend) else BACKEND_LABEL.get(r.backend, str(r.backend)),
                 _text(r.devices),
-                "—" if budget or searched or _missing(r.mbs) else f"{int(r.mbs)}",
+                _mbs_cell(r, budget or searched),
                 (f"{int(r.mtpm):,}" + (" (auto)" if searched else "")) if budget else "auto" if searched else "—",
                 _text(r.planner),
                 _text(r.layout),
@@ -399,8 +425,45 @@ def _setting_sections(df: pd.DataFrame, base: Optional[Path], frame, histogram: 
             text += "\n\n" + NOISY_NOTE
         if any(_two_values(r) for r in sub.itertuples(index=False)):
             text += "\n\n" + TWO_VALUES_NOTE
+        reasons = failure_lines(sub, base)
+        if reasons:
+            text += "\n\nWhy points did not finish:\n\n" + "\n".join(f"- {line}" for line in reasons)
         parts.append(text)
     return parts
+
+
+FAILED = ("oom", "error", "timeout", "died", "interrupted", "running")
+REASON_CHARS = 300  # a reason longer than this is cut (results.json and the point's error.txt hold it whole)
+
+
+def _point_name(r, base: Optional[Path]) -> str:
+    """The point's folder as the report names it: relative to ``base`` (its markdown file's folder) where given."""
+    folder = Path(r.path).parent
+    return (Path(os.path.relpath(folder, base)) if base is not None else folder).as_posix()
+
+
+def failure_lines(df: pd.DataFrame, base: Optional[Path] = None) -> list[str]:
+    """Per point that did not finish (refused, out of memory, failed, timed out): what it was asked to run, its folder
+    and the first line of the reason its results.json records."""
+    lines = []
+    for r in df.itertuples(index=False):
+        if r.status not in FAILED or _missing(r.error) or not str(r.error).strip():
+            continue
+        reason = str(r.error).strip().splitlines()[0]
+        reason = reason if len(reason) <= REASON_CHARS else reason[: REASON_CHARS - 1] + "…"
+        backend = "—" if _missing(r.backend) else BACKEND_LABEL.get(r.backend, str(r.backend))
+        asked = "mtpm=auto" if _auto_of(r) is not None and _missing(r.mtpm) else _asked_phrase(r)
+        lines.append(f"{backend} {asked} (`{_point_name(r, base)}`): {STATUS_LABEL.get(r.status, r.status)}: "
+                     f"{reason}")
+    return lines
+
+
+def _asked_phrase(r) -> str:
+    """``_setting_phrase``, with the mbs a never-planned point was asked for beside its budget (see ``_mbs_cell``)."""
+    if _missing(r.mtpm) and _missing(r.mbs):
+        return "—"
+    phrase = _setting_phrase(r)
+    return f"mbs={int(r.mbs)} {phrase}" if not _missing(r.mtpm) and _mbs_cell(r, True) != "—" else phrase
 
 
 SHORT_COLUMNS = ["backend", "batching", "fwd+bwd tok/s", "speedup vs mbs=1", "peak GiB (largest rank)",
@@ -414,6 +477,8 @@ def _batching_cell(r) -> str:
         text = "auto" if searched else "—" if _missing(r.mbs) else f"mbs {int(r.mbs)}"
     else:
         text = f"{'auto: ' if searched else ''}{int(r.mtpm):,} {_text(r.planner)} {_text(r.layout)}"
+        if _mbs_cell(r, True) != "—":  # a point refused for asking both (see _mbs_cell)
+            text = f"mbs {int(r.mbs)}, {text}"
     if getattr(r, "cost_model", None) == "calibrated":
         text += " calibrated"
     cap = _cap(r)
@@ -452,12 +517,17 @@ def short_tables(df: pd.DataFrame, base: Optional[Path], full_link: str) -> str:
     return "\n\n".join(parts)
 
 
-def short_block(df: pd.DataFrame, readme: Path, full: Path, source: str) -> str:
-    """The README's block when the full table has a page of its own (``full``): answers and the short table."""
+def _generated(command: str) -> str:
+    return f"<!-- generated by `{command}`; edit the results, not this block -->"
+
+
+def short_block(df: pd.DataFrame, readme: Path, full: Path, source: str, command: str) -> str:
+    """The README's block when the full table has a page of its own (``full``): answers and the short table;
+    ``command`` regenerates both."""
     link = Path(os.path.relpath(full, readme.parent)).as_posix()
     return "\n".join([
         BEGIN,
-        f"<!-- generated by `python -m reports --readme {readme.name}`; edit the results, not this block -->",
+        _generated(command),
         "",
         short_tables(df, readme.parent, f"[{link}]({link})"),
         "",
@@ -467,13 +537,14 @@ def short_block(df: pd.DataFrame, readme: Path, full: Path, source: str) -> str:
 
 
 def readme_block(df: pd.DataFrame, plots: Sequence[Path], readme: Optional[Path], source: str,
-                 plan_lines: Sequence[str] = ()) -> str:
-    """The text between a page's markers: tables, their source, links to the plots, then ``plan_lines``."""
+                 plan_lines: Sequence[str] = (), command: str = "python -m reports --readme README.md") -> str:
+    """The text between a page's markers: tables, their source, links to the plots, then ``plan_lines``; ``command``
+    regenerates it."""
     base = readme.parent if readme is not None else Path.cwd()
     links = " ".join(f"![{p.stem.replace('_', ' ')}]({Path(os.path.relpath(p, base)).as_posix()})" for p in plots)
     lines = [
         BEGIN,
-        "<!-- generated by `python -m reports --readme README.md`; edit the results, not this block -->",
+        _generated(command),
         "",
         markdown_tables(df, base),
         "",

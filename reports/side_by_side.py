@@ -1,7 +1,7 @@
-"""The "planners side by side" section: where one setting and backend ran two or more planners (batching=peers), each
-planner's plan (steps against the lower bound, pad efficiency, modeled and measured critical path) beside what it
-measured (fwd+bwd tok/s and the paired speedup over mbs=1, each with its interval) and its speedup as a share of the
-balanced planner's at the same budget."""
+"""The "planners side by side" section: where one setting, backend and devices ran two or more planners
+(batching=peers), each planner's plan (steps against the lower bound, pad efficiency, modeled and measured critical
+path) beside what it measured (fwd+bwd tok/s and the paired speedup over mbs=1, each with its interval) and its speedup
+as a share of the balanced planner's at the same budget."""
 
 from __future__ import annotations
 
@@ -12,7 +12,17 @@ import pandas as pd
 from balance_batch import PLANNERS
 from harness.app.batching import KEYS
 from reports.collect import BACKEND_LABEL, settings_of
-from reports.render import _critical_path, _is_baseline, _missing, _speedup_cell, _status, _text, _tok_cell, speedups
+from reports.render import (
+    _critical_path,
+    _is_baseline,
+    _missing,
+    _speedup_cell,
+    _status,
+    _text,
+    _tok_cell,
+    speedups,
+    sweep_of,
+)
 
 TITLE = "## Planners side by side"
 REFERENCE = "balanced"
@@ -40,41 +50,65 @@ def _planner_order(planner) -> int:
     return PLANNERS.index(planner) if planner in PLANNERS else len(PLANNERS)
 
 
+# What a row's reference (the balanced planner's row at its budget) shares with it where there is a choice: its sweep,
+# then its layout, cap on sequences and cost model (a peer's padded row beside balanced padded where that ran).
+MATCH = ("sweep", "layout", "max_seqs_per_microbatch", "cost_model")
+
+
+def _same(a, b) -> bool:
+    return (_missing(a) and _missing(b)) or a == b
+
+
+def reference_of(sub: pd.DataFrame, i) -> Optional[int]:
+    """The balanced row row ``i`` is divided by: itself when it is one, else the balanced rows at its budget narrowed
+    by ``MATCH`` (each key only where some share it); None where none ran or several remain alike."""
+    if sub.at[i, "planner"] == REFERENCE:
+        return i
+    pool = [j for j in sub.index if sub.at[j, "planner"] == REFERENCE and sub.at[j, "mtpm"] == sub.at[i, "mtpm"]]
+    for key in MATCH:
+        alike = [j for j in pool if _same(sub.at[j, key], sub.at[i, key])]
+        pool = alike or pool
+    return pool[0] if len(pool) == 1 else None
+
+
 def _frame(sub: pd.DataFrame, speed: pd.Series) -> pd.DataFrame:
-    """One setting and backend's rows, by budget then planner (PLANNERS' order)."""
+    """One setting, backend and devices' rows, by budget then planner (PLANNERS' order)."""
     keys = [k for k in KEYS if k in sub and (k in ALWAYS or sub[k].astype(str).nunique() > 1)]
     order = sorted(sub.index, key=lambda i: (sub.at[i, "mtpm"], _planner_order(sub.at[i, "planner"])))
-    reference = {}
-    for i in order:
-        if sub.at[i, "planner"] == REFERENCE and not _missing(speed[i]):
-            reference[sub.at[i, "mtpm"]] = speed[i]
     rows = []
     for i in order:
         r = next(sub.loc[[i]].itertuples(index=False))
+        ref = reference_of(sub, i)
         rows.append([*(_key_cell(r, k) for k in keys), _steps(r),
                      "—" if _missing(r.pad_efficiency) else f"{100 * r.pad_efficiency:.1f}%",
                      _critical_path(r), _tok_cell(r, "forward_backward"), _speedup_cell(r, speed[i]),
-                     _versus(speed[i], reference.get(r.mtpm)), _status(r, None)])
+                     _versus(speed[i], None if ref is None else speed[ref]), _status(r, None)])
     columns = [*keys, "steps / bound", "pad efficiency", "critical path (model / measured)", "fwd+bwd tok/s",
                "speedup vs mbs=1", f"speedup ÷ {REFERENCE}'s", "status"]
     return pd.DataFrame(rows, columns=columns)
 
 
 def side_by_side(df: pd.DataFrame) -> str:
-    """The section's markdown, or "" where no setting and backend ran two planners at a budget."""
+    """The section's markdown, or "" where no setting, backend and devices ran two planners at a budget."""
     if df.empty or "planner" not in df:
         return ""
+    df = df.assign(sweep=[sweep_of(r) for r in df.itertuples(index=False)])
     speed = pd.Series(speedups(df), index=df.index)
     parts = []
     for setting in settings_of(df):
-        for backend in sorted(df.loc[df["setting"] == setting, "backend"].dropna().unique()):
-            sub = df[(df["setting"] == setting) & (df["backend"] == backend)]
+        mine = df[df["setting"] == setting]
+        for backend, devices in dict.fromkeys(zip(mine["backend"], mine["devices"])):
+            if _missing(backend):
+                continue
+            sub = mine[(mine["backend"] == backend) & mine["devices"].map(lambda d, want=devices: _same(d, want))]
             sub = sub[[not _is_baseline(r) and not _missing(r.mtpm) for r in sub.itertuples(index=False)]]
             if sub["planner"].nunique() < 2:
                 continue
             label = BACKEND_LABEL.get(backend, str(backend))
-            parts.append(f"{label}, measured on {setting}. Speedups are paired with the same mbs=1 passes; the last "
-                         f"column is each planner's speedup ÷ the {REFERENCE} planner's at the same budget.\n\n"
+            on = "" if _missing(devices) else f" on {devices}"
+            parts.append(f"{label}{on}, measured on {setting}. Speedups are paired with the same mbs=1 passes; the "
+                         f"last column is each planner's speedup ÷ the {REFERENCE} planner's at the same budget (and "
+                         "the same layout, cap and cost model where it ran several).\n\n"
                          + _frame(sub, speed).to_markdown(index=False, disable_numparse=True))
     return "\n\n".join([TITLE, *parts]) if parts else ""
 

@@ -73,20 +73,29 @@ class ReportCallback(Callback):
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         from harness.sweep.hot import HOT
+        from harness.sweep.lock import LOCK_FILE, release
 
         HOT.close()  # a hot sweep's backend lives until its last point
         sweep_dir = Path(config.hydra.sweep.dir)
         if not sweep_dir.is_dir():
             return
+        try:
+            self._report(sweep_dir)
+        finally:
+            release(sweep_dir / LOCK_FILE)  # the sweep's folder is free for the next sweep once its report is written
+
+    def _report(self, sweep_dir: Path) -> None:
+        from harness.sweep.points import result_files
+
         record_sweep_status(sweep_dir)
+        if not result_files(sweep_dir):
+            return
         try:
             from reports.__main__ import parse_args, report
 
-            # python -m reports SWEEP, the one place a report is built
+            # python -m reports SWEEP, the one place a report is built: it prints the answer, the short table and
+            # the paths it wrote (figures only where it drew some)
             report(parse_args([str(sweep_dir)] + ([] if self.plots else ["--no-plots"])))
-            if (sweep_dir / "report.md").exists():
-                log.info("report: %s (table), %s, %s", sweep_dir / "report.md", sweep_dir / "results.csv",
-                         sweep_dir / "plots")
         except Exception as exc:  # noqa: BLE001 - the results are already on disk
             log.warning("report for %s failed (%s: %s); results.json files are intact; "
                         "retry with: python -m reports %s",

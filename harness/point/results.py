@@ -135,7 +135,9 @@ def workload_record(workload, lengths: Sequence[int], file: Optional[dict] = Non
     """
     import numpy as np
 
-    q = np.quantile(np.asarray(lengths, dtype=np.float64), [0.5, 0.99], method="lower")
+    # the nearest-rank percentile: the shortest length at least that share of the sequences are no longer than (p99 of
+    # fewer than 100 sequences is the longest, not the second longest as numpy's "lower" gives)
+    q = np.quantile(np.asarray(lengths, dtype=np.float64), [0.5, 0.99], method="inverted_cdf")
     record = {
         "name": workload.name,
         "n_examples": len(lengths),

@@ -81,9 +81,16 @@ class PointSweeper(BasicSweeper):
         jobs = add_baselines(dedupe(jobs), compose)
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         check_writable("hydra.sweep.dir", sweep_dir)
+        from harness.sweep.lock import acquire, release
+
+        lock = acquire(sweep_dir)  # one sweep at a time in a folder, from before its points are placed to its report
         resume = bool(OmegaConf.select(self.config, "resume", default=False))
         subdir = OmegaConf.to_container(self.config.hydra.sweep, resolve=False).get("subdir")
-        folders = place_points(jobs, sweep_dir, resume)
+        try:
+            folders = place_points(jobs, sweep_dir, resume)
+        except Exception:
+            release(lock)  # refused: no point of this sweep runs there
+            raise
         if resume:
             keep_earlier_sweep_config(sweep_dir)
             from harness.app.state import STATE

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import math
+import os
 
 import pytest
 
@@ -376,6 +378,16 @@ def test_a_folder_holding_results_is_not_reused_without_resume(workdir):
     line = _one_error_line(proc)
     assert "hydra.sweep.dir" in line and "resume=true" in line and str(sweep) in line
     assert _tree_digest(sweep) == before  # nothing in the folder was touched
+    # another sweep running in it (this test's process holds its lock): refused, resumed or not, naming that sweep
+    from backends.runtime.liveness import process_record
+    from harness.sweep.lock import LOCK_FILE
+
+    (sweep / LOCK_FILE).write_text(json.dumps(process_record()))
+    busy = run_harness(*args, "resume=true", cwd=workdir)
+    line = _one_error_line(busy)
+    assert busy.returncode == 2 and f"in use by another sweep (pid {os.getpid()}" in line and "resume" not in line
+    (sweep / LOCK_FILE).unlink()
+    assert _tree_digest(sweep) == before
 
     run = workdir / "run"
     assert run_harness("dry_run=true", "workload=smoke", f"hydra.run.dir={run}", cwd=workdir).returncode == 0

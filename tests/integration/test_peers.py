@@ -29,7 +29,7 @@ def test_the_peers_preset_measures_planners_in_pairs_beside_one_baseline_and_rep
     table = [dict(zip(header, row)) for row in rows]
     assert [(r["mtpm"], r["planner"]) for r in table] == [("1,024", "balanced"), ("1,024", "fairseq")]
     for r in table:  # a paired speedup with its interval, and its share of the balanced planner's
-        # its interval as ±% or, wider than ±25%, as its bounds (reports/render.py), either way with its pairs
-        assert "2 pairs" in r["speedup vs mbs=1"] and ("95%" in r["speedup vs mbs=1"] or "±" in r["speedup vs mbs=1"])
+        # its interval by its bounds (reports/render.py), with its pairs
+        assert "2 pairs" in r["speedup vs mbs=1"] and "95%" in r["speedup vs mbs=1"]
         assert r["speedup ÷ balanced's"] != "—" and r["steps / bound"] != "—"
     assert table[0]["speedup ÷ balanced's"] == "1.000"

@@ -257,7 +257,8 @@ def test_an_error_point_says_only_what_its_results_json_records(tmp_path):
     gpu = {"type": "cuda", "name": "NVIDIA H200", "count": 8}
     report = _report(tmp_path / "3", {"0": _failed_at_start(world_size=8, device=gpu)})
     (header,), (row,) = _header_and_rows(report)
-    assert header.startswith("Measured on NVIDIA H200 (NCCL), model `tiny`") and _cells(row)[1] == "8 × NVIDIA H200"
+    # what the ranks talk over is the devices': the header is the hardware, shared with a one-process backend's rows
+    assert header.startswith("Measured on NVIDIA H200, model `tiny`") and _cells(row)[1] == "8 × NVIDIA H200 (NCCL)"
 
 
 def test_an_unreadable_row_names_its_file_and_claims_nothing(tmp_path):
@@ -400,3 +401,187 @@ def test_the_length_histogram_names_the_truncation_length_of_new_and_old_results
     assert truncation_note({"truncated": 3, "truncate_to": 1024}) == ", 3 truncated to 1,024"
     assert truncation_note({"truncated": 3, "max_len": 1024}) == ", 3 truncated to 1,024"
     assert truncation_note({"truncated": 0, "truncate_to": 1024}) == truncation_note({}) == ""
+
+
+# -- a row is what ran ----------------------------------------------------------------------------------------------
+
+
+def _point(n: int, **changes) -> dict:
+    """The committed sweep's point ``n`` (0: FSDP2 mbs=1; 6: FSDP2 16k balanced packed), with ``changes``; ``planner``
+    and ``layout`` also change what its plan records, ``ranks`` its device count and world size."""
+    doc = json.loads((COMMITTED / str(n) / "results.json").read_text())
+    ranks = changes.pop("ranks", None)
+    if ranks is not None:
+        doc["world_size"] = ranks
+        doc["device"] = {**doc["device"], "count": ranks}
+    for key in ("planner", "layout"):
+        if key in changes:
+            doc["plan"] = {**doc["plan"], key: changes[key]}
+    doc.update(changes)
+    return doc
+
+
+def _paired(median: float) -> dict:
+    return {"pass_type": "forward_backward", "median": median, "ci": [median * 0.9, median * 1.1],
+            "pairs": [median * 0.9, median, median * 1.1], "n": 3, "noisy": False}
+
+
+def test_planners_side_by_side_one_table_per_devices_each_row_divided_by_its_own_balanced_row(tmp_path):
+    """two world sizes at one budget are two tables (the devices named), and a balanced row reads 1.000."""
+    from reports.side_by_side import side_by_side
+
+    docs = {"0": _point(0), "1": _point(6, speedup=_paired(1.2)),
+            "2": _point(6, planner="verl", speedup=_paired(0.6)),
+            "3": _point(0, ranks=1), "4": _point(6, ranks=1, speedup=_paired(2.4)),
+            "5": _point(6, ranks=1, planner="verl", speedup=_paired(1.2))}
+    section = side_by_side(collect([_sweep(tmp_path / "sweep", docs)]))
+    captions = [line for line in section.splitlines() if line.startswith("FSDP2")]
+    assert [c.split(",")[0] for c in captions] == ["FSDP2 on 2 × CPU ranks (gloo)", "FSDP2 on 1 × CPU rank (gloo)"]
+    ratios = [_cells(line)[-2] for line in section.splitlines() if line.startswith("| 16,384")]
+    assert ratios == ["1.000", "0.500", "1.000", "0.500"], section
+
+
+def test_a_combined_report_of_unpaired_sweeps_divides_each_row_by_its_own_sweeps_baseline(tmp_path):
+    """sweep B's unpaired budget row reads B's own speedup in a report of A and B, not one over A's mbs=1."""
+    from reports.render import speedups
+
+    def sweep(name: str, base_tok: float, ratio: float) -> Path:
+        base, budget = _point(0), _point(6)
+        budget.pop("speedup", None)
+        base["passes"]["forward_backward"]["tok_per_s"] = base_tok
+        budget["passes"]["forward_backward"]["tok_per_s"] = base_tok * ratio
+        return _sweep(tmp_path / name, {"0": base, "1": budget})
+
+    df = collect([sweep("A", 10_000.0, 1.2), sweep("B", 8_000.0, 1.44)])
+    assert df["setting"].nunique() == 1  # the same setting: the old report took A's mbs=1 row for both
+    got = {(Path(p).parent.parent.name, m): s for p, m, s in zip(df["path"], df["mtpm"], speedups(df))}
+    assert got[("A", 16384)] == pytest.approx(1.2) and got[("B", 16384)] == pytest.approx(1.44)
+
+
+def test_a_users_readme_holds_its_own_results_and_figures_whose_lines_never_run_through_two_settings(
+        tmp_path, monkeypatch):
+    """A user's page: no plan figure of the repository's own, a hint that names the results; the figures of a sweep
+    over model.dtype draw each precision's own lines, each legend entry once (one drawing for both: figures cost
+    seconds)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.figure
+
+    from reports.__main__ import main
+    from reports.plots import _groups
+    from reports.render import BEGIN, END
+
+    bf16 = {"params": "bfloat16", "adapters": "float32", "compute": "bfloat16", "reduce": "float32"}
+    sweep = _sweep(tmp_path / "sweep", {"0": _point(0), "1": _point(6, speedup=_paired(1.2)),
+                                        "2": _point(0, precision=bf16), "3": _point(6, precision=bf16)})
+    df = collect([sweep])
+    labels = [label for label, _ in _groups(df)]
+    assert len(labels) == 2 and len(set(labels)) == 2 and any("bf16 params" in x for x in labels), labels
+    shown: list = []
+    real = matplotlib.figure.Figure.legend
+
+    def legend(fig, handles, texts, *args, **kwargs):  # the tok/s figure's legend, as drawn
+        shown.extend(texts)
+        return real(fig, handles, texts, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "legend", legend)
+    readme = tmp_path / "NOTES.md"
+    readme.write_text(f"# notes\n\n{BEGIN}\n{END}\n")
+    assert main([str(sweep), "--readme", str(readme)]) == 0
+    assert len(shown) == 4 and len(set(shown)) == 4, shown  # each setting's mbs=1 line and budget line
+    text = readme.read_text()
+    assert "../" not in text and "plan-" not in text, text  # the repository's plans/ figures are its own pages'
+    assert "<!-- generated by `python -m reports sweep --readme NOTES.md`;" in text
+    assert main([str(tmp_path / "sweep"), "--readme", str(readme), "--check"]) == 0
+
+
+def test_a_point_that_ran_out_of_memory_shows_no_peak_of_a_pass_it_finished_before(tmp_path):
+    """fwd+bwd ran out; the forward pass's peak is not the row's peak."""
+    from reports.render import short_frame, table_frame
+
+    oom = _point(6, status="oom", error="out of memory in forward_backward on rank 0 (largest micro-batch 16,384 "
+                 "padded tokens, bench.memory_limit_gb=0.3): CPU memory limit reached")
+    oom.pop("speedup")
+    oom["passes"] = {"forward": oom["passes"]["forward"]}
+    assert max(oom["passes"]["forward"]["mem_peak_bytes"]) > 0
+    df = collect([_sweep(tmp_path / "sweep", {"0": _point(0), "1": oom})])
+    row = df[df["status"] == "oom"].index[0]
+    full, short = table_frame(df).loc[row], short_frame(df).loc[row]
+    assert (full["peak mem %"], full["peak mem per rank (GiB)"], short["peak GiB (largest rank)"]) == ("—",) * 3
+
+
+def test_the_header_says_what_ranks_talk_over_only_where_they_do_and_p99_only_where_it_is_not_the_longest(tmp_path):
+    """the PyTorch backend is one process (no "ranks on gloo"); p99 is the nearest-rank percentile."""
+    from types import SimpleNamespace
+
+    from harness.point.results import workload_record
+
+    one = _point(0, backend="pytorch", ranks=1)
+    report = _report(tmp_path, {"0": _point(0), "1": one})
+    (header,), rows = _header_and_rows(report, "")
+    assert "gloo" not in header and "p99" not in header  # 24 sequences: their p99 is the longest, shown as the range
+    devices = sorted(_cells(r)[1] for r in rows if r.startswith(("| FSDP2", "| PyTorch")))
+    assert devices == ["1 × CPU process", "2 × CPU ranks (gloo)"]
+    spec = SimpleNamespace(name="w", seed=0)
+    assert workload_record(spec, list(range(1, 25)))["p99_len"] == 24  # numpy's "lower" gave 23
+    assert workload_record(spec, list(range(1, 1001)))["p99_len"] == 990
+
+
+def test_refused_points_of_a_dry_run_sweep_are_rows_of_its_table_with_their_reasons(tmp_path):
+    """one table headed as a dry run, the refusals' reasons under it, a contradiction's mbs shown."""
+    planned = {**_point(6), "status": "planned", "passes": {}, "speedup": None}
+    refused = _failed_at_start(mtpm=-5, error="mtpm: must be a positive integer, got -5",
+                               overrides=["dry_run=true", "mtpm=-5"])
+    both = _failed_at_start(mtpm=4096, mbs=2, error="mtpm: 4096 contradicts batching=fixed_mbs2, which sets "
+                            "mtpm=null; drop one of the two", overrides=["dry_run=true", "batching=fixed_mbs2",
+                                                                        "mtpm=4096"])
+    report = _report(tmp_path, {"0": planned, "1": refused, "2": both})
+    headers, rows = _header_and_rows(report)
+    assert len(headers) == 1 and "not timed (dry run)" in headers[0] and "timed repeats" not in report
+    assert len(rows) == 3
+    (contradiction,) = [r for r in rows if "| 4,096" in r]
+    assert _cells(contradiction)[2] == "2"  # mbs, as asked: the contradiction the reason names
+    assert "- FSDP2 mtpm=-5 (balanced, packed) (`1`): error: mtpm: must be a positive integer, got -5" in report
+    assert "- FSDP2 mbs=2 mtpm=4,096 (balanced, packed) (`2`): error: mtpm: 4096 contradicts" in report
+
+
+def test_what_the_report_refuses_and_prints(tmp_path, capsys):
+    """a combined report's folder of only /, multirun.yaml as a sweep, an unwritable --csv before any
+    output; the terminal's short table names report.md and only what was written beside it; an all-OOM sweep draws
+    no empty tok/s axes."""
+    from backends.errors import UserError
+    from reports.__main__ import main, report_folder
+    from reports.plots import plot_paths
+    from reports.render import SHORT_COLUMNS
+
+    with pytest.raises(UserError, match="share no folder but /.*--out DIR"):
+        report_folder([Path("/tmp/a/sweep"), Path("/var/b/sweep")])
+    sweep = _sweep(tmp_path / "sweep", {"0": _point(0), "1": _point(6, speedup=_paired(1.2))})
+    (sweep / "multirun.yaml").write_text("hydra: {}\n")
+    assert main([str(sweep / "multirun.yaml")]) == 2
+    _one_line_error(capsys, "multirun.yaml", "not a run or multirun folder")
+    assert main([str(sweep), "--no-plots", "--csv", "/proc/x.csv"]) == 2
+    assert capsys.readouterr().out == ""  # refused before the table is printed
+    assert main([str(sweep), "--no-plots"]) == 0
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if line.startswith("| backend"))
+    assert _cells(header) == SHORT_COLUMNS and str(sweep / "report.md") in out
+    assert "plots/" not in out and "Beside it: results.csv." in out
+    oom = _point(6, status="oom", error="out of memory", passes={})
+    df = collect([_sweep(tmp_path / "oom", {"0": oom})])
+    assert plot_paths(tmp_path / "oom", df) == [tmp_path / "oom" / "plots" / "pad_efficiency.png"]
+
+
+def test_the_end_of_sweep_callback_names_no_figures_it_did_not_draw(tmp_path, monkeypatch, capsys, caplog):
+    from omegaconf import OmegaConf
+
+    from harness.app import state
+    from harness.app.callbacks import ReportCallback
+
+    monkeypatch.setattr(state, "STATE", state.RunState())
+    sweep = _sweep(tmp_path / "sweep", {"0": _ok_doc()})
+    with caplog.at_level(logging.INFO):
+        ReportCallback(plots=False).on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep)}}}))
+    said = capsys.readouterr().out + "\n".join(r.getMessage() for r in caplog.records)
+    assert str(sweep / "report.md") in said and "plots" not in said, said

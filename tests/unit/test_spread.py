@@ -185,7 +185,12 @@ def test_the_table_and_the_answer_show_the_paired_interval_and_say_when_it_canno
 
     row, answer, report = _fsdp2_report(tmp_path / "a", _point_doc({"median": 1.2, "ci": [1.1, 1.3],
                                                                     "pairs": [1.1, 1.2, 1.3], "n": 3}))
-    assert "| 1.20× ±8.7% (3 pairs)" in row and "1.20× mbs=1 (3 pairs, 95% interval 1.10–1.30)" in answer
+    assert "| 1.20× (95% 1.10–1.30, 3 pairs)" in row and "1.20× mbs=1 (3 pairs, 95% interval 1.10–1.30)" in answer
+    # the interval is the pairs' geometric mean's, the figure their median: by its bounds, never a ± around the
+    # median (0.95× ±19.8% read as 0.76–1.14 where the interval was 0.86–1.23)
+    row, _, _ = _fsdp2_report(tmp_path / "skew", _point_doc({"median": 0.95, "ci": [0.86, 1.23],
+                                                             "pairs": [0.9, 0.95, 1.2], "n": 3}))
+    assert "| 0.95× (95% 0.86–1.23, 3 pairs)" in row and "±" not in row.split("|")[11], row
     assert "noisy" not in row + answer and NOISY_NOTE not in report and "not told apart" not in answer
     # an interval that holds 1.0: neither side is declared faster
     _, answer, _ = _fsdp2_report(tmp_path / "b", _point_doc({"median": 1.05, "ci": [0.9, 1.2],
