@@ -166,7 +166,7 @@ GENERATED = re.compile(r"<!-- results:begin -->.*?<!-- results:end -->|<!--.*?--
 
 
 def fact_files() -> list[Path]:
-    return [*pages(), *sorted((REPO / "conf").rglob("*.yaml"))]
+    return [*pages(), *sorted((REPO / "harness" / "conf").rglob("*.yaml"))]
 
 
 def _sentences(path: Path) -> list[str]:

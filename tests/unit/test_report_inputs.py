@@ -523,7 +523,7 @@ def test_the_header_says_what_ranks_talk_over_only_where_they_do_and_p99_only_wh
     assert "gloo" not in header and "p99" not in header  # 24 sequences: their p99 is the longest, shown as the range
     devices = sorted(_cells(r)[1] for r in rows if r.startswith(("| FSDP2", "| PyTorch")))
     assert devices == ["1 × CPU process", "2 × CPU ranks (gloo)"]
-    spec = SimpleNamespace(name="w", seed=0)
+    spec = SimpleNamespace(name="w", seed=0, n_tokens=None)
     assert workload_record(spec, list(range(1, 25)))["p99_len"] == 24  # numpy's "lower" gave 23
     assert workload_record(spec, list(range(1, 1001)))["p99_len"] == 990
 
