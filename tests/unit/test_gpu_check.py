@@ -199,6 +199,33 @@ def test_an_import_that_fails_is_reported_with_its_error():
     assert not missing["imported"] and "ModuleNotFoundError" in missing["error"]
 
 
+def test_without_wheels_or_packages_the_shell_stops_in_one_line_before_running_anything(tmp_path):
+    """gpu_check.sh on a machine without .whl/ and with a bare Python (no site-packages: no torch, no hydra): one
+    line naming what is missing and what to do, exit 2, and summary.json in $OUT saying so; the check itself never
+    starts (it once printed "nvidia-smi: command not found" and a traceback)."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(Path(gpu_check.REPO) / "scripts" / "gpu_check.sh", tmp_path / "scripts")  # a checkout with no .whl/
+    bare = tmp_path / "python3"
+    bare.write_text(f"#!/bin/sh\nexec {sys.executable} -I -S \"$@\"\n")  # the interpreter without site-packages
+    bare.chmod(0o755)
+    out = tmp_path / "out"
+    env = dict(os.environ, PATH=f"{tmp_path}:/usr/bin:/bin", OUT=str(out), GPU_CHECK_SCRATCH=str(tmp_path / "s"))
+    env.pop("PYTHON", None)
+    proc = subprocess.run(["bash", str(tmp_path / "scripts" / "gpu_check.sh"), "--device", "cpu"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    lines = (proc.stdout + proc.stderr).splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("gpu_check: missing torch,") and "hydra-core" in lines[0] and "no .whl/" in lines[0]
+    assert "scripts/gpu_wheels.sh" in lines[0]
+    assert json.loads((out / "summary.json").read_text()) == {"ok": False, "error": lines[0].split(": ", 1)[1]}
+    assert not (tmp_path / "s" / "runs").exists()
+
+
 def test_the_wheels_pin_every_runtime_import_at_the_tested_version_and_leave_torch_alone():
     """PINS_ONLY=1 prints what scripts/gpu_wheels.sh would download (nothing is): the closure of the harness's
     runtime imports at this venv's versions, peft's accelerate and huggingface-hub's own needs included."""
