@@ -294,8 +294,12 @@ def check_profile(run: dict, folder: Path) -> dict:
         f"trace {t} missing" for t in traces if t not in sizes]
     per_rank = [{k: r.get(k) for k in ("rank", "steps", "trace_bytes", "events", "pass_s", "covered_s")}
                 for r in prof.get("per_rank") or []]
+    # The shares are of the rank thread's host timeline (backends/runtime/profiling.py): on a GPU, where the host
+    # launched and waited, not the kernels' own time, which only the trace's GPU rows show.
+    on_cuda = (run.get("device") or {}).get("type") == "cuda"
     return {"ok": not problems, "problems": problems, "traces": sizes, "slowdown": prof.get("slowdown"),
-            "shares": prof.get("shares"), "per_rank": per_rank}
+            "shares": prof.get("shares"), "shares_of": "host time: the kernels' time is in the traces' GPU rows"
+            if on_cuda else "host time", "per_rank": per_rank}
 
 
 def check_calibrated(run: dict, folder: Path) -> dict:

@@ -177,6 +177,7 @@ def test_summary_records_each_points_kernels_and_the_feature_checks(tmp_path):
     assert "grouped_mm in float32" in note and "per-expert fallback" in note  # torch's own, not its fused kernel
     profile = gpu_check.check_profile(runs["features.profile"], prof)
     assert profile["ok"] and profile["traces"] == {"profile/forward_backward-rank0.json.gz": 10}
+    assert profile["shares_of"] == "host time"  # on CPU the whole story; on a GPU it says where the kernels are
     oom = gpu_check.check_oom_snapshot(runs["features.oom_snapshot"], tmp_path / "1")
     assert not oom["ok"] and oom["problems"] == ["no allocator history written"]  # status oom, but no file
     auto = gpu_check.check_auto(runs["features.auto"], tmp_path / "2")
