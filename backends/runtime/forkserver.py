@@ -13,9 +13,10 @@ packages (fla 0.6.0's ``fla/utils/hardware.py`` calls
 driver. Each rank imports the modeling module itself, after its fork: 0.03 s of
 CPU without fla, about 3 s with fla 0.6.0 and Triton (2026-12-04, this 2-core
 machine, loaded). Spawning the ranks instead would import everything again in
-every rank, about 7 s of CPU each, and that 3 s as well. What a spawned rank saw is kept: its environment is the controller's
-at the start (``apply_environment``), not the fork server's, and its imports
-come from the controller's ``sys.path``.
+every rank, about 7 s of CPU each, and that 3 s as well. What a spawned rank
+saw is kept: its environment is the controller's at the start
+(``apply_environment``), not the fork server's, and its imports come from the
+controller's ``sys.path``.
 """
 
 from __future__ import annotations
