@@ -66,9 +66,10 @@ GROUP = "gpu_check"  # the config group of the generated point files
 # Tolerances, per comparison kind (relative, on per-example fwd+bwd losses; the gradient norm where judged).
 # - same kernels, float32: the same math in the same order up to reductions.
 # - float32 on CUDA across kernels: fla's Triton kernels multiply in TF32 (10-bit mantissa, ~5e-4 per product)
-#   even for float32 inputs, and padded rows and packed rows (cu_seqlens) run different blockings of them; torch's
-#   grouped_mm is bf16-only on CUDA, so float32 experts run transformers' per-expert loop (the kernel record says
-#   grouped_mm-fallback-loop). CPU ranks run the torch paths in full float32.
+#   even for float32 inputs, and padded rows and packed rows (cu_seqlens) run different blockings of them. float32
+#   experts on CUDA call torch's grouped_mm (transformers 5.24 does not check the dtype there; the kernel record
+#   says grouped_mm), which runs its fused kernel for bf16 only and float32 through its own fallback: one mm per
+#   expert after a host read of the offsets (aten's GroupedBlas.cpp). CPU ranks run the torch paths in full float32.
 # - bf16: rounds differently per layout, per kernel and per backend's precision policy.
 RTOL = {
     ("cpu", "float32", "same"): 1e-4,
@@ -95,7 +96,13 @@ COSTS = {
     # short examples on a 4-layer model (~2 s, launches dominate); triton: fla's chunked delta-rule kernels
     # compiled and autotuned for one dtype and one layout (varlen or not): ~20 s, the largest unknown;
     # compile: torch.compile of 4 decoder layers, dynamic shapes, forward and backward graphs (~40 s).
-    "cuda": {"launch": 6.0, "load": 12.0, "load_inproc": 3.0, "point": 2.0, "triton": 20.0, "profile": 5.0,
+    # triton: fla's chunked gated delta rule and short convolution, forward and backward, compiled and autotuned
+    # for one dtype and one layout: 60 s, sourced, not measured here: one chunk-mode forward of fla's gated linear
+    # attention took 22 s on its first call (compile and autotune, fla-org/flash-linear-attention#458, a V100);
+    # the backward has about as many kernels again, the convolution a few more. Paid once per (dtype, layout) and
+    # machine: the kernels and the autotuning's choices stay in TRITON_CACHE_DIR (gpu_check.sh keeps it in its
+    # tarball), so a later run that starts from that cache pays nearly nothing.
+    "cuda": {"launch": 6.0, "load": 12.0, "load_inproc": 3.0, "point": 2.0, "triton": 60.0, "profile": 5.0,
              "calibrate": 10.0, "auto": 15.0, "compile": 40.0, "oom": 3.0, "cpu_load": 8.0, "cpu_point": 3.0},
     # The 35B variant (one node, the checkpoint on local disk, gradient checkpointing, the smoke workload): a
     # load reads ~67 GB once and broadcasts it (FSDP2) or reads it on every GPU (Megatron DDP), ~120 s; a point
@@ -128,6 +135,8 @@ class Step:
     features: dict[str, Callable[[dict, Path], dict]] = field(default_factory=dict)  # point -> judge
     cpu_form: bool = True
     why_not_on_cpu: str = ""
+    # In the default run on GPUs (the tiny model): a step left out runs when --only names it (a second run)
+    gpu_default: bool = True
 
     def kernels(self) -> set:
         """The (dtype, layout) pairs whose fla Triton kernels its GPU points run (compiled on first use)."""
@@ -225,14 +234,15 @@ def point_record(run: dict) -> dict:
 
 
 def kernel_notes(run: dict) -> list[str]:
-    """What a point's kernel record cannot be taken at its word for: torch's grouped_mm is bf16-only on CUDA, so a
-    float32 point there that records grouped_mm (not transformers' per-expert loop) recorded what it asked for."""
+    """What a point's kernel record does not say by itself: a float32 point on CUDA that records grouped_mm called
+    torch's grouped_mm, which runs float32 through its own fallback (one mm per expert after a host read of the
+    offsets), not the fused kernel it runs for bf16."""
     notes = []
     on_cuda = (run.get("device") or {}).get("type") == "cuda"
     for pass_type, ops in (what_ran(run)["kernels"] or {}).items():
         if on_cuda and dtype_of(run) == "float32" and "grouped_mm" in (ops.get("moe_experts") or {}):
-            notes.append(f"{pass_type}: moe_experts recorded grouped_mm in float32 on CUDA, where torch's grouped_mm "
-                         "runs bf16 only")
+            notes.append(f"{pass_type}: moe_experts ran torch's grouped_mm in float32: torch's per-expert fallback "
+                         "(a host read of the offsets, one mm per expert), not its fused bf16 kernel")
     return notes
 
 
@@ -284,8 +294,12 @@ def check_profile(run: dict, folder: Path) -> dict:
         f"trace {t} missing" for t in traces if t not in sizes]
     per_rank = [{k: r.get(k) for k in ("rank", "steps", "trace_bytes", "events", "pass_s", "covered_s")}
                 for r in prof.get("per_rank") or []]
+    # The shares are of the rank thread's host timeline (backends/runtime/profiling.py): on a GPU, where the host
+    # launched and waited, not the kernels' own time, which only the trace's GPU rows show.
+    on_cuda = (run.get("device") or {}).get("type") == "cuda"
     return {"ok": not problems, "problems": problems, "traces": sizes, "slowdown": prof.get("slowdown"),
-            "shares": prof.get("shares"), "per_rank": per_rank}
+            "shares": prof.get("shares"), "shares_of": "host time: the kernels' time is in the traces' GPU rows"
+            if on_cuda else "host time", "per_rank": per_rank}
 
 
 def check_calibrated(run: dict, folder: Path) -> dict:
@@ -425,7 +439,7 @@ def plan(target: Target) -> list[Step]:
             pairs = [(p.name, f"fp32.{SHARDED}.packed", "across") for p in cpu]
             covers += ["collectives (gloo, 2 CPU ranks)", "FSDP2 sharding", "megatron DDP grad sync",
                        "GPU against CPU ranks"]
-        steps.append(Step("fp32", covers, pts, pairs))
+        steps.append(Step("fp32", covers, pts, pairs, gpu_default=False))
     # 3. The features a point switches on, on one loaded FSDP2 in bf16: the profiler and the calibrated cost model;
     #    then (a second load, its hooks differ) a real CUDA out-of-memory error under the allocator's history; last
     #    mtpm=auto, which starts ranks of its own.
@@ -456,33 +470,47 @@ def plan(target: Target) -> list[Step]:
                       [(f"compile.{SHARDED}.packed", f"bf16.{SHARDED}.packed", "across")] if SHARDED in backends
                       else [], features={f"compile.{SHARDED}.packed": check_compile},
                       cpu_form=False, why_not_on_cpu="inductor's C++ compile of the layers on 2 cores takes minutes; "
-                                                     "tests/integration/test_compile.py covers it on CPU"))
+                                                     "tests/integration/test_compile.py covers it on CPU",
+                      gpu_default=big))
     return steps
 
 
-def estimates(steps: list[Step], target: Target) -> list[dict]:
-    """Each step's estimated seconds and their parts, in order (Triton is paid by the first step of each dtype)."""
+# Why the default run on GPUs leaves a step out: Triton's first compile of fla's kernels for a third (dtype, layout)
+# and inductor's compile do not fit five minutes beside the bf16 step and the features.
+NOT_DEFAULT = ("not in the default GPU run (fla's Triton compile for float32 and inductor's do not fit "
+               "--budget-s 300 beside bf16 and the features): a second run with --only fp32,compile runs them")
+
+
+def estimates(steps: list[Step], target: Target, only: Optional[str] = None) -> list[dict]:
+    """Each step's estimated seconds and their parts, in order (Triton is paid by the first step of each dtype and
+    layout). ``only``: the steps asked for by name, which run even where they are not in the default GPU run."""
     seen: set = set()
     rows = []
     for step in steps:
-        runs = target.device == "cuda" or step.cpu_form
-        parts = step.cost(target.costs, seen) if runs else {}
-        seen.update(step.kernels())
+        why = None
+        if target.device != "cuda" and not step.cpu_form:
+            why = f"no CPU form: {step.why_not_on_cpu}"
+        elif target.device == "cuda" and not step.gpu_default and not only:
+            why = NOT_DEFAULT
+        parts = step.cost(target.costs, seen) if why is None else {}
+        if why is None:
+            seen.update(step.kernels())
         rows.append({"step": step.name, "covers": step.covers, "points": [p.name for p in step.points],
                      "estimate_s": round(sum(parts.values()), 1), "parts_s": parts,
-                     **({} if runs else {"skipped": f"no CPU form: {step.why_not_on_cpu}"})})
+                     **({} if why is None else {"skipped": why})})
     return rows
 
 
 def print_plan(rows: list[dict], target: Target, budget_s: float) -> None:
     what = f"{target.device}" + (f", {target.gpus} GPU(s)" if target.device == "cuda" else "") + (
         f", model {target.model_path}" if target.model_path else ", the tiny model")
-    source = "reasoned, not yet measured" if target.device == "cuda" else "from the 2-core machine's step logs"
+    source = ("reasoned, not yet measured; Triton's compile and autotune from fla-org/flash-linear-attention#458"
+              if target.device == "cuda" else "from the 2-core machine's step logs")
     print(f"gpu_check plan ({what}); estimates ({source}):")
     total = 0.0
     for row in rows:
         if "skipped" in row:
-            print(f"  {row['step']:<10}  skipped: {row['skipped']}")
+            print(f"  {row['step']:<10}  not run: {row['skipped']}")
             continue
         total += row["estimate_s"]
         parts = ", ".join(f"{k} {v:g}" for k, v in row["parts_s"].items())
@@ -502,6 +530,9 @@ def harness_env(target: Target) -> dict:
     # fla's own switch (on by default in its releases) and Triton's for every autotuned kernel.
     env.setdefault("FLA_CACHE_RESULTS", "1")
     env.setdefault("TRITON_CACHE_AUTOTUNING", "1")
+    # One node: NCCL's own choice of a network interface can pick one a VM does not route (its ranks then hang at
+    # their first collective); the loopback is what ranks on one host talk over.
+    env.setdefault("NCCL_SOCKET_IFNAME", "lo")
     if target.device == "cpu":
         # One compute thread per rank: on a shared machine more threads than free cores wait on each other (the
         # in-process backend's fwd+bwd ran 40x slower with 2 threads beside another run on 2 cores).
@@ -791,7 +822,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.budget_s is None:
         args.budget_s = (BIG_MODEL_BUDGET_S if target.model_path else DEFAULT_BUDGET_S) if target.device == "cuda" \
             else CPU_BUDGET_S
-    rows = estimates(steps, target)
+    rows = estimates(steps, target, args.only)
     if args.plan:
         print_plan(rows, target, args.budget_s)
         return 0

@@ -1,29 +1,84 @@
 #!/usr/bin/env bash
-# The GPU check as one command for a lent GPU machine (scripts/gpu_check.py; --budget-s 300 by default, --plan to
-# see its steps first). Prepare the wheels here first: scripts/gpu_wheels.sh (they travel in .whl/). Everything it
-# writes, the log included, goes under $OUT (gpu_check_out when unset); read $OUT/summary.json first.
+# The GPU check as one command for a lent GPU machine (scripts/gpu_check.py; --plan shows its steps first, other
+# arguments go to it). Prepare the wheels here first: scripts/gpu_wheels.sh (they travel in .whl/).
+#
+# Everything is written under a scratch folder ($GPU_CHECK_SCRATCH, default /tmp/gpu_check; a rerun on the same
+# machine reuses its Triton and inductor caches), and at the end at most 8 files are copied to $OUT
+# (gpu_check_out when unset), none in a folder: summary.json (read it first), gpu_check.log, one log per step,
+# kernels.log when kernels were built, and gpu_check_rest.tar.gz with the rest (each point's folder, the generated
+# configs, nvidia-smi's answer, Triton's cache). A later run starts warm from that cache:
+#   tar -xzf gpu_check_rest.tar.gz triton && TRITON_CACHE_DIR=$PWD/triton scripts/gpu_check.sh
+#
+# A package the harness needs that neither the machine nor .whl/ has stops it at once, in one line (exit 2).
+# BUILD_KERNELS="causal-conv1d flash-attn" also compiles those sources (KERNELS=1 scripts/gpu_wheels.sh) against
+# this machine's torch, for its own GPU only, each under KERNEL_BUILD_TIMEOUT_S (default 600), output in kernels.log;
+# without it the check runs SDPA and the torch convolution (flash-attn alone builds for tens of minutes).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-gpu_check_out}"
-mkdir -p "$out"
+scratch="${GPU_CHECK_SCRATCH:-/tmp/gpu_check}"
+py="${PYTHON:-python3}"
+fail() {  # one line on stderr and in $OUT's gpu_check.log and summary.json, then exit with $1
+  local code=$1
+  shift
+  echo "gpu_check: $*" >&2
+  if mkdir -p "$out" 2>/dev/null; then
+    echo "gpu_check: $*" > "$out/gpu_check.log"
+    local text=${*//\\/\\\\}
+    printf '{"ok": false, "error": "%s"}\n' "${text//\"/\\\"}" > "$out/summary.json"
+  fi
+  exit "$code"
+}
+command -v "$py" >/dev/null 2>&1 || fail 2 "no $py on PATH: set PYTHON to the machine's Python (3.11 or newer)"
+mkdir -p "$scratch" || fail 2 "GPU_CHECK_SCRATCH: cannot create $scratch"
+rm -rf "$scratch"/*.log "$scratch/summary.json" "$scratch/runs" "$scratch/conf" "$scratch/nvidia-smi.txt"
+log="$scratch/gpu_check.log"
+
 if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site
+  echo "installing .whl/ into $scratch/site" | tee -a "$log"
+  "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$scratch/site" \
+    .whl/*.whl >> "$log" 2>&1 || fail 1 "installing .whl/ failed: see the end of $log"
+  export PYTHONPATH="$scratch/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
-# BUILD_KERNELS="causal-conv1d flash-attn" compiles those sources (KERNELS=1 scripts/gpu_wheels.sh) against this
-# machine's torch, for its own GPU architecture only; the build's minutes count against the run's time.
-# Each build is limited the way its setup.py reads it: flash-attn by FLASH_ATTN_CUDA_ARCHS ("90"; it ignores
+# What the harness imports, looked up without importing (seconds, even where torch is slow to import)
+missing=$("$py" - <<'EOF'
+import importlib.util
+
+needed = {"torch": "torch", "transformers": "transformers", "peft": "peft", "accelerate": "accelerate",
+          "safetensors": "safetensors", "hydra": "hydra-core", "omegaconf": "omegaconf",
+          "megatron.core": "megatron-core", "psutil": "psutil", "pynvml": "nvidia-ml-py"}
+gone = []
+for module, dist in needed.items():
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        gone.append(dist)
+print(", ".join(gone))
+EOF
+) || fail 2 "$py cannot run a script: set PYTHON to a working Python (3.11 or newer)"
+if [ -n "$missing" ]; then
+  where=$([ -d .whl ] && echo ".whl/ lacks them" || echo "no .whl/ here")
+  fail 2 "missing $missing ($where): run scripts/gpu_wheels.sh where PyPI is reachable and bring .whl/ along"
+fi
+
+# Caches under the scratch folder, so they go back in the tarball and a rerun here starts warm
+export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$scratch/triton}"
+export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-$scratch/inductor}"
+
+# Each build is limited the way its setup.py reads it: flash-attn by FLASH_ATTN_CUDA_ARCHS (it ignores
 # TORCH_CUDA_ARCH_LIST), causal-conv1d by nothing (it hard-codes sm75..sm121, and torch's TORCH_CUDA_ARCH_LIST is
 # dropped once a -gencode is given), so its setup.py's list is replaced by this GPU's before building.
-arch=$(python3 -c "import torch; print('%d%d' % torch.cuda.get_device_capability())" 2>/dev/null || echo 90)
-for name in ${BUILD_KERNELS:-}; do
-  src=$(ls .whl/src/"${name//-/_}"-*.tar.gz .whl/src/"$name"-*.tar.gz 2>/dev/null | head -1)
-  if [ -z "$src" ]; then echo "BUILD_KERNELS: no source for $name in .whl/src (KERNELS=1 scripts/gpu_wheels.sh)"; continue; fi
-  build=/tmp/kernel-build/$name
-  rm -rf "$build" && mkdir -p "$build" && tar -xzf "$src" -C "$build" --strip-components=1
-  if [ "$name" = causal-conv1d ]; then
-    python3 - "$build/setup.py" "$arch" <<'EOF' || { echo "causal-conv1d: its setup.py changed; not built"; continue; }
-import re
+if [ -n "${BUILD_KERNELS:-}" ]; then
+  arch=$("$py" -c "import torch; print('%d%d' % torch.cuda.get_device_capability())" 2>/dev/null || echo 90)
+  for name in $BUILD_KERNELS; do
+    src=$(ls .whl/src/"${name//-/_}"-*.tar.gz .whl/src/"$name"-*.tar.gz 2>/dev/null | head -1)
+    if [ -z "$src" ]; then echo "BUILD_KERNELS: no source for $name in .whl/src (KERNELS=1 scripts/gpu_wheels.sh)" | tee -a "$log"; continue; fi
+    build="$scratch/build/$name"
+    rm -rf "$build" && mkdir -p "$build" && tar -xzf "$src" -C "$build" --strip-components=1
+    if [ "$name" = causal-conv1d ]; then
+      "$py" - "$build/setup.py" "$arch" <<'EOF' || { echo "causal-conv1d: its setup.py changed; not built" | tee -a "$log"; continue; }
 import sys
 
 path, arch = sys.argv[1], sys.argv[2]
@@ -34,14 +89,40 @@ if text.count(anchor) != 1 or '"-gencode"' not in text:
 one = f'\n    cc_flag = ["-gencode", "arch=compute_{arch},code=sm_{arch}"]  # gpu_check.sh: this GPU only'
 open(path, "w").write(text.replace(anchor, one + anchor))
 EOF
-  fi
-  echo "building $name for sm_$arch"
-  CAUSAL_CONV1D_FORCE_BUILD=TRUE FLASH_ATTENTION_FORCE_BUILD=TRUE FLASH_ATTN_CUDA_ARCHS="$arch" \
-    TORCH_CUDA_ARCH_LIST="${arch:0:-1}.${arch: -1}" MAX_JOBS="$(nproc)" \
-    python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target /tmp/site "$build" \
-    2>&1 | tail -5 | tee -a "$out/kernel_build.log" || echo "building $name failed: the torch fallback runs"
-  export PYTHONPATH=/tmp/site
+    fi
+    limit="${KERNEL_BUILD_TIMEOUT_S:-600}"
+    echo "building $name for sm_$arch (at most $limit s; output in kernels.log)" | tee -a "$log"
+    if CAUSAL_CONV1D_FORCE_BUILD=TRUE FLASH_ATTENTION_FORCE_BUILD=TRUE FLASH_ATTN_CUDA_ARCHS="$arch" \
+      TORCH_CUDA_ARCH_LIST="${arch:0:-1}.${arch: -1}" MAX_JOBS="$(nproc)" \
+      timeout "$limit" "$py" -m pip install --no-index --no-deps --no-build-isolation --no-cache-dir \
+      --target "$scratch/site" "$build" >> "$scratch/kernels.log" 2>&1; then
+      echo "built $name" | tee -a "$log"
+    else
+      echo "building $name failed or passed $limit s (kernels.log): the torch fallback runs" | tee -a "$log"
+    fi
+  done
+  export PYTHONPATH="$scratch/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+
+if command -v nvidia-smi >/dev/null 2>&1; then
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$scratch/nvidia-smi.txt" 2>&1
+fi
+"$py" scripts/gpu_check.py --out "$scratch" "$@" 2>&1 | tee -a "$log"
+rc=${PIPESTATUS[0]}
+
+# Back to $OUT: the top-level files (summary.json, the logs) and one tarball of the rest, at most 8 files in all;
+# the installed wheels and kernel build trees stay behind (rebuilt from .whl/ by the next run)
+mkdir -p "$out" || { echo "gpu_check: OUT: cannot create $out; everything is in $scratch" >&2; exit 1; }
+files=()
+for f in "$scratch/summary.json" "$log" "$scratch"/*.log; do
+  [ -f "$f" ] && [[ " ${files[*]} " != *" $f "* ]] && files+=("$f")
 done
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | tee "$out/nvidia-smi.txt" || true
-python3 scripts/gpu_check.py --out "$out" "$@" 2>&1 | tee "$out/gpu_check.log"
-exit "${PIPESTATUS[0]}"
+rm -f "$out/summary.json" "$out"/*.log "$out/gpu_check_rest.tar.gz"  # this script's files of an earlier run
+excluded=(--exclude=./site --exclude=./build)
+for f in "${files[@]:0:7}"; do
+  cp "$f" "$out/" && excluded+=("--exclude=./$(basename "$f")")
+done
+tar -czf "$out/gpu_check_rest.tar.gz" -C "$scratch" "${excluded[@]}" . ||
+  echo "gpu_check: the tarball of $scratch failed; everything is there" >&2
+echo "gpu_check: $(ls "$out" | wc -l) files in $out; read $out/summary.json first"
+exit "$rc"

@@ -25,6 +25,11 @@ What is compiled: each decoder layer's ``forward``, not the whole model.
   plan, so it compiles every variant the timed repeats meet. ``dynamic=True``
   (every size symbolic, model sizes too) fails in inductor under FSDP2 on
   torch 2.13: "Exponent must be non-negative" in a shape expression.
+  ``dynamic_values`` is newer than torch 2.11 (added in 2026-05); on 2.11 (the GPU
+  machine's) only the boundary tensors and the hidden states' sizes are
+  marked, and the frames after a graph break compile once more for a new
+  size (automatic dynamic): results.json records which (``dynamic``:
+  ``plan_sizes`` or ``marked_inputs``).
 - What stays eager inside a layer: the three operations whose work depends on
   where sequences start and end in a packed row (attention once per sequence,
   the boundary-aware short convolution, the delta-rule scan over chunks).
@@ -58,6 +63,8 @@ import torch
 from backends.model.build import decoder_layers
 
 COMPILED_MARK = "_balance_batch_compiled"  # on each compiled layer
+# Whether this torch takes sizes to make symbolic by value (torch.compiler.config.dynamic_values: not in 2.11)
+NAMES_SIZES = hasattr(torch.compiler.config, "dynamic_values")
 COMPILED_MODEL = "_balance_batch_compiled_model"  # on the model compile_decoder_layers was given
 EAGER_FALLBACK = "_balance_batch_eager_fallback"  # on that model: a recompile-limit hit is recorded, not an error
 SCOPE = "decoder_layer"
@@ -166,6 +173,12 @@ def _plan_sizes_dynamic(args, kwargs, model_sizes: set):
     for name in LONGEST:
         if isinstance(kwargs.get(name), int):
             sizes.add(kwargs[name])
+    if not NAMES_SIZES:  # an older torch: the layer's own inputs marked, the frames after a break automatic
+        for dim in (0, 1):
+            if int(hidden.shape[dim]) not in model_sizes:
+                torch._dynamo.maybe_mark_dynamic(hidden, dim)
+        yield
+        return
     config = torch.compiler.config
     before = config.dynamic_values
     config.dynamic_values = ",".join(str(n) for n in sorted(sizes - model_sizes))
@@ -189,7 +202,7 @@ def describe(model: torch.nn.Module) -> dict:
     return {
         "scope": SCOPE,
         "layers": compiled_layers(model),
-        "dynamic": "plan_sizes",
+        "dynamic": "plan_sizes" if NAMES_SIZES else "marked_inputs",
         "backend": "inductor",
         "mode": "default",
         "eager_inside": list(EAGER_INSIDE),

@@ -286,6 +286,8 @@ class LoadMeter:
         return self
 
     def __exit__(self, *exc):
+        if self.device.type == "cuda":  # the load's copies to the device are queued: the clock waits for them
+            torch.cuda.synchronize(self.device)
         self.elapsed_s = time.perf_counter() - self.start
         self.host_peak_bytes = peak_memory_bytes(torch.device("cpu"))
         self.device_peak_bytes = peak_memory_bytes(self.device) if self.device.type == "cuda" else None

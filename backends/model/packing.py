@@ -46,8 +46,8 @@ import torch
 from backends.messages import Example
 from backends.model import kernels
 from backends.model.configs import PACKED_MODEL_TYPES
-from backends.model.segments import host_bounds as _bounds
 from backends.model.segments import (
+    int64_bounds,
     remember_bounds,
     segment_attention,
     segment_causal_conv1d,
@@ -195,6 +195,11 @@ def _runs_kernel(bound: Optional[bool], package: str) -> bool:
     return _cuda_kernel_available(package) if bound is None else bound
 
 
+def _fla_runs(query: torch.Tensor, bound: Optional[bool]) -> bool:
+    """Whether the delta rule runs fla's kernel: CUDA tensors, and fla bound or importable."""
+    return query.is_cuda and _runs_kernel(bound, "fla")
+
+
 def _torch_function(function: Callable) -> Callable:
     """The pure-torch function under transformers' kernel dispatch wrapper (which binds fla or causal-conv1d when
     they import, with no device check): what CPU tensors must run."""
@@ -257,7 +262,7 @@ def _packed_conv1d(original: Callable) -> Callable:
             return (original if fused else torch_conv1d)(hidden_states, weight, bias, activation=activation, **kwargs)
         if fused:
             # causal-conv1d keeps sequences apart by seq_idx (the layer hands it a channel-last view)
-            bounds = cu.long()
+            bounds, _ = int64_bounds(cu)
             seg = torch.repeat_interleave(
                 torch.arange(bounds.numel() - 1, device=cu.device),
                 bounds[1:] - bounds[:-1],
@@ -298,14 +303,15 @@ def _packed_delta_rule(original: Callable) -> Callable:
             output_final_state=output_final_state,
             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         )
-        if query.is_cuda and _runs_kernel(bound, "fla"):
-            # the stock wrapper dispatches to flash-linear-attention, whose kernel takes cu_seqlens
-            # (and, given the host copy, computes its chunk indices without a device-to-host sync)
+        if _fla_runs(query, bound):
+            # the stock wrapper dispatches to flash-linear-attention, whose kernel takes cu_seqlens (int64, and,
+            # given the host copy, computes its chunk indices without a device-to-host sync, once per micro-batch:
+            # every layer gets the same two tensors)
             kernels.note("delta_rule", kernels.FLA_CHUNK)
             if cu_seqlens is None:
                 return original(query, key, value, chunk_size=chunk_size, **common, **kwargs)
-            host = torch.tensor(_bounds(cu_seqlens), dtype=torch.long)
-            return original(query, key, value, **common, cu_seqlens=cu_seqlens.long(), cu_seqlens_cpu=host)
+            device_bounds, host = int64_bounds(cu_seqlens)
+            return original(query, key, value, **common, cu_seqlens=device_bounds, cu_seqlens_cpu=host)
         if initial_state is not None or output_final_state:
             if cu_seqlens is not None:
                 raise ValueError("a packed row runs without a cache: no initial or final recurrent state")

@@ -20,21 +20,35 @@ from backends.runtime.devices import host_to_device
 
 # The host copy of the current micro-batch's boundaries: every layer of one forward gets the same
 # cu_seqlens tensor, so its bounds are read from the host list collate made, never from the device.
-_host_bounds: tuple = (lambda: None, [])
+# Beside it, the int64 forms the kernels take, made once per micro-batch (``int64_bounds``).
+_host_bounds: tuple = (lambda: None, [], {})
 
 
 def remember_bounds(cu_seqlens: torch.Tensor, bounds: list[int]) -> None:
     """Record the host copy of a micro-batch's cumulative lengths (one micro-batch at a time)."""
     global _host_bounds
-    _host_bounds = (weakref.ref(cu_seqlens), [int(b) for b in bounds])
+    _host_bounds = (weakref.ref(cu_seqlens), [int(b) for b in bounds], {})
 
 
 def host_bounds(cu_seqlens: torch.Tensor) -> list[int]:
     """Cumulative lengths as Python ints: the collated host copy, else read from the tensor (one host sync on CUDA)."""
-    ref, bounds = _host_bounds
+    ref, bounds, _ = _host_bounds
     if ref() is cu_seqlens:
         return bounds
     return [int(x) for x in cu_seqlens.tolist()]
+
+
+def int64_bounds(cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The micro-batch's cumulative lengths as int64 on its device and on the host, the same two tensors for every
+    layer: fla caches its chunk indices by the tensors it is given (``tensor_cache``), so a new ``.long()`` per
+    layer missed that cache and recomputed them from device counts, a device-to-host copy per layer and pass."""
+    ref, bounds, made = _host_bounds
+    if ref() is not cu_seqlens:  # not collated here: made for this call alone
+        return cu_seqlens.long(), torch.tensor(host_bounds(cu_seqlens), dtype=torch.long)
+    if not made:
+        made["device"] = cu_seqlens.long()
+        made["host"] = torch.tensor(bounds, dtype=torch.long)
+    return made["device"], made["host"]
 
 
 def segment_attention(original: Callable, implementation: str, module, query, key, value, attention_mask, **kwargs):

@@ -4,9 +4,19 @@ A rank started with ``spawn`` imports torch, transformers, peft and megatron-cor
 again (about 7 s of CPU on this project's 2-core machine, paid by every rank of
 every backend start). The fork server imports them once, in a clean process of
 its own (no CUDA context, no thread pools: it only imports), and forks each rank
-from there. What a spawned rank saw is kept: its environment is the controller's
-at the start (``apply_environment``), not the fork server's, and its imports
-come from the controller's ``sys.path``.
+from there. A CUDA context made before a fork is unusable in the child ("Cannot
+re-initialize CUDA in forked subprocess"), so the server imports nothing that
+touches CUDA at import: not the model's modeling module, which imports the kernel
+packages (fla 0.6.0's ``fla/utils/hardware.py`` calls
+``torch.cuda.get_device_capability()`` at import), and any
+``torch.cuda.is_available()`` a module calls at import asks NVML, not the CUDA
+driver. Each rank imports the modeling module itself, after its fork: 0.03 s of
+CPU without fla, about 3 s with fla 0.6.0 and Triton (2026-12-04, this 2-core
+machine, loaded). Spawning the ranks instead would import everything again in
+every rank, about 7 s of CPU each, and that 3 s as well. What a spawned rank
+saw is kept: its environment is the controller's at the start
+(``apply_environment``), not the fork server's, and its imports come from the
+controller's ``sys.path``.
 """
 
 from __future__ import annotations
@@ -61,7 +71,11 @@ def release_fork_server() -> None:
 
 
 def warm() -> None:
-    """Import what every rank imports; a module that fails here fails again, with its message, in the rank."""
+    """Import what every rank imports and nothing that can make a CUDA context (the module docstring says why);
+    a module that fails here fails again, with its message, in the rank."""
+    # Read by torch.cuda.is_available() when it is called: NVML answers without initialising the CUDA driver. The
+    # server's environment only: a forked rank gets its controller's back (apply_environment).
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
     for name in ("backends.fsdp2", "backends.megatron_ddp", "backends.model.build", "backends.model.compiling",
                  "peft", "megatron.core.distributed", "megatron.core.transformer", "torch.distributed.fsdp",
@@ -70,11 +84,6 @@ def warm() -> None:
             __import__(name)
         except Exception:  # noqa: BLE001 - a rank that needs it imports it again and reports the error itself
             pass
-    try:
-        from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig  # noqa: F401 - lazy in transformers
-    except Exception:  # noqa: BLE001 - as above: a rank that needs them reports the error itself
-        pass
-
 
 
 def start_early() -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import os
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -18,7 +20,7 @@ from backends.runtime.forkserver import is_fork_server
 from backends.specs import BackendSpec, ModelSpec
 from backends.start import make_backend
 from harness.data.workload import make_examples, mixed_lengths
-from tests.conftest import load_json, start_harness, sweep_results, wait_session_empty
+from tests.conftest import REPO, load_json, start_harness, sweep_results, wait_session_empty
 from tests.loss_oracle import oracle, tiny_examples
 
 EXAMPLES = make_examples(mixed_lengths(16, 64, 512, 42), 2048, seed=0)
@@ -276,6 +278,33 @@ def test_ranks_get_the_environment_of_their_start_not_the_fork_servers(monkeypat
     with pytest.raises(BackendError, match="BALANCE_BATCH_TEST_PROBE=None"):
         FSDP2Backend(BackendSpec(name="fsdp2", world_size=2, device="cpu"), ModelSpec(),
                      hooks_path="tests.probes:FSDP2SeesItsControllersEnvironment")
+
+
+# A stand-in for fla, whose fla/utils.py calls torch.cuda.get_device_capability() at import: a process that imported
+# it has a CUDA context, and a child it forks cannot use CUDA. Here the child ends at once, with a code of its own.
+_FAKE_FLA = "import os\nos.register_at_fork(after_in_child=lambda: os._exit(86))\n"
+_FORK_ONE_RANK = """
+import os
+from backends.runtime.forkserver import rank_context
+rank = rank_context().Process(target=os.getpid)
+rank.start()
+rank.join(120)
+print(rank.exitcode)
+"""
+
+
+def test_the_fork_server_imports_nothing_that_makes_a_cuda_context(tmp_path):
+    """A rank forked after its fork server made a CUDA context cannot use CUDA ("Cannot re-initialize CUDA in forked
+    subprocess"): the server's preload must not import the kernel packages (transformers' Qwen3.5 modeling module
+    imports fla through its hub-kernel fallback). A fake fla on the path stands in for CUDA: a rank forked from a
+    server that imported it ends with 86."""
+    (tmp_path / "fla").mkdir()
+    (tmp_path / "fla" / "__init__.py").write_text(_FAKE_FLA)
+    path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))  # the server's path too
+    proc = subprocess.run([sys.executable, "-c", _FORK_ONE_RANK], cwd=REPO, env={**os.environ, "PYTHONPATH": path},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split()[-1] == "0", proc.stdout + proc.stderr[-2000:]
 
 
 def test_closing_leaves_no_process():

@@ -37,21 +37,30 @@ def _point(sweep: Path, n: int, name: str, backend: str, layout: str, losses, gr
     return folder
 
 
-def test_the_cuda_plan_lists_every_feature_within_five_minutes_on_one_gpu(capsys):
+def test_the_cuda_plan_lists_every_feature_within_five_minutes_on_one_gpu_over_two_runs(capsys):
+    """The default run (bf16 and the features) and the second (--only fp32,compile) each fit 300 s with slack, with
+    Triton's compile and autotune counted once per dtype and layout at its sourced figure."""
     assert gpu_check.main(["--plan", "--device", "cuda"]) == 0
     printed = capsys.readouterr().out
-    steps = gpu_check.plan(gpu_check.Target("cuda", 1))
-    rows = gpu_check.estimates(steps, gpu_check.Target("cuda", 1))
-    covered = {c for row in rows for c in row["covers"]}
+    target = gpu_check.Target("cuda", 1)
+    steps = gpu_check.plan(target)
+    rows = gpu_check.estimates(steps, target)
+    second = gpu_check.estimates(gpu_check.select(steps, "fp32,compile"), target, "fp32,compile")
+    covered = {c for row in rows + second for c in row["covers"]}
     assert set(FEATURES) <= covered, set(FEATURES) - covered
+    assert [r["step"] for r in rows if "skipped" in r] == ["fp32", "compile"]
+    assert all(r["skipped"] == gpu_check.NOT_DEFAULT and r["estimate_s"] == 0 for r in rows if "skipped" in r)
     total = sum(r["estimate_s"] for r in rows)
-    assert 0 < total < 300 and f"{total:.0f} s  (--budget-s 300)" in printed
-    for row in rows:  # each step printed with its estimate and the parts it adds up
-        assert f"{row['step']:<10} {row['estimate_s']:6.0f} s" in printed
-    # fla's Triton kernels are paid once per dtype and layout: bf16 both, fp32 packed, nothing after
-    triton = {r["step"]: r["parts_s"].get("triton", 0) for r in rows}
-    assert triton["bf16"] == 2 * gpu_check.COSTS["cuda"]["triton"] and triton["fp32"] == gpu_check.COSTS["cuda"][
-        "triton"] and triton["features"] == triton["compile"] == 0
+    assert 0 < total <= 270 and f"{total:.0f} s  (--budget-s 300)" in printed  # 10% of the budget left
+    assert 0 < sum(r["estimate_s"] for r in second) <= 270 and "skipped" not in str(second)
+    for row in rows:  # each step printed with its estimate and the parts it adds up, or why it does not run
+        assert (f"{row['step']:<10} {row['estimate_s']:6.0f} s" in printed
+                or f"{row['step']:<10}  not run: {row.get('skipped')}" in printed)
+    # fla's Triton kernels are paid once per dtype and layout: bf16 both, then nothing; fp32 packed in the second
+    triton = gpu_check.COSTS["cuda"]["triton"]
+    assert triton >= 60 and {r["step"]: r["parts_s"].get("triton", 0) for r in rows} == {
+        "bf16": 2 * triton, "fp32": 0, "features": 0, "compile": 0}
+    assert second[0]["parts_s"]["triton"] == triton
 
 
 def test_the_cpu_plan_has_no_cuda_only_step_and_the_35b_variant_plans_the_published_model():
@@ -165,9 +174,10 @@ def test_summary_records_each_points_kernels_and_the_feature_checks(tmp_path):
     assert record["notes"] == []  # bf16 on CPU: grouped_mm is what ran
     fp32_cuda = _point(tmp_path, 3, "fp32.fsdp2.packed", "fsdp2", "packed", [1.0], 1.0, dtype="float32", device="cuda")
     (note,) = gpu_check.point_record(gpu_check.runs_in(fp32_cuda.parent)["fp32.fsdp2.packed"])["notes"]
-    assert "grouped_mm in float32 on CUDA" in note
+    assert "grouped_mm in float32" in note and "per-expert fallback" in note  # torch's own, not its fused kernel
     profile = gpu_check.check_profile(runs["features.profile"], prof)
     assert profile["ok"] and profile["traces"] == {"profile/forward_backward-rank0.json.gz": 10}
+    assert profile["shares_of"] == "host time"  # on CPU the whole story; on a GPU it says where the kernels are
     oom = gpu_check.check_oom_snapshot(runs["features.oom_snapshot"], tmp_path / "1")
     assert not oom["ok"] and oom["problems"] == ["no allocator history written"]  # status oom, but no file
     auto = gpu_check.check_auto(runs["features.auto"], tmp_path / "2")
@@ -188,6 +198,33 @@ def test_an_import_that_fails_is_reported_with_its_error():
     assert gpu_check.try_import("json")["imported"]
     missing = gpu_check.try_import("no_such_kernel_package")
     assert not missing["imported"] and "ModuleNotFoundError" in missing["error"]
+
+
+def test_without_wheels_or_packages_the_shell_stops_in_one_line_before_running_anything(tmp_path):
+    """gpu_check.sh on a machine without .whl/ and with a bare Python (no site-packages: no torch, no hydra): one
+    line naming what is missing and what to do, exit 2, and summary.json in $OUT saying so; the check itself never
+    starts (it once printed "nvidia-smi: command not found" and a traceback)."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(Path(gpu_check.REPO) / "scripts" / "gpu_check.sh", tmp_path / "scripts")  # a checkout with no .whl/
+    bare = tmp_path / "python3"
+    bare.write_text(f"#!/bin/sh\nexec {sys.executable} -I -S \"$@\"\n")  # the interpreter without site-packages
+    bare.chmod(0o755)
+    out = tmp_path / "out"
+    env = dict(os.environ, PATH=f"{tmp_path}:/usr/bin:/bin", OUT=str(out), GPU_CHECK_SCRATCH=str(tmp_path / "s"))
+    env.pop("PYTHON", None)
+    proc = subprocess.run(["bash", str(tmp_path / "scripts" / "gpu_check.sh"), "--device", "cpu"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    lines = (proc.stdout + proc.stderr).splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("gpu_check: missing torch,") and "hydra-core" in lines[0] and "no .whl/" in lines[0]
+    assert "scripts/gpu_wheels.sh" in lines[0]
+    assert json.loads((out / "summary.json").read_text()) == {"ok": False, "error": lines[0].split(": ", 1)[1]}
+    assert not (tmp_path / "s" / "runs").exists()
 
 
 def test_the_wheels_pin_every_runtime_import_at_the_tested_version_and_leave_torch_alone():

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from backends.model import kernels, packing
+from backends.model import kernels, packing, segments
 from backends.model.build import build_model
 from backends.model.packing import collate_packed, model_layer_types
 from backends.model.step import outputs_to_host, run_steps
@@ -122,7 +122,47 @@ def test_a_packed_row_reads_its_bounds_from_the_host_not_the_device(model):
     with torch.no_grad(), CountReads():
         model(input_ids=batch.ids, use_cache=False, **batch.model_kwargs(model_layer_types(model)))
     assert reads == []
-    assert packing._bounds(batch.cu_seqlens) == [0, 130, 200, 400]
+    assert segments.host_bounds(batch.cu_seqlens) == [0, 130, 200, 400]
+
+
+class _FlaRecorder:
+    """Stands in for transformers' delta rule bound to fla's kernel on a GPU host: records the boundary tensors each
+    layer hands it, returns zeros of the output's shape."""
+
+    def __init__(self, torch_function):
+        self.__wrapped__ = torch_function
+        self.seen: list = []
+
+    def __call__(self, query, key, value, **kwargs):
+        self.seen.append((kwargs.get("cu_seqlens"), kwargs.get("cu_seqlens_cpu")))
+        return torch.zeros_like(value), None
+
+
+def test_fla_gets_the_same_int64_bounds_from_every_layer_of_a_micro_batch(model, monkeypatch):
+    """fla caches its chunk indices by the boundary tensors it is given: a new ``cu_seqlens.long()`` per layer missed
+    that cache, and each layer recomputed them from device counts (a device-to-host copy per layer, forward and
+    backward). Every linear-attention layer of one micro-batch must hand fla the same int64 tensor and host copy."""
+    import transformers.models.qwen3_5_moe.modeling_qwen3_5_moe as modeling
+
+    from tests.loss_oracle import stock_transformers
+
+    with stock_transformers():
+        stock_rule = modeling.torch_chunk_gated_delta_rule
+    fla = _FlaRecorder(stock_rule.__wrapped__)
+    monkeypatch.setattr(packing, "_fla_runs", lambda query, bound: True, raising=False)  # a GPU host with fla
+    monkeypatch.setattr(modeling, "torch_chunk_gated_delta_rule",
+                        packing._MODULE_FUNCTIONS["torch_chunk_gated_delta_rule"](fla))
+    layers = sum(type(m).__name__.endswith("GatedDeltaNet") for m in model.modules())
+    for rows, bounds in (([0, 1, 2], [0, 130, 200, 400]), ([3], [0, 9])):
+        batch = collate_packed(EXAMPLES, rows, CPU)
+        fla.seen.clear()
+        with torch.no_grad():
+            model(input_ids=batch.ids, use_cache=False, **batch.model_kwargs(model_layer_types(model)))
+        assert layers >= 2 and len(fla.seen) == layers, (layers, len(fla.seen))
+        device, host = fla.seen[0]
+        assert all(d is device and h is host for d, h in fla.seen)
+        assert device.dtype == host.dtype == torch.int64 and host.device.type == "cpu"
+        assert device.tolist() == host.tolist() == bounds
 
 
 def test_a_plain_dict_of_masks_survives_a_rebuild_as_fsdp2s_input_cast_does(model):

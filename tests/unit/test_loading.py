@@ -47,3 +47,25 @@ def test_a_failed_rank0_read_stops_the_waiting_ranks_with_its_error():
     ReadGate(store, 0, serial=0).fail("FileNotFoundError: /models/x/model.safetensors")
     with pytest.raises(Rank0ReadFailed, match=r"rank 0 could not read the weights \(FileNotFoundError: /models/x"):
         ReadGate(store, 1, serial=0).wait(poll_s=0.01)
+
+
+def test_the_load_clock_stops_after_the_device_finished_its_copies(monkeypatch):
+    """On a GPU a load's copies are queued, not done, when the Python returns: LoadMeter synchronizes the device
+    before it reads the clock. No GPU here: the device calls are recorded in the order they come."""
+    import torch
+
+    from backends.model import loading
+
+    events: list[str] = []
+    monkeypatch.setattr(loading, "reset_peak_memory", lambda device: None)
+    monkeypatch.setattr(loading, "peak_memory_bytes", lambda device: 0)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: events.append(f"synchronize {device}"))
+    clock = iter(range(10))
+    monkeypatch.setattr(loading.time, "perf_counter", lambda: events.append("clock") or float(next(clock)))
+    with loading.LoadMeter(torch.device("cuda", 0)):
+        events.append("load")
+    assert events == ["clock", "load", "synchronize cuda:0", "clock"]
+    events.clear()
+    with loading.LoadMeter(torch.device("cpu")):
+        events.append("load")
+    assert events == ["clock", "load", "clock"]  # nothing to wait for on CPU
