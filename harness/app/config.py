@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Dict, Optional, Sequence
 
 from hydra.core.config_store import ConfigStore
@@ -199,6 +199,25 @@ RENAMED = {"seed": "token_seed (it seeds the generated token ids; workload.seed 
 _AMBIGUOUS = re.compile(r"Ambiguous value for argument '([^=']+)=(.*)'")
 
 
+def check_known_keys(cfg: DictConfig, path: str = "") -> None:
+    """A key the schema does not have (added with ``+key=value``, or by a preset) is refused in one line naming it and
+    what is valid there (a renamed one: its new name): to_object would drop it, so it would do nothing."""
+    kind = OmegaConf.get_type(cfg)
+    if not (isinstance(kind, type) and is_dataclass(kind)):
+        return  # a free-form node (logger, a preset's batching): its reader checks it
+    known = [f.name for f in fields(kind)]
+    for key in cfg.keys():
+        full = f"{path}{key}"
+        if key not in known:
+            if full in RENAMED:
+                raise UserError(f"{full}: renamed {RENAMED[full]}")
+            where = f"under {path[:-1]}" if path else "at the top level"
+            raise UserError(f"{full}: not a config key, so it would do nothing (valid {where}: {', '.join(known)})")
+        child = cfg._get_node(key)
+        if isinstance(child, DictConfig) and not child._is_missing() and not child._is_none():
+            check_known_keys(child, f"{full}.")
+
+
 def _override_in(message: str) -> str:
     for prefix in ("Error merging override ", "Could not override "):
         if message.startswith(prefix):
@@ -384,6 +403,7 @@ def resolve_config(cfg: DictConfig) -> HarnessConfig:
     """Hydra's composed config as a checked HarnessConfig; a UserError with one line when it is not valid."""
     try:
         check_mtpm(OmegaConf.select(cfg, "mtpm", throw_on_resolution_failure=False))
+        check_known_keys(cfg)
         check_spellings(cfg)
         check_calibration_keys(cfg)
         spec = OmegaConf.to_object(without_auto(cfg))
