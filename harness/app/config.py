@@ -376,9 +376,24 @@ def without_auto(cfg: DictConfig) -> DictConfig:
 def check_calibration_keys(cfg: DictConfig) -> None:
     """``calibration.*`` set while cost_model=flops is refused in one line naming both: nothing is calibrated, so the
     settings would be ignored silently. In a multirun they are the sweep's: its flops points carry them for its
-    calibrated ones (cost_model=flops,calibrated), so a multirun's points are not refused."""
+    calibrated ones (cost_model=flops,calibrated), so a multirun's points are not refused here; the sweep as a whole
+    is (``check_sweep_calibration``)."""
     if OmegaConf.select(cfg, "cost_model", throw_on_resolution_failure=False) == CALIBRATED or _in_multirun():
         return
+    _refuse_calibration_keys(cfg, "this run has")
+
+
+def check_sweep_calibration(configs: Sequence[Any]) -> None:
+    """A multirun's ``calibration.*`` with no point of cost_model=calibrated is refused as a single run's is: no
+    point would read them. ``configs``: the points' composed configs (None: one that does not compose)."""
+    composed = [c for c in configs if c is not None]
+    if not composed or any(OmegaConf.select(c, "cost_model", throw_on_resolution_failure=False) == CALIBRATED
+                           for c in composed):
+        return
+    _refuse_calibration_keys(composed[0], "no point of this sweep has cost_model=calibrated; they have")
+
+
+def _refuse_calibration_keys(cfg: Any, which: str) -> None:
     given = OmegaConf.select(cfg, "calibration", throw_on_resolution_failure=False) or {}
     defaults = CalibrationConfig()
     shown = lambda v: "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)  # noqa: E731
@@ -386,7 +401,7 @@ def check_calibration_keys(cfg: DictConfig) -> None:
              if hasattr(defaults, k) and given[k] != getattr(defaults, k)]
     if typed:
         cost_model = OmegaConf.select(cfg, "cost_model", throw_on_resolution_failure=False)
-        raise UserError(f"{', '.join(typed)}: calibration.* sets up cost_model=calibrated, and this run has "
+        raise UserError(f"{', '.join(typed)}: calibration.* sets up cost_model=calibrated, and {which} "
                         f"cost_model={cost_model}, which calibrates nothing; set cost_model=calibrated, or drop "
                         f"{'it' if len(typed) == 1 else 'them'}")
 

@@ -213,9 +213,11 @@ class Point:
 
         if spec.cost_model != CALIBRATED or spec.target.url:
             return setup.cost_model  # a client plans as its server does (Setup.of_backend warns when that differs)
-        if setup.planner == "greedy":  # it fills micro-batches by count and budget: no cost model enters its plan
-            log.info("%scost_model=calibrated: the greedy planner plans with no cost model, so nothing is calibrated "
-                     "(results.json: cost_model flops, the model its plan statistics use)", self.label)
+        if setup.planner != "balanced":  # greedy and the peers plan by count and budget: no cost model enters
+            # greedy: a calibrated sweep's mbs=1 baseline, said quietly; a peer typed beside it: a warning
+            say = log.info if setup.planner == "greedy" else log.warning
+            say("%scost_model=calibrated: the %s planner plans with no cost model, so nothing is calibrated "
+                "(results.json: cost_model flops, the model its plan statistics use)", self.label, setup.planner)
             return setup.cost_model
         ident = calibration_identity(spec, setup.name, setup.world_size, setup.device, max(lengths))
         try:

@@ -45,12 +45,21 @@ class PointSweeper(BasicSweeper):
     """Expands the sweep like BasicSweeper, then de-duplicates it and places each point before anything is written."""
 
     def split_arguments(self, overrides: List[Override], max_batch_size: Optional[int]) -> List[List[List[str]]]:
+        from harness.app.config import check_sweep_calibration
         from harness.sweep.points import add_baselines, check_writable, dedupe, place_points
 
         assert self.config is not None and self.hydra_context is not None
         jobs = dedupe(BasicSweeper.split_arguments(overrides, None)[0])
         loader = self.hydra_context.config_loader
-        jobs = add_baselines(jobs, lambda job: _compose(loader, self.config, job))
+        composed: dict = {}
+
+        def compose(job):
+            if tuple(job) not in composed:
+                composed[tuple(job)] = _compose(loader, self.config, job)
+            return composed[tuple(job)]
+
+        check_sweep_calibration([compose(job) for job in jobs])
+        jobs = add_baselines(jobs, compose)
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         check_writable("hydra.sweep.dir", sweep_dir)
         resume = bool(OmegaConf.select(self.config, "resume", default=False))
