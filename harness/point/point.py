@@ -333,6 +333,7 @@ class Point:
         flops = flops_record(pass_type, lengths, training, result.plan, spec.backend.gradient_checkpointing,
                              record.elapsed_s, world_size, self.results.doc["peak"], cost_model=self.cost_model,
                              schedules=self.schedules)
+        flops = self._checked_mfu(flops, pass_type, world_size)
         balance = balance_fields(record.timeline, self.schedules, lengths, result.plan.get("layout", "padded"),
                                  is_lockstep(self.results.doc["backend"]), self._prediction_models(spec))
         if pass_type == "forward_backward":  # the point's speedup over mbs=1, measured in pairs (None: unpaired)
@@ -343,6 +344,25 @@ class Point:
             log.info("%s%s balance: critical path %.3f measured (%.3f modeled), idle per rank %s measured",
                      self.label, pass_type, balance["measured_critical_path"], result.plan.get("critical_path", 1.0),
                      ", ".join(f"{100 * x:.1f}%" for x in balance["idle_fraction"]))
+
+    def _checked_mfu(self, flops: dict, pass_type: str, world_size: int) -> dict:
+        """An MFU over 100% measures the CPU's peak again (the passes recorded already are recomputed against it), or
+        is recorded as null with why (harness/metrics/flops.py's checked_mfu)."""
+        from harness.metrics.flops import checked_mfu, device_peak_again
+
+        doc = self.results.doc
+        compute = (doc.get("precision") or {}).get("compute") or "float32"
+        flops, peak, warning = checked_mfu(flops, doc["peak"],
+                                           lambda: device_peak_again(doc["device"] or {}, world_size, compute))
+        if warning:
+            log.warning("%s%s: %s", self.label, pass_type, warning)
+        if peak is not doc["peak"]:
+            log.info("%speak measured again: %s", self.label, peak["source"])
+            doc["peak"] = peak
+            for earlier in doc["passes"].values():
+                if earlier.get("mfu_pct") is not None and peak.get("flops_per_device"):
+                    earlier["mfu_pct"] = 100.0 * earlier["model_flops_per_s_per_device"] / peak["flops_per_device"]
+        return flops
 
     def _prediction_models(self, spec: HarnessConfig) -> dict:
         """The cost models whose predictions of the measured micro-batch times a pass records: the FLOP model, and
