@@ -34,7 +34,7 @@ from backends.runtime.failures import Failure, blame, collective_timeout, failur
 from backends.runtime.forkserver import apply_environment, rank_context, release_fork_server
 from backends.runtime.job import resolve_world_size
 from backends.runtime.liveness import HEARTBEAT_EVERY_S, Heartbeats, die_with_parent, start_heartbeat, stopped_line
-from backends.runtime.memory import limit_memory
+from backends.runtime.memory import data_segment_bytes, limit_memory
 from backends.runtime.ranks import rank_commands, run_command, start_rank
 from backends.specs import BackendSpec, ModelSpec
 
@@ -401,12 +401,8 @@ class DistributedBackend(Backend):
         bench.memory_limit_gb: too close to be sure of starting another thread (its stack alone is 8 MiB)."""
         if self.spec.memory_limit_gb is None or pid is None or self.device.type != "cpu":
             return False
-        try:
-            with open(f"/proc/{pid}/status") as f:
-                data = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmData:"))
-        except (OSError, StopIteration, ValueError, IndexError):
-            return False
-        return data > self.spec.memory_limit_gb * 1024**3 - _THREAD_ROOM_BYTES
+        data = data_segment_bytes(pid)
+        return data is not None and data > self.spec.memory_limit_gb * 1024**3 - _THREAD_ROOM_BYTES
 
     def _under_limit(self, message: str, what: str, status: str) -> tuple[str, None, str]:
         """A start-up that died with no report of its own, or hung at its limit, as ``_abort``'s arguments: under

@@ -115,3 +115,23 @@ def test_closing_the_pytorch_backend_empties_the_cuda_cache():
     before = torch.cuda.memory_reserved()
     assert _closed_pytorch_backend("cuda")() is None
     assert torch.cuda.memory_reserved() <= before  # the model's blocks went back to the driver
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_DATA and VmData are Linux's")
+def test_a_pytorch_limit_below_what_the_harness_holds_is_an_out_of_memory_not_a_crash():
+    """The pytorch backend runs in the harness's process: bench.memory_limit_gb=0.3 is less than the process holds
+    (torch alone), so no model is built: status oom in one line, and the process is left without the limit (before,
+    the limit was applied and the next import failed with an empty MemoryError, or the process crashed)."""
+    import resource
+
+    from backends.errors import BackendError
+    from backends.pytorch import PyTorchBackend
+    from backends.specs import BackendSpec, ModelSpec
+
+    before = resource.getrlimit(resource.RLIMIT_DATA)
+    with pytest.raises(BackendError) as refused:
+        PyTorchBackend(BackendSpec(name="pytorch", device="cpu", memory_limit_gb=0.3), ModelSpec())
+    assert refused.value.status == "oom"
+    assert str(refused.value).startswith("out of memory in start-up: bench.memory_limit_gb=0.3 is less than this "
+                                         "process holds"), str(refused.value)
+    assert resource.getrlimit(resource.RLIMIT_DATA) == before
