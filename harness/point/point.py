@@ -74,6 +74,9 @@ class Point:
             failures.interrupted(self.results, self.out_dir, self.label)
             raise
         except Exception as exc:  # noqa: BLE001 - any other failure is the point's result (error.txt), not a crash
+            oom = failures.in_process_out_of_memory(self.cfg, exc)
+            if oom is not None:
+                return failures.backend_failed(self.results, self.out_dir, self.label, oom, self.hot)
             return failures.internal_error(self.results, self.out_dir, self.label, exc)
         finally:
             self._close()
