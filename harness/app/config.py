@@ -258,9 +258,20 @@ def _packs(model: ModelSpec) -> bool:
     return True
 
 
+# W&B's modes a user means (wandb.init also takes its aliases "dryrun" and "run", which no page here names).
+LOGGER_MODES = ("online", "offline", "disabled")
+
+
 def validate(cfg: HarnessConfig) -> None:
     """Checks of values (types are checked by Hydra against the schema)."""
+    from backends.runtime.devices import omp_num_threads
+
     backend_entry(cfg.backend.name)  # "backend.name: '...' is not a backend (valid: ...)"
+    omp_num_threads()  # the environment's thread count: refused here, before anything runs, not in a rank
+    logger = cfg.logger if isinstance(cfg.logger, dict) else {}
+    if logger.get("name") not in (None, "none") and logger.get("mode") not in LOGGER_MODES:
+        raise UserError(f"logger.mode: {logger.get('mode')!r} is not a W&B mode (valid: {', '.join(LOGGER_MODES)}; "
+                        "its default follows WANDB_MODE)")
     check_mtpm(cfg.mtpm)
     _positive_int("mtpm", cfg.backend.max_tokens_per_microbatch, allow_none=True)
     _positive_int("mbs", cfg.backend.micro_batch_size)

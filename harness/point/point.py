@@ -106,6 +106,9 @@ class Point:
             return
         shared = None
         if spec.dry_run:
+            if (spec.logger or {}).get("mode") == "online":  # the run goes on: a dry run is a check before the real one
+                log.warning("%slogger.mode=online: a dry run starts no W&B run, so nothing is streamed (the same "
+                            "command without dry_run=true streams)", self.label)
             backend, setup = None, Setup.dry_run(spec)
             setup.cost_model = self.planner_cost_model(spec, lengths, setup, None)
         else:

@@ -69,7 +69,7 @@ def test_printing_or_refusing_a_config_imports_no_torch(tmp_path, args):
 def test_calibration_settings_nothing_reads_are_refused_or_said(tmp_path):
     """calibration.* in a sweep with no calibrated point is refused before any point runs (exit 2, one line), as in a
     single run; cost_model=calibrated beside a peer planner, which plans with no cost model, is one warning and
-    recorded as the FLOP model, not calibrated."""
+    recorded as the FLOP model, not calibrated (as logger.mode=online on a dry run, which streams nothing)."""
     sweep = tmp_path / "sweep"
     proc = run_harness("-m", "mtpm=500,1000", "calibration.repeat=5", "dry_run=true", f"hydra.sweep.dir={sweep}",
                        cwd=tmp_path)
@@ -79,9 +79,11 @@ def test_calibration_settings_nothing_reads_are_refused_or_said(tmp_path):
     assert not sweep.exists() or sweep_results(sweep) == []
 
     run = tmp_path / "run"
-    proc = run_harness("mtpm=4096", "planner=verl", "cost_model=calibrated", "dry_run=true", f"hydra.run.dir={run}",
-                       cwd=tmp_path)
+    proc = run_harness("mtpm=4096", "planner=verl", "cost_model=calibrated", "dry_run=true", "logger.mode=online",
+                       f"hydra.run.dir={run}", cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     warnings = [line for line in (proc.stdout + proc.stderr).splitlines() if "[WARNING]" in line]
-    assert len(warnings) == 1 and "the verl planner plans with no cost model" in warnings[0], warnings
+    assert len(warnings) == 2 and "the verl planner plans with no cost model" in warnings[1], warnings
+    # and a dry run streams nothing: logger.mode=online is said, not silently dropped
+    assert "logger.mode=online: a dry run starts no W&B run" in warnings[0], warnings
     assert load_json(run / "results.json")["cost_model"] == "flops"

@@ -56,6 +56,21 @@ def test_a_key_added_with_plus_that_the_schema_lacks_is_refused_naming_it(overri
     assert line.startswith(line_starts) and valid in line, line
 
 
+def test_a_thread_count_or_a_logger_mode_that_would_be_ignored_is_one_line_naming_it(monkeypatch):
+    """OMP_NUM_THREADS=abc or 0 (torch would take its own count) and logger.mode=bogus (a 4-line warning from W&B's
+    settings, then exit 0) are refused before anything runs."""
+    for value in ("abc", "0"):
+        monkeypatch.setenv("OMP_NUM_THREADS", value)
+        line = config_error("dry_run=true")
+        assert line is not None and line.startswith(f"OMP_NUM_THREADS: '{value}' is not a positive integer"), line
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert config_error("dry_run=true") is None
+    line = config_error("dry_run=true", "logger.mode=bogus")
+    assert line == ("logger.mode: 'bogus' is not a W&B mode (valid: online, offline, disabled; its default follows "
+                    "WANDB_MODE)"), line
+    assert config_error("dry_run=true", "logger=none") is None
+
+
 def test_the_defaults_are_valid():
     assert config_error() is None
 

@@ -72,8 +72,8 @@ def test_lengths_file(tmp_path):
     "content, needle",
     [
         ("10\n0\n", "length 0 is not positive"),
-        ("10\n100000000000\n", r"lengths.txt:2: length 100,000,000,000 is longer than any workload may hold "
-                               r"\(valid: 1..16,777,216 tokens\)"),  # was an out of memory of 745 GiB
+        ("10\n100000000000\n", (r"lengths.txt:2: length 100,000,000,000 is longer than any workload may hold "
+                                r"\(valid: 1..16,777,216 tokens\)")),  # was an out of memory of 745 GiB
         ("10\nabc\n", "'abc' is not an integer"),
         ("\n# nothing\n", "holds no lengths"),
     ],
