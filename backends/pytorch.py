@@ -140,7 +140,7 @@ class PyTorchBackend(Backend):
         examples, pass_type, timeout_s = command.examples, command.pass_type, command.timeout_s
         oom = None
         clock = StepClock(self.device, on_step_end=on_step_end)
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         clock.start()
         try:
             # an out of memory leaves it with the failed step's tensors still held: the snapshot shows them
@@ -175,7 +175,18 @@ class PyTorchBackend(Backend):
         end = clock.end_event()
         synchronize(self.device)
         step_s = time.perf_counter() - t0  # copying the outputs to the host comes after
+        self._flag_waiting_threads(pass_type, time.process_time() - cpu0, step_s)
         return pending, grad_norm, step_s, clock.finish(end)
+
+    def _flag_waiting_threads(self, pass_type: str, cpu_s: float, step_s: float) -> None:
+        """One warning for a CPU pass whose threads computed less than half of its time: they waited for cores
+        the machine gave to others, so the time measures the machine's load, not the batching."""
+        threads = getattr(self, "threads_per_rank", None)
+        if self.device.type != "cpu" or not threads or step_s <= 0 or cpu_s >= 0.5 * threads * step_s:
+            return
+        log.warning("pytorch %s: its %d thread(s) computed %.0f%% of the pass's %.2f s (%.2f CPU-seconds): they "
+                    "waited for cores busy elsewhere, so this time is the machine's load, not the batching",
+                    pass_type, threads, 100.0 * cpu_s / (threads * step_s), step_s, cpu_s)
 
     def close(self) -> None:
         # Release the model, then hand its memory back (gc, the CUDA cache, glibc's heap), so a later
