@@ -37,7 +37,7 @@ def child(n_examples: int, length: int, repeat: int) -> None:
     from backends.specs import BackendSpec, ModelSpec
     from harness.data.workload import make_examples
 
-    backend = PyTorchBackend(BackendSpec(name="pytorch", device="cpu"), ModelSpec())
+    backend = PyTorchBackend(BackendSpec(name=PyTorchBackend.name, device="cpu"), ModelSpec())
     examples = make_examples([length] * n_examples, 2048, seed=0)
     command = make_command("forward_backward", examples, None, 1)
     backend.run_pass(command)
