@@ -31,7 +31,8 @@ def test_a_pass_whose_threads_waited_for_cores_is_flagged_once(caplog):
 
     backend = SimpleNamespace(device=torch.device("cpu"), threads_per_rank=2)  # what the check reads of a backend
     with caplog.at_level(logging.WARNING, logger="backends.pytorch"):
-        PyTorchBackend._flag_waiting_threads(backend, "forward", cpu_s=0.6, step_s=4.0)  # 7.5% of 2 threads
-        PyTorchBackend._flag_waiting_threads(backend, "forward", cpu_s=7.0, step_s=4.0)  # both threads busy
+        PyTorchBackend._flag_waiting_threads(backend, "forward", cpu_s=0.6, step_s=4.0)  # 0.15 s a second
+        PyTorchBackend._flag_waiting_threads(backend, "forward", cpu_s=3.8, step_s=4.0)  # one thread always busy
     (line,) = [r.getMessage() for r in caplog.records]
-    assert line.startswith("pytorch forward: its 2 thread(s) computed 8% of the pass's 4.00 s (0.60 CPU-seconds)")
+    assert line.startswith("pytorch forward: its 2 thread(s) computed 0.60 CPU-seconds in the pass's 4.00 s: they "
+                           "waited for cores busy elsewhere"), line
