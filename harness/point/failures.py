@@ -49,8 +49,9 @@ def interrupted(results: PointResults, out_dir: Path, label: str) -> None:
 
 
 def in_process_out_of_memory(cfg, exc: Exception) -> Optional[BackendError]:
-    """An in-process backend's (pytorch's) bench.memory_limit_gb holds the harness's own process: an allocation, or a thread (the
-    samplers' stacks), refused there is the limit, status oom as any backend's; None for anything else."""
+    """An in-process backend's (pytorch's) bench.memory_limit_gb holds the harness's own process: an allocation, or
+    a thread (the samplers' stacks), refused there is the limit, status oom as any backend's; None for anything
+    else."""
     from omegaconf import OmegaConf
 
     from backends.errors import first_line

@@ -3,7 +3,6 @@ the cache, and one line for every bad input (harness/data/dataset.py)."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -22,7 +21,7 @@ pytestmark = pytest.mark.unit
 
 def spec(path, tokenizer, cache_dir, **kw) -> WorkloadSpec:
     base = dict(name="dataset", kind="dataset", path=str(path), tokenizer=None if tokenizer is None else str(tokenizer),
-                cache_dir=str(cache_dir),
+                cache_dir=None if cache_dir is None else str(cache_dir),
                 truncate_to=None, n_examples=None, shuffle=False)
     return WorkloadSpec(**{**base, **kw})
 
@@ -123,7 +122,7 @@ def test_the_cache_is_read_on_a_second_run_and_invalidated_by_a_change(tmp_path,
     path.write_bytes(path.read_bytes()[:100])
     assert not load_dataset(s, None).record["cache"]["hit"]
     assert (
-        load_dataset(spec(f, demo_data["tokenizer"], tmp_path / "cache", cache=False), None).record["cache"]["path"]
+        load_dataset(spec(f, demo_data["tokenizer"], None, cache=False), None).record["cache"]["path"]
         is None
     )
 
@@ -340,8 +339,7 @@ def test_a_cache_dir_that_is_a_file_is_one_line_before_anything_is_tokenized(tmp
                                             r"writes no cache, so it would be ignored") as e:
             load_dataset(spec(demo_data["text"], demo_data["tokenizer"], cache_dir, format="text", cache=False), None)
         _one_line(e)
-    uncached = dataclasses.replace(spec(demo_data["text"], demo_data["tokenizer"], None, format="text", cache=False),
-                                   cache_dir=None)
+    uncached = spec(demo_data["text"], demo_data["tokenizer"], None, format="text", cache=False)
     assert load_dataset(uncached, None).record["cache"]["path"] is None
 
 
