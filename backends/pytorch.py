@@ -10,7 +10,7 @@ import time
 import torch
 
 from backends.backend import Backend
-from backends.errors import BackendError
+from backends.errors import BackendError, first_line
 from backends.messages import PassCommand, PassResult
 from backends.model import compiling, kernels
 from backends.model.build import build_model, describe_model, describe_precision, load_method
@@ -28,6 +28,7 @@ from backends.runtime.devices import resolve_device, use_threads_per_rank
 from backends.runtime.job import resolve_world_size
 from backends.runtime.memory import (
     MemoryHistory,
+    data_segment_bytes,
     is_out_of_memory,
     limit_memory,
     oom_message,
@@ -42,6 +43,8 @@ from backends.specs import BackendSpec, ModelSpec
 
 log = logging.getLogger(__name__)
 
+_ROOM_BYTES = 64 * 1024**2  # below this much room under the limit nothing is built: not even a thread's stack fits
+
 
 class PyTorchBackend(Backend):
     name = "pytorch"
@@ -52,7 +55,7 @@ class PyTorchBackend(Backend):
         self.device = resolve_device(spec.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(0)
-        self._previous_limit = limit_memory(spec.memory_limit_gb, self.device)
+        self._previous_limit = self._limit_memory()
         # One rank in this process: its threads by the rule every backend's ranks follow; put back at close.
         self._previous_threads = torch.get_num_threads()
         if self.device.type == "cpu":
@@ -66,10 +69,33 @@ class PyTorchBackend(Backend):
             self.model_info["compile"] = compiling.describe(self.model) if spec.compile else None
             self.precision = describe_precision(self.model, None)  # one process: nothing reduced
             self.load_info = merge_load_records(load_method(model), [meter.as_dict()])
-        except BaseException:
+        except BaseException as exc:
             restore_memory_limit(self._previous_limit)
             torch.set_num_threads(self._previous_threads)
+            if is_out_of_memory(exc):  # a result, as the other backends' ranks report it
+                raise BackendError(f"out of memory in start-up (bench.memory_limit_gb={spec.memory_limit_gb:g}): "
+                                   f"{first_line(str(exc), 200) or type(exc).__name__} while building the model",
+                                   status="oom") from None
             raise
+
+    def _limit_memory(self):
+        """bench.memory_limit_gb on this process, which is also the harness's: what building the model imports is
+        imported first (under the limit an import fails with an empty MemoryError, or a library's unchecked
+        allocation crashes the process), and a limit below what the process holds already is an out of memory at
+        once, not a limit applied to the harness."""
+        limit_gb = self.spec.memory_limit_gb
+        if limit_gb is None or self.device.type != "cpu":
+            return limit_memory(limit_gb, self.device)
+        import peft  # noqa: F401 - imported before the limit (above)
+        from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig  # noqa: F401 - as above
+
+        held = data_segment_bytes()
+        if held is not None and held + _ROOM_BYTES > limit_gb * 1024**3:
+            raise BackendError(f"out of memory in start-up: bench.memory_limit_gb={limit_gb:g} is less than this "
+                               f"process holds before the model ({held / 1024**3:.2f} GiB: the pytorch backend runs "
+                               "in the harness's own process, whose imports count); give it more, or use a "
+                               "distributed backend, whose ranks are limited alone", status="oom")
+        return limit_memory(limit_gb, self.device)
 
     def _run_pass(self, command: PassCommand) -> PassResult:
         examples = command.examples
@@ -114,7 +140,7 @@ class PyTorchBackend(Backend):
         examples, pass_type, timeout_s = command.examples, command.pass_type, command.timeout_s
         oom = None
         clock = StepClock(self.device, on_step_end=on_step_end)
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         clock.start()
         try:
             # an out of memory leaves it with the failed step's tensors still held: the snapshot shows them
@@ -149,7 +175,20 @@ class PyTorchBackend(Backend):
         end = clock.end_event()
         synchronize(self.device)
         step_s = time.perf_counter() - t0  # copying the outputs to the host comes after
+        self._flag_waiting_threads(pass_type, time.process_time() - cpu0, step_s)
         return pending, grad_norm, step_s, clock.finish(end)
+
+    def _flag_waiting_threads(self, pass_type: str, cpu_s: float, step_s: float) -> None:
+        """One warning for a CPU pass that computed for less than half of its time: a compute-bound pass keeps at
+        least its main thread busy (idle threads sleep), so its threads waited for cores the machine gave to others
+        (0.26-0.32 CPU-seconds a second on a loaded 2-core machine), and the time measures the load, not the
+        batching."""
+        threads = getattr(self, "threads_per_rank", None)
+        if self.device.type != "cpu" or not threads or step_s <= 0 or cpu_s >= 0.5 * step_s:
+            return
+        log.warning("pytorch %s: its %d thread(s) computed %.2f CPU-seconds in the pass's %.2f s: they waited for "
+                    "cores busy elsewhere, so this time is the machine's load, not the batching",
+                    pass_type, threads, cpu_s, step_s)
 
     def close(self) -> None:
         # Release the model, then hand its memory back (gc, the CUDA cache, glibc's heap), so a later

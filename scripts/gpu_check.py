@@ -795,6 +795,9 @@ def parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
         ap.error(f"--examples: must be >= 1, got {args.examples}")
     if args.gpus is not None and args.gpus < 1:
         ap.error(f"--gpus: must be >= 1, got {args.gpus}")
+    if args.gpus is not None and not (args.plan and args.device == "cuda"):  # a run uses the GPUs it finds
+        ap.error("--gpus: plans for that many GPUs with --plan --device cuda only, and would be ignored here; add "
+                 "--plan --device cuda, or drop --gpus")
     return args
 
 

@@ -26,10 +26,22 @@ def threads_per_rank(ranks_on_host: int) -> int:
     threads than cores, as torch's per-process default gives every rank, makes each parallel step wait for a thread
     without a core (the in-process PyTorch backend at 81 tok/s fwd+bwd on a loaded machine, 7,672 with one thread).
     """
-    given = os.environ.get("OMP_NUM_THREADS", "").strip()
-    if given.isdigit() and int(given) > 0:
-        return int(given)
+    given = omp_num_threads()
+    if given is not None:
+        return given
     return max(1, usable_cpu_cores() // max(1, ranks_on_host))
+
+
+def omp_num_threads() -> Optional[int]:
+    """OMP_NUM_THREADS as a thread count, None when unset; a UserError when it is set to anything but a positive
+    integer ("abc", "0": torch would fall back to its own count, and the user's setting would be ignored)."""
+    given = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if not given:
+        return None
+    if not (given.isascii() and given.isdigit() and int(given) > 0):
+        raise UserError(f"OMP_NUM_THREADS: {given!r} is not a positive integer (valid: threads per rank, 1 or more, "
+                        f"{usable_cpu_cores()} cores here; or unset it: the cores shared evenly by the ranks)")
+    return int(given)
 
 
 def use_threads_per_rank(ranks_on_host: int) -> int:

@@ -28,7 +28,13 @@ from typing import Any, Optional
 from backends.errors import UserError
 from backends.registry import is_distributed
 from backends.runtime.launcher import LaunchEnv, check_world_size, detect_launch
-from backends.runtime.liveness import HEARTBEAT_EVERY_S, STALE_AFTER_S, Heartbeats, die_with_parent
+from backends.runtime.liveness import (
+    HEARTBEAT_EVERY_S,
+    STALE_AFTER_S,
+    Heartbeats,
+    die_with_parent,
+    stopped_line,
+)
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +144,7 @@ class LaunchedJob:
         """Rank 0: a rank whose heartbeat stopped, as a phrase; None while all beat."""
         for rank in range(1, self.world_size):
             if self._peers.stale(rank):
-                return f"rank {rank} stopped answering (killed or hung: no heartbeat for {STALE_AFTER_S:g} s)"
+                return stopped_line(rank)
         return None
 
     def peer_failure(self) -> Optional[tuple[str, str, Optional[str]]]:

@@ -1,16 +1,18 @@
 """Liveness, written once: a process that dies with its parent, and heartbeat counters that tell a stopped rank.
 
-Each process of a launched job adds 1 to its ``hb/<rank>`` counter in the job's
-store every ``HEARTBEAT_EVERY_S``; a reader declares a rank whose counter has
-not moved for ``STALE_AFTER_S`` hung or stopped (killed, SIGSTOPped, stuck with
-the interpreter locked). Rank 0's peer checks, the other ranks' watch of rank 0
-and every rank's watchdog process read the counters through ``Heartbeats``.
+Each rank, spawned or launched, adds 1 to its ``hb/<rank>`` counter in its
+job's store every ``HEARTBEAT_EVERY_S``; a reader declares a rank whose counter
+has not moved for ``STALE_AFTER_S`` hung or stopped (SIGSTOPped, stuck with the
+interpreter locked). The spawned ranks' controller, a launched job's rank 0 (its
+peer checks), the other ranks' watch of rank 0 and every launched rank's
+watchdog process read the counters through ``Heartbeats``.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 
@@ -63,6 +65,29 @@ class Heartbeats:
             self._seen[rank] = (count, now)
             return False
         return now - last[1] > STALE_AFTER_S
+
+
+def stopped_line(rank: int) -> str:
+    """How a rank whose heartbeat stopped is named, the same for spawned and launched ranks."""
+    return f"rank {rank} stopped answering (killed or hung: no heartbeat for {STALE_AFTER_S:g} s)"
+
+
+def start_heartbeat(store, rank: int) -> threading.Thread:
+    """A daemon thread that adds 1 to ``hb/<rank>`` in ``store`` every ``HEARTBEAT_EVERY_S`` while this process runs
+    (a spawned rank; a launched job's beat also watches rank 0: backends/runtime/job.py). A store that stops answering
+    ends the beat: the controller then sees the rank as stopped, and stops every rank."""
+
+    def beat() -> None:
+        try:
+            while True:
+                store.add(f"hb/{rank}", 1)
+                time.sleep(HEARTBEAT_EVERY_S)
+        except Exception:  # noqa: BLE001 - the controller is gone or going: nothing to tell it
+            return
+
+    thread = threading.Thread(target=beat, name="heartbeat", daemon=True)
+    thread.start()
+    return thread
 
 
 def process_record() -> dict:

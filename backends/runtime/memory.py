@@ -97,6 +97,15 @@ def limit_memory(limit_gb: Optional[float], device: torch.device) -> Optional[Me
     return planned
 
 
+def data_segment_bytes(pid: Any = "self") -> Optional[int]:
+    """What RLIMIT_DATA counts of a process (its VmData), None where /proc does not say (not Linux)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmData:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+
+
 def restore_memory_limit(previous: Optional[MemoryLimit]) -> None:
     """Undo a ``limit_memory`` (None: nothing was set)."""
     if previous is not None:

@@ -33,8 +33,8 @@ from backends.runtime.devices import resolve_device, usable_cpu_cores, use_threa
 from backends.runtime.failures import Failure, blame, collective_timeout, failure_report
 from backends.runtime.forkserver import apply_environment, rank_context, release_fork_server
 from backends.runtime.job import resolve_world_size
-from backends.runtime.liveness import die_with_parent
-from backends.runtime.memory import limit_memory
+from backends.runtime.liveness import HEARTBEAT_EVERY_S, Heartbeats, die_with_parent, start_heartbeat, stopped_line
+from backends.runtime.memory import data_segment_bytes, limit_memory
 from backends.runtime.ranks import rank_commands, run_command, start_rank
 from backends.specs import BackendSpec, ModelSpec
 
@@ -102,9 +102,12 @@ def worker_main(
         if base.type == "cpu":  # every rank of this backend runs on this host
             use_threads_per_rank(world_size)
         device = _device_for_rank(base, rank)
-        # The reply queue's feeder thread starts with its first message: started before the memory limit, so a rank
-        # that cannot start threads under the limit can still say why.
+        # The reply queue's feeder thread starts with its first message, and the heartbeat's thread (with its own
+        # client of the store: a rank blocked on the other is still beating): both before the memory limit, so a
+        # rank that cannot start threads under the limit can still say why, and a stopped one is told from it.
         replies.put(("starting", rank, None))
+        start_heartbeat(dist.TCPStore("127.0.0.1", store_port, None, is_master=False,
+                                      timeout=timedelta(seconds=spec.dist_timeout_s)), rank)
         limit_memory(spec.memory_limit_gb, device)
         store = dist.TCPStore("127.0.0.1", store_port, world_size + 1, is_master=False,
                               timeout=timedelta(seconds=spec.dist_timeout_s))
@@ -203,6 +206,11 @@ def _describe_exit(code: Optional[int]) -> str:
     return f"exited with code {code}"
 
 
+def _seconds(elapsed: float) -> str:
+    """An elapsed time as a deadline's message says it: tenths below 10 s (a 0.5 s deadline is not "after 1 s")."""
+    return f"{elapsed:.1f} s" if elapsed < 10 else f"{elapsed:.0f} s"
+
+
 def _startup_log(name: str, rank: int) -> str:
     fd, path = tempfile.mkstemp(prefix=f"{name}-rank{rank}-start-up-", suffix=".log")
     os.close(fd)
@@ -216,6 +224,7 @@ class DistributedBackend(Backend):
 
     def __init__(self, spec: BackendSpec, model: ModelSpec, hooks_path: Optional[str] = None):
         super().__init__(spec, model)
+        started = time.monotonic()  # backend.startup_timeout_s counts from here: starting the fork server included
         self.device = resolve_device(spec.device)
         self.world_size = resolve_world_size(spec.name, spec.world_size, self.device.type)
         if self.device.type == "cuda" and self.world_size > torch.cuda.device_count():
@@ -240,6 +249,7 @@ class DistributedBackend(Backend):
         ctx = rank_context()
         self.store = dist.TCPStore("127.0.0.1", 0, self.world_size + 1, is_master=True, wait_for_workers=False,
                                    timeout=timedelta(seconds=spec.dist_timeout_s))
+        self.heartbeats = Heartbeats(self.store)  # each rank's beat (backends/runtime/liveness.py)
         self.replies = ctx.Queue()
         self.log_queue = ctx.Queue()
         self.logs = _LogForwarder(self.log_queue)
@@ -270,7 +280,7 @@ class DistributedBackend(Backend):
             self.procs.append(p)
         try:
             ready = self._collect("ready", timeout_s=spec.startup_timeout_s, what="start-up", progress_every_s=30.0,
-                                  timeout_key="backend.startup_timeout_s")
+                                  timeout_key="backend.startup_timeout_s", start=started)
             self.model_info, self.precision = split_precision(ready[0]["built"])
             self.load_info = merge_load_records(ready[0]["method"], [ready[r]["load"] for r in range(self.world_size)])
             self.threads_per_rank = ready[0]["threads"]  # what the ranks run with (every rank sets the same)
@@ -319,10 +329,14 @@ class DistributedBackend(Backend):
         return None
 
     def _collect(self, kind: str, timeout_s: Optional[float], what: str, progress_every_s: Optional[float] = None,
-                 timeout_key: str = "bench.pass_timeout_s") -> dict[int, Any]:
-        """Wait for one reply per rank; any error or death ends the wait at once, naming the rank."""
+                 timeout_key: str = "bench.pass_timeout_s", start: Optional[float] = None) -> dict[int, Any]:
+        """Wait for one reply per rank; any error, death or stopped heartbeat ends the wait, naming the rank.
+
+        ``start``: when the deadline's clock started (start-up: before the ranks were spawned), else now.
+        """
         got: dict[int, Any] = {}
-        start = last_progress = time.monotonic()
+        start = time.monotonic() if start is None else start
+        last_progress = last_beat_check = time.monotonic()
         while len(got) < self.world_size:
             if progress_every_s is not None and time.monotonic() - last_progress >= progress_every_s:
                 last_progress = time.monotonic()
@@ -335,10 +349,15 @@ class DistributedBackend(Backend):
                         self._abort_timed_out_collective(what)
                         self._abort(*self._under_limit(f"rank {rank} {_describe_exit(p.exitcode)} during {what}",
                                                        what, "error"))
+                if time.monotonic() - last_beat_check >= HEARTBEAT_EVERY_S:
+                    last_beat_check = time.monotonic()
+                    stopped = self._stopped_rank()
+                    if stopped is not None:
+                        self._abort(f"{stopped_line(stopped)} during {what}; every rank was stopped")
                 elapsed = time.monotonic() - start
                 if timeout_s is not None and elapsed > timeout_s:
                     starved = [r for r, p in enumerate(self.procs) if r not in got and self._at_limit(p.pid)]
-                    message = (f"{what}: {len(got)}/{self.world_size} ranks ready after {elapsed:.0f} s, past "
+                    message = (f"{what}: {len(got)}/{self.world_size} ranks ready after {_seconds(elapsed)}, past "
                                f"{timeout_key}={timeout_s:g}")
                     if starved:
                         self._abort(*self._under_limit(f"{message}, rank {starved[0]} at its limit; every rank was "
@@ -350,6 +369,17 @@ class DistributedBackend(Backend):
             if msg_kind == kind:
                 got[rank] = payload
         return got
+
+    def _stopped_rank(self) -> Optional[int]:
+        """A rank that has beaten and whose heartbeat has since stood still for STALE_AFTER_S (SIGSTOPped, or hung
+        with the interpreter locked), None while all beat. A rank not yet beating is start-up's deadline's."""
+        try:
+            for rank in range(self.world_size):
+                if self.heartbeats.count(rank) > 0 and self.heartbeats.stale(rank):
+                    return rank
+        except Exception:  # noqa: BLE001 - this process's own store: gone only while it closes
+            return None
+        return None
 
     def _abort_timed_out_collective(self, what: str) -> None:
         """A rank NCCL's watchdog ended (a collective past backend.dist_timeout_s, loading's broadcasts among them) is
@@ -371,12 +401,8 @@ class DistributedBackend(Backend):
         bench.memory_limit_gb: too close to be sure of starting another thread (its stack alone is 8 MiB)."""
         if self.spec.memory_limit_gb is None or pid is None or self.device.type != "cpu":
             return False
-        try:
-            with open(f"/proc/{pid}/status") as f:
-                data = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmData:"))
-        except (OSError, StopIteration, ValueError, IndexError):
-            return False
-        return data > self.spec.memory_limit_gb * 1024**3 - _THREAD_ROOM_BYTES
+        data = data_segment_bytes(pid)
+        return data is not None and data > self.spec.memory_limit_gb * 1024**3 - _THREAD_ROOM_BYTES
 
     def _under_limit(self, message: str, what: str, status: str) -> tuple[str, None, str]:
         """A start-up that died with no report of its own, or hung at its limit, as ``_abort``'s arguments: under

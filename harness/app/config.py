@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Dict, Optional, Sequence
 
 from hydra.core.config_store import ConfigStore
@@ -199,6 +199,25 @@ RENAMED = {"seed": "token_seed (it seeds the generated token ids; workload.seed 
 _AMBIGUOUS = re.compile(r"Ambiguous value for argument '([^=']+)=(.*)'")
 
 
+def check_known_keys(cfg: DictConfig, path: str = "") -> None:
+    """A key the schema does not have (added with ``+key=value``, or by a preset) is refused in one line naming it and
+    what is valid there (a renamed one: its new name): to_object would drop it, so it would do nothing."""
+    kind = OmegaConf.get_type(cfg)
+    if not (isinstance(kind, type) and is_dataclass(kind)):
+        return  # a free-form node (logger, a preset's batching): its reader checks it
+    known = [f.name for f in fields(kind)]
+    for key in cfg.keys():
+        full = f"{path}{key}"
+        if key not in known:
+            if full in RENAMED:
+                raise UserError(f"{full}: renamed {RENAMED[full]}")
+            where = f"under {path[:-1]}" if path else "at the top level"
+            raise UserError(f"{full}: not a config key, so it would do nothing (valid {where}: {', '.join(known)})")
+        child = cfg._get_node(key)
+        if isinstance(child, DictConfig) and not child._is_missing() and not child._is_none():
+            check_known_keys(child, f"{full}.")
+
+
 def _override_in(message: str) -> str:
     for prefix in ("Error merging override ", "Could not override "):
         if message.startswith(prefix):
@@ -239,9 +258,20 @@ def _packs(model: ModelSpec) -> bool:
     return True
 
 
+# W&B's modes a user means (wandb.init also takes its aliases "dryrun" and "run", which no page here names).
+LOGGER_MODES = ("online", "offline", "disabled")
+
+
 def validate(cfg: HarnessConfig) -> None:
     """Checks of values (types are checked by Hydra against the schema)."""
+    from backends.runtime.devices import omp_num_threads
+
     backend_entry(cfg.backend.name)  # "backend.name: '...' is not a backend (valid: ...)"
+    omp_num_threads()  # the environment's thread count: refused here, before anything runs, not in a rank
+    logger = cfg.logger if isinstance(cfg.logger, dict) else {}
+    if logger.get("name") not in (None, "none") and logger.get("mode") not in LOGGER_MODES:
+        raise UserError(f"logger.mode: {logger.get('mode')!r} is not a W&B mode (valid: {', '.join(LOGGER_MODES)}; "
+                        "its default follows WANDB_MODE)")
     check_mtpm(cfg.mtpm)
     _positive_int("mtpm", cfg.backend.max_tokens_per_microbatch, allow_none=True)
     _positive_int("mbs", cfg.backend.micro_batch_size)
@@ -357,9 +387,24 @@ def without_auto(cfg: DictConfig) -> DictConfig:
 def check_calibration_keys(cfg: DictConfig) -> None:
     """``calibration.*`` set while cost_model=flops is refused in one line naming both: nothing is calibrated, so the
     settings would be ignored silently. In a multirun they are the sweep's: its flops points carry them for its
-    calibrated ones (cost_model=flops,calibrated), so a multirun's points are not refused."""
+    calibrated ones (cost_model=flops,calibrated), so a multirun's points are not refused here; the sweep as a whole
+    is (``check_sweep_calibration``)."""
     if OmegaConf.select(cfg, "cost_model", throw_on_resolution_failure=False) == CALIBRATED or _in_multirun():
         return
+    _refuse_calibration_keys(cfg, "this run has")
+
+
+def check_sweep_calibration(configs: Sequence[Any]) -> None:
+    """A multirun's ``calibration.*`` with no point of cost_model=calibrated is refused as a single run's is: no
+    point would read them. ``configs``: the points' composed configs (None: one that does not compose)."""
+    composed = [c for c in configs if c is not None]
+    if not composed or any(OmegaConf.select(c, "cost_model", throw_on_resolution_failure=False) == CALIBRATED
+                           for c in composed):
+        return
+    _refuse_calibration_keys(composed[0], "no point of this sweep has cost_model=calibrated; they have")
+
+
+def _refuse_calibration_keys(cfg: Any, which: str) -> None:
     given = OmegaConf.select(cfg, "calibration", throw_on_resolution_failure=False) or {}
     defaults = CalibrationConfig()
     shown = lambda v: "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)  # noqa: E731
@@ -367,7 +412,7 @@ def check_calibration_keys(cfg: DictConfig) -> None:
              if hasattr(defaults, k) and given[k] != getattr(defaults, k)]
     if typed:
         cost_model = OmegaConf.select(cfg, "cost_model", throw_on_resolution_failure=False)
-        raise UserError(f"{', '.join(typed)}: calibration.* sets up cost_model=calibrated, and this run has "
+        raise UserError(f"{', '.join(typed)}: calibration.* sets up cost_model=calibrated, and {which} "
                         f"cost_model={cost_model}, which calibrates nothing; set cost_model=calibrated, or drop "
                         f"{'it' if len(typed) == 1 else 'them'}")
 
@@ -384,6 +429,7 @@ def resolve_config(cfg: DictConfig) -> HarnessConfig:
     """Hydra's composed config as a checked HarnessConfig; a UserError with one line when it is not valid."""
     try:
         check_mtpm(OmegaConf.select(cfg, "mtpm", throw_on_resolution_failure=False))
+        check_known_keys(cfg)
         check_spellings(cfg)
         check_calibration_keys(cfg)
         spec = OmegaConf.to_object(without_auto(cfg))

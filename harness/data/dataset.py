@@ -172,6 +172,9 @@ def check_options(spec) -> None:
 def cache_folder(spec) -> Path:
     """The folder tokens are cached in, absolute; with the cache on, a UserError (before anything is tokenized) when
     it is a file or lies under one: nothing could ever be written there."""
+    if spec.cache_dir and not spec.cache:
+        raise UserError(f"workload.cache_dir: '{spec.cache_dir}' is set, and workload.cache=false reads and writes no "
+                        "cache, so it would be ignored; drop it, or set workload.cache=true")
     key = "workload.cache_dir" if spec.cache_dir else "workload.cache_dir (default: $BALANCE_BATCH_CACHE or ~/.cache)"
     folder = Path(os.path.abspath(Path(spec.cache_dir).expanduser() if spec.cache_dir else default_cache_dir()))
     if spec.cache:
@@ -179,7 +182,7 @@ def cache_folder(spec) -> Path:
         if not existing.is_dir():
             where = "is a file" if existing == folder else f"lies under the file '{existing}'"
             raise UserError(f"{key}: '{folder}' {where}, not a folder (expected a folder for the tokenized rows, "
-                            "created if absent; or workload.cache=false)")
+                            "created if absent; or workload.cache=false and no cache_dir)")
     return folder
 
 
@@ -230,14 +233,27 @@ def load_dataset(spec, model_path: Optional[str]) -> DatasetExamples:
     })
 
 
+# The roles chat templates know: only 'assistant' turns are trained, the others are the prompt.
+_CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function", "ipython"})
+
+
 def _warn_of_roles(tokens: Tokenized, path: str) -> None:
-    """One warning for turns whose role is 'assistant' in another case or with spaces ('Assistant'): roles are
-    matched exactly, as a trainer matches them, so those turns train nothing."""
+    """One warning for turns whose role is 'assistant' in another case or with spaces ('Assistant'), and one for rows
+    with no assistant turn among roles of another convention ('human', 'bot'): roles are matched exactly, as a trainer
+    matches them, so those turns train nothing."""
     for role, (turns, rows) in tokens.roles.items():
         if role != "assistant" and role.strip().lower() == "assistant":
             log.warning("workload.path: %s: %s turns in %s of %s rows have the role %r, which is not 'assistant' "
                         "(roles are matched exactly): none of their tokens is trained; write 'assistant'", path,
                         f"{turns:,}", f"{rows:,}", f"{tokens.rows:,}", role)
+    # Roles of another convention (ShareGPT's human/gpt, bot, model): rows with no assistant turn train nothing.
+    other = sorted(r for r in tokens.roles if r not in _CHAT_ROLES and r.strip().lower() != "assistant")
+    without = tokens.rows - tokens.roles.get("assistant", [0, 0])[1]
+    if other and without:
+        log.warning("workload.path: %s: %s of %s rows have no turn with the role 'assistant' (roles there include "
+                    "%s, which no mask trains): none of their tokens is trained; name the model's turns "
+                    "'assistant' and the user's 'user'", path, f"{without:,}", f"{tokens.rows:,}",
+                    ", ".join(repr(r) for r in other))
 
 
 def select(tokens: Tokenized, spec, record: dict) -> DatasetExamples:

@@ -61,6 +61,10 @@ def chat_lengths(n_examples: int, min_len: int, max_len: int, seed: int) -> list
 _LENGTH = re.compile(r"[+-]?[0-9]+")
 # The optional first line of a histogram file, as a spreadsheet or pandas writes it.
 _HEADER = re.compile(r"length\s*,\s*count", re.IGNORECASE)
+# The longest sequence a workload may hold: 16,777,216 tokens (a million-token context and then some). Its token ids
+# alone are built in memory at 8 bytes a token, so a length of 10**11 (a typo) asked for 745 GiB and failed as an
+# out of memory, where the file's line is the mistake.
+MAX_LENGTH = 2**24
 PLAIN, HISTOGRAM = "lengths", "histogram"  # LengthsFile.format: one length per line, or length,count lines
 _FORMAT_WORDS = {PLAIN: "one length per line", HISTOGRAM: "length,count lines"}
 
@@ -126,7 +130,15 @@ def _positive(where: str, what: str, text: str, needs: str) -> int:
     n = int(text)
     if n <= 0:
         raise UserError(f"workload.path: {where}: {what} {n} is not positive ({needs})")
+    if what == "length":
+        _check_length(where, n)
     return n
+
+
+def _check_length(where: str, n: int) -> None:
+    if n > MAX_LENGTH:
+        raise UserError(f"workload.path: {where}: length {n:,} is longer than any workload may hold (valid: "
+                        f"1..{MAX_LENGTH:,} tokens)")
 
 
 def load_lengths_file(path: str) -> LengthsFile:
@@ -171,6 +183,7 @@ def load_lengths_file(path: str) -> LengthsFile:
             if n <= 0:
                 raise UserError(f"workload.path: {where}: length {n} is not positive (every sequence needs at least 1 "
                                 "token)")
+            _check_length(where, n)
             lengths.append(n)
             continue
         fields = [f.strip() for f in line.split(",")]
@@ -356,6 +369,9 @@ def load_workload(spec: WorkloadSpec, model=None, check_vocabulary: bool = True)
             raise UserError(f"workload.{key}: must be a positive integer, got {'null' if value is None else value}")
     if spec.max_len < spec.min_len:
         raise UserError(f"workload.max_len: must be >= workload.min_len ({spec.min_len}), got {spec.max_len}")
+    if spec.max_len > MAX_LENGTH:
+        raise UserError(f"workload.max_len: must be at most {MAX_LENGTH:,} tokens (the longest sequence a workload may "
+                        f"hold), got {spec.max_len:,}")
     generate = functools.partial(_generated, spec)
     if spec.n_tokens:  # a first guess of the count from the longest length; tokens_prefix doubles it as needed
         return Workload(tokens_prefix(generate, spec.n_tokens, 2 * math.ceil(spec.n_tokens / spec.max_len)))

@@ -7,6 +7,7 @@ import logging
 import os
 import traceback
 from pathlib import Path
+from typing import Optional
 
 from backends.errors import BackendError, UserError
 from harness.app.roles import tell_launcher
@@ -45,6 +46,26 @@ def backend_failed(results: PointResults, out_dir: Path, label: str, exc: Backen
 def interrupted(results: PointResults, out_dir: Path, label: str) -> None:
     log.error("%sinterrupted; finished passes are kept in %s", label, out_dir / RESULTS_FILE)
     results.fail("interrupted", "interrupted (Ctrl-C or SIGTERM) before the point finished")
+
+
+def in_process_out_of_memory(cfg, exc: Exception) -> Optional[BackendError]:
+    """An in-process backend's (pytorch's) bench.memory_limit_gb holds the harness's own process: an allocation, or
+    a thread (the samplers' stacks), refused there is the limit, status oom as any backend's; None for anything
+    else."""
+    from omegaconf import OmegaConf
+
+    from backends.errors import first_line
+    from backends.registry import is_distributed
+    from backends.runtime.memory import is_out_of_memory, is_thread_start_failure
+
+    limit_gb = OmegaConf.select(cfg, "bench.memory_limit_gb", default=None, throw_on_resolution_failure=False)
+    backend = OmegaConf.select(cfg, "backend.name", default=None, throw_on_resolution_failure=False)
+    in_process = backend is not None and not is_distributed(backend)
+    if limit_gb is None or not in_process or not (is_out_of_memory(exc) or is_thread_start_failure(exc)):
+        return None
+    return BackendError(f"out of memory in the harness's process, which the pytorch backend shares "
+                        f"(bench.memory_limit_gb={limit_gb:g}): {first_line(str(exc), 200) or type(exc).__name__}",
+                        details=traceback.format_exc(), status="oom")
 
 
 def internal_error(results: PointResults, out_dir: Path, label: str, exc: Exception) -> int:

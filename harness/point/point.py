@@ -74,6 +74,9 @@ class Point:
             failures.interrupted(self.results, self.out_dir, self.label)
             raise
         except Exception as exc:  # noqa: BLE001 - any other failure is the point's result (error.txt), not a crash
+            oom = failures.in_process_out_of_memory(self.cfg, exc)
+            if oom is not None:
+                return failures.backend_failed(self.results, self.out_dir, self.label, oom, self.hot)
             return failures.internal_error(self.results, self.out_dir, self.label, exc)
         finally:
             self._close()
@@ -104,6 +107,9 @@ class Point:
             return
         shared = None
         if spec.dry_run:
+            if (spec.logger or {}).get("mode") == "online":  # the run goes on: a dry run is a check before the real one
+                log.warning("%slogger.mode=online: a dry run starts no W&B run, so nothing is streamed (the same "
+                            "command without dry_run=true streams)", self.label)
             backend, setup = None, Setup.dry_run(spec)
             setup.cost_model = self.planner_cost_model(spec, lengths, setup, None)
         else:
@@ -219,9 +225,11 @@ class Point:
 
         if spec.cost_model != CALIBRATED or spec.target.url:
             return setup.cost_model  # a client plans as its server does (Setup.of_backend warns when that differs)
-        if setup.planner == "greedy":  # it fills micro-batches by count and budget: no cost model enters its plan
-            log.info("%scost_model=calibrated: the greedy planner plans with no cost model, so nothing is calibrated "
-                     "(results.json: cost_model flops, the model its plan statistics use)", self.label)
+        if setup.planner != "balanced":  # greedy and the peers plan by count and budget: no cost model enters
+            # greedy: a calibrated sweep's mbs=1 baseline, said quietly; a peer typed beside it: a warning
+            say = log.info if setup.planner == "greedy" else log.warning
+            say("%scost_model=calibrated: the %s planner plans with no cost model, so nothing is calibrated "
+                "(results.json: cost_model flops, the model its plan statistics use)", self.label, setup.planner)
             return setup.cost_model
         ident = calibration_identity(spec, setup.name, setup.world_size, setup.device, max(lengths))
         try:
@@ -337,6 +345,7 @@ class Point:
         flops = flops_record(pass_type, lengths, training, result.plan, spec.backend.gradient_checkpointing,
                              record.elapsed_s, world_size, self.results.doc["peak"], cost_model=self.cost_model,
                              schedules=self.schedules)
+        flops = self._checked_mfu(flops, pass_type, world_size)
         balance = balance_fields(record.timeline, self.schedules, lengths, result.plan.get("layout", "padded"),
                                  is_lockstep(self.results.doc["backend"]), self._prediction_models(spec))
         if pass_type == "forward_backward":  # the point's speedup over mbs=1, measured in pairs (None: unpaired)
@@ -347,6 +356,25 @@ class Point:
             log.info("%s%s balance: critical path %.3f measured (%.3f modeled), idle per rank %s measured",
                      self.label, pass_type, balance["measured_critical_path"], result.plan.get("critical_path", 1.0),
                      ", ".join(f"{100 * x:.1f}%" for x in balance["idle_fraction"]))
+
+    def _checked_mfu(self, flops: dict, pass_type: str, world_size: int) -> dict:
+        """An MFU over 100% measures the CPU's peak again (the passes recorded already are recomputed against it), or
+        is recorded as null with why (harness/metrics/flops.py's checked_mfu)."""
+        from harness.metrics.flops import checked_mfu, device_peak_again
+
+        doc = self.results.doc
+        compute = (doc.get("precision") or {}).get("compute") or "float32"
+        flops, peak, warning = checked_mfu(flops, doc["peak"],
+                                           lambda: device_peak_again(doc["device"] or {}, world_size, compute))
+        if warning:
+            log.warning("%s%s: %s", self.label, pass_type, warning)
+        if peak is not doc["peak"]:
+            log.info("%speak measured again: %s", self.label, peak["source"])
+            doc["peak"] = peak
+            for earlier in doc["passes"].values():
+                if earlier.get("mfu_pct") is not None and peak.get("flops_per_device"):
+                    earlier["mfu_pct"] = 100.0 * earlier["model_flops_per_s_per_device"] / peak["flops_per_device"]
+        return flops
 
     def _prediction_models(self, spec: HarnessConfig) -> dict:
         """The cost models whose predictions of the measured micro-batch times a pass records: the FLOP model, and

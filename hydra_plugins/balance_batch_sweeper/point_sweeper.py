@@ -63,6 +63,7 @@ class PointSweeper(BasicSweeper):
     """Expands the sweep like BasicSweeper, then de-duplicates it and places each point before anything is written."""
 
     def split_arguments(self, overrides: List[Override], max_batch_size: Optional[int]) -> List[List[List[str]]]:
+        from harness.app.config import check_sweep_calibration
         from harness.sweep.points import add_baselines, check_writable, dedupe, place_points
 
         assert self.config is not None and self.hydra_context is not None
@@ -78,7 +79,9 @@ class PointSweeper(BasicSweeper):
         parser = OverridesParser.create(config_loader=loader)
         jobs = expand_swept_presets(BasicSweeper.split_arguments(overrides, None)[0], compose,
                                     lambda job: BasicSweeper.split_arguments(parser.parse_overrides(job), None)[0])
-        jobs = add_baselines(dedupe(jobs), compose)
+        jobs = dedupe(jobs)
+        check_sweep_calibration([compose(job) for job in jobs])
+        jobs = add_baselines(jobs, compose)
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         check_writable("hydra.sweep.dir", sweep_dir)
         from harness.sweep.lock import acquire, release

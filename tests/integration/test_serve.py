@@ -53,11 +53,11 @@ class Server:
         return body
 
 
-def start_server(tmp: Path, *args: str, token: str | None = TOKEN) -> Server:
+def start_server(tmp: Path, *args: str, token: str | None = TOKEN, **env_extra: str) -> Server:
     port = free_port()
     control = tmp / "control.ctl"
     log = tmp / "server.log"
-    env = harness_env()
+    env = harness_env(**env_extra)
     env.pop("BALANCE_BATCH_ADMIN_TOKEN", None)
     if token:
         env["BALANCE_BATCH_ADMIN_TOKEN"] = token
@@ -193,7 +193,9 @@ def test_a_full_queue_answers_503_and_an_fsdp2_server_stops_clean(tmp_path):
     process: the server, its two ranks and their helpers are gone."""
     import psutil
 
-    s = start_server(tmp_path, "backend=fsdp2", "world_size=2", "workload=smoke", "server.queue_size=0")
+    # the rank is held stopped on purpose while requests arrive: its heartbeat must not end the pass first
+    s = start_server(tmp_path, "backend=fsdp2", "world_size=2", "workload=smoke", "server.queue_size=0",
+                     BALANCE_BATCH_STALE_AFTER_S="120")
     sid = s.proc.pid
     assert len(session_processes(sid)) >= 3  # the server and two ranks
     results = {}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from tests.conftest import run_harness, run_python, sweep_results
+from tests.conftest import load_json, run_harness, run_python, sweep_results
 
 
 def test_seed_b200_preset_plans_the_published_setting_on_this_machine(tmp_path):
@@ -64,3 +64,26 @@ def test_printing_or_refusing_a_config_imports_no_torch(tmp_path, args):
     last = proc.stderr.strip().splitlines()[-1]
     assert last.endswith(" False"), proc.stdout + proc.stderr
     assert last.startswith("exit 0" if args[0] == "--cfg" else "exit 2"), proc.stderr
+
+
+def test_calibration_settings_nothing_reads_are_refused_or_said(tmp_path):
+    """calibration.* in a sweep with no calibrated point is refused before any point runs (exit 2, one line), as in a
+    single run; cost_model=calibrated beside a peer planner, which plans with no cost model, is one warning and
+    recorded as the FLOP model, not calibrated (as logger.mode=online on a dry run, which streams nothing)."""
+    sweep = tmp_path / "sweep"
+    proc = run_harness("-m", "mtpm=500,1000", "calibration.repeat=5", "dry_run=true", f"hydra.sweep.dir={sweep}",
+                       cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if "calibration.repeat=5" in line]
+    assert len(lines) == 1 and "no point of this sweep has cost_model=calibrated" in lines[0], lines
+    assert not sweep.exists() or sweep_results(sweep) == []
+
+    run = tmp_path / "run"
+    proc = run_harness("mtpm=4096", "planner=verl", "cost_model=calibrated", "dry_run=true", "logger.mode=online",
+                       f"hydra.run.dir={run}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    warnings = [line for line in (proc.stdout + proc.stderr).splitlines() if "[WARNING]" in line]
+    assert len(warnings) == 2 and "the verl planner plans with no cost model" in warnings[1], warnings
+    # and a dry run streams nothing: logger.mode=online is said, not silently dropped
+    assert "logger.mode=online: a dry run starts no W&B run" in warnings[0], warnings
+    assert load_json(run / "results.json")["cost_model"] == "flops"

@@ -44,6 +44,33 @@ def test_bad_input_is_one_line_naming_the_key(override, key, valid):
     assert key in line and valid in line, line
 
 
+@pytest.mark.parametrize("override, line_starts, valid", [
+    ("+zzz=3", "zzz: not a config key", "valid at the top level: mtpm, "),
+    ("+bench.x=1", "bench.x: not a config key", "valid under bench: warmup, repeat, "),
+    ("+model.foo=1", "model.foo: not a config key", "valid under model: name, path, "),
+])
+def test_a_key_added_with_plus_that_the_schema_lacks_is_refused_naming_it(override, line_starts, valid):
+    """``+key=value`` adds a key Hydra's schema check lets through and the run would never read."""
+    line = config_error("dry_run=true", override)
+    assert line is not None and "\n" not in line, line
+    assert line.startswith(line_starts) and valid in line, line
+
+
+def test_a_thread_count_or_a_logger_mode_that_would_be_ignored_is_one_line_naming_it(monkeypatch):
+    """OMP_NUM_THREADS=abc or 0 (torch would take its own count) and logger.mode=bogus (a 4-line warning from W&B's
+    settings, then exit 0) are refused before anything runs."""
+    for value in ("abc", "0"):
+        monkeypatch.setenv("OMP_NUM_THREADS", value)
+        line = config_error("dry_run=true")
+        assert line is not None and line.startswith(f"OMP_NUM_THREADS: '{value}' is not a positive integer"), line
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert config_error("dry_run=true") is None
+    line = config_error("dry_run=true", "logger.mode=bogus")
+    assert line == ("logger.mode: 'bogus' is not a W&B mode (valid: online, offline, disabled; its default follows "
+                    "WANDB_MODE)"), line
+    assert config_error("dry_run=true", "logger=none") is None
+
+
 def test_the_defaults_are_valid():
     assert config_error() is None
 
@@ -117,9 +144,10 @@ def test_the_token_seed_on_a_dataset_is_refused_as_ignored_and_its_default_accep
 def test_the_old_spellings_of_the_token_seed_and_the_truncation_length_are_refused_naming_the_new(tmp_path):
     """``seed`` became ``token_seed``, a dataset's ``workload.max_len`` became ``workload.truncate_to``: the old
     spelling is one line naming the new one (tests/unit/test_dataset.py truncates with the new one)."""
-    line = config_error("dry_run=true", "seed=3")
-    assert line == ("seed: renamed token_seed (it seeds the generated token ids; workload.seed draws lengths or "
-                    "examples, model.init_seed the weights)"), line
+    for typed in ("seed=3", "+seed=3"):  # added with +, it would be kept and do nothing
+        line = config_error("dry_run=true", typed)
+        assert line == ("seed: renamed token_seed (it seeds the generated token ids; workload.seed draws lengths or "
+                        "examples, model.init_seed the weights)"), line
     rows = tmp_path / "rows.jsonl"
     rows.write_text('{"text": "a"}\n')
     line = config_error("dry_run=true", "workload=dataset", f"workload.path={rows}", "workload.max_len=64")

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.unit
 
 def spec(path, tokenizer, cache_dir, **kw) -> WorkloadSpec:
     base = dict(name="dataset", kind="dataset", path=str(path), tokenizer=None if tokenizer is None else str(tokenizer),
-                cache_dir=str(cache_dir),
+                cache_dir=None if cache_dir is None else str(cache_dir),
                 truncate_to=None, n_examples=None, shuffle=False)
     return WorkloadSpec(**{**base, **kw})
 
@@ -122,7 +122,7 @@ def test_the_cache_is_read_on_a_second_run_and_invalidated_by_a_change(tmp_path,
     path.write_bytes(path.read_bytes()[:100])
     assert not load_dataset(s, None).record["cache"]["hit"]
     assert (
-        load_dataset(spec(f, demo_data["tokenizer"], tmp_path / "cache", cache=False), None).record["cache"]["path"]
+        load_dataset(spec(f, demo_data["tokenizer"], None, cache=False), None).record["cache"]["path"]
         is None
     )
 
@@ -363,8 +363,13 @@ def test_a_cache_dir_that_is_a_file_is_one_line_before_anything_is_tokenized(tmp
                            ) as e:
             load_dataset(spec(demo_data["text"], demo_data["tokenizer"], cache_dir, format="text"), None)
         _one_line(e)
-        assert load_dataset(spec(demo_data["text"], demo_data["tokenizer"], cache_dir, format="text", cache=False),
-                            None).record["cache"]["path"] is None
+        # with no cache a cache_dir would be ignored: refused whatever it is (it was taken, and did nothing)
+        with pytest.raises(UserError, match=r"workload.cache_dir: '.*' is set, and workload.cache=false reads and "
+                                            r"writes no cache, so it would be ignored") as e:
+            load_dataset(spec(demo_data["text"], demo_data["tokenizer"], cache_dir, format="text", cache=False), None)
+        _one_line(e)
+    uncached = spec(demo_data["text"], demo_data["tokenizer"], None, format="text", cache=False)
+    assert load_dataset(uncached, None).record["cache"]["path"] is None
 
 
 @pytest.mark.parametrize("sep", ["\u2028", "\u2029", "\u0085"])
@@ -391,6 +396,14 @@ def test_a_miscased_assistant_role_and_a_truncation_that_cuts_every_trained_toke
             load_dataset(s, None)
         (line,) = [r.getMessage() for r in caplog.records]
         assert "1 turns in 1 of 2 rows have the role 'Assistant'" in line and "write 'assistant'" in line
+    # roles of another convention (human/bot): those rows train nothing, said once
+    other = [{"messages": [{"role": "human", "content": "Hi?"}, {"role": "bot", "content": "Hello."}]}]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="harness"):
+        load_dataset(spec(write_jsonl(tmp_path / "o.jsonl", [{"messages": CHAT}, *other]), demo_data["tokenizer"],
+                          tmp_path / "cache"), None)
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "1 of 2 rows have no turn with the role 'assistant' (roles there include 'bot', 'human'" in line, line
     whole = load_dataset(spec(demo_data["chats"], demo_data["tokenizer"], tmp_path / "cache"), None)
     limit = 64
     emptied = sum(1 for t in whole.trained if t.size > limit and t[1:].any() and not t[1:limit].any())

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from balance_batch import CostModel, plan_batch
-from harness.metrics.flops import device_peak, flops_record, gpu_peak_flops, pass_flops
+from harness.metrics.flops import checked_mfu, device_peak, flops_record, gpu_peak_flops, pass_flops
 
 COST = CostModel(a=100.0, b=2.0, source="test")
 LENGTHS = [10, 3, 7]
@@ -38,6 +38,30 @@ def test_mfu_is_model_flops_per_second_per_device_over_the_peak():
     assert math.isclose(rec["model_flops_per_s_per_device"], fwd / 3.0 / 2)
     assert math.isclose(rec["mfu_pct"], 100 * fwd / 3.0 / 2 / 1000.0)
     assert flops_record("forward", LENGTHS, COST, plan, False, [1.0], 2, {"flops_per_device": None})["mfu_pct"] is None
+
+
+def test_an_mfu_over_100_percent_measures_the_cpu_peak_again_or_is_recorded_null_with_why():
+    """A CPU peak measured on a busy machine reads low (an MFU of 684% was recorded): measured again, the MFU is
+    against the new peak; still over 100% (or against a data sheet), null with the reason, never a number."""
+    plan = plan_batch(LENGTHS, 1, 20, cost_model=COST).stats.as_dict()
+    real = {"flops_per_device": 65e9, "source": "measured: float32 1024³ matmul on all cores = 65.0 GFLOP/s"}
+    busy = {"flops_per_device": real["flops_per_device"] / 50, "source": "measured: on a busy machine"}
+    seconds = fwd_flops() / (1.2 * busy["flops_per_device"])  # 120% of the busy peak, 2.4% of the real one
+    rec = flops_record("forward", LENGTHS, COST, plan, False, [seconds], 1, busy)
+    assert rec["mfu_pct"] > 100
+    settled, peak, warning = checked_mfu(rec, busy, lambda: real)
+    assert warning is None and peak is real and 0 < settled["mfu_pct"] < 100
+    impossible = {**rec, "model_flops_per_s_per_device": 2 * real["flops_per_device"], "mfu_pct": 1e4}
+    settled, peak, warning = checked_mfu(impossible, busy, lambda: real)
+    assert settled["mfu_pct"] is None and settled["mfu_out_of_range"] == warning and warning.startswith("MFU 200% ")
+    sheet = {"flops_per_device": 1.0, "source": "dense bfloat16 data-sheet peak"}
+    settled, peak, warning = checked_mfu(rec, sheet, lambda: pytest.fail("a data sheet is not measured again"))
+    assert settled["mfu_pct"] is None and peak is sheet and "data-sheet" in warning
+    assert checked_mfu({**rec, "mfu_pct": 55.0}, busy, lambda: real) == ({**rec, "mfu_pct": 55.0}, busy, None)
+
+
+def fwd_flops() -> float:
+    return float(sum(100 * n + 2 * n * n for n in LENGTHS))
 
 
 @pytest.mark.parametrize(

@@ -192,6 +192,11 @@ def test_bad_arguments_are_one_line_and_exit_2(capsys):
     with pytest.raises(SystemExit) as exc:
         gpu_check.main(["--budget-s", "0"])
     assert exc.value.code == 2
+    for argv in (["--plan", "--gpus", "4"], ["--device", "cuda", "--gpus", "4"]):  # it plans for GPUs, runs none
+        with pytest.raises(SystemExit) as exc:
+            gpu_check.main(argv)
+        assert exc.value.code == 2
+        assert "--gpus: plans for that many GPUs with --plan --device cuda only" in capsys.readouterr().err
 
 
 def test_an_import_that_fails_is_reported_with_its_error():

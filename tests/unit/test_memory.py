@@ -115,3 +115,41 @@ def test_closing_the_pytorch_backend_empties_the_cuda_cache():
     before = torch.cuda.memory_reserved()
     assert _closed_pytorch_backend("cuda")() is None
     assert torch.cuda.memory_reserved() <= before  # the model's blocks went back to the driver
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_DATA and VmData are Linux's")
+def test_a_pytorch_limit_below_what_the_harness_holds_is_an_out_of_memory_not_a_crash():
+    """The pytorch backend runs in the harness's process: bench.memory_limit_gb=0.3 is less than the process holds
+    (torch alone), so no model is built: status oom in one line, and the process is left without the limit (before,
+    the limit was applied and the next import failed with an empty MemoryError, or the process crashed)."""
+    import resource
+
+    from backends.errors import BackendError
+    from backends.pytorch import PyTorchBackend
+    from backends.specs import BackendSpec, ModelSpec
+
+    before = resource.getrlimit(resource.RLIMIT_DATA)
+    with pytest.raises(BackendError) as refused:
+        PyTorchBackend(BackendSpec(name="pytorch", device="cpu", memory_limit_gb=0.3), ModelSpec())
+    assert refused.value.status == "oom"
+    assert str(refused.value).startswith("out of memory in start-up: bench.memory_limit_gb=0.3 is less than this "
+                                         "process holds"), str(refused.value)
+    assert resource.getrlimit(resource.RLIMIT_DATA) == before
+
+
+def test_the_harness_process_running_out_under_a_pytorch_limit_is_an_oom():
+    """The pytorch backend's limit holds the harness's own threads too: a sampler's thread that cannot start (its
+    stack does not fit, 0.55 GB) is the limit, status oom; the same failure with no limit, or on a distributed
+    backend (whose limit holds only its ranks), stays an internal error."""
+    from harness.point.failures import in_process_out_of_memory
+    from tests.conftest import compose_config
+
+    try:
+        raise RuntimeError("can't start new thread")  # threading's own message for EAGAIN
+    except RuntimeError as exc:
+        oom = in_process_out_of_memory(compose_config("backend=pytorch", "bench.memory_limit_gb=0.55"), exc)
+        assert oom is not None and oom.status == "oom" and "bench.memory_limit_gb=0.55" in str(oom), oom
+        assert in_process_out_of_memory(compose_config("backend=pytorch"), exc) is None
+        assert in_process_out_of_memory(compose_config("backend=fsdp2", "bench.memory_limit_gb=0.55"), exc) is None
+        assert in_process_out_of_memory(compose_config("backend=pytorch", "bench.memory_limit_gb=0.55"),
+                                        KeyError("x")) is None

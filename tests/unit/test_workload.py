@@ -72,6 +72,8 @@ def test_lengths_file(tmp_path):
     "content, needle",
     [
         ("10\n0\n", "length 0 is not positive"),
+        ("10\n100000000000\n", (r"lengths.txt:2: length 100,000,000,000 is longer than any workload may hold "
+                                r"\(valid: 1..16,777,216 tokens\)")),  # was an out of memory of 745 GiB
         ("10\nabc\n", "'abc' is not an integer"),
         ("\n# nothing\n", "holds no lengths"),
     ],
@@ -93,6 +95,8 @@ def test_bad_generator_values_name_the_key():
         workload_lengths(WorkloadSpec(name="x", min_len=64, max_len=300))
     with pytest.raises(UserError, match="workload.min_len"):
         workload_lengths(WorkloadSpec(name="x", min_len=300, max_len=5000))
+    with pytest.raises(UserError, match="workload.max_len: must be at most 16,777,216 tokens"):
+        workload_lengths(WorkloadSpec(name="x", max_len=10**11))
     for max_len in (344, 345, 1000):  # the smallest valid workloads really generate
         assert len(workload_lengths(WorkloadSpec(name="x", n_examples=10, min_len=64, max_len=max_len))) == 10
 
@@ -227,6 +231,7 @@ def test_a_million_sequence_histogram_loads_and_draws_in_well_under_a_second(tmp
         ("100,3\n200,1.5\n", 2, "count '1.5' is not an integer"),
         ("100,3\n200,x\n", 2, "count 'x' is not an integer"),
         ("length,count\n0,3\n", 2, "length 0 is not positive"),
+        ("100,3\n100000000000,2\n", 2, "length 100,000,000,000 is longer than any workload may hold (valid: 1.."),
         ("100,3\n1_000,2\n", 2, "length '1_000' is not an integer"),
         ("100,3\n200,1,7\n", 2, "'200,1,7' has 3 fields (expected length,count"),
         ("100,3\n# fine\n200,\n", 3, "count '' is not an integer"),
