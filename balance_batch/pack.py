@@ -68,7 +68,7 @@ def read_lengths(path: Path) -> np.ndarray:
             raise _Refused(f"'{path}' is not a readable .npz file ({exc})") from None
         return np.diff(offsets)
     from balance_batch.errors import UserError
-    from harness.data.workload import load_lengths_file
+    from balance_batch.lengths import load_lengths_file
 
     try:
         return load_lengths_file(str(path)).expanded()

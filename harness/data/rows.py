@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from backends.errors import UserError, first_line
-from harness.data.textfile import utf8_text
+from balance_batch.textfile import utf8_text
 
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
 

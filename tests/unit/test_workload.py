@@ -6,15 +6,8 @@ import numpy as np
 import pytest
 
 from backends.errors import UserError
-from harness.data.workload import (
-    WorkloadSpec,
-    load_lengths_file,
-    load_workload,
-    make_examples,
-    mixed_lengths,
-    read_lengths_file,
-    workload_lengths,
-)
+from balance_batch.lengths import load_lengths_file, read_lengths_file
+from harness.data.workload import WorkloadSpec, load_workload, make_examples, mixed_lengths, workload_lengths
 
 
 def test_seed_workload_is_the_published_one():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from backends.errors import UserError
+from balance_batch.errors import UserError
 
 
 def utf8_text(p: Path, expected: str) -> str:
