@@ -19,7 +19,8 @@ from harness.metrics.spread import choose, summary
 
 @dataclass
 class Leader:
-    """A leading candidate: its budget, its measured peak (per rank max), and its pair ratios so far."""
+    """A leading candidate: its budget, its measured peak (per rank max, the largest of every pass it ran: what its
+    record shows, kept current by ``more``), and its pair ratios so far."""
 
     mtpm: int
     peak_bytes: Optional[int]
@@ -41,7 +42,8 @@ class Settled:
         """results.json's ``auto.tie`` (None when the chosen budget leads clearly)."""
         if not self.tied:
             return None
-        return {"with": [t.mtpm for t in self.tied], "rule": self.rule, "pairs": self.pairs}
+        return {"with": [t.mtpm for t in self.tied], "rule": self.rule, "pairs": self.pairs,
+                "peaks": {str(lead.mtpm): lead.peak_bytes for lead in [self.chosen, *self.tied]}}
 
 
 def settle(leaders: Sequence[Leader], more: Callable[[Leader, int], list[float]], repeat: int,
