@@ -9,8 +9,8 @@ from typing import Optional, Sequence
 from backends.planning.balanced import balanced_schedules
 from backends.planning.cost import LAYOUTS, CostModel
 from backends.planning.greedy import Schedule, align_schedules, deal_to_ranks, length_order, microbatches_for_rank
-from backends.planning.peers import PEER_NAMES, peer_record, plan_peer
-from backends.planning.stats import PlanStats, plan_stats
+from backends.planning.peers import PEER_NAMES, PEERS, peer_record, plan_peer
+from backends.planning.stats import PlanStats, lower_bound_steps, plan_stats
 
 PLANNERS = ("greedy", "balanced") + PEER_NAMES  # the two of this harness, then the peers (backends/planning/peers/)
 PLAN_JSON_VERSION = 1
@@ -216,6 +216,11 @@ def plan_batch(
         planner=planner,
         max_seqs=cap,
     )
+    if record is not None and not PEERS[planner].needs_budget:
+        # a fixed count plans without the budget (over_budget still counts what exceeds it): the fewest steps such a
+        # planner can take follow from its count per rank, not from a budget it never reads
+        stats.lower_bound_steps = lower_bound_steps(lengths, world_size, None,
+                                                    record["knobs"]["per_device_train_batch_size"], cap)
     return Plan(
         schedules=schedules,
         stats=stats,
