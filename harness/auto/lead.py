@@ -67,4 +67,24 @@ def settle(leaders: Sequence[Leader], more: Callable[[Leader, int], list[float]]
     return Settled(leaders[pick], [leaders[i] for i in tied], rule, min(len(lead.pairs) for lead in leaders))
 
 
-__all__ = ["Leader", "Settled", "settle"]
+def settle_ranked(ranked: Sequence[Leader], more: Callable[[Leader, int], list[float]], repeat: int,
+                  max_repeats: Optional[int]) -> tuple[Settled, list[int]]:
+    """``settle`` the two first of ``ranked`` (every measured budget, fastest first by its one pair), then bring in
+    each other budget whose single ratio is not below the chosen one's 95% interval: one noisy pair ranked it, and
+    the leaders' medians, settled over more pairs, may have fallen to it. Returns what was settled and the budgets
+    measured again (the leaders, then those brought in). Without an interval (one pair each: ``bench.repeat=1``)
+    nothing is brought in; the ranking rests on single pairs, which the answer says."""
+    contested = [lead.mtpm for lead in ranked[:2]]
+    settled = settle(ranked[:2], more, repeat, max_repeats)
+    for other in ranked[2:]:
+        ci = settled.chosen.option()["ci"]
+        if ci is None or other.option()["median"] < ci[0] or other.mtpm in contested:
+            continue
+        contested.append(other.mtpm)
+        challenge = settle([settled.chosen, other], more, repeat, max_repeats)
+        if challenge.tied or challenge.chosen is not settled.chosen:
+            settled = challenge
+    return settled, contested
+
+
+__all__ = ["Leader", "Settled", "settle", "settle_ranked"]

@@ -181,7 +181,7 @@ class AutoRun:
         (harness/auto/lead.py); a candidate ranked below them on its one pair is brought in while that pair is not
         below the chosen one's interval. Returns the candidate chosen; ``auto.tie`` says what it tied with and the
         rule, ``auto.ranking`` which budgets were measured again and which rest on their one pair."""
-        from harness.auto.lead import Leader, settle
+        from harness.auto.lead import Leader, settle_ranked
 
         spec, runs = self.spec, self.runs
         self.auto["tie"] = None
@@ -197,16 +197,8 @@ class AutoRun:
             lead.peak_bytes = self._peak_of(lead.mtpm)  # the tie rule weighs the peak the answer shows
             return self._pairs_of(lead.mtpm)
 
-        contested = [c.mtpm for c in ranked[:2]]
-        settled = settle([leaders[m] for m in contested], more, spec.bench.repeat, spec.bench.max_repeats)
-        for c in ranked[2:]:  # one pair each ranked these: one not below the chosen's interval may be as fast
-            ci = settled.chosen.option()["ci"]
-            if ci is None or c.speedup < ci[0]:
-                continue
-            contested.append(c.mtpm)
-            challenge = settle([settled.chosen, leaders[c.mtpm]], more, spec.bench.repeat, spec.bench.max_repeats)
-            if challenge.tied or challenge.chosen is not settled.chosen:
-                settled = challenge
+        settled, contested = settle_ranked([leaders[c.mtpm] for c in ranked], more, spec.bench.repeat,
+                                           spec.bench.max_repeats)
         for c in ranked:
             c.speedup = runs[c.mtpm][0].spread_fields()["speedup"]["median"]
         self.auto.update(chosen=settled.chosen.mtpm, tie=settled.as_dict())

@@ -114,7 +114,7 @@ def _not_tried_phrase(auto: dict) -> str:
 def _one_pair_phrase(ranking: Optional[dict]) -> str:
     """"; ranked on one pair each (bench.repeat=1)", or the budgets left out on their single pair: a ranking by one
     noisy ratio is said, not implied."""
-    if not ranking:
+    if not ranking or len(ranking.get("pairs") or {}) < 2:
         return ""
     if ranking.get("repeat", 1) <= 1 and all(n <= 1 for n in (ranking.get("pairs") or {}).values()):
         return "; every budget ranked on one pair (bench.repeat=1: no interval tells them apart)"

@@ -400,6 +400,25 @@ def test_the_auto_answer_line_says_the_paired_speedup_and_its_interval_that_resu
     assert "2.83× mbs=1 (unpaired)" in caplog.records[-1].getMessage()
 
 
+def test_the_auto_answer_line_names_each_budget_refused_without_a_measurement_and_why(caplog):
+    """#56: a refusal by prediction is not a measured fact, so the answer line says it was not tried, by how much it
+    was predicted over and the model's error it was weighed against; one above an out of memory says that."""
+    from harness.point.logs import log_answer
+
+    doc = _auto_doc({"median": 2.14, "ci": [1.9, 2.4], "pairs": [2.0, 2.14, 2.3]})
+    doc["auto"]["candidates"] = [
+        {"mtpm": 16384, "decision": "predicted_fit", "status": "ok"},
+        {"mtpm": 32768, "decision": "predicted_over", "status": "over_limit", "predicted_peak_bytes": int(9.2 * GiB),
+         "margin": {"fraction": 0.1, "from": "x"}},
+        {"mtpm": 65536, "decision": "above_failure", "status": "over_limit",
+         "reason": "larger than mtpm=32768, which ran out of memory"}]
+    with caplog.at_level("INFO", logger="harness"):
+        log_answer("", doc)
+    line = caplog.records[-1].getMessage()
+    assert ("not tried: mtpm=32768 (predicted 9.20 GiB, 15% over the limit, beyond the model's 10% error), "
+            "mtpm=65536 (larger than mtpm=32768, which ran out of memory)") in line, line
+
+
 def test_planning_the_candidates_shows_progress_while_it_lasts(caplog):
     """A million sequences plan for seconds a budget: a line as planning starts, then one per bench.progress_every_s
     (a fake clock: 4 s a budget, a line every 10 s), none once every budget is planned."""
