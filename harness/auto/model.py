@@ -344,7 +344,7 @@ class _Search:
 
     def error(self) -> tuple[float, str]:
         """The model's own error: the largest |predicted - measured| / measured of the predictions made before a
-        candidate ran (``MIN_MARGIN`` at least), or ``DEFAULT_MARGIN`` while none is checked; and where it comes from."""
+        candidate ran (``MIN_MARGIN`` at least), or ``DEFAULT_MARGIN`` while none is checked; and its source."""
         checked = [abs(c.predicted_peak_bytes - c.measured_peak_bytes) / c.measured_peak_bytes for c in self.cands
                    if c.prediction == "ahead" and c.predicted_peak_bytes and c.measured_peak_bytes]
         if not checked:

@@ -189,7 +189,7 @@ class TablePeaks(FakeDevice):
         return self.peaks[tokens]
 
 
-# The issue's run (#56: vocabulary 248,320, cpu_mixed, a 3 GiB cap): the mbs=1 baseline and five candidates' T and
+# A run on the real vocabulary (248,320, cpu_mixed, a 3 GiB cap): the mbs=1 baseline and five candidates' T and
 # their measured peaks; the largest is the whole rank in one micro-batch, between the slopes seen (3.1-3.5 GB).
 ISSUE_PEAKS = {3841: int(1.97e9), 6269: int(2.41e9), 12372: int(2.65e9), 24716: int(3.3e9)}
 
@@ -216,7 +216,7 @@ def test_each_candidate_records_the_prediction_its_decision_used_made_by_the_mod
         if record["measured_peak_bytes"] is not None:
             assert record["refit_peak_bytes"] == pytest.approx(record["measured_peak_bytes"], rel=0.15)
     by_mtpm = {c.mtpm: c for c in found.candidates}
-    assert by_mtpm[16384].decision == "probe" and by_mtpm[16384].predicted_peak_bytes is None  # the issue's 3.47 GB
+    assert by_mtpm[16384].decision == "probe" and by_mtpm[16384].predicted_peak_bytes is None  # not a held-out 3.47 GB
     # the same T, the same refitted prediction (their decisions' models differ, and each says which it was)
     assert by_mtpm[2048].refit_peak_bytes == by_mtpm[4096].refit_peak_bytes
 
@@ -401,7 +401,7 @@ def test_the_auto_answer_line_says_the_paired_speedup_and_its_interval_that_resu
 
 
 def test_the_auto_answer_line_names_each_budget_refused_without_a_measurement_and_why(caplog):
-    """#56: a refusal by prediction is not a measured fact, so the answer line says it was not tried, by how much it
+    """A refusal by prediction is not a measured fact, so the answer line says it was not tried, by how much it
     was predicted over and the model's error it was weighed against; one above an out of memory says that."""
     from harness.point.logs import log_answer
 

@@ -52,7 +52,7 @@ def test_one_pair_each_and_one_allowed_measures_nothing_more():
 
 
 def test_a_budget_ranked_third_on_one_pair_not_below_the_chosen_interval_is_measured_again_and_can_win():
-    """#55 item 30: 8,192 at 1.52x on one pair, third behind two budgets whose single pairs flattered them; once
+    """8,192 at 1.52x on one pair, third behind two budgets whose single pairs flattered them; once
     their medians settle near 1.3x, its one pair is above their interval, so it is measured and wins clearly. A
     budget whose one pair is below the interval (1.0x) is not measured again."""
     device = FakePairs({32768: 1.3, 16384: 1.3, 8192: 1.5, 4096: 1.0}, noise=0.03)
