@@ -322,6 +322,8 @@ class _Search:
                            "margin": c.margin}
             c.status, c.reason = "pending", None
             self._predict(c)
+            margin, source = self.error()
+            c.margin = {"fraction": round(margin, 4), "from": source}
             self._run(moved, REVISITED)
         for c in cands:
             if self.model is not None:
