@@ -17,7 +17,8 @@ The search, in order:
    ``bench.memory_headroom`` (CPU ranks share the host's), or ``bench.memory_limit_gb``.
 5. **The rest** are measured smallest first while predicted to fit, the model refitted after each. A candidate
    predicted over the limit by less than the model's own error (the largest error of its predictions checked by a
-   measurement so far; ``DEFAULT_MARGIN`` before any is) is measured too; one predicted further over is
+   measurement so far, or of its extrapolating to the largest T measured from the points below; ``DEFAULT_MARGIN``
+   before either can be checked) is measured too; one predicted further over is
    ``over_limit`` and not run, its reason stating the margin. A measured peak over the limit, or an out of memory,
    ends the ascent (every larger one is over the limit). When the search is done, each refusal is checked again
    against the last refit: one it moves within the limit (or within the error) is measured after all.
@@ -345,16 +346,35 @@ class _Search:
         c.predicted_by = self.model.as_dict()
 
     def error(self) -> tuple[float, str]:
-        """The model's own error: the largest |predicted - measured| / measured of the predictions made before a
-        candidate ran (``MIN_MARGIN`` at least), or ``DEFAULT_MARGIN`` while none is checked; and its source."""
+        """The model's own error, and where it comes from: the largest of (a) |predicted - measured| / measured of
+        its predictions made before a candidate ran, and (b) its error extrapolating: the largest measured T as
+        predicted by the model of the points below it (a refusal is an extrapolation, and memory that grows less
+        than linearly is over-predicted there far more than between points). At least ``MIN_MARGIN``;
+        ``DEFAULT_MARGIN`` while neither can be checked."""
+        parts = []
         checked = [abs(c.predicted_peak_bytes - c.measured_peak_bytes) / c.measured_peak_bytes for c in self.cands
                    if c.prediction == "ahead" and c.predicted_peak_bytes and c.measured_peak_bytes]
-        if not checked:
+        if checked:
+            parts.append((max(checked), f"{max(checked):.1%}, the largest error of its {len(checked)} prediction(s) "
+                                        "checked by a measurement"))
+        outward = self._extrapolation_error()
+        if outward is not None:
+            parts.append(outward)
+        if not parts:
             return DEFAULT_MARGIN, f"no prediction checked by a measurement yet: {DEFAULT_MARGIN:.0%} assumed"
-        worst = max(checked)
-        return max(MIN_MARGIN, worst), (f"the largest error of its {len(checked)} prediction(s) checked by a "
-                                        f"measurement, {worst:.1%}" + (f", at least {MIN_MARGIN:.0%}"
-                                                                       if worst < MIN_MARGIN else ""))
+        worst, source = max(parts)
+        return max(MIN_MARGIN, worst), source + (f" (at least {MIN_MARGIN:.0%})" if worst < MIN_MARGIN else "")
+
+    def _extrapolation_error(self) -> Optional[tuple[float, str]]:
+        """The largest measured T's peak as the model of the smaller points predicts it: the error, and in words."""
+        if not self.points:
+            return None
+        top = max(t for t, _, _ in self.points)
+        model = fit_memory_model([p for p in self.points if p[0] < top], self.quadratic)
+        if model is None:
+            return None
+        worst = max(abs(model.predict(t, q) - peak) / peak for t, q, peak in self.points if t == top)
+        return worst, f"{worst:.1%}, its error extrapolating to T={top:,} from the points below it"
 
     def _reachable(self, predicted: int) -> tuple[bool, float, str]:
         """Whether a candidate predicted at ``predicted`` may fit: under the limit, or over it by less than the

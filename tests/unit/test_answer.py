@@ -219,6 +219,10 @@ def test_each_candidate_records_the_prediction_its_decision_used_made_by_the_mod
     assert by_mtpm[16384].decision == "probe" and by_mtpm[16384].predicted_peak_bytes is None  # not a held-out 3.47 GB
     # the same T, the same refitted prediction (their decisions' models differ, and each says which it was)
     assert by_mtpm[2048].refit_peak_bytes == by_mtpm[4096].refit_peak_bytes
+    # 32,768 predicted 15% over a 3 GiB limit, by a model that extrapolating from 6,269 to 12,372 tokens was 33% off:
+    # within its own error, so measured rather than refused (here it peaks over: a measured fact)
+    assert by_mtpm[32768].decision == "within_error" and by_mtpm[32768].margin["fraction"] > 0.3
+    assert "extrapolating to T=12,372" in by_mtpm[32768].margin["from"] and by_mtpm[32768].status == "over_limit"
 
 
 def test_a_refusal_within_the_models_error_of_the_limit_is_measured_and_one_beyond_states_its_margin():
