@@ -355,8 +355,9 @@ class _Search:
         checked = [abs(c.predicted_peak_bytes - c.measured_peak_bytes) / c.measured_peak_bytes for c in self.cands
                    if c.prediction == "ahead" and c.predicted_peak_bytes and c.measured_peak_bytes]
         if checked:
-            parts.append((max(checked), f"{max(checked):.1%}, the largest error of its {len(checked)} prediction(s) "
-                                        "checked by a measurement"))
+            worst = max(checked)
+            parts.append((worst, f"{worst:.1%}, the largest error of its {len(checked)} prediction(s) checked by a "
+                                 "measurement"))
         outward = self._extrapolation_error()
         if outward is not None:
             parts.append(outward)
