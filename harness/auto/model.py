@@ -356,8 +356,8 @@ class _Search:
                    if c.prediction == "ahead" and c.predicted_peak_bytes and c.measured_peak_bytes]
         if checked:
             worst = max(checked)
-            parts.append((worst, f"{worst:.1%}, the largest error of its {len(checked)} prediction(s) checked by a "
-                                 "measurement"))
+            words = f"{worst:.1%}, the largest error of its {len(checked)} prediction(s) checked by a measurement"
+            parts.append((worst, words))
         outward = self._extrapolation_error()
         if outward is not None:
             parts.append(outward)
