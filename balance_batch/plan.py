@@ -12,8 +12,8 @@ import numpy as np
 from balance_batch.balanced import balanced_schedules
 from balance_batch.cost import LAYOUTS, CostModel
 from balance_batch.greedy import Schedule, align_schedules, deal_to_ranks, length_order, microbatches_for_rank
-from balance_batch.peers import PEER_NAMES, peer_record, plan_peer
-from balance_batch.stats import PlanStats, plan_stats
+from balance_batch.peers import PEER_NAMES, PEERS, peer_record, plan_peer
+from balance_batch.stats import PlanStats, lower_bound_steps, plan_stats
 
 PLANNERS = ("greedy", "balanced") + PEER_NAMES  # the two of this harness, then the peers (balance_batch/peers/)
 PLAN_JSON_VERSION = 1
@@ -240,6 +240,11 @@ def plan_batch(
         planner=planner,
         max_seqs=cap,
     )
+    if record is not None and not PEERS[planner].needs_budget:
+        # a fixed count plans without the budget (over_budget still counts what exceeds it): the fewest steps such a
+        # planner can take follow from its count per rank, not from a budget it never reads
+        stats.lower_bound_steps = lower_bound_steps(lengths, world_size, None,
+                                                    record["knobs"]["per_device_train_batch_size"], cap)
     return Plan(
         schedules=schedules,
         stats=stats,

@@ -282,8 +282,8 @@ MUTATIONS = (
     Mutation(
         "mtpm=auto runs candidates predicted over the limit",
         "harness/auto/model.py",
-        "            if c.predicted_peak_bytes > limit_bytes:",
-        "            if False:",
+        "        if c.predicted_peak_bytes <= self.limit:",
+        "        if True:",
         (
             "tests/unit/test_answer.py::test_the_search_runs_what_fits_skips_what_is_predicted_over_and_chooses_the_fastest",
         ),

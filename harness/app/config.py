@@ -287,6 +287,10 @@ def validate(cfg: HarnessConfig) -> None:
     if peer and peer.needs_budget and cfg.backend.max_tokens_per_microbatch is None and cfg.mtpm != AUTO:
         raise UserError(f"planner: {peer.name} needs a budget (set mtpm=<tokens>; of the peers only trl_fixed plans "
                         "without one)")
+    if peer and not peer.needs_budget and cfg.mtpm == AUTO:
+        raise UserError(f"mtpm: auto searches the token budget, and planner={peer.name} takes none (a fixed count of "
+                        "sequences per rank each step), so every budget would plan alike; run it with mtpm=null, or "
+                        "search with a planner that takes a budget")
     # Named as the user types it: backend.max_seqs_per_microbatch interpolates the top-level knob.
     _positive_int("max_seqs_per_microbatch", cfg.backend.max_seqs_per_microbatch, allow_none=True)
     # model.vocab_size with a checkpoint; packed on an unsupported model

@@ -19,7 +19,8 @@ from harness.metrics.spread import choose, summary
 
 @dataclass
 class Leader:
-    """A leading candidate: its budget, its measured peak (per rank max), and its pair ratios so far."""
+    """A leading candidate: its budget, its measured peak (per rank max, the largest of every pass it ran: what its
+    record shows, kept current by ``more``), and its pair ratios so far."""
 
     mtpm: int
     peak_bytes: Optional[int]
@@ -41,7 +42,8 @@ class Settled:
         """results.json's ``auto.tie`` (None when the chosen budget leads clearly)."""
         if not self.tied:
             return None
-        return {"with": [t.mtpm for t in self.tied], "rule": self.rule, "pairs": self.pairs}
+        return {"with": [t.mtpm for t in self.tied], "rule": self.rule, "pairs": self.pairs,
+                "peaks": {str(lead.mtpm): lead.peak_bytes for lead in [self.chosen, *self.tied]}}
 
 
 def settle(leaders: Sequence[Leader], more: Callable[[Leader, int], list[float]], repeat: int,
@@ -65,4 +67,24 @@ def settle(leaders: Sequence[Leader], more: Callable[[Leader, int], list[float]]
     return Settled(leaders[pick], [leaders[i] for i in tied], rule, min(len(lead.pairs) for lead in leaders))
 
 
-__all__ = ["Leader", "Settled", "settle"]
+def settle_ranked(ranked: Sequence[Leader], more: Callable[[Leader, int], list[float]], repeat: int,
+                  max_repeats: Optional[int]) -> tuple[Settled, list[int]]:
+    """``settle`` the two first of ``ranked`` (every measured budget, fastest first by its one pair), then bring in
+    each other budget whose single ratio is not below the chosen one's 95% interval: one noisy pair ranked it, and
+    the leaders' medians, settled over more pairs, may have fallen to it. Returns what was settled and the budgets
+    measured again (the leaders, then those brought in). Without an interval (one pair each: ``bench.repeat=1``)
+    nothing is brought in; the ranking rests on single pairs, which the answer says."""
+    contested = [lead.mtpm for lead in ranked[:2]]
+    settled = settle(ranked[:2], more, repeat, max_repeats)
+    for other in ranked[2:]:
+        ci = settled.chosen.option()["ci"]
+        if ci is None or other.option()["median"] < ci[0] or other.mtpm in contested:
+            continue
+        contested.append(other.mtpm)
+        challenge = settle([settled.chosen, other], more, repeat, max_repeats)
+        if challenge.tied or challenge.chosen is not settled.chosen:
+            settled = challenge
+    return settled, contested
+
+
+__all__ = ["Leader", "Settled", "settle", "settle_ranked"]

@@ -40,6 +40,7 @@ class AutoRun:
         self.limit = 0
         self.source = ""
         self.examples: list = []
+        self.last_measured: Any = "none"  # the budget whose passes ran last (None: mbs=1), whose memory is cached
 
     def run(self) -> None:
         """Search the budgets on one loaded backend; the point's record is then the chosen budget's, with ``auto``."""
@@ -145,6 +146,7 @@ class AutoRun:
                 point.backend = None
             return Measured("oom", error=str(exc))
         self.runs[mtpm] = (record, result)
+        self.last_measured = mtpm
         peaks = [p for p in record.mem_peak_bytes or [] if p is not None]
         speed = record.spread_fields().get("speedup")  # the candidate's pair ratio: what the search ranks by
         return Measured("ok", record.tok_per_s, max(peaks) if peaks else None,
@@ -176,41 +178,73 @@ class AutoRun:
 
     def _settle_lead(self, chosen):
         """The two fastest candidates, measured in pairs, get more pairs while their intervals overlap
-        (harness/auto/lead.py); returns the candidate chosen, ``auto.tie`` saying what it tied with and the rule."""
-        from harness.auto.lead import Leader, settle
-        from harness.measuring.measure import measure_pass
-        from harness.measuring.records import merge_records
+        (harness/auto/lead.py); a candidate ranked below them on its one pair is brought in while that pair is not
+        below the chosen one's interval. Returns the candidate chosen; ``auto.tie`` says what it tied with and the
+        rule, ``auto.ranking`` which budgets were measured again and which rest on their one pair."""
+        from harness.auto.lead import Leader, settle_ranked
 
-        spec, point, setup, runs, examples = self.spec, self.point, self.setup, self.runs, self.examples
+        spec, runs = self.spec, self.runs
         self.auto["tie"] = None
         fitting = [c for c in self.cands if c.status == "ok" and c.speedup is not None and c.mtpm in runs]
         if len(fitting) < 2:
+            self._record_ranking(fitting, [])
             return chosen
-        top = sorted(fitting, key=lambda c: (c.speedup, c is chosen), reverse=True)[:2]
-
-        def pairs_of(mtpm: int) -> list[float]:
-            return runs[mtpm][0].spread_fields()["speedup"]["pairs"]
+        ranked = sorted(fitting, key=lambda c: (c.speedup, c is chosen), reverse=True)
+        leaders = {c.mtpm: Leader(c.mtpm, self._peak_of(c.mtpm), self._pairs_of(c.mtpm)) for c in ranked}
 
         def more(lead: Leader, n: int) -> list[float]:
-            record = runs[lead.mtpm][0]
-            if point.backend is None:  # a larger candidate ran out of memory and took the ranks with it
-                self._start_own_backend()
-            extra, result = measure_pass(
-                point.backend, examples, "forward_backward", 0, n,
-                point.command_for(spec, examples, lead.mtpm, 1, setup.layout, setup.planner), spec.bench.util_sample_s,
-                label=label(setup.name, lead.mtpm, 1), release_first=False,
-                pairing=point.pairing(spec, examples, "forward_backward", mtpm=lead.mtpm))
-            runs[lead.mtpm] = (merge_records(record, extra), result)
-            return pairs_of(lead.mtpm)
+            self._more_pairs(lead.mtpm, n)
+            lead.peak_bytes = self._peak_of(lead.mtpm)  # the tie rule weighs the peak the answer shows
+            return self._pairs_of(lead.mtpm)
 
-        settled = settle([Leader(c.mtpm, c.measured_peak_bytes, pairs_of(c.mtpm)) for c in top], more,
-                         spec.bench.repeat, spec.bench.max_repeats)
-        for c in top:
+        settled, contested = settle_ranked([leaders[c.mtpm] for c in ranked], more, spec.bench.repeat,
+                                           spec.bench.max_repeats)
+        for c in ranked:
             c.speedup = runs[c.mtpm][0].spread_fields()["speedup"]["median"]
-        self.auto.update(candidates=[c.as_dict() for c in self.cands], chosen=settled.chosen.mtpm,
-                         tie=settled.as_dict())
-        _log_settled(point.label, settled, top)
-        return next(c for c in top if c.mtpm == settled.chosen.mtpm)
+        self.auto.update(chosen=settled.chosen.mtpm, tie=settled.as_dict())
+        self._record_ranking(ranked, contested)
+        _log_settled(self.point.label, settled, [c for c in ranked if c.mtpm in contested])
+        return next(c for c in ranked if c.mtpm == settled.chosen.mtpm)
+
+    def _record_ranking(self, ranked, contested) -> None:
+        """``auto.ranking``: how many pairs each measured budget's speedup rests on, which were measured again (the
+        leaders and the budgets brought in against them) and which were ranked on their one pair alone."""
+        self.auto["candidates"] = [c.as_dict() for c in self.cands]
+        pairs = {c.mtpm: len(self._pairs_of(c.mtpm)) for c in ranked}
+        self.auto["ranking"] = {
+            "pairs": {str(m): n for m, n in pairs.items()},
+            "measured_again": list(contested),
+            "on_one_pair": [{"mtpm": c.mtpm, "speedup": c.speedup} for c in ranked
+                            if c.mtpm not in contested and pairs[c.mtpm] == 1],
+            "repeat": self.spec.bench.repeat,
+        } if ranked else None
+
+    def _pairs_of(self, mtpm: int) -> list[float]:
+        return (self.runs[mtpm][0].spread_fields().get("speedup") or {}).get("pairs") or []
+
+    def _peak_of(self, mtpm: int) -> Optional[int]:
+        """A measured budget's fwd+bwd peak, the largest of every timed pass it ran (what its record shows)."""
+        peaks = [p for p in self.runs[mtpm][0].mem_peak_bytes or [] if p is not None]
+        return max(peaks) if peaks else None
+
+    def _more_pairs(self, mtpm: int, n: int) -> None:
+        """``n`` more fwd+bwd pairs of a measured budget, merged into its record. Cached memory is released first:
+        another budget (or mbs=1) ran last, and a peak reset over what it left cached reads its memory, not this
+        budget's."""
+        from harness.measuring.measure import measure_pass
+        from harness.measuring.records import merge_records
+
+        spec, point, setup, examples = self.spec, self.point, self.setup, self.examples
+        record = self.runs[mtpm][0]
+        if point.backend is None:  # a larger candidate ran out of memory and took the ranks with it
+            self._start_own_backend()
+        extra, result = measure_pass(
+            point.backend, examples, "forward_backward", 0, n,
+            point.command_for(spec, examples, mtpm, 1, setup.layout, setup.planner), spec.bench.util_sample_s,
+            label=label(setup.name, mtpm, 1), release_first=True,
+            pairing=point.pairing(spec, examples, "forward_backward", mtpm=mtpm))
+        self.runs[mtpm] = (merge_records(record, extra), result)
+        self.last_measured = mtpm
 
     # -- the answer --------------------------------------------------------------------------------------
     def _record_choice(self, chosen) -> None:
@@ -230,9 +264,12 @@ class AutoRun:
         record, result = self.runs[chosen.mtpm]
         if spec.bench.repeat > len(record.elapsed_s):
             pairing = point.pairing(spec, examples, "forward_backward", mtpm=chosen.mtpm)
+            # another budget's (or mbs=1's) memory may be cached: released first (paired, the untimed settling pass
+            # pays for it), else its peak would be read as this budget's
             more, result = measure_pass(point.backend, examples, "forward_backward", 0,
                                         spec.bench.repeat - len(record.elapsed_s), command_for,
-                                        spec.bench.util_sample_s, label=point.label, release_first=False,
+                                        spec.bench.util_sample_s, label=point.label,
+                                        release_first=pairing is not None or self.last_measured != chosen.mtpm,
                                         target_ci_pct=spec.bench.target_ci_pct, max_repeats=spec.bench.max_repeats,
                                         pairing=pairing)
             record = merge_records(record, more)

@@ -51,12 +51,16 @@ def log_ok(label: str, doc: dict[str, Any]) -> None:
 
 
 def log_candidate(label: str, c, limit: int) -> None:
-    """mtpm=auto's progress: one line per candidate as the search settles it."""
+    """mtpm=auto's progress: one line per candidate as the search settles it, with why it ran or not and the
+    prediction that decided it."""
     gib = lambda n: "—" if n is None else f"{n / 2**30:.2f} GiB"  # noqa: E731
     speed = f", {c.tok_per_s:,.0f} tok/s fwd+bwd" if c.tok_per_s else ""
-    predicted = f" (predicted {gib(c.predicted_peak_bytes)}, {c.prediction})" if c.predicted_peak_bytes else ""
+    model = c.predicted_by or {}
+    predicted = (f" (predicted {gib(c.predicted_peak_bytes)} by the model of {model.get('points')} points; "
+                 f"{c.decision})" if c.predicted_peak_bytes else f" ({c.decision}: no prediction yet)" if c.decision
+                 else "")
     peak = f", peak {gib(c.measured_peak_bytes)}{predicted}" if c.measured_peak_bytes else predicted
-    shown = c.status == "ok" or (c.status == "over_limit" and c.reason and c.reason.startswith("predicted"))
+    shown = c.status == "ok" or (c.status == "over_limit" and c.reason and c.reason.startswith("not run: predicted"))
     why = f" ({c.reason})" if c.reason and not shown else ""
     log.info("%smtpm=auto: mtpm=%d %s%s%s, limit %s%s", label, c.mtpm, c.status, speed, peak, gib(limit), why)
 
@@ -88,7 +92,37 @@ def log_answer(label: str, doc: dict[str, Any]) -> None:
     log.info("%s%s: set mtpm=%d (%s, %s): %s tok/s fwd+bwd, %s, peak %s of %.1f GiB%s%s", label, doc["backend"],
              doc["mtpm"], doc["planner"], doc["layout"], f"{fb['tok_per_s']:,.0f}", versus,
              f"{max(peaks) / 2**30:.1f} GiB" if peaks else "unknown", auto["limit_bytes"] / 2**30, verdict,
-             _tie_phrase(auto.get("tie")))
+             _tie_phrase(auto.get("tie")) + _one_pair_phrase(auto.get("ranking")) + _not_tried_phrase(auto))
+
+
+def _not_tried_phrase(auto: dict) -> str:
+    """"; not tried: mtpm=32768 (predicted 3.68 GiB, 23% over the limit, beyond the model's 10% error)": the budgets
+    refused without a measurement, and why (a measured refusal is a fact the candidates' lines gave)."""
+    limit = auto["limit_bytes"]
+    out = []
+    for c in auto.get("candidates") or []:
+        if c.get("decision") == "predicted_over":
+            margin = (c.get("margin") or {}).get("fraction")
+            out.append(f"mtpm={c['mtpm']} (predicted {c['predicted_peak_bytes'] / 2**30:.2f} GiB, "
+                       f"{c['predicted_peak_bytes'] / limit - 1:.0%} over the limit, beyond the model's "
+                       f"{margin:.0%} error)")
+        elif c.get("decision") == "above_failure":
+            out.append(f"mtpm={c['mtpm']} ({c['reason']})")
+    return f"; not tried: {', '.join(out)}" if out else ""
+
+
+def _one_pair_phrase(ranking: Optional[dict]) -> str:
+    """"; ranked on one pair each (bench.repeat=1)", or the budgets left out on their single pair: a ranking by one
+    noisy ratio is said, not implied."""
+    if not ranking or len(ranking.get("pairs") or {}) < 2:
+        return ""
+    if ranking.get("repeat", 1) <= 1 and all(n <= 1 for n in (ranking.get("pairs") or {}).values()):
+        return "; every budget ranked on one pair (bench.repeat=1: no interval tells them apart)"
+    left = ranking.get("on_one_pair") or []
+    if not left:
+        return ""
+    return "; ranked below the leaders on one pair each: " + ", ".join(
+        f"mtpm={c['mtpm']} ({c['speedup']:.2f}×)" for c in left)
 
 
 def _tie_phrase(tie: Optional[dict]) -> str:
@@ -97,4 +131,7 @@ def _tie_phrase(tie: Optional[dict]) -> str:
 
     if not tie:
         return ""
-    return "; " + tie_text([f"mtpm={m}" for m in tie["with"]], tie["rule"], tie.get("pairs"))
+    peaks = tie.get("peaks") or {}
+    weighed = (f" ({', '.join(f'mtpm={m} {p / 2**30:.2f} GiB' for m, p in peaks.items() if p)})"
+               if "peak memory" in (tie["rule"] or "") and peaks else "")
+    return "; " + tie_text([f"mtpm={m}" for m in tie["with"]], tie["rule"], tie.get("pairs")) + weighed

@@ -16,6 +16,7 @@ from harness.app.config import resolve_config
 from harness.auto.model import (
     Candidate,
     Measured,
+    MemoryModel,
     candidates_of,
     fit_memory_model,
     memory_limit,
@@ -168,9 +169,93 @@ def test_the_search_runs_what_fits_skips_what_is_predicted_over_and_chooses_the_
     assert 32768 not in device.ran and 65536 not in device.ran  # predicted over: never run
     assert found.chosen.mtpm == 16384
     for c in found.candidates:
-        assert c.predicted_peak_bytes == pytest.approx(device.peak(c.tokens), rel=1e-3)
+        assert c.refit_peak_bytes == pytest.approx(device.peak(c.tokens), rel=1e-3)
+        if c.predicted_peak_bytes is not None:
+            assert c.prediction == "ahead" and c.predicted_peak_bytes == pytest.approx(device.peak(c.tokens), rel=1e-3)
         if c.status == "ok":
-            assert c.prediction in ("ahead", "held_out") and c.measured_peak_bytes <= limit
+            assert c.measured_peak_bytes <= limit
+    assert found.candidates[0].decision == "probe" and found.candidates[0].predicted_peak_bytes is None  # no model yet
+    assert [c.decision for c in found.candidates[-2:]] == ["predicted_over", "predicted_over"]
+
+
+class TablePeaks(FakeDevice):
+    """Peaks read from a table of T -> bytes (what a real device measured), tok/s growing with T."""
+
+    def __init__(self, peaks: dict):
+        super().__init__()
+        self.peaks = peaks
+
+    def peak(self, tokens: int) -> int:
+        return self.peaks[tokens]
+
+
+# A run on the real vocabulary (248,320, cpu_mixed, a 3 GiB cap): the mbs=1 baseline and five candidates' T and
+# their measured peaks; the largest is the whole rank in one micro-batch, between the slopes seen (3.1-3.5 GB).
+ISSUE_PEAKS = {3841: int(1.97e9), 6269: int(2.41e9), 12372: int(2.65e9), 24716: int(3.3e9)}
+
+
+def test_each_candidate_records_the_prediction_its_decision_used_made_by_the_model_it_records():
+    """A prediction is recomputed from its record: the model a candidate records (coefficients and the points they
+    were fitted to) gives its predicted peak, and the search's last model gives every refitted one; a probe run
+    before two sizes were measured records no prediction rather than one made later by another model."""
+    device = TablePeaks(ISSUE_PEAKS)
+    cands = [Candidate(mtpm=m, tokens=t, square=0, steps=s)
+             for m, t, s in ((2048, 3841, 16), (4096, 3841, 8), (8192, 6269, 4), (16384, 12372, 2), (32768, 24716, 1))]
+    found = search(cands, device.measure, 3 * GiB, baseline_point=(3841, 3841**2, ISSUE_PEAKS[3841]))
+    final = MemoryModel.from_dict(found.as_dict(0.1, "test")["memory_model"])
+    assert fit_memory_model(final.fitted_to) == final  # the recorded points give the recorded model
+    for c in found.candidates:
+        record = json.loads(json.dumps(c.as_dict()))  # as results.json holds it
+        if record["predicted_peak_bytes"] is None:
+            assert record["decision"] == "probe" and record["predicted_by"] is None
+        else:
+            model = MemoryModel.from_dict(record["predicted_by"])
+            assert fit_memory_model(model.fitted_to) == model
+            assert model.predict(record["tokens"], record["square"]) == record["predicted_peak_bytes"]
+        assert final.predict(record["tokens"], record["square"]) == record["refit_peak_bytes"]
+        if record["measured_peak_bytes"] is not None:
+            assert record["refit_peak_bytes"] == pytest.approx(record["measured_peak_bytes"], rel=0.15)
+    by_mtpm = {c.mtpm: c for c in found.candidates}
+    assert by_mtpm[16384].decision == "probe" and by_mtpm[16384].predicted_peak_bytes is None  # not a held-out 3.47 GB
+    # the same T, the same refitted prediction (their decisions' models differ, and each says which it was)
+    assert by_mtpm[2048].refit_peak_bytes == by_mtpm[4096].refit_peak_bytes
+    # 32,768 predicted 15% over a 3 GiB limit, by a model that extrapolating from 6,269 to 12,372 tokens was 33% off:
+    # within its own error, so measured rather than refused (here it peaks over: a measured fact)
+    assert by_mtpm[32768].decision == "within_error" and by_mtpm[32768].margin["fraction"] > 0.3
+    assert "extrapolating to T=12,372" in by_mtpm[32768].margin["from"] and by_mtpm[32768].status == "over_limit"
+
+
+def test_a_refusal_within_the_models_error_of_the_limit_is_measured_and_one_beyond_states_its_margin():
+    device = FakeDevice()  # linear: every prediction checked is exact, so the margin is the floor, 5%
+    cands = _cands([2048, 4096, 8192, 16384, 32768])
+    found = search(cands, device.measure, limit_bytes=int(device.peak(16384) / 1.03))  # 16384 predicted 3% over
+    by = {c.mtpm: c for c in found.candidates}
+    assert by[16384].decision == "within_error" and by[16384].status == "over_limit"  # measured: a fact
+    assert by[16384].reason.startswith("measured peak") and 16384 in device.ran
+    assert by[32768].decision == "above_failure" and 32768 not in device.ran
+    found = search(_cands([2048, 4096, 8192, 16384, 32768]), FakeDevice().measure,
+                   limit_bytes=int(device.peak(16384) / 1.2))  # 20% over: beyond the 5% the model has shown
+    refused = {c.mtpm: c for c in found.candidates}[16384]
+    assert refused.decision == "predicted_over" and refused.measured_peak_bytes is None
+    assert refused.margin["fraction"] == 0.05 and "largest error" in refused.margin["from"]
+    assert "20% over the limit" in refused.reason and "beyond the model's error (5%" in refused.reason
+
+
+def test_a_refusal_the_last_refit_moves_within_reach_is_revisited_and_measured():
+    """T not ascending with the budget (a planner may cut a larger budget's plan smaller): 8,000 is refused on the
+    first two points (2.4 GiB, beyond the 15% assumed), 7,000 is measured within that margin and peaks far under
+    its prediction; the refit, and the error it showed, put 8,000 within reach, so it runs after all."""
+    peaks = {1000: 1 * GiB, 6000: 2 * GiB, 7000: int(1.8 * GiB), 8000: int(1.9 * GiB)}
+    device = TablePeaks(peaks)
+    cands = [Candidate(mtpm=m, tokens=t, square=0, steps=1) for m, t in ((1, 1000), (2, 8000), (3, 6000), (4, 7000))]
+    found = search(cands, device.measure, limit_bytes=2 * GiB)
+    by = {c.mtpm: c for c in found.candidates}
+    assert by[4].decision == "within_error" and by[4].status == "ok"
+    assert by[2].decision == "revisited" and by[2].status == "ok" and by[2].measured_peak_bytes == peaks[8000]
+    first = by[2].revisited
+    assert first["predicted_peak_bytes"] == pytest.approx(2.4 * GiB, rel=1e-6) and first["margin"]["fraction"] == 0.15
+    assert MemoryModel.from_dict(first["predicted_by"]).predict(8000, 0) == first["predicted_peak_bytes"]
+    assert device.ran == [1, 3, 4, 2]
 
 
 def test_an_out_of_memory_probe_is_a_result_and_the_search_goes_on_below_it():
@@ -317,6 +402,25 @@ def test_the_auto_answer_line_says_the_paired_speedup_and_its_interval_that_resu
     with caplog.at_level("INFO", logger="harness"):
         _log_answer("", _auto_doc(None))  # bench.paired=false: the search's own mbs=1 run, and it says so
     assert "2.83× mbs=1 (unpaired)" in caplog.records[-1].getMessage()
+
+
+def test_the_auto_answer_line_names_each_budget_refused_without_a_measurement_and_why(caplog):
+    """A refusal by prediction is not a measured fact, so the answer line says it was not tried, by how much it
+    was predicted over and the model's error it was weighed against; one above an out of memory says that."""
+    from harness.point.logs import log_answer
+
+    doc = _auto_doc({"median": 2.14, "ci": [1.9, 2.4], "pairs": [2.0, 2.14, 2.3]})
+    doc["auto"]["candidates"] = [
+        {"mtpm": 16384, "decision": "predicted_fit", "status": "ok"},
+        {"mtpm": 32768, "decision": "predicted_over", "status": "over_limit", "predicted_peak_bytes": int(9.2 * GiB),
+         "margin": {"fraction": 0.1, "from": "x"}},
+        {"mtpm": 65536, "decision": "above_failure", "status": "over_limit",
+         "reason": "larger than mtpm=32768, which ran out of memory"}]
+    with caplog.at_level("INFO", logger="harness"):
+        log_answer("", doc)
+    line = caplog.records[-1].getMessage()
+    assert ("not tried: mtpm=32768 (predicted 9.20 GiB, 15% over the limit, beyond the model's 10% error), "
+            "mtpm=65536 (larger than mtpm=32768, which ran out of memory)") in line, line
 
 
 def test_planning_the_candidates_shows_progress_while_it_lasts(caplog):

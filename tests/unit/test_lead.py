@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import random
 
-from harness.auto.lead import Leader, settle
+from harness.auto.lead import Leader, settle, settle_ranked
 
 GiB = 1024**3
 
@@ -41,14 +41,48 @@ def test_leaders_that_stay_alike_up_to_the_most_repeats_tie_and_the_rule_chooses
     settled = settle(leaders, device.more, repeat=3, max_repeats=6)
     assert settled.pairs == 6 and device.measured == {16384: 5, 32768: 5}  # measured up to the cap, no further
     assert settled.chosen.mtpm == 16384 and [t.mtpm for t in settled.tied] == [32768]
-    assert settled.rule == "the least peak memory" and settled.as_dict() == {"with": [32768], "rule": settled.rule,
-                                                                           "pairs": 6}
+    assert settled.rule == "the least peak memory" and settled.as_dict() == {
+        "with": [32768], "rule": settled.rule, "pairs": 6, "peaks": {"16384": 2 * GiB, "32768": 3 * GiB}}
 
 
 def test_one_pair_each_and_one_allowed_measures_nothing_more():
     device = FakePairs({16384: 1.3, 32768: 1.2}, noise=0.0)
     settled = settle([Leader(16384, GiB, [1.3]), Leader(32768, GiB, [1.2])], device.more, repeat=1, max_repeats=1)
     assert settled.chosen.mtpm == 16384 and device.measured == {16384: 0, 32768: 0}
+
+
+def test_a_budget_ranked_third_on_one_pair_not_below_the_chosen_interval_is_measured_again_and_can_win():
+    """8,192 at 1.52x on one pair, third behind two budgets whose single pairs flattered them; once
+    their medians settle near 1.3x, its one pair is above their interval, so it is measured and wins clearly. A
+    budget whose one pair is below the interval (1.0x) is not measured again."""
+    device = FakePairs({32768: 1.3, 16384: 1.3, 8192: 1.5, 4096: 1.0}, noise=0.03)
+    ranked = [Leader(32768, GiB, [1.6]), Leader(16384, GiB, [1.55]), Leader(8192, GiB, [1.52]),
+              Leader(4096, GiB, [1.0])]
+    settled, contested = settle_ranked(ranked, device.more, repeat=3, max_repeats=10)
+    assert contested == [32768, 16384, 8192] and device.measured[4096] == 0
+    assert settled.chosen.mtpm == 8192 and not settled.tied and device.measured[8192] >= 2
+
+
+def test_with_one_pair_each_nothing_is_measured_again_and_the_answer_says_the_ranking_rests_on_single_pairs(caplog):
+    from harness.point.logs import log_answer
+    from tests.unit.test_answer import _auto_doc
+
+    device = FakePairs({16384: 1.3, 8192: 1.5}, noise=0.0)
+    settled, contested = settle_ranked([Leader(16384, GiB, [1.6]), Leader(8192, GiB, [1.52])], device.more,
+                                       repeat=1, max_repeats=1)
+    assert settled.chosen.mtpm == 16384 and device.measured == {16384: 0, 8192: 0}
+    doc = _auto_doc({"median": 1.6, "ci": None, "pairs": [1.6]})
+    doc["auto"]["ranking"] = {"pairs": {"16384": 1, "8192": 1}, "measured_again": contested,
+                              "on_one_pair": [], "repeat": 1}
+    with caplog.at_level("INFO", logger="harness"):
+        log_answer("", doc)
+    assert "every budget ranked on one pair (bench.repeat=1" in caplog.records[-1].getMessage()
+    doc["auto"]["ranking"] = {"pairs": {"16384": 3, "8192": 3, "4096": 1}, "measured_again": [16384, 8192],
+                              "on_one_pair": [{"mtpm": 4096, "speedup": 1.01}], "repeat": 3}
+    caplog.clear()
+    with caplog.at_level("INFO", logger="harness"):
+        log_answer("", doc)
+    assert "ranked below the leaders on one pair each: mtpm=4096 (1.01×)" in caplog.records[-1].getMessage()
 
 
 def test_the_reports_answer_says_a_tie_and_prefers_the_budget_shown_faster_than_mbs1(tmp_path):
@@ -65,3 +99,36 @@ def test_the_reports_answer_says_a_tie_and_prefers_the_budget_shown_faster_than_
     (answer,) = [line for line in report.splitlines() if line.startswith("- FSDP2:")]
     assert answer.startswith("- FSDP2: set mtpm=32,768"), answer
     assert "ties with mtpm=16,384 (balanced, packed) (95% intervals overlap): chosen for its interval above 1" in answer
+
+
+def test_more_pairs_of_a_budget_measured_after_a_larger_one_read_its_own_peak(tmp_path):
+    """The leaders' extra pairs run after the other budget's passes: its memory, left cached, must be released
+    first, or the smaller budget's peak reads the larger's and the tie rule (and the answer) weigh that. A real
+    in-process PyTorch backend on six sequences (T 3,193 against 8,766: about 680 MB against 1.1 GB)."""
+    from harness.app.config import resolve_config
+    from harness.auto.run import AutoRun
+    from harness.data.workload import load_workload
+    from harness.point.point import Point
+    from harness.point.setup import HydraRun
+    from tests.conftest import compose_config
+
+    overrides = ["mtpm=auto", "backend=pytorch", "workload=cpu_mixed", "workload.n_examples=6", "bench.paired=false",
+                 "bench.warmup=0", "bench.repeat=1", "logger=none"]
+    cfg = compose_config(*overrides)
+    spec = resolve_config(cfg)
+    point = Point(cfg, HydraRun(out_dir=tmp_path / "run", overrides=overrides, folder_key="hydra.run.dir",
+                                group=None))
+    point.workload = load_workload(spec.workload, spec.model)
+    auto = AutoRun(point, spec, point.workload)
+    try:
+        auto._plan_candidates()
+        auto.examples = point.examples(spec)
+        small, big = auto.cands[0].mtpm, auto.cands[-1].mtpm
+        own, larger = auto._measure(small).peak_bytes, auto._measure(big).peak_bytes
+        assert larger - own > 256 * 2**20, (own, larger)  # the two budgets' memory differs plainly
+        auto._more_pairs(small, 1)
+        again = auto._peak_of(small)
+        assert again < own + (larger - own) / 2, (own, again, larger)
+    finally:
+        if point.backend is not None:
+            point.backend.close()

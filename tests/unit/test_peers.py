@@ -235,8 +235,10 @@ def test_published_workload_keeps_its_documented_step_counts(name):
                   for budget in (32768, 65536, 131072))
     assert steps == PUBLISHED_STEPS[name]
     if name in ("trl_fixed", "automodel"):  # a fixed count; a lone batch over the budget (with the peer's warning)
-        steps = plan_batch(SEED, 4, 16384, align=True, layout=PEERS[name].layout, planner=name).stats.steps
-        assert steps == {"trl_fixed": 4, "automodel": 23}[name]
+        stats = plan_batch(SEED, 4, 16384, align=True, layout=PEERS[name].layout, planner=name).stats
+        assert stats.steps == {"trl_fixed": 4, "automodel": 23}[name]
+        # the bound is the planner's own: TRL's fixed count never reads the budget, so the budget bounds nothing
+        assert stats.lower_bound_steps == {"trl_fixed": 4, "automodel": 20}[name] <= stats.steps
     else:
         with pytest.raises(PeerRefusal, match=f"planner: {name} refuses"):
             plan_batch(SEED, 4, 16384, align=True, layout=PEERS[name].layout, planner=name)
@@ -261,6 +263,8 @@ def test_the_harness_runs_a_peer_in_its_own_layout_unless_one_is_set_and_refuses
     assert _resolved("planner=verl", "mtpm=4096").backend.layout == "packed"
     assert _resolved("planner=fairseq", "mtpm=4096", "layout=packed").backend.layout == "packed"
     assert _resolved("planner=trl_fixed").backend.max_tokens_per_microbatch is None  # a fixed count needs no budget
+    with pytest.raises(UserError, match="mtpm: auto searches the token budget, and planner=trl_fixed takes none"):
+        _resolved("planner=trl_fixed", "mtpm=auto")  # every budget would plan alike: no "set mtpm=256" answer
     with pytest.raises(UserError, match="planner: verl needs a budget"):
         _resolved("planner=verl")
     values = {"mtpm": 4096, "planner": "automodel"}
