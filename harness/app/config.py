@@ -278,19 +278,7 @@ def validate(cfg: HarnessConfig) -> None:
     _positive_int("world_size", cfg.backend.world_size, allow_none=True)
     if cfg.backend.layout not in LAYOUTS:
         raise UserError(f"layout: '{cfg.backend.layout}' is not a layout (valid: {', '.join(LAYOUTS)})")
-    if cfg.backend.planner not in PLANNERS:
-        raise UserError(f"planner: '{cfg.backend.planner}' is not a planner (valid: {', '.join(PLANNERS)})")
-    if cfg.backend.planner == "balanced" and cfg.backend.max_tokens_per_microbatch is None and cfg.mtpm != AUTO:
-        raise UserError("planner: balanced needs a budget (set mtpm=<tokens>; with mtpm=null use planner=greedy: "
-                        "fixed-size slices have nothing to balance)")
-    peer = PEERS.get(cfg.backend.planner)
-    if peer and peer.needs_budget and cfg.backend.max_tokens_per_microbatch is None and cfg.mtpm != AUTO:
-        raise UserError(f"planner: {peer.name} needs a budget (set mtpm=<tokens>; of the peers only trl_fixed plans "
-                        "without one)")
-    if peer and not peer.needs_budget and cfg.mtpm == AUTO:
-        raise UserError(f"mtpm: auto searches the token budget, and planner={peer.name} takes none (a fixed count of "
-                        "sequences per rank each step), so every budget would plan alike; run it with mtpm=null, or "
-                        "search with a planner that takes a budget")
+    _check_planner(cfg)
     # Named as the user types it: backend.max_seqs_per_microbatch interpolates the top-level knob.
     _positive_int("max_seqs_per_microbatch", cfg.backend.max_seqs_per_microbatch, allow_none=True)
     # model.vocab_size with a checkpoint; packed on an unsupported model
@@ -343,6 +331,23 @@ def validate(cfg: HarnessConfig) -> None:
     if cfg.backend.compile_eager_fallback and not cfg.backend.compile:
         raise UserError("backend.compile_eager_fallback=true: says what a compiled layer may do, and "
                         "backend.compile=false compiles none; set backend.compile=true, or drop the fallback")
+
+
+def _check_planner(cfg: HarnessConfig) -> None:
+    """The planner: one there is, and with the budget it needs (or, for a fixed count, not mtpm=auto)."""
+    if cfg.backend.planner not in PLANNERS:
+        raise UserError(f"planner: '{cfg.backend.planner}' is not a planner (valid: {', '.join(PLANNERS)})")
+    if cfg.backend.planner == "balanced" and cfg.backend.max_tokens_per_microbatch is None and cfg.mtpm != AUTO:
+        raise UserError("planner: balanced needs a budget (set mtpm=<tokens>; with mtpm=null use planner=greedy: "
+                        "fixed-size slices have nothing to balance)")
+    peer = PEERS.get(cfg.backend.planner)
+    if peer and peer.needs_budget and cfg.backend.max_tokens_per_microbatch is None and cfg.mtpm != AUTO:
+        raise UserError(f"planner: {peer.name} needs a budget (set mtpm=<tokens>; of the peers only trl_fixed plans "
+                        "without one)")
+    if peer and not peer.needs_budget and cfg.mtpm == AUTO:
+        raise UserError(f"mtpm: auto searches the token budget, and planner={peer.name} takes none (a fixed count of "
+                        "sequences per rank each step), so every budget would plan alike; run it with mtpm=null, or "
+                        "search with a planner that takes a budget")
 
 
 def _check_profile(cfg: HarnessConfig) -> None:
