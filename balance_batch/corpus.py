@@ -135,7 +135,7 @@ def pack(lengths: Union[Sequence[int], np.ndarray], capacity: int, *, max_seqs_p
     key_type = np.uint16 if capacity + 1 < 2**16 else np.uint32
     key = np.minimum(arr, capacity + 1).astype(key_type) if n_over else arr.astype(key_type)
     order = np.argsort(key, kind="stable")
-    hist = np.bincount(key, minlength=capacity + 2)[: capacity + 1].astype(np.int64)
+    hist = _histogram(key, capacity + 2)[: capacity + 1]
     start = np.zeros(capacity + 2, dtype=np.int64)
     np.cumsum(hist, out=start[1:])
     cap = max_seqs_per_row or math.inf
@@ -170,9 +170,24 @@ def pack(lengths: Union[Sequence[int], np.ndarray], capacity: int, *, max_seqs_p
         widths.append(width)
         counts.append(nb)
     assert pos == n, "pack: every sequence is placed once"
-    offsets = np.zeros(int(sum(counts)) + 1, dtype=np.int64)
-    np.cumsum(np.repeat(np.asarray(widths, dtype=np.int64), counts), out=offsets[1:])
+    offsets = np.empty(int(sum(counts)) + 1, dtype=np.int64)
+    offsets[0] = end = 0
+    for width, nb in zip(widths, counts):  # each group's rows are one width: an arithmetic run, written in place
+        run = offsets[end + 1 : end + 1 + nb]
+        np.multiply(np.arange(1, nb + 1, dtype=np.int64), width, out=run)
+        run += offsets[end]
+        end += nb
     return Packing(indices, offsets, capacity, arr, lower_bound_rows(hist, capacity, n_over, max_seqs_per_row))
+
+
+def _histogram(key: np.ndarray, size: int, chunk: int = 1 << 20) -> np.ndarray:
+    """Counts of each key, a chunk at a time: np.bincount copies its input to 64-bit integers first, and a fresh copy
+    of a whole corpus's keys is memory the process has never touched (on a virtual machine, the slowest part of a
+    call)."""
+    counts = np.zeros(size, dtype=np.int64)
+    for at in range(0, key.size, chunk):
+        counts += np.bincount(key[at : at + chunk], minlength=size)
+    return counts
 
 
 class _UnitCost(dict):
