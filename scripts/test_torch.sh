@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU-relevant tests against another torch, in an environment of its own (.venv-torch<major.minor>, git-ignored),
 # so the code is checked on the torch a GPU machine brings (2.11 on the one this project is lent) without touching
-# .venv. Needs PyPI: torch's Linux wheels there are CUDA builds that import only with their nvidia-* packages (a few
-# GB, downloaded once); on a machine without a GPU they run on CPU like the CPU build.
+# .venv. Needs the package index: torch's Linux wheels there are CUDA builds that import only with their nvidia-*
+# packages (a few GB, downloaded once); on a machine without a GPU they run on CPU like the CPU build.
 #
 #   scripts/test_torch.sh 2.11.0                 # create the env (once), then run the tests below
 #   scripts/test_torch.sh 2.11.0 -k packed       # extra arguments go to pytest
@@ -19,9 +19,9 @@ venv=".venv-torch${version%.*}"
 [[ "$version" =~ ^[0-9]+\.[0-9]+$ ]] && venv=".venv-torch$version"
 py="$venv/bin/python"
 if ! "$py" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$version')" 2>/dev/null; then
-  echo "creating $venv with torch $version (PyPI; the first time downloads torch and its CUDA libraries)"
+  echo "creating $venv with torch $version (the first time downloads torch and its CUDA libraries)"
   "${PYTHON:-python3}" -m venv "$venv"
-  "$py" -m pip install --quiet --index-url https://pypi.org/simple "torch==$version"
+  "$py" -m pip install --quiet "torch==$version"
   # the project's other pins from the same places `make setup` uses; torch stays the one above
   echo "torch==$version" > "$venv/torch-pin.txt"
   "$py" -m pip install --quiet -c "$venv/torch-pin.txt" -e '.[test]'
