@@ -509,8 +509,10 @@ def print_plan(rows: list[dict], target: Target, budget_s: float) -> None:
     print(f"gpu_check plan ({what}); estimates ({source}):")
     total = 0.0
     for row in rows:
-        if "skipped" in row:
-            print(f"  {row['step']:<10}  not run: {row['skipped']}")
+        # the budget spent as run_steps spends it: a step whose estimate exceeds what is left is skipped there too
+        why = row.get("skipped") or fits(row["estimate_s"], budget_s - total)
+        if why:
+            print(f"  {row['step']:<10}  not run: {why}")
             continue
         total += row["estimate_s"]
         parts = ", ".join(f"{k} {v:g}" for k, v in row["parts_s"].items())

@@ -63,6 +63,21 @@ def test_the_cuda_plan_lists_every_feature_within_five_minutes_on_one_gpu_over_t
     assert second[0]["parts_s"]["triton"] == triton
 
 
+def test_a_plan_under_a_small_budget_lists_the_steps_it_would_skip(capsys):
+    """--plan spends --budget-s as the run does: a step whose estimate exceeds what is left is not run, and the total
+    counts only the steps that would run."""
+    assert gpu_check.main(["--plan", "--device", "cpu", "--budget-s", "70"]) == 0
+    printed = capsys.readouterr().out
+    rows = gpu_check.estimates(gpu_check.plan(gpu_check.Target("cpu", 1)), gpu_check.Target("cpu", 1))
+    runs = [r for r in rows if "skipped" not in r]
+    first = runs[0]["estimate_s"]
+    assert first <= 70 < first + runs[1]["estimate_s"]  # the first step fits, the second no longer does
+    assert f"{runs[0]['step']:<10} {first:6.0f} s" in printed
+    for row in runs[1:]:
+        assert f"{row['step']:<10}  not run: estimated {row['estimate_s']:.0f} s" in printed
+    assert f"{first:6.0f} s  (--budget-s 70)" in printed
+
+
 def test_the_cpu_plan_has_no_cuda_only_step_and_the_35b_variant_plans_the_published_model():
     rows = gpu_check.estimates(gpu_check.plan(gpu_check.Target("cpu")), gpu_check.Target("cpu"))
     assert [r["step"] for r in rows if "skipped" not in r] == ["bf16", "fp32", "features"]
