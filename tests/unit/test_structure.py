@@ -177,6 +177,19 @@ def test_the_library_and_the_registry_import_without_torch():
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)
 
 
+def test_the_library_imports_nothing_of_the_harness_or_the_backends():
+    """balance_batch is the ground floor: the harness and the backends import it, never the other way round (a
+    lengths file's parser was once reached through harness.data.workload)."""
+    found = []
+    for path in sorted((REPO / "balance_batch").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            found += [f"{path.relative_to(REPO)}:{node.lineno} {n}" for n in names
+                      if n.split(".")[0] in ("harness", "backends", "reports", "hydra_plugins")]
+    assert not found, f"the library imports the application: {found}"
+
+
 def test_modules_and_functions_stay_small_and_harness_keeps_to_its_rooms():
     files = [p for package in ("harness", "backends") for p in sorted((REPO / package).rglob("*.py"))]
     long_modules, long_functions, seen = {}, {}, set()
