@@ -22,6 +22,9 @@ from typing import Optional, Sequence, Union
 
 import numpy as np
 
+from balance_batch.errors import positive_int
+from balance_batch.stats import lower_bound_from_histogram
+
 OVERSIZE = ("alone", "error")  # a sequence longer than the capacity: a row of its own, or a ValueError
 
 
@@ -33,7 +36,7 @@ class Packing:
     offsets: np.ndarray  # int64, rows + 1 entries: row r is indices[offsets[r]:offsets[r + 1]]
     capacity: int
     lengths: np.ndarray  # int64, the packed sequences' lengths, by index
-    lower_bound: int  # the fewest rows any packing can have (see ``lower_bound_rows``)
+    lower_bound: int  # the fewest rows any packing can have (``balance_batch.stats.lower_bound_from_histogram``)
 
     @property
     def rows(self) -> int:
@@ -68,27 +71,6 @@ class Packing:
         return self.lower_bound / self.rows if self.rows else 1.0
 
 
-def lower_bound_rows(hist: np.ndarray, capacity: int, n_oversize: int = 0, max_seqs: Optional[int] = None) -> int:
-    """The fewest rows any packing of ``hist`` (counts by length, lengths ≤ capacity) can have: every oversize
-    sequence alone, then ⌈Σ lengths ÷ capacity⌉, no two sequences over half the capacity together, no row with more
-    sequences than the shortest ones that fit together (nor than ``max_seqs``)."""
-    lengths = np.nonzero(hist)[0]
-    if not len(lengths):
-        return n_oversize
-    counts = hist[lengths]
-    total = int((lengths * counts).sum())
-    halves = int(counts[2 * lengths > capacity].sum())
-    # the most sequences one row can hold: the shortest, while their sum fits
-    tokens_before = np.cumsum(lengths * counts) - lengths * counts
-    take = np.minimum(counts, np.maximum(0, (capacity - tokens_before) // lengths))
-    first_partial = int(np.searchsorted(take < counts, True))  # take < counts from the first length that fills it
-    most = max(1, int(take[: first_partial + 1].sum()))
-    if max_seqs:
-        most = min(most, max_seqs)
-    n = int(counts.sum())
-    return n_oversize + max(-(-total // capacity), halves, -(-n // most))
-
-
 def _as_lengths(lengths: Union[Sequence[int], np.ndarray]) -> np.ndarray:
     arr = np.asarray(lengths)
     if arr.ndim != 1:
@@ -113,15 +95,10 @@ def pack(lengths: Union[Sequence[int], np.ndarray], capacity: int, *, max_seqs_p
     """
     from balance_batch.balanced.packed import _Packer  # the balanced planner's histogram packer
 
-    if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity < 1:
-        raise ValueError(f"pack: capacity must be a positive integer, got {capacity!r}")
-    if max_seqs_per_row is not None and (isinstance(max_seqs_per_row, bool)
-                                         or not isinstance(max_seqs_per_row, (int, np.integer))
-                                         or max_seqs_per_row < 1):
-        raise ValueError(f"pack: max_seqs_per_row must be a positive integer or None, got {max_seqs_per_row!r}")
+    capacity = positive_int("capacity", capacity, who="pack")
+    positive_int("max_seqs_per_row", max_seqs_per_row, none_ok=True, who="pack")
     if oversize not in OVERSIZE:
         raise ValueError(f"pack: oversize must be one of {', '.join(OVERSIZE)}, got {oversize!r}")
-    capacity = int(capacity)
     arr = _as_lengths(lengths)
     n = arr.size
     over = arr > capacity
@@ -177,7 +154,8 @@ def pack(lengths: Union[Sequence[int], np.ndarray], capacity: int, *, max_seqs_p
         np.multiply(np.arange(1, nb + 1, dtype=np.int64), width, out=run)
         run += offsets[end]
         end += nb
-    return Packing(indices, offsets, capacity, arr, lower_bound_rows(hist, capacity, n_over, max_seqs_per_row))
+    bound = lower_bound_from_histogram(hist, capacity, n_over, max_seqs_per_row)
+    return Packing(indices, offsets, capacity, arr, bound)
 
 
 def _histogram(key: np.ndarray, size: int, chunk: int = 1 << 20) -> np.ndarray:

@@ -3,7 +3,6 @@ library's entry point); its plan.json and the check of one."""
 
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -11,6 +10,7 @@ import numpy as np
 
 from balance_batch.balanced import balanced_schedules
 from balance_batch.cost import LAYOUTS, CostModel
+from balance_batch.errors import positive_int
 from balance_batch.greedy import Schedule, align_schedules, deal_to_ranks, length_order, microbatches_for_rank
 from balance_batch.peers import PEER_NAMES, PEERS, peer_record, plan_peer
 from balance_batch.stats import PlanStats, lower_bound_steps, plan_stats
@@ -303,29 +303,20 @@ def plan_step(
     argument raises one ``ValueError`` naming it and what would be valid.
     """
     n = _checked_lengths(lengths)
-    world_size = _positive_int("world_size", world_size)
+    world_size = positive_int("world_size", world_size)
     check_choice("layout", layout, LAYOUTS)
     check_choice("planner", planner, PLANNERS)
     if max_tokens_per_microbatch is None and planner == "balanced":
         raise ValueError("max_tokens_per_microbatch: planner 'balanced' needs a token budget (a positive integer); "
                          "None (fixed slices of micro_batch_size sequences) is for planner 'greedy'")
-    budget = _positive_int("max_tokens_per_microbatch", max_tokens_per_microbatch, none_ok=True)
-    cap = _positive_int("max_seqs_per_microbatch", max_seqs_per_microbatch, none_ok=True)
-    mbs = _positive_int("micro_batch_size", micro_batch_size)
+    budget = positive_int("max_tokens_per_microbatch", max_tokens_per_microbatch, none_ok=True)
+    cap = positive_int("max_seqs_per_microbatch", max_seqs_per_microbatch, none_ok=True)
+    mbs = positive_int("micro_batch_size", micro_batch_size)
     loss = _checked_loss_tokens(loss_tokens_per_sequence, n)
     plan = plan_batch(n, world_size, budget, mbs, align=bool(lockstep), layout=layout, planner=planner,
                       cost_model=cost_model, max_seqs_per_microbatch=cap)
     plan.loss_tokens = plan.stats.real_tokens if loss is None else loss
     return plan
-
-
-def _positive_int(key: str, value, none_ok: bool = False) -> Optional[int]:
-    """``value`` as an int, or one ValueError naming ``key`` (None passes where ``none_ok``)."""
-    if value is None and none_ok:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"{key}: must be a positive integer{' or None' if none_ok else ''}, got {value!r}")
-    return int(value)
 
 
 def _checked_lengths(lengths) -> list[int]:

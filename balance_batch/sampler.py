@@ -21,6 +21,7 @@ import numpy as np
 
 from balance_batch.balanced import balanced_schedules
 from balance_batch.cost import LAYOUTS, CostModel
+from balance_batch.errors import positive_int
 from balance_batch.plan import PLANNERS, plan_step
 
 STATE_VERSION = 1
@@ -46,18 +47,10 @@ class Step:
     consumed_tokens: int
 
 
-def _positive_int(name: str, value, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
-        raise ValueError(f"TokenBudgetSampler: {name} must be a positive integer"
-                         f"{' or None' if allow_none else ''}, got {value!r}")
-
-
 def _ramp(tokens_per_step: Schedule) -> list[tuple[int, int]]:
     """``tokens_per_step`` as [(threshold, tokens), ...] from threshold 0, thresholds increasing."""
     if not isinstance(tokens_per_step, (list, tuple)):
-        _positive_int("tokens_per_step", tokens_per_step)
+        positive_int("tokens_per_step", tokens_per_step, who="TokenBudgetSampler")
         return [(0, int(tokens_per_step))]
     bad = ValueError("TokenBudgetSampler: tokens_per_step must be a positive integer or a schedule "
                      f"[(consumed_tokens, tokens_per_step), ...] starting at 0 with increasing thresholds and "
@@ -103,21 +96,21 @@ class TokenBudgetSampler:
         loss_tokens_per_sequence: Optional[Sequence[int]] = None,
         cost_model: Optional[CostModel] = None,
     ):
-        _positive_int("max_tokens_per_microbatch", max_tokens_per_microbatch)
-        _positive_int("world_size", world_size)
+        positive_int("max_tokens_per_microbatch", max_tokens_per_microbatch, who="TokenBudgetSampler")
+        positive_int("world_size", world_size, who="TokenBudgetSampler")
         if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < world_size:
             raise ValueError(f"TokenBudgetSampler: rank must be an integer in [0, world_size={world_size}), "
                              f"got {rank!r}")
         if (sequences_per_step is None) == (tokens_per_step is None):
             raise ValueError("TokenBudgetSampler: give exactly one of sequences_per_step and tokens_per_step, got "
                              f"{'both' if sequences_per_step is not None else 'neither'}")
-        _positive_int("sequences_per_step", sequences_per_step, allow_none=True)
+        positive_int("sequences_per_step", sequences_per_step, none_ok=True, who="TokenBudgetSampler")
         self._ramp = None if tokens_per_step is None else _ramp(tokens_per_step)
         if layout not in LAYOUTS:
             raise ValueError(f"TokenBudgetSampler: layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
         if planner not in PLANNERS:
             raise ValueError(f"TokenBudgetSampler: planner must be one of {', '.join(PLANNERS)}, got {planner!r}")
-        _positive_int("max_seqs_per_microbatch", max_seqs_per_microbatch, allow_none=True)
+        positive_int("max_seqs_per_microbatch", max_seqs_per_microbatch, none_ok=True, who="TokenBudgetSampler")
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
             raise ValueError(f"TokenBudgetSampler: seed must be an integer, got {seed!r}")
         L = np.asarray(lengths)

@@ -36,15 +36,27 @@ def lower_bound_bins(lengths: Sequence[int], max_tokens: Optional[int], micro_ba
         return math.ceil(len(lengths) / min(micro_batch_size, max_seqs or micro_batch_size))
     arr = np.asarray(lengths, dtype=np.int64)
     rest = arr[arr <= max_tokens]
-    over = len(arr) - len(rest)
-    if not len(rest):
-        return over
+    return lower_bound_from_histogram(np.bincount(rest), max_tokens, len(arr) - len(rest), max_seqs)
+
+
+def lower_bound_from_histogram(hist: np.ndarray, max_tokens: int, n_over: int = 0, max_seqs: Optional[int] = None
+                               ) -> int:
+    """``lower_bound_bins`` with a budget, from ``hist`` (how many sequences have each length, all within
+    ``max_tokens``) and ``n_over`` sequences longer than it: the work is per distinct length, not per sequence."""
+    lengths = np.flatnonzero(hist)
+    if not len(lengths):
+        return n_over
+    counts = hist[lengths].astype(np.int64)
+    tokens = lengths * counts
     # the most sequences one micro-batch can hold: the shortest ones, while their sum fits
-    most = max(1, int(np.searchsorted(np.cumsum(np.sort(rest)), max_tokens, side="right")))
+    before = np.cumsum(tokens) - tokens  # tokens of all shorter sequences
+    take = np.minimum(counts, np.maximum(0, (max_tokens - before) // lengths))
+    first_partial = int(np.searchsorted(take < counts, True))  # from the first length that no longer fits whole
+    most = max(1, int(take[: first_partial + 1].sum()))
     if max_seqs:
         most = min(most, max_seqs)
-    halves = int(np.count_nonzero(2 * rest > max_tokens))
-    return over + max(-(-int(rest.sum()) // max_tokens), halves, -(-len(rest) // most))
+    halves = int(counts[2 * lengths > max_tokens].sum())
+    return n_over + max(-(-int(tokens.sum()) // max_tokens), halves, -(-int(counts.sum()) // most))
 
 
 def lower_bound_steps(
