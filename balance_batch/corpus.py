@@ -22,6 +22,7 @@ from typing import Optional, Sequence, Union
 
 import numpy as np
 
+from balance_batch.balanced.packed import _Packer  # the balanced planner's histogram packer
 from balance_batch.errors import positive_int
 from balance_batch.stats import lower_bound_from_histogram
 
@@ -93,8 +94,6 @@ def pack(lengths: Union[Sequence[int], np.ndarray], capacity: int, *, max_seqs_p
     (``"alone"``, the rows first, longest first) or is refused (``"error"``: a
     ValueError naming the first). Raises ValueError on a bad argument.
     """
-    from balance_batch.balanced.packed import _Packer  # the balanced planner's histogram packer
-
     capacity = positive_int("capacity", capacity, who="pack")
     positive_int("max_seqs_per_row", max_seqs_per_row, none_ok=True, who="pack")
     if oversize not in OVERSIZE:
