@@ -27,6 +27,7 @@ from backends.model.step import (
 from backends.runtime.devices import resolve_device, use_threads_per_rank
 from backends.runtime.job import resolve_world_size
 from backends.runtime.memory import (
+    THREAD_ROOM_BYTES,
     MemoryHistory,
     data_segment_bytes,
     is_out_of_memory,
@@ -43,7 +44,6 @@ from backends.specs import BackendSpec, ModelSpec
 
 log = logging.getLogger(__name__)
 
-_ROOM_BYTES = 64 * 1024**2  # below this much room under the limit nothing is built: not even a thread's stack fits
 
 
 class PyTorchBackend(Backend):
@@ -90,7 +90,7 @@ class PyTorchBackend(Backend):
         from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig  # noqa: F401 - as above
 
         held = data_segment_bytes()
-        if held is not None and held + _ROOM_BYTES > limit_gb * 1024**3:
+        if held is not None and held + THREAD_ROOM_BYTES > limit_gb * 1024**3:
             raise BackendError(f"out of memory in start-up: bench.memory_limit_gb={limit_gb:g} is less than this "
                                f"process holds before the model ({held / 1024**3:.2f} GiB: the pytorch backend runs "
                                "in the harness's own process, whose imports count); give it more, or use a "

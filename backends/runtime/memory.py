@@ -106,6 +106,25 @@ def data_segment_bytes(pid: Any = "self") -> Optional[int]:
         return None
 
 
+THREAD_ROOM_BYTES = 64 * 1024**2  # a thread's stack and its start-up, with room: below this nothing is started
+
+
+def room_for_a_thread() -> bool:
+    """Whether this process can start a thread under its own RLIMIT_DATA (always, with no limit or no /proc). A
+    thread whose start-up runs out of memory raises inside the new thread, and Thread.start() then waits forever
+    for it to say it started: under bench.memory_limit_gb a pass that ends near the limit (glibc keeps its freed
+    heap, which the limit counts) would hang the next thread's start. Freed heap is handed back first."""
+    soft = resource.getrlimit(resource.RLIMIT_DATA)[0]
+    if soft == resource.RLIM_INFINITY:
+        return True
+    held = data_segment_bytes()
+    if held is None or held + THREAD_ROOM_BYTES <= soft:
+        return True
+    _malloc_trim()
+    held = data_segment_bytes()
+    return held is None or held + THREAD_ROOM_BYTES <= soft
+
+
 def restore_memory_limit(previous: Optional[MemoryLimit]) -> None:
     """Undo a ``limit_memory`` (None: nothing was set)."""
     if previous is not None:

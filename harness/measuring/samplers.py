@@ -59,8 +59,15 @@ class _PeriodicSampler:
             self._poll()
 
     def start(self) -> None:
+        from backends.runtime.memory import room_for_a_thread
+
         self._begin()
         self._stop.clear()
+        self._thread = None
+        if not room_for_a_thread():  # polled at start and stop only: utilisation stays exact, the peak is sampled less
+            log.warning("%s: no room under this process's memory limit to start its thread; this pass's memory is "
+                        "sampled at its start and end only", self.name)
+            return
         self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
         self._thread.start()
 

@@ -153,3 +153,26 @@ def test_the_harness_process_running_out_under_a_pytorch_limit_is_an_oom():
         assert in_process_out_of_memory(compose_config("backend=fsdp2", "bench.memory_limit_gb=0.55"), exc) is None
         assert in_process_out_of_memory(compose_config("backend=pytorch", "bench.memory_limit_gb=0.55"),
                                         KeyError("x")) is None
+
+
+def test_a_sampler_starts_no_thread_without_room_under_the_limit():
+    """A thread whose start-up runs out of memory leaves Thread.start() waiting forever, or raises "can't start new
+    thread": with 4 MB of room under RLIMIT_DATA the sampler starts none and polls at its start and stop only (in a
+    process of its own: the limit must not reach pytest)."""
+    import subprocess
+
+    code = """
+import os, resource, threading
+from backends.runtime.memory import data_segment_bytes, room_for_a_thread
+from harness.measuring.samplers import CpuSampler
+hard = resource.getrlimit(resource.RLIMIT_DATA)[1]
+sampler, before = CpuSampler([os.getpid()]), threading.active_count()
+resource.setrlimit(resource.RLIMIT_DATA, (data_segment_bytes() + 4 * 1024**2, hard))
+assert not room_for_a_thread()
+sampler.start()
+util, mem_pct = sampler.stop()
+assert threading.active_count() == before and 0 <= util <= 100 and mem_pct > 0, (util, mem_pct)
+resource.setrlimit(resource.RLIMIT_DATA, (hard, hard))
+assert room_for_a_thread()
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
