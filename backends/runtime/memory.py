@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import logging
@@ -123,6 +124,23 @@ def room_for_a_thread() -> bool:
     _malloc_trim()
     held = data_segment_bytes()
     return held is None or held + THREAD_ROOM_BYTES <= soft
+
+
+@contextlib.contextmanager
+def outside_the_data_limit():
+    """RLIMIT_DATA's soft limit raised to its hard one while the block runs, then put back. For the harness's own
+    bookkeeping (W&B's threads and the service process it spawns) in a process whose limit is the pytorch
+    backend's bench.memory_limit_gb: the limit measures the workload, and near it (glibc keeps a pass's freed heap)
+    W&B could not start a thread, so a point's run was silently missing. Never around a pass."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    if soft == hard:
+        yield
+        return
+    resource.setrlimit(resource.RLIMIT_DATA, (hard, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
 
 
 def restore_memory_limit(previous: Optional[MemoryLimit]) -> None:

@@ -75,19 +75,22 @@ class Tracker:
         try:
             import wandb
 
-            self.run = wandb.init(
-                project=cfg.get("project") or "balance-batch",
-                entity=cfg.get("entity"),
-                mode=mode,
-                dir=str(out_dir),
-                group=cfg.get("group") or group,
-                name=name,
-                job_type=cfg.get("job_type") or "benchmark",
-                tags=list(cfg.get("tags") or []),
-                config=config,
-                reinit="finish_previous",
-                settings=wandb.Settings(console="off", silent=True, x_disable_stats=True),
-            )
+            from backends.runtime.memory import outside_the_data_limit
+
+            with outside_the_data_limit():  # the pytorch backend's limit holds this process: W&B starts beside it
+                self.run = wandb.init(
+                    project=cfg.get("project") or "balance-batch",
+                    entity=cfg.get("entity"),
+                    mode=mode,
+                    dir=str(out_dir),
+                    group=cfg.get("group") or group,
+                    name=name,
+                    job_type=cfg.get("job_type") or "benchmark",
+                    tags=list(cfg.get("tags") or []),
+                    config=config,
+                    reinit="finish_previous",
+                    settings=wandb.Settings(console="off", silent=True, x_disable_stats=True),
+                )
         except Exception as exc:  # noqa: BLE001 - results.json still holds everything
             log.warning("W&B run not started (%s: %s); results.json is unaffected", type(exc).__name__, exc)
             self.run = None
@@ -163,8 +166,11 @@ class Tracker:
 
     @staticmethod
     def _safe(fn, *args, **kwargs) -> None:
+        from backends.runtime.memory import outside_the_data_limit
+
         try:
-            fn(*args, **kwargs)
+            with outside_the_data_limit():  # as wandb.init: finishing may start threads, never to hang on one
+                fn(*args, **kwargs)
         except Exception as exc:  # noqa: BLE001 - W&B is a copy: results.json holds everything
             log.warning("W&B: %s failed (%s: %s)", getattr(fn, "__name__", "call"), type(exc).__name__, exc)
 
