@@ -292,7 +292,9 @@ def _answer(r, speedup: Optional[float], n_measured: int, tie: str = "") -> str:
     if tie:
         parts.append(tie)
     if auto:
-        tried = [c for c in auto.get("candidates") or [] if c.get("status") in ("ok", "oom")]
+        # measured: ran to the end, ran out of memory, or ran and peaked over the limit
+        tried = [c for c in auto.get("candidates") or []
+                 if c.get("status") in ("ok", "oom") or c.get("measured_peak_bytes") is not None]
         how = (f"mtpm=auto: {'chosen' if tie else 'the fastest'} of {len(tried)} budgets measured, "
                f"of {len(auto.get('candidates') or [])} distinct plans")
     else:

@@ -423,6 +423,24 @@ def test_the_auto_answer_line_names_each_budget_refused_without_a_measurement_an
             "mtpm=65536 (larger than mtpm=32768, which ran out of memory)") in line, line
 
 
+def test_the_reports_auto_line_counts_a_budget_that_ran_over_the_limit_as_measured(tmp_path):
+    """The report's answer for an mtpm=auto row: "N budgets measured" counts every candidate that ran (to its end,
+    out of memory, or past the limit by its measured peak), never one refused by prediction or above a failure."""
+    from reports.render import fastest_lines
+
+    doc = json.loads((REPO / "reports" / "results" / "cpu-2rank-tiny" / "0" / "results.json").read_text())
+    doc.update(mtpm=16384, planner="balanced", layout="packed", speedup=None)
+    doc["plan"] = {**doc["plan"], "planner": "balanced", "layout": "packed"}
+    doc["auto"] = {"baseline": {"status": "ok", "tok_per_s": 100.0}, "limit_bytes": 8 * GiB, "candidates": [
+        {"mtpm": 8192, "status": "ok", "measured_peak_bytes": 5 * GiB},
+        {"mtpm": 16384, "status": "ok", "measured_peak_bytes": 7 * GiB},
+        {"mtpm": 32768, "status": "over_limit", "decision": "predicted_fit", "measured_peak_bytes": 9 * GiB},
+        {"mtpm": 65536, "status": "over_limit", "decision": "above_failure", "measured_peak_bytes": None},
+        {"mtpm": 131072, "status": "over_limit", "decision": "predicted_over", "measured_peak_bytes": None}]}
+    (line,) = [line for line in fastest_lines(_frame(tmp_path, {"0": doc})) if "mtpm=auto" in line]
+    assert "(mtpm=auto: the fastest of 3 budgets measured, of 5 distinct plans)" in line, line
+
+
 def test_planning_the_candidates_shows_progress_while_it_lasts(caplog):
     """A million sequences plan for seconds a budget: a line as planning starts, then one per bench.progress_every_s
     (a fake clock: 4 s a budget, a line every 10 s), none once every budget is planned."""
