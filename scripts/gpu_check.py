@@ -313,8 +313,10 @@ def check_auto(run: dict, folder: Path) -> dict:
     auto = run.get("auto") or {}
     problems = _ok_status(run) + ([] if run.get("mtpm") else ["no budget chosen"])
     return {"ok": not problems, "problems": problems, "chosen": run.get("mtpm"),
-            "candidates": [{k: c.get(k) for k in ("mtpm", "status", "tok_per_s", "measured_peak_bytes",
-                                                   "predicted_peak_bytes")} for c in auto.get("candidates") or []],
+            # a probe (run before two sizes were measured) has no prediction: its refit is the model's answer there
+            "candidates": [{k: c.get(k) for k in ("mtpm", "decision", "status", "tok_per_s", "measured_peak_bytes",
+                                                   "predicted_peak_bytes", "refit_peak_bytes")}
+                           for c in auto.get("candidates") or []],
             "limit_bytes": auto.get("limit_bytes")}
 
 
