@@ -72,12 +72,14 @@ class Tracker:
         mode = cfg.get("mode") or "disabled"
         if cfg.get("name") in (None, "none") or mode == "disabled":
             return
+        from backends.runtime.memory import outside_the_data_limit
+
         try:
-            import wandb
+            # The pytorch backend's limit holds this process: W&B is imported (its shared objects mapped) and
+            # started beside it
+            with outside_the_data_limit():
+                import wandb
 
-            from backends.runtime.memory import outside_the_data_limit
-
-            with outside_the_data_limit():  # the pytorch backend's limit holds this process: W&B starts beside it
                 self.run = wandb.init(
                     project=cfg.get("project") or "balance-batch",
                     entity=cfg.get("entity"),

@@ -114,15 +114,14 @@ def test_sweep_runs_log_their_plan_figures(offline_sweep):
 
 def test_a_point_at_its_memory_limit_still_gets_its_run(tmp_path):
     """The pytorch backend's bench.memory_limit_gb is the harness process's own RLIMIT_DATA, and a pass ends near it
-    (glibc keeps the freed heap): W&B, started there with 4 MB of room, could not start a thread and the point had no
-    run (a CI failure of mtpm=auto). It starts beside the limit, and the limit is back after (in a process of its
-    own: the limit must not reach pytest)."""
+    (glibc keeps the freed heap): W&B, imported and started there with 4 MB of room, could not map its shared objects
+    or start a thread, and the point had no run (two CI failures of mtpm=auto). It starts beside the limit, and the
+    limit is back after (in a process of its own: the limit must not reach pytest)."""
     import subprocess
     import sys
 
     code = f"""
 import resource
-import wandb
 from backends.runtime.memory import data_segment_bytes
 from harness.point.tracking import Tracker
 hard = resource.getrlimit(resource.RLIMIT_DATA)[1]
@@ -134,6 +133,7 @@ assert resource.getrlimit(resource.RLIMIT_DATA) == (limit, hard)
 tracker.finish({{"status": "ok", "passes": {{"forward": {{"tok_per_s": 123.5}}}}}})
 assert resource.getrlimit(resource.RLIMIT_DATA) == (limit, hard)
 resource.setrlimit(resource.RLIMIT_DATA, (hard, hard))
+import wandb
 wandb.teardown()
 """
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60, env=harness_env(WANDB_MODE="offline"))
