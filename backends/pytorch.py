@@ -27,11 +27,11 @@ from backends.model.step import (
 from backends.runtime.devices import resolve_device, use_threads_per_rank
 from backends.runtime.job import resolve_world_size
 from backends.runtime.memory import (
-    THREAD_ROOM_BYTES,
     MemoryHistory,
     data_segment_bytes,
     is_out_of_memory,
     limit_memory,
+    near_the_limit,
     oom_message,
     peak_memory,
     release_cached_memory,
@@ -43,7 +43,6 @@ from backends.runtime.timeline import StepClock, busy_clock, step_clock_name
 from backends.specs import BackendSpec, ModelSpec
 
 log = logging.getLogger(__name__)
-
 
 
 class PyTorchBackend(Backend):
@@ -90,7 +89,7 @@ class PyTorchBackend(Backend):
         from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig  # noqa: F401 - as above
 
         held = data_segment_bytes()
-        if held is not None and held + THREAD_ROOM_BYTES > limit_gb * 1024**3:
+        if near_the_limit(held, limit_gb * 1024**3):
             raise BackendError(f"out of memory in start-up: bench.memory_limit_gb={limit_gb:g} is less than this "
                                f"process holds before the model ({held / 1024**3:.2f} GiB: the pytorch backend runs "
                                "in the harness's own process, whose imports count); give it more, or use a "

@@ -110,6 +110,12 @@ def data_segment_bytes(pid: Any = "self") -> Optional[int]:
 THREAD_ROOM_BYTES = 64 * 1024**2  # a thread's stack and its start-up, with room: below this nothing is started
 
 
+def near_the_limit(held: Optional[int], limit_bytes: float) -> bool:
+    """Whether a process holding ``held`` bytes of data segment is within THREAD_ROOM_BYTES of ``limit_bytes``: too
+    close to count on starting a thread (False where /proc did not say what it holds)."""
+    return held is not None and held + THREAD_ROOM_BYTES > limit_bytes
+
+
 def room_for_a_thread() -> bool:
     """Whether this process can start a thread under its own RLIMIT_DATA (always, with no limit or no /proc). A
     thread whose start-up runs out of memory raises inside the new thread, and Thread.start() then waits forever
@@ -118,12 +124,10 @@ def room_for_a_thread() -> bool:
     soft = resource.getrlimit(resource.RLIMIT_DATA)[0]
     if soft == resource.RLIM_INFINITY:
         return True
-    held = data_segment_bytes()
-    if held is None or held + THREAD_ROOM_BYTES <= soft:
+    if not near_the_limit(data_segment_bytes(), soft):
         return True
     _malloc_trim()
-    held = data_segment_bytes()
-    return held is None or held + THREAD_ROOM_BYTES <= soft
+    return not near_the_limit(data_segment_bytes(), soft)
 
 
 @contextlib.contextmanager

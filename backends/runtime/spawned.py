@@ -34,14 +34,13 @@ from backends.runtime.failures import Failure, blame, collective_timeout, failur
 from backends.runtime.forkserver import apply_environment, rank_context, release_fork_server
 from backends.runtime.job import resolve_world_size
 from backends.runtime.liveness import HEARTBEAT_EVERY_S, Heartbeats, die_with_parent, start_heartbeat, stopped_line
-from backends.runtime.memory import data_segment_bytes, limit_memory
+from backends.runtime.memory import data_segment_bytes, limit_memory, near_the_limit
 from backends.runtime.ranks import rank_commands, run_command, start_rank
 from backends.specs import BackendSpec, ModelSpec
 
 log = logging.getLogger(__name__)
 
 _STARTUP_POLL_S = 0.2
-_THREAD_ROOM_BYTES = 64 * 1024**2  # a rank this close to its memory limit cannot count on starting a thread
 
 
 def _device_for_rank(base: torch.device, rank: int) -> torch.device:
@@ -397,12 +396,11 @@ class DistributedBackend(Backend):
                 self._abort(line, details=self._startup_output(), status="timeout")
 
     def _at_limit(self, pid: Optional[int]) -> bool:
-        """Whether a rank's data segment (what RLIMIT_DATA counts) is within _THREAD_ROOM_BYTES of
+        """Whether a rank's data segment (what RLIMIT_DATA counts) is within THREAD_ROOM_BYTES of
         bench.memory_limit_gb: too close to be sure of starting another thread (its stack alone is 8 MiB)."""
         if self.spec.memory_limit_gb is None or pid is None or self.device.type != "cpu":
             return False
-        data = data_segment_bytes(pid)
-        return data is not None and data > self.spec.memory_limit_gb * 1024**3 - _THREAD_ROOM_BYTES
+        return near_the_limit(data_segment_bytes(pid), self.spec.memory_limit_gb * 1024**3)
 
     def _under_limit(self, message: str, what: str, status: str) -> tuple[str, None, str]:
         """A start-up that died with no report of its own, or hung at its limit, as ``_abort``'s arguments: under
