@@ -18,7 +18,8 @@ import numpy as np
 
 from backends.runtime.profiling import PROFILE_RANKS, PROFILE_STEPS
 from balance_batch import LAYOUTS, PLANNERS, CostModel, Plan, plan_step
-from balance_batch.plan import check_choice, given_plan
+from balance_batch.errors import check_choice
+from balance_batch.plan import given_plan
 
 PASS_TYPES = ("forward", "forward_backward")
 # PassCommand.logprob_chunk_tokens: use the backend's ``logprob_chunk_tokens`` (None there means full logits).

@@ -23,7 +23,7 @@ from typing import Optional, Sequence, Union
 import numpy as np
 
 from balance_batch.balanced.packed import _Packer  # the balanced planner's histogram packer
-from balance_batch.errors import positive_int
+from balance_batch.errors import check_choice, positive_int
 from balance_batch.stats import lower_bound_from_histogram
 
 OVERSIZE = ("alone", "error")  # a sequence longer than the capacity: a row of its own, or a ValueError
@@ -96,8 +96,7 @@ def pack(lengths: Union[Sequence[int], np.ndarray], capacity: int, *, max_seqs_p
     """
     capacity = positive_int("capacity", capacity, who="pack")
     positive_int("max_seqs_per_row", max_seqs_per_row, none_ok=True, who="pack")
-    if oversize not in OVERSIZE:
-        raise ValueError(f"pack: oversize must be one of {', '.join(OVERSIZE)}, got {oversize!r}")
+    check_choice("oversize", oversize, OVERSIZE, who="pack")
     arr = _as_lengths(lengths)
     n = arr.size
     over = arr > capacity

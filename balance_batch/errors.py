@@ -1,8 +1,8 @@
-"""The one error class the library shares with the harness (a mistake in what the user asked for), and the check of
-a count argument its entry points share."""
+"""The one error class the library shares with the harness (a mistake in what the user asked for), and the checks
+of a count or a choice argument its entry points share."""
 
 import numbers
-from typing import Optional
+from typing import Optional, Sequence
 
 
 class UserError(Exception):
@@ -21,3 +21,10 @@ def positive_int(key: str, value, none_ok: bool = False, who: str = "") -> Optio
         named = f"{who}: {key}" if who else f"{key}:"
         raise ValueError(f"{named} must be a positive integer{' or None' if none_ok else ''}, got {value!r}")
     return int(value)
+
+
+def check_choice(key: str, value: str, valid: Sequence[str], who: str = "") -> None:
+    """One ValueError naming ``key`` (and ``who`` takes it) unless ``value`` is one of ``valid``."""
+    if value not in valid:
+        named = f"{who}: {key}" if who else key
+        raise ValueError(f"{named} must be one of {', '.join(valid)}, got {value!r}")

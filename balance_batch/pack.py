@@ -21,12 +21,15 @@ import argparse
 import os
 import sys
 import time
+import zipfile
 from pathlib import Path
 from typing import Optional, Sequence
 
 import numpy as np
 
 from balance_batch.corpus import OVERSIZE, Packing, pack
+from balance_batch.errors import UserError
+from balance_batch.lengths import load_lengths_file
 
 PROG = "python -m balance_batch.pack"
 
@@ -56,8 +59,6 @@ def read_lengths(path: Path) -> np.ndarray:
                            "per sequence)")
         return arr.astype(np.int64, copy=False)
     if path.suffix == ".npz":
-        import zipfile
-
         try:
             with np.load(path, allow_pickle=False) as z:
                 if "offsets" not in z.files:
@@ -67,9 +68,6 @@ def read_lengths(path: Path) -> np.ndarray:
         except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
             raise _Refused(f"'{path}' is not a readable .npz file ({exc})") from None
         return np.diff(offsets)
-    from balance_batch.errors import UserError
-    from balance_batch.lengths import load_lengths_file
-
     try:
         return load_lengths_file(str(path)).expanded()
     except UserError as exc:

@@ -10,7 +10,7 @@ import numpy as np
 
 from balance_batch.balanced import balanced_schedules
 from balance_batch.cost import LAYOUTS, CostModel
-from balance_batch.errors import positive_int
+from balance_batch.errors import check_choice, positive_int
 from balance_batch.greedy import Schedule, align_schedules, deal_to_ranks, length_order, microbatches_for_rank
 from balance_batch.peers import PEER_NAMES, PEERS, peer_record, plan_peer
 from balance_batch.stats import PlanStats, lower_bound_steps, plan_stats
@@ -128,11 +128,6 @@ def check_plan_json(doc) -> None:
     cm = doc.get("cost_model")
     if cm is not None and not (isinstance(cm, dict) and all(isinstance(cm.get(k), (int, float)) for k in ("a", "b"))):
         raise ValueError("'cost_model' must be {\"a\": number, \"b\": number, \"source\": text}")
-
-
-def check_choice(key: str, value: str, valid: Sequence[str]) -> None:
-    if value not in valid:
-        raise ValueError(f"{key} must be one of {', '.join(valid)}, got {value!r}")
 
 
 def given_plan(

@@ -21,7 +21,7 @@ import numpy as np
 
 from balance_batch.balanced import balanced_schedules
 from balance_batch.cost import LAYOUTS, CostModel
-from balance_batch.errors import positive_int
+from balance_batch.errors import check_choice, positive_int
 from balance_batch.plan import PLANNERS, plan_step
 
 STATE_VERSION = 1
@@ -106,10 +106,8 @@ class TokenBudgetSampler:
                              f"{'both' if sequences_per_step is not None else 'neither'}")
         positive_int("sequences_per_step", sequences_per_step, none_ok=True, who="TokenBudgetSampler")
         self._ramp = None if tokens_per_step is None else _ramp(tokens_per_step)
-        if layout not in LAYOUTS:
-            raise ValueError(f"TokenBudgetSampler: layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
-        if planner not in PLANNERS:
-            raise ValueError(f"TokenBudgetSampler: planner must be one of {', '.join(PLANNERS)}, got {planner!r}")
+        check_choice("layout", layout, LAYOUTS, who="TokenBudgetSampler")
+        check_choice("planner", planner, PLANNERS, who="TokenBudgetSampler")
         positive_int("max_seqs_per_microbatch", max_seqs_per_microbatch, none_ok=True, who="TokenBudgetSampler")
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
             raise ValueError(f"TokenBudgetSampler: seed must be an integer, got {seed!r}")
