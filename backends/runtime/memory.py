@@ -19,11 +19,23 @@ log = logging.getLogger(__name__)
 _OOM_MARKERS = ("can't allocate memory", "cannot allocate memory", "out of memory")
 
 
+# oneDNN (bf16 matmuls on CPU) says only this when its scratchpad or generated code cannot be mapped: under this
+# process's RLIMIT_DATA that is the limit; with no limit it may be anything, and stays an error
+_LIMITED_OOM_MARKERS = ("could not create a primitive",)
+
+
 def is_out_of_memory(exc: BaseException) -> bool:
-    """A failed allocation: CUDA's OutOfMemoryError, Python's MemoryError, or the CPU allocator's refusal."""
+    """A failed allocation: CUDA's OutOfMemoryError, Python's MemoryError, or the CPU allocator's refusal (oneDNN's
+    too, in a process under a memory limit)."""
     if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
         return True
-    return isinstance(exc, RuntimeError) and any(m in str(exc).lower() for m in _OOM_MARKERS)
+    if not isinstance(exc, RuntimeError):
+        return False
+    text = str(exc).lower()
+    if any(m in text for m in _OOM_MARKERS):
+        return True
+    limited = resource.getrlimit(resource.RLIMIT_DATA)[0] != resource.RLIM_INFINITY
+    return limited and any(m in text for m in _LIMITED_OOM_MARKERS)
 
 
 _THREAD_START_MARKERS = ("can't start new thread", "resource temporarily unavailable")

@@ -89,6 +89,27 @@ def test_a_refused_allocation_is_classified_as_out_of_memory():
     assert not is_out_of_memory(other.value)
 
 
+def test_onednns_refusal_is_out_of_memory_only_under_a_limit():
+    """bf16 on CPU under bench.memory_limit_gb: oneDNN's matmul says only "could not create a primitive" when it
+    cannot map its memory (a bf16 mtpm=auto search once ended on it as an internal error). Under this process's
+    RLIMIT_DATA that is the limit; with none it may be anything else, and stays an error. (The limit set here is 1 TiB
+    past what the process holds: it refuses nothing.)"""
+    import resource
+
+    from backends.runtime.memory import data_segment_bytes, is_out_of_memory
+
+    refused = RuntimeError("could not create a primitive")
+    soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    assert soft == resource.RLIM_INFINITY, "the test process runs with no limit"
+    assert not is_out_of_memory(refused)
+    resource.setrlimit(resource.RLIMIT_DATA, (data_segment_bytes() + 1024**4, hard))
+    try:
+        assert is_out_of_memory(refused)
+        assert not is_out_of_memory(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    finally:
+        resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
+
+
 def _closed_pytorch_backend(device: str):
     import weakref
 
