@@ -191,6 +191,13 @@ class TokenBudgetSampler:
     def epoch(self) -> int:
         return self._epoch
 
+    def steps_before(self, epoch: int) -> int:
+        """Optimizer steps of all epochs before ``epoch`` (``steps_before(3)``: the steps of 3 epochs from the start;
+        with a token ramp, each epoch's count depends on the tokens before it)."""
+        if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
+            raise ValueError(f"TokenBudgetSampler.steps_before: epoch must be a non-negative integer, got {epoch!r}")
+        return self._epoch_start(int(epoch))[0]
+
     @property
     def steps_in_epoch(self) -> int:
         """Optimizer steps in the current epoch (all of them, including those already taken)."""
@@ -281,10 +288,15 @@ class TokenBudgetSampler:
             "cost_model": [self.cost_model.a, self.cost_model.b, self.cost_model.c, self.cost_model.fixed],
         }
 
-    def state_dict(self) -> dict:
-        """Where ``steps()`` has got to (plain ints, lists and strings: JSON- and torch.save-able)."""
-        steps, tokens = self._epoch_start(self._epoch)
-        return {"version": STATE_VERSION, "epoch": self._epoch, "step_in_epoch": self._position,
+    def state_dict(self, after: Optional[Step] = None) -> dict:
+        """Where ``steps()`` has got to (plain ints, lists and strings: JSON- and torch.save-able); with ``after``, the
+        position just after that step instead (a loader that prefetches steps saves the last one trained)."""
+        epoch, position = self._epoch, self._position
+        if after is not None:
+            epoch = after.epoch
+            position = after.step - self._epoch_start(epoch)[0] + 1
+        steps, tokens = self._epoch_start(epoch)
+        return {"version": STATE_VERSION, "epoch": epoch, "step_in_epoch": position,
                 "epoch_start_step": steps, "epoch_start_tokens": tokens, "config": self._config()}
 
     def load_state_dict(self, state: dict) -> None:
