@@ -12,10 +12,11 @@ totals over all ranks are known before the step runs.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence, Union
+from typing import Any, Iterator, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 
@@ -23,8 +24,9 @@ from balance_batch.balanced import balanced_schedules
 from balance_batch.cost import LAYOUTS, CostModel
 from balance_batch.errors import check_choice, positive_int
 from balance_batch.plan import PLANNERS, plan_step
+from balance_batch.sampler_state import STATE_VERSION, PlanSettings, check_state
+from balance_batch.world import resolve_world
 
-STATE_VERSION = 1
 Schedule = Union[int, Sequence[Sequence[int]]]  # tokens_per_step: a number, or [(consumed_tokens, tokens), ...]
 _PLAN_CACHE = 64  # planned steps kept, so iter() (a DataLoader's prefetch) and steps() plan each step once
 
@@ -36,7 +38,8 @@ class Step:
     ``microbatches``: this rank's micro-batches, lists of dataset indices, run in this order; ``[]`` is a dummy (run
     it with zero loss weight: every rank runs the same number). ``global_tokens`` / ``global_loss_tokens``: the
     step's tokens and loss tokens over all ranks (the loss denominator). ``step``: optimizer steps before this one,
-    since epoch 0; ``consumed_tokens``: tokens of those steps, all ranks.
+    since epoch 0; ``consumed_tokens``: tokens of those steps, all ranks. A step resumed from a state taken mid-step
+    (a loader's, at a micro-batch) holds only the micro-batches still to run; ``first_microbatch`` counts those before.
     """
 
     microbatches: list[list[int]]
@@ -45,6 +48,7 @@ class Step:
     step: int
     epoch: int
     consumed_tokens: int
+    first_microbatch: int = 0  # micro-batches of this step run before a resume taken mid-step (they are not here)
 
 
 def _ramp(tokens_per_step: Schedule) -> list[tuple[int, int]]:
@@ -66,6 +70,17 @@ def _ramp(tokens_per_step: Schedule) -> list[tuple[int, int]]:
     return pairs
 
 
+class _Partial(NamedTuple):
+    """A step resumed mid-way: ``done`` of its micro-batches ran (under the saved plan); ``rest`` (per rank, lists of
+    item ids) is what remains, re-planned when the plan settings changed, else None (the plan's own tail)."""
+
+    epoch: int
+    step: int
+    done: int
+    rest: Optional[list]
+    handed: Optional[list]  # with ``rest``: the step's items already handed out, all ranks
+
+
 class TokenBudgetSampler:
     """Optimizer steps of a dataset, planned into equal-count micro-batches per rank; see docs/library.md.
 
@@ -73,9 +88,11 @@ class TokenBudgetSampler:
     the sum of lengths; padded: count x longest); a longer sequence runs alone. A step is ``sequences_per_step``
     sequences, or at most ``tokens_per_step`` tokens over all ranks (a number, or a ramp
     ``[(consumed_tokens, tokens_per_step), ...]``: the size from the last threshold the tokens consumed before the step
-    have reached). ``loss_tokens_per_sequence``: per item, the tokens its loss counts (default length - 1: a causal LM
-    predicts every token but the first, as ``balance_batch.collate.pack_collate`` lays it out). ``cost_model``
-    (default: cost = tokens) is what the planner balances; ``max_seqs_per_microbatch`` caps a micro-batch's sequences.
+    have reached). ``world_size`` / ``rank``: default the initialised ``torch.distributed`` group's
+    (``process_group``, default the whole job), as ``DistributedSampler``'s do. ``loss_tokens_per_sequence``: per
+    item, the tokens its loss counts (default length - 1: a causal LM predicts every token but the first, as
+    ``balance_batch.collate.pack_collate`` lays it out). ``cost_model`` (default: cost = tokens) is what the planner
+    balances; ``max_seqs_per_microbatch`` caps a micro-batch's sequences.
     """
 
     def __init__(
@@ -83,8 +100,9 @@ class TokenBudgetSampler:
         lengths: Sequence[int],
         *,
         max_tokens_per_microbatch: int,
-        world_size: int = 1,
-        rank: int = 0,
+        world_size: Optional[int] = None,
+        rank: Optional[int] = None,
+        process_group: Any = None,
         seed: int = 0,
         shuffle: bool = True,
         sequences_per_step: Optional[int] = None,
@@ -97,10 +115,7 @@ class TokenBudgetSampler:
         cost_model: Optional[CostModel] = None,
     ):
         positive_int("max_tokens_per_microbatch", max_tokens_per_microbatch, who="TokenBudgetSampler")
-        positive_int("world_size", world_size, who="TokenBudgetSampler")
-        if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < world_size:
-            raise ValueError(f"TokenBudgetSampler: rank must be an integer in [0, world_size={world_size}), "
-                             f"got {rank!r}")
+        world_size, rank = resolve_world(world_size, rank, process_group)
         if (sequences_per_step is None) == (tokens_per_step is None):
             raise ValueError("TokenBudgetSampler: give exactly one of sequences_per_step and tokens_per_step, got "
                              f"{'both' if sequences_per_step is not None else 'neither'}")
@@ -125,16 +140,26 @@ class TokenBudgetSampler:
                                  "[0, its length]")
             self.loss_tokens = lt.astype(np.int64)
         self.max_tokens_per_microbatch = int(max_tokens_per_microbatch)
-        self.world_size, self.rank, self.seed = int(world_size), int(rank), int(seed)
+        self.world_size, self.rank, self.seed = world_size, rank, int(seed)
         self.shuffle, self.drop_last = bool(shuffle), bool(drop_last)
         self.sequences_per_step = None if sequences_per_step is None else int(sequences_per_step)
         self.layout, self.planner = layout, planner
         self.max_seqs_per_microbatch = max_seqs_per_microbatch
         self.cost_model = cost_model or CostModel.tokens()
+        self._settings = PlanSettings(self.max_tokens_per_microbatch, self.world_size, layout, planner,
+                                      max_seqs_per_microbatch, self.cost_model)
         self._epoch_starts: dict[int, tuple[int, int]] = {0: (0, 0)}  # epoch -> (steps, tokens) before it
         self._plans: OrderedDict = OrderedDict()
-        self._epoch, self._position = 0, 0  # the next step steps() yields, within the epoch
+        self._counts: dict[int, np.ndarray] = {}  # epoch -> micro-batches per step (-1: not planned yet)
         self._cut_epoch: Optional[int] = None
+        self._start(0, 0)
+
+    def _start(self, epoch: int, position: int, partial: Optional[_Partial] = None) -> None:
+        """Put the training position at step ``position`` of ``epoch`` (``partial``: resumed mid-way into it)."""
+        self._epoch, self._position, self._partial = epoch, position, partial
+        self._generation = getattr(self, "_generation", 0) + 1  # iterators of an earlier position no longer report
+        self._stepped = False  # whether steps() has yielded since: then it, not a loader's iterator, is the position
+        self._handed: Optional[tuple[int, int, int]] = None  # furthest (epoch, step, micro-batch) iter() handed out
 
     # ------------------------------------------------------------------ the epoch's steps
 
@@ -208,22 +233,38 @@ class TokenBudgetSampler:
         if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
             raise ValueError(f"TokenBudgetSampler.set_epoch: epoch must be a non-negative integer, got {epoch!r}")
         if int(epoch) != self._epoch:
-            self._epoch, self._position = int(epoch), 0
+            self._start(int(epoch), 0)
+
+    def _position_now(self) -> tuple[int, int, int]:
+        """(epoch, step, micro-batch) training has reached: steps()'s, or, where only a loader's iterator has taken
+        this epoch's micro-batches, how far it handed them out. The micro-batch counts those this run takes of the
+        step (after a resume mid-step, from where it resumed)."""
+        if self._handed is not None and not self._stepped:
+            return self._handed
+        return self._epoch, self._position, 0
+
+    def _move_on_if_done(self) -> None:
+        """An epoch consumed to its end moves on to the next (as ``set_epoch(epoch + 1)`` would), never yielding an
+        empty epoch: a loop that forgets ``set_epoch`` still sees every item once per epoch, in a new order."""
+        epoch, position, _ = self._position_now()
+        if position >= len(self._cut(epoch)[1]):
+            self._start(epoch + 1, 0)
 
     # ------------------------------------------------------------------ planning
 
     def plan(self, step_in_epoch: int, epoch: Optional[int] = None) -> Step:
-        """Step ``step_in_epoch`` of ``epoch`` (default: the current one) for this rank; moves no position."""
+        """Step ``step_in_epoch`` of ``epoch`` (default: the current one) for this rank, whole; moves no position."""
         epoch = self._epoch if epoch is None else epoch
         key = (epoch, step_in_epoch)
         if key in self._plans:
             self._plans.move_to_end(key)
             return self._plans[key]
         order, bounds, before, _ = self._cut(epoch)
-        p, q = bounds[step_in_epoch]
-        members = order[p:q]
-        schedules = self._schedules(self.lengths[members].tolist())
+        members = self._members(epoch, step_in_epoch)
+        schedules = self._schedules(self.lengths[members].tolist(), self._settings)
         mine = [members[mb].tolist() if mb else [] for mb in schedules[self.rank]]
+        counts = self._counts.setdefault(epoch, np.full(len(bounds), -1, dtype=np.int64))
+        counts[step_in_epoch] = len(mine)
         start_steps, _ = self._epoch_start(epoch)
         step = Step(microbatches=mine, global_tokens=int(self.lengths[members].sum()),
                     global_loss_tokens=int(self.loss_tokens[members].sum()), step=start_steps + step_in_epoch,
@@ -233,82 +274,190 @@ class TokenBudgetSampler:
             self._plans.popitem(last=False)
         return step
 
-    def _schedules(self, lengths: list[int]) -> list[list]:
+    def _members(self, epoch: int, step_in_epoch: int) -> np.ndarray:
+        order, bounds, _, _ = self._cut(epoch)
+        p, q = bounds[step_in_epoch]
+        return order[p:q]
+
+    @staticmethod
+    def _schedules(lengths: list[int], settings: PlanSettings) -> list[list]:
         """Per rank, the step's micro-batches (indices into ``lengths``), equal counts, ``None`` or [] for a dummy."""
-        B, W = self.max_tokens_per_microbatch, self.world_size
-        if self.planner == "balanced":
+        B, W = settings.max_tokens_per_microbatch, settings.world_size
+        if settings.planner == "balanced":
             # plan_step's planner without its refinement rounds: planned every step, it must take milliseconds, and the
             # rounds change a step's critical path by 0.01% (docs/measurements/2026-12-04-sampler.md)
-            return balanced_schedules(lengths, W, B, self.layout, self.cost_model, self.max_seqs_per_microbatch,
-                                      work=0)
-        return plan_step(lengths, world_size=W, max_tokens_per_microbatch=B, layout=self.layout, planner=self.planner,
-                         cost_model=self.cost_model, max_seqs_per_microbatch=self.max_seqs_per_microbatch).microbatches
+            return balanced_schedules(lengths, W, B, settings.layout, settings.cost_model,
+                                      settings.max_seqs_per_microbatch, work=0)
+        return plan_step(lengths, world_size=W, max_tokens_per_microbatch=B, layout=settings.layout,
+                         planner=settings.planner, cost_model=settings.cost_model,
+                         max_seqs_per_microbatch=settings.max_seqs_per_microbatch).microbatches
+
+    def _step_to_run(self, epoch: int, step_in_epoch: int) -> Step:
+        """The step as this run takes it: whole, or, resumed mid-way into it, the micro-batches still to run."""
+        whole, p = self.plan(step_in_epoch, epoch), self._partial
+        if p is None or (p.epoch, p.step) != (epoch, step_in_epoch):
+            return whole
+        rest = whole.microbatches[p.done:] if p.rest is None else [list(mb) for mb in p.rest[self.rank]]
+        return dataclasses.replace(whole, microbatches=rest, first_microbatch=p.done)
 
     # ------------------------------------------------------------------ iteration
 
     def steps(self) -> Iterator[Step]:
         """This rank's steps from the current position to the end of the epoch; the position moves past each step as
-        it is yielded (so ``state_dict()`` after a step is taken resumes at the next one)."""
-        epoch = self._epoch
-        while self._epoch == epoch and self._position < self.steps_in_epoch:
-            step = self.plan(self._position)
+        it is yielded (so ``state_dict()`` after a step is taken resumes at the next one). At the end of an epoch
+        that was already consumed, the next epoch's steps (as after ``set_epoch(epoch + 1)``)."""
+        if self._position >= self.steps_in_epoch:
+            self._start(self._epoch + 1, 0)
+        epoch, generation = self._epoch, self._generation
+        while self._generation == generation and self._position < self.steps_in_epoch:
+            step = self._step_to_run(epoch, self._position)
             self._position += 1
+            self._stepped = True
             yield step
 
     def __iter__(self) -> Iterator[list[int]]:
-        """This rank's micro-batches from the current position to the end of the epoch, one at a time (a
-        ``DataLoader``'s ``batch_sampler``). Starts where ``steps()`` is when ``iter`` is called, and moves no position:
-        a loader prefetches, so the training loop's ``steps()`` is what says how far training has got."""
-        return self._microbatches(self._epoch, self._position)  # the position now, not at the first next()
+        """This rank's micro-batches from the training position to the end of the epoch, one at a time (a
+        ``DataLoader``'s ``batch_sampler``), at the end of a consumed epoch the next one's. The iterator has its own
+        ``state_dict`` / ``load_state_dict`` at micro-batch granularity (what torchdata's ``StatefulDataLoader``
+        saves and restores). It moves the training position only where ``steps()`` is not used: a loop that takes its
+        steps from ``steps()`` keeps that position while a loader fetches ahead."""
+        self._move_on_if_done()
+        return _MicroBatches(self, *self._position_now())
 
-    def _microbatches(self, epoch: int, start: int) -> Iterator[list[int]]:
-        for s in range(start, len(self._cut(epoch)[1])):
-            yield from (list(mb) for mb in self.plan(s, epoch).microbatches)
+    def _note_handed(self, generation: int, position: tuple[int, int, int]) -> None:
+        if generation == self._generation:
+            self._handed = position
 
     def __len__(self) -> int:
-        """Micro-batches ``iter`` yields from the current position (plans the rest of the epoch)."""
-        return sum(len(self.plan(s).microbatches) for s in range(self._position, self.steps_in_epoch))
+        """Micro-batches ``iter`` yields from the training position (at the end of a consumed epoch, the next
+        epoch's). Each step's count is planned once and kept: a second call costs nothing."""
+        epoch, step, done = self._position_now()
+        if step >= len(self._cut(epoch)[1]):
+            epoch, step, done = epoch + 1, 0, 0
+        counts = self._counts.setdefault(epoch, np.full(len(self._cut(epoch)[1]), -1, dtype=np.int64))
+        for s in np.flatnonzero(counts[step:] < 0) + step:
+            self.plan(int(s), epoch)
+        if step >= len(counts):
+            return 0
+        p = self._partial
+        here = int(counts[step]) if p is None or (p.epoch, p.step) != (epoch, step) else \
+            len(self._step_to_run(epoch, step).microbatches)
+        return here - done + int(counts[step + 1:].sum())
+
+    @property
+    def batch_size(self) -> None:
+        """None: micro-batches vary in size. Read by accelerate's ``prepare`` to shard a batch sampler over its
+        processes, which would split this rank's own plan again: refused there (``world_size`` > 1)."""
+        if self.world_size > 1:
+            raise ValueError(
+                f"TokenBudgetSampler: it already plans rank {self.rank}'s micro-batches of {self.world_size}, and "
+                "accelerate's prepare() would shard them again over the processes (each rank would run part of its "
+                "plan): leave the DataLoader out of accelerator.prepare() and move each batch to the device with "
+                "accelerate.utils.send_to_device(batch, accelerator.device)")
+        return None
 
     # ------------------------------------------------------------------ resume
 
     def _config(self) -> dict:
-        digest = hashlib.sha256(self.lengths.tobytes() + b"|" + self.loss_tokens.tobytes()).hexdigest()[:16]
+        if not hasattr(self, "_digest"):  # hashed once: a loader may save the state at every micro-batch
+            self._digest = hashlib.sha256(self.lengths.tobytes() + b"|" + self.loss_tokens.tobytes()).hexdigest()[:16]
         return {
-            "dataset": f"{len(self.lengths)} items, sha256 {digest}",
-            "max_tokens_per_microbatch": self.max_tokens_per_microbatch,
-            "world_size": self.world_size,
+            "dataset": f"{len(self.lengths)} items, sha256 {self._digest}",
             "seed": self.seed,
             "shuffle": self.shuffle,
             "sequences_per_step": self.sequences_per_step,
             "tokens_per_step": None if self._ramp is None else [list(p) for p in self._ramp],
-            "layout": self.layout,
-            "planner": self.planner,
             "drop_last": self.drop_last,
-            "max_seqs_per_microbatch": self.max_seqs_per_microbatch,
-            "cost_model": [self.cost_model.a, self.cost_model.b, self.cost_model.c, self.cost_model.fixed],
+            **self._settings.as_config(),
         }
 
     def state_dict(self, after: Optional[Step] = None) -> dict:
-        """Where ``steps()`` has got to (plain ints, lists and strings: JSON- and torch.save-able); with ``after``, the
-        position just after that step instead (a loader that prefetches steps saves the last one trained)."""
-        epoch, position = self._epoch, self._position
+        """Where training has got to (plain ints, lists and strings: JSON- and torch.save-able): ``steps()``'s
+        position, or, where only a loader's iterator took this epoch's micro-batches, what it handed out. With
+        ``after``, the position just after that step (a loader that prefetches whole steps saves the last trained)."""
         if after is not None:
-            epoch = after.epoch
-            position = after.step - self._epoch_start(epoch)[0] + 1
+            return self._state(after.epoch, after.step - self._epoch_start(after.epoch)[0] + 1, 0)
+        return self._state(*self._position_now())
+
+    def _state(self, epoch: int, step: int, done: int) -> dict:
+        """The state at micro-batch ``done`` of the micro-batches this run takes of ``step``."""
+        p = self._partial
+        microbatch, handed = done, None
+        if p is not None and (p.epoch, p.step) == (epoch, step):
+            microbatch += p.done
+            if p.rest is not None:  # re-planned after an elastic resume: say which items ran
+                handed = sorted(p.handed + [i for rank in p.rest for mb in rank[:done] for i in (mb or ())])
         steps, tokens = self._epoch_start(epoch)
-        return {"version": STATE_VERSION, "epoch": epoch, "step_in_epoch": position,
-                "epoch_start_step": steps, "epoch_start_tokens": tokens, "config": self._config()}
+        state = {"version": STATE_VERSION, "epoch": epoch, "step_in_epoch": step, "microbatch": microbatch,
+                 "epoch_start_step": steps, "epoch_start_tokens": tokens, "config": self._config()}
+        if handed is not None:
+            state["handed"] = handed
+        return state
 
     def load_state_dict(self, state: dict) -> None:
-        """Resume at ``state``'s position; refuses (one-line ValueError) a state saved with other settings."""
-        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
-            raise ValueError(f"TokenBudgetSampler.load_state_dict: not a version-{STATE_VERSION} sampler state")
-        saved, mine = state.get("config", {}), self._config()
-        differ = [k for k in mine if saved.get(k) != mine[k]]
-        if differ:
-            raise ValueError("TokenBudgetSampler.load_state_dict: the state was saved with "
-                             + "; ".join(f"{k}={saved.get(k)!r}, this sampler has {mine[k]!r}" for k in differ))
-        epoch = int(state["epoch"])
+        """Resume at ``state``'s position. A state saved under another world size, budget, layout, planner, cost
+        model or sequence cap resumes too, each remaining step holding the items it would have held; one whose
+        settings decide other steps (dataset, seed, shuffle, step size or ramp, drop_last) is refused in one line."""
+        saved = check_state(state, self._config())
+        epoch, step = int(state["epoch"]), int(state["step_in_epoch"])
         self._epoch_starts = {0: (0, 0), epoch: (int(state["epoch_start_step"]), int(state["epoch_start_tokens"]))}
-        self._cut_epoch, self._plans = None, OrderedDict()
-        self._epoch, self._position = epoch, int(state["step_in_epoch"])
+        self._cut_epoch, self._plans, self._counts = None, OrderedDict(), {}
+        done, handed = int(state.get("microbatch", 0)), state.get("handed")
+        partial = None
+        if (done or handed) and step < len(self._cut(epoch)[1]):
+            partial = self._resume_mid_step(epoch, step, done, handed, PlanSettings.from_config(saved))
+            if partial is None:  # nothing of the step is left
+                step += 1
+        self._start(epoch, step, partial)
+
+    def _resume_mid_step(self, epoch: int, step: int, done: int, handed: Optional[list],
+                         saved: PlanSettings) -> Optional[_Partial]:
+        """The rest of a step whose first ``done`` micro-batches ran under ``saved`` settings (``handed``: its items
+        that ran, where the saved run had re-planned it); None when nothing is left."""
+        members = self._members(epoch, step)
+        if handed is None and saved.as_config() == self._settings.as_config():
+            return _Partial(epoch, step, done, None, None) if done < len(self.plan(step, epoch).microbatches) else None
+        if handed is None:  # the saved run's plan of this step says which items its first micro-batches held
+            old = self._schedules(self.lengths[members].tolist(), saved)
+            handed = sorted(int(members[i]) for rank in old for mb in rank[:done] for i in (mb or ()))
+        ran = set(handed)
+        rest = np.array([m for m in members.tolist() if m not in ran], dtype=np.int64)
+        if rest.size == 0:
+            return None
+        plan = self._schedules(self.lengths[rest].tolist(), self._settings)
+        return _Partial(epoch, step, done, [[rest[mb].tolist() if mb else [] for mb in r] for r in plan], handed)
+
+
+class _MicroBatches:
+    """``iter(sampler)``: this rank's micro-batches from a position to the end of its epoch, with a state of its own."""
+
+    def __init__(self, sampler: TokenBudgetSampler, epoch: int, step: int, done: int):
+        self._sampler, self._generation = sampler, sampler._generation
+        self._at = (epoch, step, done)
+
+    def __iter__(self) -> "_MicroBatches":
+        return self
+
+    def __next__(self) -> list[int]:
+        sampler = self._sampler
+        epoch, step, done = self._at
+        n_steps = len(sampler._cut(epoch)[1])
+        while step < n_steps:
+            microbatches = sampler._step_to_run(epoch, step).microbatches
+            if done < len(microbatches):
+                self._at = (epoch, step, done + 1) if done + 1 < len(microbatches) else (epoch, step + 1, 0)
+                sampler._note_handed(self._generation, self._at)
+                return list(microbatches[done])
+            step, done = step + 1, 0
+        self._at = (epoch, step, 0)
+        raise StopIteration
+
+    def state_dict(self) -> dict:
+        """The sampler's state at the micro-batch this iterator hands out next."""
+        return self._sampler._state(*self._at)
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume the sampler (its training position too) and this iterator at ``state``'s micro-batch."""
+        sampler = self._sampler
+        sampler.load_state_dict(state)
+        self._generation, self._at = sampler._generation, (sampler._epoch, sampler._position, 0)

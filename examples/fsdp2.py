@@ -25,10 +25,11 @@ SAMPLER = dict(max_tokens_per_microbatch=48, sequences_per_step=4, seed=0)  # th
 LR = 0.5
 
 
-def train(model, world_size: int, rank: int, grads_of=None) -> list[dict]:
-    """SGD over one epoch of the sampler's steps; per step, the full gradient of every parameter."""
+def train(model, world_size: int, grads_of=None) -> list[dict]:
+    """SGD over one epoch of the sampler's steps; per step, the full gradient of every parameter. The sampler takes
+    its world size and rank from the initialised process group (one process, one rank, where there is none)."""
     dataset = ToyDataset(LENGTHS)
-    sampler = TokenBudgetSampler(LENGTHS, world_size=world_size, rank=rank, **SAMPLER)
+    sampler = TokenBudgetSampler(LENGTHS, **SAMPLER)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     grads = []
     for step in sampler.steps():
@@ -50,6 +51,8 @@ def full(t: torch.Tensor) -> torch.Tensor:
 def main() -> None:
     from torch.distributed.fsdp import fully_shard
 
+    reference = tiny_model()  # one process, before the group exists: the 1-rank run to compare with
+    expected = train(reference, 1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     naive = [sum(LENGTHS[r::world]) for r in range(world)]
@@ -57,11 +60,9 @@ def main() -> None:
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
-    grads = train(model, world, rank)
+    grads = train(model, world)
     weights = {n: full(p.data) for n, p in model.named_parameters()}
     if rank == 0:
-        reference = tiny_model()
-        expected = train(reference, 1, 0)
         assert len(grads) == len(expected)
         worst = max((g[n] - e[n]).abs().max().item() for g, e in zip(grads, expected) for n in e)
         drift = max((weights[n] - p.data).abs().max().item() for n, p in reference.named_parameters())

@@ -73,7 +73,7 @@ def per_step(lengths: list[int], n: int) -> None:
 
 
 def refinement(lengths: list[int], n: int = 20) -> None:
-    sampler = TokenBudgetSampler(lengths, max_tokens_per_microbatch=BUDGET, world_size=RANKS,
+    sampler = TokenBudgetSampler(lengths, max_tokens_per_microbatch=BUDGET, world_size=RANKS, rank=0,
                                  tokens_per_step=STEP_TOKENS)
     order, bounds, _, _ = sampler._cut(0)
     cm = CostModel.tokens()

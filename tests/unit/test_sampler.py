@@ -164,19 +164,21 @@ def test_state_dict_round_trip_mid_epoch_across_a_ramp(world):
 def test_iter_yields_the_steps_microbatches_and_keeps_the_position():
     lengths = skewed()
     s = TokenBudgetSampler(lengths, max_tokens_per_microbatch=B, world_size=2, rank=1, tokens_per_step=3000)
+    n = len(s)
     flat = list(s)
-    assert len(s) == len(flat)
-    assert flat == [mb for step in s.steps() for mb in step.microbatches]
+    assert n == len(flat)
+    assert flat == [mb for step in s.steps() for mb in step.microbatches]  # steps() keeps its own position
 
 
 @pytest.mark.parametrize("change, named", [
-    ({"max_tokens_per_microbatch": B * 2}, "max_tokens_per_microbatch=256"),
-    ({"world_size": 4}, "world_size=2"),
     ({"seed": 1}, "seed=0"),
     ({"lengths": uniform(301)}, "dataset='300 items"),
+    ({"sequences_per_step": 31}, "sequences_per_step=30"),
+    ({"shuffle": False}, "shuffle=True"),
+    ({"drop_last": True}, "drop_last=False"),
 ])
-def test_a_state_from_other_settings_is_refused_in_one_line(change, named):
-    kw = dict(lengths=uniform(300), max_tokens_per_microbatch=B, world_size=2, seed=0, sequences_per_step=30)
+def test_a_state_whose_settings_decide_other_steps_is_refused_in_one_line(change, named):
+    kw = dict(lengths=uniform(300), max_tokens_per_microbatch=B, world_size=2, rank=0, seed=0, sequences_per_step=30)
     saved = TokenBudgetSampler(**kw)
     next(saved.steps())
     other = TokenBudgetSampler(**{**kw, **change})
@@ -240,8 +242,8 @@ def test_one_ranks_state_resumes_another_rank():
 
 
 def test_an_epoch_started_directly_counts_the_steps_and_tokens_before_it():
-    kw = dict(lengths=skewed(), max_tokens_per_microbatch=B, world_size=2, tokens_per_step=[(0, 1000), (9000, 3000)],
-              drop_last=True)
+    kw = dict(lengths=skewed(), max_tokens_per_microbatch=B, world_size=2, rank=0,
+              tokens_per_step=[(0, 1000), (9000, 3000)], drop_last=True)
     sequential = TokenBudgetSampler(**kw)
     for epoch in range(3):
         sequential.set_epoch(epoch)

@@ -1,0 +1,60 @@
+"""What a sampler's state holds and which saved settings a resume must share: those that decide which items form each
+step (refused when they differ) and those that only decide how a step's items are planned (accepted: an elastic
+resume on another world size, budget, layout, planner or cost model keeps every step's items)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+from balance_batch.cost import CostModel
+
+STATE_VERSION = 2
+READ_VERSIONS = (1, 2)  # a version-1 state (no micro-batch position) resumes at its step's start
+
+# Which items form each step: the dataset (lengths and loss tokens), the order (seed, shuffle), the step size or ramp,
+# and whether a short last step is dropped. A resume that changed one of these would not train the same items.
+STEP_KEYS = ("dataset", "seed", "shuffle", "sequences_per_step", "tokens_per_step", "drop_last")
+
+
+class PlanSettings(NamedTuple):
+    """How a step's items are planned into micro-batches per rank (an elastic resume may change every one)."""
+
+    max_tokens_per_microbatch: int
+    world_size: int
+    layout: str
+    planner: str
+    max_seqs_per_microbatch: Optional[int]
+    cost_model: CostModel
+
+    def as_config(self) -> dict:
+        cm = self.cost_model
+        return {"max_tokens_per_microbatch": self.max_tokens_per_microbatch, "world_size": self.world_size,
+                "layout": self.layout, "planner": self.planner,
+                "max_seqs_per_microbatch": self.max_seqs_per_microbatch,
+                "cost_model": [cm.a, cm.b, cm.c, cm.fixed]}
+
+    @classmethod
+    def from_config(cls, config: dict) -> "PlanSettings":
+        a, b, c, fixed = config["cost_model"]
+        return cls(int(config["max_tokens_per_microbatch"]), int(config["world_size"]), config["layout"],
+                   config["planner"], config["max_seqs_per_microbatch"],
+                   CostModel(float(a), float(b), "a resumed state's", float(c), float(fixed)))
+
+
+def check_state(state: object, mine: dict) -> dict:
+    """``state``'s config, or one ValueError: not a sampler state, or saved with settings that decide other steps."""
+    who = "TokenBudgetSampler.load_state_dict"
+    if not isinstance(state, dict) or state.get("version") not in READ_VERSIONS:
+        raise ValueError(f"{who}: not a sampler state (version {' or '.join(map(str, READ_VERSIONS))})")
+    saved = state.get("config", {})
+    differ = [k for k in STEP_KEYS if saved.get(k) != mine[k]]
+    if differ:
+        raise ValueError(f"{who}: the state was saved with "
+                         + "; ".join(f"{k}={saved.get(k)!r}, this sampler has {mine[k]!r}" for k in differ)
+                         + " (these decide which items form each step; the budget, world size, layout, planner and "
+                           "cost model may change)")
+    try:
+        PlanSettings.from_config(saved)
+    except (KeyError, TypeError, ValueError):
+        raise ValueError(f"{who}: the state's plan settings are incomplete: {saved!r}") from None
+    return saved
