@@ -9,6 +9,8 @@
 2. ``steps()`` at 4,096 sequences a step (same distribution, 8 ranks): the per-step cost over ``--steps`` steps.
 3. What the sampler's planning leaves out (the balanced planner's refinement, ``work=0``): on 20 steps of part 1,
    the step count, critical path and per-rank cost imbalance with and without it, and the time of each.
+4. Sizes: ``steps_in_epoch`` and ``len(sampler)`` on part 1's epoch, each asked twice (``--sizes-only``: this alone,
+   e.g. at ``--sequences 10000000``).
 
 Timings are wall-clock on whatever machine runs it: upper bounds on a busy one.
 """
@@ -72,6 +74,23 @@ def per_step(lengths: list[int], n: int) -> None:
           f"{1e3 * max(times):.1f} ms |")
 
 
+def sizes(lengths: list[int]) -> None:
+    """What a progress bar, a schedule or ``len(DataLoader)`` costs: the steps of the epoch (the cut alone) and its
+    micro-batches (``len``: every step planned once, the counts kept), each asked twice."""
+    t = time.perf_counter()
+    sampler = TokenBudgetSampler(lengths, max_tokens_per_microbatch=BUDGET, world_size=RANKS, rank=0,
+                                 tokens_per_step=STEP_TOKENS)
+    timed = [("construction", time.perf_counter() - t, "")]
+    for name, ask in (("steps_in_epoch", lambda: sampler.steps_in_epoch), ("len", lambda: len(sampler))):
+        for call in ("first", "second"):
+            t = time.perf_counter()
+            value = ask()
+            timed.append((f"{name}, {call} call", time.perf_counter() - t, f"{value:,}"))
+    print("\n| epoch of | asked | time | answer |\n|---|---|---|---|")
+    for name, seconds, value in timed:
+        print(f"| {len(lengths):,} sequences | {name} | {seconds:.3f} s | {value} |")
+
+
 def refinement(lengths: list[int], n: int = 20) -> None:
     sampler = TokenBudgetSampler(lengths, max_tokens_per_microbatch=BUDGET, world_size=RANKS, rank=0,
                                  tokens_per_step=STEP_TOKENS)
@@ -100,12 +119,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sequences", type=int, default=1_000_000)
     parser.add_argument("--steps", type=int, default=50, help="part 2's steps")
+    parser.add_argument("--sizes-only", action="store_true", help="part 4 alone (the 10M-sequence figure)")
     args = parser.parse_args()
     print(f"Python {platform.python_version()} on {platform.machine()}, {platform.processor() or 'cpu'}\n")
     lengths = heavy_tailed_lengths(args.sequences)
+    if args.sizes_only:
+        sizes(lengths)
+        return
     epoch(lengths)
     per_step(lengths, args.steps)
     refinement(lengths)
+    sizes(lengths)
 
 
 if __name__ == "__main__":
