@@ -160,7 +160,7 @@ class PassResult:
     # The timed region (first step to the last one's end, device synchronized; the slowest rank's);
     # None where the backend does not time it, and the caller's wall time stands.
     step_s: Optional[float] = None
-    # What ran: {op: {implementation: calls}} summed over ranks (backends/model/kernels.py); None where unknown.
+    # What ran: {op: {implementation: calls}} summed over ranks (the library's kernels.py); None where unknown.
     kernels: Optional[dict] = None
     # A profiled pass (PassCommand.profile_dir): per rank, {"trace": path, "breakdown": ...}
     # (backends/runtime/profiling.py)

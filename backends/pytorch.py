@@ -12,7 +12,7 @@ import torch
 from backends.backend import Backend
 from backends.errors import BackendError, first_line
 from backends.messages import PassCommand, PassResult
-from backends.model import compiling, kernels
+from backends.model import compiling
 from backends.model.build import build_model, describe_model, describe_precision, load_method
 from backends.model.loading import LoadMeter, merge_load_records
 from backends.model.step import (
@@ -41,6 +41,7 @@ from backends.runtime.memory import (
 from backends.runtime.profiling import profiled
 from backends.runtime.timeline import StepClock, busy_clock, step_clock_name
 from backends.specs import BackendSpec, ModelSpec
+from balance_batch.integrations.transformers import kernels
 
 log = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ def check_kernels(spec) -> None:
     """On CUDA, a warning per kernel package that does not import; with ``require_kernels`` an error, before loading."""
     import logging
 
-    from backends.model.kernels import MissingKernels, check_cuda_kernels
     from backends.runtime.devices import resolve_device
+    from balance_batch.integrations.transformers.kernels import MissingKernels, check_cuda_kernels
 
     try:
         check_cuda_kernels(resolve_device(spec.device).type, spec.require_kernels, logging.getLogger("backends"))

@@ -13,12 +13,14 @@ IGNORE_INDEX = -100  # what Hugging Face losses skip
 def pack_collate(samples: Sequence[Mapping], *, pad_token_id: int = 0, flash_attn_kwargs: bool = True) -> dict:
     """One packed row from ``samples`` (each with ``input_ids`` and optional ``labels``, equal lengths).
 
-    Returns ``input_ids``, ``labels`` and ``position_ids``, each ``[1, total tokens]``, and with
+    Returns ``input_ids``, ``labels`` and ``position_ids``, each ``[1, total tokens]``, ``use_cache=False``, and with
     ``flash_attn_kwargs`` ``cu_seq_lens_q/k`` (int32 ``[sequences + 1]``) and ``max_length_q/k``: keyword arguments
-    of a Hugging Face causal LM's forward. Each sequence's first label is ``-100``, so the shifted loss never predicts
-    across a boundary: a sequence of L tokens counts L - 1 loss tokens (``TokenBudgetSampler``'s default
-    ``loss_tokens``), fewer where its own labels are -100. No samples (the sampler's dummy micro-batch) gives one
-    ``pad_token_id`` token with no loss: it runs the model, and adds nothing to the loss or the gradient.
+    of a Hugging Face causal LM's forward, so ``model(**batch)`` keeps the sequences apart on a standard-attention
+    model (linear-attention ones also need ``integrations.transformers.prepare_model_for_packing``). Each sequence's
+    first label is ``-100``, so the shifted loss never predicts across a boundary: a sequence of L tokens counts
+    L - 1 loss tokens (``TokenBudgetSampler``'s default ``loss_tokens``), fewer where its own labels are -100.
+    No samples (the sampler's dummy micro-batch) gives one ``pad_token_id`` token with no loss: it runs the model, and
+    adds nothing to the loss or the gradient.
     """
     ids, labels = [], []
     for sample in samples:
@@ -35,7 +37,10 @@ def pack_collate(samples: Sequence[Mapping], *, pad_token_id: int = 0, flash_att
     cu = torch.zeros(len(ids) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(lengths, 0)
     positions = torch.arange(int(cu[-1])) - torch.repeat_interleave(cu[:-1].long(), lengths)
-    batch = {"input_ids": torch.cat(ids)[None], "labels": torch.cat(labels)[None], "position_ids": positions[None]}
+    batch = {"input_ids": torch.cat(ids)[None], "labels": torch.cat(labels)[None], "position_ids": positions[None],
+             # transformers builds the mask that keeps sequences apart from position_ids only when the forward makes
+             # no cache, and a causal LM makes one by default (config.use_cache): attention would cross sequences
+             "use_cache": False}
     if flash_attn_kwargs:
         longest = int(lengths.max())
         batch.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu.clone(), max_length_q=longest, max_length_k=longest)

@@ -30,10 +30,10 @@ def tiny_model(lora_rank: int = 0, seed: int = 0) -> torch.nn.Module:
     from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
     from backends.model.configs import TINY_CONFIG
-    from backends.model.packing import prepare_model_for_packing
+    from balance_batch.integrations.transformers.packing import prepare_model_for_packing
 
     torch.manual_seed(seed)
-    model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**TINY_CONFIG, use_cache=False)).float()
+    model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**TINY_CONFIG)).float()
     if lora_rank:
         from peft import LoraConfig, get_peft_model
 

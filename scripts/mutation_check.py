@@ -40,14 +40,14 @@ class Mutation:
 MUTATIONS = (
     Mutation(
         "the kernel record trusts the package's import, not what transformers bound when its module was imported",
-        "backends/model/packing.py",
+        "balance_batch/integrations/transformers/packing.py",
         "return _cuda_kernel_available(package) if bound is None else bound",
         "return _cuda_kernel_available(package)",
         ("tests/unit/test_kernels.py::test_the_record_follows_what_transformers_bound_at_import_not_what_imports_now",),
     ),
     Mutation(
         "backend.compile traces the delta-rule scan into the compiled layer (a graph per set of boundaries)",
-        "backends/model/packing.py",
+        "balance_batch/integrations/transformers/packing.py",
         "    torch_chunk_gated_delta_rule = _eager(torch_chunk_gated_delta_rule)\n",
         "",
         (
@@ -224,7 +224,7 @@ MUTATIONS = (
     ),
     Mutation(
         "padded rows keep transformers' delta rule while packed rows run the project's scan",
-        "backends/model/packing.py",
+        "balance_batch/integrations/transformers/packing.py",
         "        if cu_seqlens is None:\n            # A padded batch runs the same scan",
         "        if cu_seqlens is None:\n"
         "            return torch_delta_rule(query, key, value, chunk_size=chunk_size, **common, **kwargs)\n"
@@ -233,7 +233,7 @@ MUTATIONS = (
     ),
     Mutation(
         "CPU tensors handed to the kernel transformers bound on a GPU host (padded convolution)",
-        "backends/model/packing.py",
+        "balance_batch/integrations/transformers/packing.py",
         "return (original if fused else torch_conv1d)(hidden_states",
         "return original(hidden_states",
         (

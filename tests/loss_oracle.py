@@ -59,14 +59,15 @@ def plain_model(init_seed: int = 0, lora_rank: int = 32) -> torch.nn.Module:
     return model.train()
 
 
-# The marker backends/model/packing.py sets on the functions it swaps into transformers' modules; the
-# function it replaced is the marker's value.
+# The marker the library's prepare_model_for_packing sets on the functions it swaps into transformers' modules;
+# the function it replaced is the marker's value.
 _SWAPPED_MARK = "_balance_batch_packed"
 
 
 @contextlib.contextmanager
 def stock_transformers():
-    """transformers' own module functions, while inside: the harness swaps some in place (backends/model/packing.py).
+    """transformers' own module functions, while inside: the harness swaps some in place
+    (prepare_model_for_packing).
 
     A process that built a harness model has its conv, delta-rule and grouped-GEMM functions
     replaced module-wide, so without this the oracle would run the harness's scan too.

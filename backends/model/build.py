@@ -10,7 +10,6 @@ from typing import Optional
 import torch
 
 from backends.errors import UserError
-from backends.model import kernels
 from backends.model.checkpoint import (
     check_checkpoint,
     check_model_path,
@@ -20,8 +19,9 @@ from backends.model.checkpoint import (
 )
 from backends.model.configs import TINY_CONFIG
 from backends.model.logprobs import install_logprob_head
-from backends.model.packing import prepare_model_for_packing
 from backends.specs import ModelSpec
+from balance_batch.integrations.transformers import kernels
+from balance_batch.integrations.transformers.packing import prepare_model_for_packing
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ What is compiled: each decoder layer's ``forward``, not the whole model.
   where sequences start and end in a packed row (attention once per sequence,
   the boundary-aware short convolution, the delta-rule scan over chunks).
   Traced, each new set of boundaries would be a new graph; they are
-  ``torch.compiler.disable``d (backends/model/packing.py), one graph break
+  ``torch.compiler.disable``d (balance_batch/integrations/transformers/packing.py), one graph break
   each, and compiled code runs what lies between them (projections, norms,
   gating, routing, the experts).
 
@@ -95,7 +95,7 @@ def compile_decoder_layers(model: torch.nn.Module, eager_fallback: bool = False)
     if not compiled_layers(model):
         # A new model starts dynamo afresh: its graphs, and what they hold (kernels.traced), are its own, never
         # those of a model compiled earlier in this process (a sweep's earlier point, another dtype).
-        from backends.model import kernels
+        from balance_batch.integrations.transformers import kernels
 
         torch._dynamo.reset()
         kernels.reset_traced()
@@ -212,7 +212,7 @@ def describe(model: torch.nn.Module) -> dict:
     }
 
 
-# The operations each compiled layer runs eagerly (backends/model/packing.py ``_eager``)
+# The operations each compiled layer runs eagerly (balance_batch/integrations/transformers/packing.py ``_eager``)
 EAGER_INSIDE = ("attention", "delta_rule", "short_conv")
 
 
@@ -240,7 +240,7 @@ class PassMeter:
     def __exit__(self, exc_type, exc, tb) -> None:
         if self.before is None:
             return
-        from backends.model import kernels
+        from balance_batch.integrations.transformers import kernels
 
         self.record = {**delta(self.before, measure()), "traced": kernels.traced()}
         if self.record["recompile_limit_hits"] and not self.eager_fallback and exc_type is None:
@@ -253,7 +253,7 @@ class PassMeter:
 
 
 def _count_compiled_call(module, args) -> None:
-    from backends.model import kernels
+    from balance_batch.integrations.transformers import kernels
 
     kernels.note(kernels.COMPILED_LAYER, "inductor")
 

@@ -126,7 +126,7 @@ def read_json_file(path: Path, what: str) -> dict[str, Any]:
 
 
 # Architectures (config model_type) whose layers the packed layout keeps apart at sequence boundaries:
-# Qwen3.5-MoE's gated delta-net and full attention (backends/model/packing.py), tested against padded and mbs=1.
+# Qwen3.5-MoE's gated delta-net and full attention (prepare_model_for_packing), tested against padded and mbs=1.
 PACKED_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
 
 

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backends.model import kernels
+from balance_batch.integrations.transformers import kernels
 
 
 def _chunk_softmax_parts(

@@ -9,11 +9,12 @@ import numpy as np
 import torch
 
 from backends.messages import PASS_TYPES, Example, ExampleOutput
-from backends.model import kernels
 from backends.model.logprobs import find_logprob_head
-from backends.model.packing import check_packable, collate_packed, model_layer_types, prepare_model_for_packing
-from backends.runtime.devices import host_to_device
+from backends.model.packing import check_packable, collate_packed, model_layer_types
 from balance_batch import LAYOUTS, Schedule  # padded: one row per sequence; packed: one row, end to end
+from balance_batch.integrations.transformers import kernels
+from balance_batch.integrations.transformers.packing import prepare_model_for_packing
+from balance_batch.integrations.transformers.segments import host_to_device
 
 
 class PassTimeout(RuntimeError):
@@ -139,7 +140,7 @@ def run_steps(
     ``logprob_chunk_tokens`` goes to ``token_logprobs`` (None = unchunked).
     Log-probs are not copied to the host per step (that would wait for the
     device every step); ``outputs_to_host`` copies them once the pass is over.
-    ``backends.model.kernels.snapshot()`` after it says which implementations ran.
+    ``balance_batch.integrations.transformers.kernels.snapshot()`` after it says which implementations ran.
     ``clock`` (a ``backends.runtime.timeline.StepClock``) is marked where each step starts and where the last ends.
     """
     if pass_type not in PASS_TYPES:

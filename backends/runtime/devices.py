@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-import numpy as np
 import torch
 
 from backends.errors import UserError
@@ -58,19 +57,6 @@ def resolve_device(name: str) -> torch.device:
     if name not in ("cpu", "cuda"):
         raise UserError(f"backend.device: '{name}' is not a device (valid: auto, cpu, cuda)")
     return torch.device(name)
-
-
-def host_to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A host array as a tensor on ``device``, the host not kept waiting for the copy.
-
-    On CUDA through page-locked memory: ``non_blocking=True`` from pageable memory is staged through a pinned
-    buffer synchronously, so the host waits anyway; from pinned memory the copy is queued on the current stream,
-    and torch's pinned-memory cache keeps the buffer until the copy is done. On a CPU the array's own memory.
-    """
-    tensor = torch.from_numpy(np.ascontiguousarray(array))
-    if device.type != "cuda":
-        return tensor
-    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def device_description(device: torch.device, count: int) -> dict:

@@ -53,7 +53,7 @@ PROFILE_RANKS = (0,)
 RANGE_PREFIX = "balance_batch/"
 CATEGORIES = ("attention", "delta_rule", "convolution", "moe_experts", "other_matmuls", "logprob_head", "backward",
               "collectives", "other", "idle")
-# The ranges the model code opens (backends/model/packing.py, logprobs.py): their operators are theirs.
+# The ranges the model code opens (the library's packing.py, logprobs.py): their operators are theirs.
 RANGES = ("delta_rule", "logprob_head")
 _COLLECTIVE = ("all_gather", "allgather", "reduce_scatter", "reducescatter", "all_reduce", "allreduce", "broadcast",
                "c10d::", "gloo", "nccl", "record_param_comms", "wait_tensor", "barrier",

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from backends.messages import PassCommand, PassResult
-from backends.model import compiling, kernels
+from backends.model import compiling
 from backends.model.build import build_model, describe_model, describe_precision, load_method
 from backends.model.loading import LoadMeter
 from backends.model.step import ProgressLogger, outputs_to_host, run_steps, synchronize, total_loss_weight
@@ -29,6 +29,7 @@ from backends.runtime.profiling import profiled
 from backends.runtime.timeline import CollectiveWaits, StepClock, busy_clock, step_clock_name
 from backends.specs import BackendSpec, ModelSpec
 from balance_batch import CostModel, Schedule, plan_stats
+from balance_batch.integrations.transformers import kernels
 
 
 class RankHooks:

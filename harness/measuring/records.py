@@ -33,7 +33,7 @@ class PassRecord:
     # region (elapsed_s): sending the examples, planning, copying outputs to the host, gathering them.
     pass_wall_s: Optional[list[float]] = None
     host_s: Optional[list[float]] = None
-    # What ran in the last timed repeat: {op: {implementation: calls}} over all ranks (backends/model/kernels.py).
+    # What ran in the last timed repeat: {op: {implementation: calls}} over all ranks (the library's kernels.py).
     kernels: Optional[dict] = None
     # backend.compile: what compiling cost, in the warm-up and in the timed repeats (backends/model/compiling.py
     # ``merge``); None when nothing is compiled. Anything compiled in the timed repeats is in their seconds.

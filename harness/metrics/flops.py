@@ -56,7 +56,7 @@ GPU_PEAKS = (
     ("A100", {"bfloat16": 312e12, "float32": 19.5e12}),
 )
 FULL_FINE_TUNING_FACTOR = 3.0  # forward + backward = 3 forwards when every weight is trained
-# chunk size of the chunked gated delta rule (transformers' and backends/model/packing.py's default)
+# chunk size of the chunked gated delta rule (transformers' and the library's packing.py's default)
 DELTA_RULE_CHUNK = 64
 
 

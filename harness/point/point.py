@@ -335,7 +335,7 @@ class Point:
     def _record_pass(self, spec: HarnessConfig, lengths: list[int], training, world_size: int, pass_type: str,
                      record, result) -> None:
         """One pass type's measurements and FLOPs into results.json."""
-        from backends.model.kernels import summary as kernel_summary
+        from balance_batch.integrations.transformers.kernels import summary as kernel_summary
         from harness.metrics.flops import flops_record
 
         # what the backend ran (same as planned; FSDP2 agrees on it by collective); a peer planner's record stays

@@ -17,7 +17,8 @@ def test_a_microbatch_is_one_row_with_restarting_positions_and_boundaries():
     assert batch["cu_seq_lens_q"].tolist() == [0, 3, 5, 9] and batch["cu_seq_lens_q"].dtype == torch.int32
     assert batch["max_length_k"] == 4
     assert samples[2]["labels"].tolist() == [5, 7, 3, 4]  # the caller's labels are left as they were
-    assert set(pack_collate(samples, flash_attn_kwargs=False)) == {"input_ids", "labels", "position_ids"}
+    assert batch["use_cache"] is False  # without it transformers builds no mask keeping the sequences apart
+    assert set(pack_collate(samples, flash_attn_kwargs=False)) == {"input_ids", "labels", "position_ids", "use_cache"}
 
 
 def test_the_dummy_microbatch_is_one_token_without_loss():

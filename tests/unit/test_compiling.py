@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from backends.errors import UserError
-from backends.model import compiling, kernels
+from backends.model import compiling
 from backends.model.build import build_model
 from backends.specs import ModelSpec
+from balance_batch.integrations.transformers import kernels
 from harness.app.config import resolve_config
 from tests.unit.test_answer import _compose
 
@@ -80,7 +81,7 @@ def test_a_checkpointed_model_is_refused_by_the_backend_too():
 def test_compiling_wraps_each_decoder_layer_once_and_keeps_the_boundary_kernels_eager():
     import torch
 
-    from backends.model import packing
+    from balance_batch.integrations.transformers import packing
 
     model = build_model(ModelSpec(), torch.device("cpu"), gradient_checkpointing=False)
     assert compiling.compile_decoder_layers(model) == 4 == compiling.compile_decoder_layers(model)  # idempotent

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from backends.model import kernels, packing, segments
 from backends.model.build import build_model
 from backends.model.packing import collate_packed, model_layer_types
 from backends.model.step import outputs_to_host, run_steps
 from backends.specs import ModelSpec
+from balance_batch.integrations.transformers import kernels, packing, segments
 from harness.data.workload import make_examples
 
 CPU = torch.device("cpu")

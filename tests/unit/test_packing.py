@@ -10,15 +10,15 @@ import torch
 import torch.nn.functional as F
 
 from backends.model.build import build_model
-from backends.model.packing import (
+from backends.model.packing import collate_packed
+from backends.model.step import grad_norm_local_sq, run_schedule, total_loss_weight
+from backends.specs import ModelSpec
+from balance_batch.integrations.transformers.packing import (
     _PACKED_MARK,
-    collate_packed,
     is_prepared_for_packing,
     prepare_model_for_packing,
 )
-from backends.model.segments import segment_causal_conv1d, segment_chunk_gated_delta_rule
-from backends.model.step import grad_norm_local_sq, run_schedule, total_loss_weight
-from backends.specs import ModelSpec
+from balance_batch.integrations.transformers.segments import segment_causal_conv1d, segment_chunk_gated_delta_rule
 from harness.data.workload import make_examples
 
 CPU = torch.device("cpu")

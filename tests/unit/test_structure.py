@@ -27,10 +27,7 @@ MAX_MODULE_LINES = 500
 MAX_FUNCTION_LINES = 80
 MAX_TOP_LEVEL = 8
 # (file, function) -> why it may be longer
-LONG_FUNCTIONS = {
-    # a numerical kernel kept line-comparable with the upstream scan it follows
-    ("backends/model/segments.py", "segment_chunk_gated_delta_rule"),
-}
+LONG_FUNCTIONS: set[tuple[str, str]] = set()
 
 # file -> how often each backend name may appear there as a string of its own, and why.
 ALLOWED_NAME_USES = {
@@ -134,7 +131,8 @@ def test_no_module_imports_its_own_package_init():
 def test_the_graph_sees_function_level_and_submodule_imports():
     graph = import_graph()
     assert graph["harness.sweep.hot"] & {"backends", "backends.start"}  # make_backend, imported inside a method
-    assert "backends.model.kernels" in graph["backends.model.step"]  # "from backends import kernels" is the submodule
+    # "from balance_batch.integrations.transformers import kernels" is the submodule
+    assert "balance_batch.integrations.transformers.kernels" in graph["backends.model.step"]
     assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 

@@ -1,9 +1,9 @@
 """The computations of a packed row that keep its sequences apart, in torch: attention, the short causal convolution
 and the chunked gated delta rule, each as the sequences would run alone; and the row's boundaries as host ints.
 
-backends/model/packing.py lays the row out and swaps these in where the
-model's own functions would run across boundaries; each records itself with
-``kernels.note`` when it runs.
+packing.py beside this module swaps these in where the model's own functions
+would run across boundaries; each records itself with ``kernels.note`` when it
+runs.
 """
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from backends.model import kernels
-from backends.runtime.devices import host_to_device
+from balance_batch.integrations.transformers import kernels
 
 # The host copy of the current micro-batch's boundaries: every layer of one forward gets the same
 # cu_seqlens tensor, so its bounds are read from the host list collate made, never from the device.
@@ -49,6 +48,19 @@ def int64_bounds(cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         made["device"] = cu_seqlens.long()
         made["host"] = torch.tensor(bounds, dtype=torch.long)
     return made["device"], made["host"]
+
+
+def host_to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array as a tensor on ``device``, the host not kept waiting for the copy.
+
+    On CUDA through page-locked memory: ``non_blocking=True`` from pageable memory is staged through a pinned
+    buffer synchronously, so the host waits anyway; from pinned memory the copy is queued on the current stream,
+    and torch's pinned-memory cache keeps the buffer until the copy is done. On a CPU the array's own memory.
+    """
+    tensor = torch.from_numpy(np.ascontiguousarray(array))
+    if device.type != "cuda":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def segment_attention(original: Callable, implementation: str, module, query, key, value, attention_mask, **kwargs):

@@ -4,7 +4,7 @@ lacks.
 Five operations of the benchmark model have a fast CUDA kernel and a torch
 fallback: full attention, the gated delta rule, the short causal convolution,
 the MoE experts and the log-prob head. The functions that dispatch them
-(backends/model/packing.py, backends/model/segments.py, backends/model/logprobs.py) call
+(packing.py and segments.py beside this module, the harness's backends/model/logprobs.py) call
 ``note(op, implementation)`` each time they run, and what the model dispatches itself
 (the MoE experts, flash attention) is recorded by hooks installed here
 (``record_dispatched_kernels``), so a pass records what actually ran, not what imported.
@@ -12,7 +12,7 @@ the MoE experts and the log-prob head. The functions that dispatch them
 calls}}`` for results.json (``passes.<type>.kernels``); a call is one forward
 call of one layer (recomputation under gradient checkpointing counts again).
 
-Under ``backend.compile=true`` (backends/model/compiling.py) an operation
+Under the harness's ``backend.compile=true`` (backends/model/compiling.py) an operation
 inside a compiled graph is not called from Python when the graph runs, so it
 cannot be counted per call: what dynamo traced into a graph is recorded once,
 at trace time (``traced()``: ``{op: [implementations]}``), and each call of a
@@ -44,7 +44,7 @@ SDPA = "sdpa"  # torch scaled_dot_product_attention over a padded batch with its
 SDPA_PER_SEQUENCE = "sdpa-per-sequence"  # a packed row: SDPA once per sequence, no (row length)² mask
 EAGER = "eager"
 FLA_CHUNK = "fla-chunk"  # flash-linear-attention's chunked gated delta rule (Triton)
-SEGMENT_SCAN = "segment-scan"  # this project's batched torch scan (backends/model/segments.py), padded and packed alike
+SEGMENT_SCAN = "segment-scan"  # this project's batched torch scan (segments.py beside this), padded and packed alike
 TRANSFORMERS_TORCH_CHUNK = "transformers-torch-chunk"  # transformers' own torch fallback (only with a recurrent state)
 CAUSAL_CONV1D = "causal-conv1d"
 TORCH_CONV1D = "torch-conv1d"
@@ -52,8 +52,8 @@ GROUPED_MM = "grouped_mm"  # torch's grouped GEMM over all experts at once
 # transformers' fallback when torch's grouped_mm cannot run: one mm per expert
 GROUPED_MM_LOOP = "grouped_mm-fallback-loop"
 
-# Set on each function this project swaps into a transformers module (backends/model/packing.py, and the grouped
-# GEMM below); its value is the function replaced, which is how tests/loss_oracle.py puts the stock ones back.
+# Set on each function this project swaps into a transformers module (packing.py beside this module, and the
+# grouped GEMM below); its value is the function replaced, which is how tests/loss_oracle.py puts the stock ones back.
 SWAPPED_MARK = "_balance_batch_packed"
 
 _lock = threading.Lock()
