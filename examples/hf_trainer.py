@@ -2,12 +2,11 @@
 
     python -m examples.hf_trainer
 
-The Trainer accumulates a fixed number of batches per optimizer step; the sampler's steps hold as many micro-batches
-as their tokens need. So one Trainer batch is one whole step (``StepBatches``), and ``TokenBudgetTrainer`` runs its
-micro-batches forward and backward one at a time, each loss summed over its tokens and divided by the step's
-``global_loss_tokens`` (``num_items_in_batch``), so the step's gradient is the mean over all its loss tokens whatever
-the micro-batches. The run is checked against a reference of the same steps with one sequence per forward and the
-same denominator: every step's loss and the final LoRA weights, float32, within 1e-5.
+``TokenBudgetTrainer`` (balance_batch.integrations.transformers) makes one Trainer batch one whole sampler step and
+runs its micro-batches forward and backward one at a time, each loss summed over its tokens and divided by the step's
+``global_loss_tokens``, so the step's gradient is the mean over all its loss tokens whatever the micro-batches. The
+run is checked against a reference of the same steps with one sequence per forward and the same denominator: every
+step's loss and the final LoRA weights, float32, within 1e-5.
 """
 
 from __future__ import annotations
@@ -15,54 +14,11 @@ from __future__ import annotations
 import tempfile
 
 import torch
-from transformers import Trainer, TrainingArguments
+from transformers import TrainingArguments
 
 from balance_batch import TokenBudgetSampler
-from balance_batch.collate import pack_collate
+from balance_batch.integrations.transformers import TokenBudgetTrainer
 from examples.tiny import ToyDataset, tiny_model
-
-
-class StepBatches:
-    """One item per optimizer step: this rank's micro-batches, collated, and the step's loss denominator."""
-
-    def __init__(self, dataset, sampler: TokenBudgetSampler, collate_fn=pack_collate):
-        self.dataset, self.sampler, self.collate_fn = dataset, sampler, collate_fn
-
-    def __len__(self) -> int:
-        return self.sampler.steps_in_epoch
-
-    def set_epoch(self, epoch: int) -> None:  # the Trainer calls this at each epoch
-        self.sampler.set_epoch(epoch)
-
-    def __iter__(self):
-        for step in self.sampler.steps():
-            yield {"microbatches": [self.collate_fn([self.dataset[i] for i in mb]) for mb in step.microbatches],
-                   "global_loss_tokens": step.global_loss_tokens}
-
-
-class TokenBudgetTrainer(Trainer):
-    """A Trainer whose optimizer steps are the sampler's (run with ``gradient_accumulation_steps=1``)."""
-
-    def __init__(self, *args, sampler: TokenBudgetSampler, collate_fn=pack_collate, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.step_batches = StepBatches(self.train_dataset, sampler, collate_fn)
-        self.loss_is_scaled_for_ga = True  # our loss is already over the whole step: the Trainer must not divide it
-
-    def get_train_dataloader(self):
-        return self.step_batches
-
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        denominator = inputs["global_loss_tokens"]
-        losses = [super(TokenBudgetTrainer, self).training_step(model, mb, num_items_in_batch=denominator)
-                  for mb in inputs["microbatches"]]
-        return torch.stack(losses).sum()
-
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        outputs = model(**inputs, num_items_in_batch=num_items_in_batch)  # sum over tokens / denominator
-        # DDP averages gradients over processes while the denominator already counts every rank's tokens
-        loss = outputs.loss * self.accelerator.num_processes
-        return (loss, outputs) if return_outputs else loss
-
 
 LENGTHS = [9, 3, 17, 6, 12, 7]
 LR = 0.5
@@ -101,9 +57,8 @@ def main() -> None:
     sampler = make()
     model = tiny_model(lora_rank=4)
     with tempfile.TemporaryDirectory() as out:
-        args = TrainingArguments(output_dir=out, max_steps=sampler.steps_in_epoch, logging_steps=1, report_to="none",
-                                 use_cpu=True, save_strategy="no", max_grad_norm=0.0, remove_unused_columns=False,
-                                 disable_tqdm=True)
+        args = TrainingArguments(output_dir=out, num_train_epochs=1, logging_steps=1, report_to="none", use_cpu=True,
+                                 save_strategy="no", max_grad_norm=0.0, disable_tqdm=True)
         trainer = TokenBudgetTrainer(model=model, args=args, train_dataset=dataset, sampler=sampler,
                                      optimizers=sgd(model))
         trainer.train()

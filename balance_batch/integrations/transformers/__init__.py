@@ -6,3 +6,4 @@ from balance_batch.integrations.transformers.packing import (  # noqa: F401
     is_prepared_for_packing,
     prepare_model_for_packing,
 )
+from balance_batch.integrations.transformers.trainer import STATE_FILE, TokenBudgetTrainer, token_counts  # noqa: F401

@@ -1,0 +1,311 @@
+"""The Hugging Face Trainer on a ``TokenBudgetSampler``'s optimizer steps: one Trainer batch is one whole step, its
+micro-batches run forward and backward one at a time over the step's ``global_loss_tokens``, and the sampler's
+position is saved in every checkpoint, so ``train(resume_from_checkpoint=...)`` resumes at the next step.
+
+The Trainer counts a fixed number of batches per epoch and per optimizer step; the sampler's steps hold as many
+micro-batches as their tokens need, and with a token ramp each epoch has its own number of steps. So the Trainer's
+loop runs one "epoch" that spans the whole run (``max_steps`` of the sampler's steps, across its epochs), and a
+callback keeps ``state.epoch`` and the epoch-based save/eval/log strategies on the sampler's epochs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+from functools import partial
+from typing import Callable, Optional
+
+import torch
+from transformers import DefaultFlowCallback, Trainer, TrainerCallback
+from transformers.trainer_utils import (
+    PREFIX_CHECKPOINT_DIR,
+    IntervalStrategy,
+    SaveStrategy,
+    get_last_checkpoint,
+    seed_worker,
+)
+
+from balance_batch.collate import IGNORE_INDEX, pack_collate
+from balance_batch.sampler import Step, TokenBudgetSampler
+
+STATE_FILE = "sampler_state.json"  # in each checkpoint folder: the sampler's position after the checkpoint's step
+
+
+def token_counts(dataset) -> tuple[list[int], list[int]]:
+    """Per item of a tokenized dataset (``input_ids``, optional ``labels``): its tokens, and the tokens its loss
+    counts as ``pack_collate`` lays it out (labels after the first that are not -100): a sampler's ``lengths`` and
+    ``loss_tokens_per_sequence``."""
+    columns = dataset.column_names if hasattr(dataset, "column_names") else None
+    if columns is not None:  # a datasets.Dataset: read whole columns, not item by item
+        ids = dataset["input_ids"]
+        labels = dataset["labels"] if "labels" in columns else ids
+        pairs = zip(ids, labels)
+    else:
+        pairs = ((item["input_ids"], item.get("labels", item["input_ids"])) for item in dataset)
+    lengths, loss_tokens = [], []
+    for seq, lab in pairs:
+        lab = torch.as_tensor(lab).reshape(-1)
+        lengths.append(int(torch.as_tensor(seq).numel()))
+        loss_tokens.append(int((lab[1:] != IGNORE_INDEX).sum()))
+    return lengths, loss_tokens
+
+
+class _StepItems(torch.utils.data.Dataset):
+    """A map-style dataset keyed by a whole ``Step``: its micro-batches, collated (in a loader worker, when there are
+    workers), and the step itself, so the training loop knows which step it trains."""
+
+    def __init__(self, dataset, collate_fn: Callable):
+        self.dataset, self.collate_fn = dataset, collate_fn
+
+    def __getitem__(self, step: Step) -> dict:
+        return {"microbatches": [self.collate_fn([self.dataset[i] for i in mb]) for mb in step.microbatches],
+                "step": step}
+
+
+def _as_is(batch):
+    return batch  # a step is a batch already (batch_size=None); torch's default_convert would rebuild the Step
+
+
+class _StepKeys(torch.utils.data.Sampler):
+    """The sampler's steps in the main process, across its epochs, up to the Trainer's ``max_steps`` (a global step
+    index): the keys the loader's workers collate."""
+
+    def __init__(self, trainer: "TokenBudgetMixin"):
+        self.trainer = trainer
+
+    def __iter__(self):
+        sampler, state = self.trainer.sampler, self.trainer.state  # read now: the Trainer replaces its state in train()
+        expected, last_epoch, empty_rounds = state.global_step, sampler.epoch, 0
+        while empty_rounds < 2:  # an epoch with no steps left twice in a row: the sampler has none
+            empty_rounds += 1
+            for step in sampler.steps():
+                if step.step != expected:
+                    raise ValueError(
+                        f"{type(self.trainer).__name__}: the sampler's next step is {step.step} but the Trainer is at "
+                        f"step {expected}; resume with train(resume_from_checkpoint=...), which loads the checkpoint's "
+                        f"{STATE_FILE}")
+                if step.step >= state.max_steps:
+                    return
+                yield step
+                expected, last_epoch, empty_rounds = expected + 1, step.epoch, 0
+            # the epoch is consumed: the next one (a no-op where the sampler has moved on by itself)
+            sampler.set_epoch(last_epoch + 1)
+            last_epoch = sampler.epoch
+
+
+class _SamplerEpochs(TrainerCallback):
+    """Keeps ``state.epoch``, ``state.num_train_epochs`` and the epoch strategies on the sampler's epochs, which the
+    Trainer's one loop epoch spans."""
+
+    def __init__(self, trainer: "TokenBudgetMixin"):
+        self.trainer = trainer
+        self.epoch_end_at: Optional[int] = None  # the global step at which a sampler epoch last ended
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        state.num_train_epochs = self.trainer.epochs_spanned(state.max_steps)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        step, sampler = self.trainer.trained_step, self.trainer.sampler
+        if step is None:
+            return
+        start, end = sampler.steps_before(step.epoch), sampler.steps_before(step.epoch + 1)
+        state.epoch = step.epoch + (step.step + 1 - start) / (end - start)
+        if step.step + 1 == end:
+            self.epoch_end_at = state.global_step
+            DefaultFlowCallback().on_epoch_end(args, state, control)  # what the Trainer does at its own epochs' ends
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        # the Trainer's loop epoch ends with the run; where a sampler epoch ended at the same step, its save, eval and
+        # log were done already
+        if self.epoch_end_at == state.global_step:
+            control.should_log &= args.logging_strategy != IntervalStrategy.EPOCH
+            control.should_evaluate &= args.eval_strategy != IntervalStrategy.EPOCH
+            control.should_save &= args.save_strategy != SaveStrategy.EPOCH
+
+
+class TokenBudgetMixin:
+    """What makes a Trainer (or a Trainer subclass, such as TRL's ``SFTTrainer``) train on a sampler's steps; see
+    ``TokenBudgetTrainer``."""
+
+    def __init__(self, *args, sampler: TokenBudgetSampler, collate_fn: Callable = pack_collate, **kwargs):
+        if not isinstance(sampler, TokenBudgetSampler):
+            raise ValueError(f"{type(self).__name__}: sampler must be a balance_batch.TokenBudgetSampler, got "
+                             f"{type(sampler).__name__}")
+        super().__init__(*args, **kwargs)
+        self.sampler, self.collate_fn = sampler, collate_fn
+        self.trained_step: Optional[Step] = None  # the last step trained: what a checkpoint saves the position after
+        self._start_state = sampler.state_dict()  # where a fresh train() starts, however often it is called
+        self.loss_is_scaled_for_ga = True  # the loss is over the whole step already: the Trainer must not divide it
+        self._check_settings()
+        self.add_callback(_SamplerEpochs(self))
+
+    # ------------------------------------------------------------------ settings
+
+    def _check_settings(self) -> None:
+        """Refuse, in one line, Trainer settings this integration would otherwise ignore or contradict."""
+        args, who = self.args, type(self).__name__
+        fields = {f.name: f.default for f in dataclasses.fields(args)}
+        ignored = {
+            "gradient_accumulation_steps": "one Trainer batch is one whole sampler step, its micro-batches "
+                                           "accumulated inside it: set it to 1",
+            "per_device_train_batch_size": "the sampler sizes the steps (sequences_per_step or tokens_per_step)",
+            "train_sampling_strategy": "the sampler orders the items",
+            "dataloader_drop_last": "the sampler's drop_last decides",
+            "auto_find_batch_size": "the sampler's max_tokens_per_microbatch sizes the micro-batches",
+        }
+        for key, why in ignored.items():  # each default is the value that means "not asked for"
+            if getattr(args, key) != fields[key]:
+                raise ValueError(f"{who}: {key}={getattr(args, key)!r} would be ignored ({why})")
+        if not args.average_tokens_across_devices:
+            raise ValueError(f"{who}: average_tokens_across_devices=False contradicts the sampler, whose loss "
+                             "denominator (global_loss_tokens) counts every rank's tokens: leave it True")
+        if args.n_gpu > 1:
+            raise ValueError(f"{who}: {args.n_gpu} GPUs in one process (nn.DataParallel) would split a packed row; run "
+                             "one process per GPU (torchrun)")
+        if (self.sampler.world_size, self.sampler.rank) != (args.world_size, args.process_index):
+            raise ValueError(f"{who}: the sampler plans for rank {self.sampler.rank} of {self.sampler.world_size}, "
+                             f"this process is rank {args.process_index} of {args.world_size}")
+        if self.train_dataset is None or len(self.train_dataset) != len(self.sampler.lengths):
+            have = "no train_dataset" if self.train_dataset is None else f"{len(self.train_dataset)} items"
+            raise ValueError(f"{who}: the sampler has {len(self.sampler.lengths)} items' lengths, train_dataset {have}")
+
+    # ------------------------------------------------------------------ the steps
+
+    def get_train_dataloader(self) -> torch.utils.data.DataLoader:
+        """A loader of whole steps: the keys come from ``sampler.steps()`` here, the collation runs in the workers.
+        Not passed through ``accelerator.prepare``: the sampler plans each rank's share already, and accelerate would
+        shard it again."""
+        args = self.args
+        extra = {}
+        if args.dataloader_num_workers > 0:
+            extra = {"prefetch_factor": args.dataloader_prefetch_factor,
+                     "persistent_workers": args.dataloader_persistent_workers,
+                     "multiprocessing_context": args.dataloader_multiprocessing_context,
+                     "in_order": args.dataloader_in_order}
+        return torch.utils.data.DataLoader(
+            _StepItems(self.train_dataset, self.collate_fn), batch_size=None, sampler=_StepKeys(self),
+            collate_fn=_as_is, num_workers=args.dataloader_num_workers, pin_memory=args.dataloader_pin_memory,
+            worker_init_fn=partial(seed_worker, num_workers=args.dataloader_num_workers, rank=args.process_index),
+            **extra)
+
+    def steps_for_epochs(self, epochs: float) -> int:
+        """The sampler's steps in ``epochs`` epochs from the start (a fraction of the last rounded up, as the Trainer
+        does)."""
+        whole = int(epochs)
+        steps = self.sampler.steps_before(whole)
+        if epochs > whole:
+            steps += math.ceil((epochs - whole) * (self.sampler.steps_before(whole + 1) - steps))
+        return steps
+
+    def epochs_spanned(self, max_steps: int) -> int:
+        """The sampler epochs ``max_steps`` steps reach into."""
+        epoch = 0
+        while self.sampler.steps_before(epoch) < max_steps:
+            if self.sampler.steps_before(epoch + 1) == self.sampler.steps_before(epoch):
+                raise ValueError(f"{type(self).__name__}: the sampler's epoch {epoch} has no step (drop_last, with "
+                                 f"steps larger than the dataset), so max_steps={max_steps} is never reached")
+            epoch += 1
+        return epoch
+
+    def set_initial_training_values(self, args, dataloader):
+        """The Trainer's step counts from the sampler: ``max_steps`` (given, or the steps of ``num_train_epochs``
+        epochs, each with its own count under a ramp), all in one loop epoch."""
+        max_steps = args.max_steps if args.max_steps > 0 else self.steps_for_epochs(args.num_train_epochs)
+        if max_steps < 1:
+            raise ValueError(f"{type(self).__name__}: num_train_epochs={args.num_train_epochs} of the sampler is no "
+                             "step; give more epochs or max_steps")
+        self.epochs_spanned(max_steps)  # refuses a max_steps the sampler's epochs never reach
+        items, per_epoch = len(self.train_dataset), max(self.sampler.steps_before(1), 1)
+        # (loop epochs, updates per loop epoch, examples, samples trained, batch size, batches per loop epoch, steps)
+        return 1, max_steps, items, round(items * max_steps / per_epoch), round(items / per_epoch), max_steps, max_steps
+
+    def train(self, resume_from_checkpoint=None, trial=None, **kwargs):
+        """``Trainer.train``, the sampler placed first: at its start, or after the checkpoint's step."""
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
+            if resume_from_checkpoint is None:
+                raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
+        if resume_from_checkpoint in (None, False):
+            self.sampler.load_state_dict(self._start_state)
+        else:
+            path = os.path.join(resume_from_checkpoint, STATE_FILE)
+            if not os.path.isfile(path):
+                raise ValueError(f"{type(self).__name__}: {path} is missing; the checkpoint was not saved by a "
+                                 "token-budget trainer, and resuming without it would retrain or skip steps")
+            with open(path, encoding="utf-8") as f:
+                self.sampler.load_state_dict(json.load(f))
+        self.trained_step = None
+        # The sampler now starts after the trained steps; the Trainer's own skip (skip_first_batches) would skip as many
+        # again, and cannot rebuild this loader anyway
+        ignore_data_skip, self.args.ignore_data_skip = self.args.ignore_data_skip, True
+        try:
+            return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
+        finally:
+            self.args.ignore_data_skip = ignore_data_skip
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """The step's micro-batches forward and backward one at a time, each loss summed over its tokens and divided
+        by the step's ``global_loss_tokens`` (so the step's gradient is the mean over all its loss tokens on all
+        ranks, whatever the micro-batches); gradients are synchronised once, after the last."""
+        if "microbatches" not in inputs:  # not a step of ours (a subclass's own call)
+            return super().training_step(model, inputs, num_items_in_batch)
+        step, microbatches = inputs["step"], inputs["microbatches"]
+        denominator = max(step.global_loss_tokens, 1)  # a step without loss tokens: a zero loss, not 0 / 0
+        # what the Trainer and TRL divide a per-micro-batch mean (an MoE aux loss) by
+        self.current_gradient_accumulation_steps = len(microbatches)
+        losses = []
+        for i, mb in enumerate(microbatches):
+            # every rank runs the same number of micro-batches, so the ranks all-reduce in lock-step on the last
+            last = i == len(microbatches) - 1
+            with contextlib.nullcontext() if last else self.accelerator.no_sync(model):
+                losses.append(super().training_step(model, mb, num_items_in_batch=denominator))
+        self.trained_step = step
+        return torch.stack(losses).sum()
+
+    def floating_point_ops(self, inputs) -> int:
+        if "microbatches" not in inputs:
+            return super().floating_point_ops(inputs)
+        return sum(super(TokenBudgetMixin, self).floating_point_ops(mb) for mb in inputs["microbatches"])
+
+    def _track_num_input_tokens(self, inputs):
+        # the sampler knows the step's tokens over all ranks: no gather, and a dummy micro-batch's token is not counted
+        if "microbatches" not in inputs:
+            return super()._track_num_input_tokens(inputs)
+        if self.args.include_num_input_tokens_seen != "no":
+            self.state.num_input_tokens_seen += inputs["step"].global_tokens
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _save_checkpoint(self, model, trial):
+        # Written before the Trainer's files, so a checkpoint with a trainer_state.json has its sampler state too.
+        # Rank 0's is every rank's: the state has no rank in it.
+        if self.trained_step is not None and self.args.should_save:
+            name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"  # the folder the Trainer saves into
+            folder = os.path.join(self._get_output_dir(trial=trial), name)
+            os.makedirs(folder, exist_ok=True)
+            tmp = os.path.join(folder, STATE_FILE + ".tmp")
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(self.sampler.state_dict(after=self.trained_step), f)
+            os.replace(tmp, os.path.join(folder, STATE_FILE))
+        super()._save_checkpoint(model, trial)
+
+
+class TokenBudgetTrainer(TokenBudgetMixin, Trainer):
+    """A ``transformers.Trainer`` whose optimizer steps are a ``TokenBudgetSampler``'s.
+
+    ``TokenBudgetTrainer(model=..., args=TrainingArguments(...), train_dataset=..., sampler=TokenBudgetSampler(...))``;
+    ``collate_fn`` (default ``pack_collate``) turns a micro-batch's items into the model's keyword arguments.
+    ``max_steps`` (or ``num_train_epochs`` of the sampler's epochs) counts the sampler's steps; checkpoints hold the
+    sampler's position (``sampler_state.json``). The model's forward must take ``num_items_in_batch`` (Hugging Face
+    causal LMs do), or give ``compute_loss_func``. See docs/library.md.
+    """
+
+    def _check_settings(self) -> None:
+        super()._check_settings()
+        if not self.model_accepts_loss_kwargs and self.compute_loss_func is None:
+            raise ValueError(f"{type(self).__name__}: the model's forward takes no num_items_in_batch, so its loss "
+                             "would be a per-micro-batch mean; give compute_loss_func(outputs, labels, "
+                             "num_items_in_batch) that sums over tokens and divides by num_items_in_batch")
