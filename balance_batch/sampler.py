@@ -92,7 +92,8 @@ class TokenBudgetSampler:
     (``process_group``, default the whole job), as ``DistributedSampler``'s do. ``loss_tokens_per_sequence``: per
     item, the tokens its loss counts (default length - 1: a causal LM predicts every token but the first, as
     ``balance_batch.collate.pack_collate`` lays it out). ``cost_model`` (default: cost = tokens) is what the planner
-    balances; ``max_seqs_per_microbatch`` caps a micro-batch's sequences.
+    balances; ``max_seqs_per_microbatch`` caps a micro-batch's sequences. ``lengths`` and ``loss_tokens`` (int64
+    arrays, one entry per item), ``world_size``, ``rank`` and ``epoch`` are public, read-only.
     """
 
     def __init__(
