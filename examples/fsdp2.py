@@ -26,10 +26,12 @@ LR = 0.5
 
 
 def train(model, world_size: int, grads_of=None) -> list[dict]:
-    """SGD over one epoch of the sampler's steps; per step, the full gradient of every parameter. The sampler takes
-    its world size and rank from the initialised process group (one process, one rank, where there is none)."""
+    """SGD over one epoch of the sampler's steps; per step, the full gradient of every parameter. Under the process
+    group the sampler takes its world size and rank from it; the 1-rank reference, run in a torchrun process before
+    the group exists, says it is rank 0 of 1 (left to the defaults there, the sampler refuses to guess)."""
     dataset = ToyDataset(LENGTHS)
-    sampler = TokenBudgetSampler(LENGTHS, **SAMPLER)
+    ranks = {} if dist.is_initialized() else dict(world_size=1, rank=0)
+    sampler = TokenBudgetSampler(LENGTHS, **ranks, **SAMPLER)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     grads = []
     for step in sampler.steps():
