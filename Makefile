@@ -15,13 +15,17 @@ SWEEP ?= mtpm=16384,32768,65536,131072 batching=greedy_padded,default hot=true
 setup: $(VENV)/.installed
 
 # The venv sees system packages so a machine's own torch (a CUDA build, say) is
-# reused; torch==2.13.0 is installed only when no torch is importable.
-$(VENV)/.installed: pyproject.toml
+# reused; torch==2.13.0 is installed only when no torch is importable. Then the
+# harness's pinned requirements and the suite's, and the library from the checkout
+# (editable, compat mode: the checkout goes on sys.path, so the harness, backends,
+# reports and the Hydra plugin, which the library's wheel leaves out, import from it).
+$(VENV)/.installed: pyproject.toml requirements/harness.txt requirements/test.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv --system-site-packages $(VENV) || \
 	  { $(PYTHON) -m pip install --user --quiet virtualenv && $(PYTHON) -m virtualenv --system-site-packages $(VENV); }
 	@$(BIN)/python -c "import torch" 2>/dev/null && echo "torch present: $$($(BIN)/python -c 'import torch; print(torch.__version__)')" || \
 	  $(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(BIN)/python -m pip install --quiet -r requirements/harness.txt -r requirements/test.txt
+	$(BIN)/python -m pip install --quiet --no-deps --config-settings editable_mode=compat -e .
 	@touch $@
 
 run: setup

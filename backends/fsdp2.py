@@ -14,7 +14,7 @@ from backends.model.step import grad_sq_sum, local_grads
 from backends.runtime.ranks import RankHooks
 from backends.runtime.spawned import DistributedBackend
 from backends.specs import ModelSpec
-from balance_batch import Schedule
+from balance_batch.plan import Schedule
 
 
 def mixed_precision_policy(model: torch.nn.Module):

@@ -20,8 +20,9 @@ import torch
 from backends.model.build import build_model
 from backends.model.step import run_schedule, total_loss_weight
 from backends.specs import ModelSpec
-from balance_batch import make_token_balanced_microbatches, plan_batch, sort_by_length
+from balance_batch.greedy import make_token_balanced_microbatches, sort_by_length
 from balance_batch.integrations.transformers.packing import prepare_model_for_packing
+from balance_batch.plan import plan_batch
 from harness.data.workload import make_examples, mixed_lengths
 
 

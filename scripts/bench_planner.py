@@ -58,11 +58,13 @@ import numpy as np
 
 from backends.model.configs import cost_model_for
 from backends.specs import ModelSpec
-from balance_batch import PLANNERS, critical_path_lower_bound, lower_bound_bins, plan_batch
+from balance_batch import PLANNERS
 from balance_batch.corpus import pack
 from balance_batch.peers import PEER_NAMES, PeerRefusal, peer_layout
 from balance_batch.peers.corpus_packers import histogram_packer, rows_of, torchtune_greedy, trl_bfd
 from balance_batch.peers.nemo_rl import first_fit_decreasing, modified_first_fit_decreasing
+from balance_batch.plan import plan_batch
+from balance_batch.stats import critical_path_lower_bound, lower_bound_bins
 from harness.data.workload import mixed_lengths
 
 BUDGETS = (16384, 32768, 65536, 131072)

@@ -28,8 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_planner import heavy_tailed_lengths
 
-from balance_batch import CostModel, TokenBudgetSampler, plan_stats
+from balance_batch import CostModel, TokenBudgetSampler
 from balance_batch.balanced import balanced_schedules
+from balance_batch.stats import plan_stats
 
 RANKS, BUDGET, STEP_TOKENS, STEP_SEQUENCES = 8, 8192, 1_000_000, 4096
 

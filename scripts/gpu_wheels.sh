@@ -20,8 +20,8 @@ venv_python="${PYTHON:-.venv/bin/python}"
 roots=(transformers peft accelerate safetensors tokenizers huggingface-hub megatron-core hydra-core omegaconf
        nvidia-ml-py psutil)
 # Not in the CPU venv: fla (the gated delta rule's and the short convolution's Triton kernels) and what it needs,
-# pinned once, as pyproject.toml's gpu extra.
-mapfile -t fixed < <("$venv_python" -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["gpu"]))')
+# pinned once, in requirements/gpu.txt.
+mapfile -t fixed < <(grep -v '^\s*\(#\|$\)' requirements/gpu.txt)
 
 mapfile -t pins < <("$venv_python" - "${roots[@]}" <<'EOF'
 import re

@@ -24,7 +24,8 @@ if ! "$py" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$
   "$py" -m pip install --quiet "torch==$version"
   # the project's other pins from the same places `make setup` uses; torch stays the one above
   echo "torch==$version" > "$venv/torch-pin.txt"
-  "$py" -m pip install --quiet -c "$venv/torch-pin.txt" -e '.[test]'
+  "$py" -m pip install --quiet -c "$venv/torch-pin.txt" -r requirements/harness.txt -r requirements/test.txt
+  "$py" -m pip install --quiet --no-deps --config-settings editable_mode=compat -e .
 fi
 "$py" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 exec "$py" -m pytest -q -p no:randomly -n 0 \

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from balance_batch import plan_batch
+from balance_batch.plan import plan_batch
 
 # Roughly the benchmark model's shape: a ≈ 2 × 3e9 active parameters per token,
 # b from its full-attention layers; what matters for the figure is b/a.

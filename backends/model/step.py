@@ -11,10 +11,11 @@ import torch
 from backends.messages import PASS_TYPES, Example, ExampleOutput
 from backends.model.logprobs import find_logprob_head
 from backends.model.packing import check_packable, collate_packed, model_layer_types
-from balance_batch import LAYOUTS, Schedule  # padded: one row per sequence; packed: one row, end to end
+from balance_batch import LAYOUTS
 from balance_batch.integrations.transformers import kernels
 from balance_batch.integrations.transformers.packing import prepare_model_for_packing
 from balance_batch.integrations.transformers.segments import host_to_device
+from balance_batch.plan import Schedule
 
 
 class PassTimeout(RuntimeError):

@@ -22,7 +22,7 @@ from backends.registry import is_lockstep
 from backends.runtime.memory import is_out_of_memory, is_thread_start_failure, oom_message
 from backends.runtime.ranks import rank_share
 from backends.specs import BackendSpec
-from balance_batch import microbatch_tokens
+from balance_batch.cost import microbatch_tokens
 
 
 @dataclass(frozen=True)

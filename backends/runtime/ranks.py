@@ -28,8 +28,10 @@ from backends.runtime.memory import MemoryHistory, peak_memory, reset_peak_memor
 from backends.runtime.profiling import profiled
 from backends.runtime.timeline import CollectiveWaits, StepClock, busy_clock, step_clock_name
 from backends.specs import BackendSpec, ModelSpec
-from balance_batch import CostModel, Schedule, plan_stats
+from balance_batch import CostModel
 from balance_batch.integrations.transformers import kernels
+from balance_batch.plan import Schedule
+from balance_batch.stats import plan_stats
 
 
 class RankHooks:

@@ -12,7 +12,7 @@ from backends.messages import make_command
 from backends.model.step import grad_norm_local_sq, run_schedule, total_loss_weight
 from backends.pytorch import PyTorchBackend
 from backends.specs import BackendSpec, ModelSpec
-from balance_batch import plan_batch
+from balance_batch.plan import plan_batch
 from harness.data.workload import make_examples, mixed_lengths
 from tests.loss_oracle import oracle, tiny_examples
 

@@ -225,7 +225,7 @@ def test_every_rank_plans_with_the_cap_and_the_gradient_is_the_oracles(name):
     """The cap on sequences per micro-batch rides in each rank's command and every rank plans its row with
     it: rows of 3 become rows of at most 2 on both ranks, the gathered plan's lower bound counts the cap (1 step
     without it), and the answer is still the hand-computed one."""
-    from balance_batch import lower_bound_steps
+    from balance_batch.stats import lower_bound_steps
 
     examples = tiny_examples()
     lengths = [len(e) for e in examples]

@@ -10,7 +10,7 @@ import pytest
 
 from backends.model.configs import cost_model_for
 from backends.specs import ModelSpec
-from balance_batch import plan_batch
+from balance_batch.plan import plan_batch
 from harness.data.workload import mixed_lengths
 from harness.metrics.flops import training_flops_for
 from tests.conftest import config_error, load_json, run_harness, sweep_results
@@ -297,7 +297,7 @@ def test_dry_runs_plan_every_planner_and_layout_and_write_plan_json(workdir):
 def test_a_cap_on_sequences_per_micro_batch_holds_in_every_plan_and_in_its_bound(workdir, planner, layout):
     """max_seqs_per_microbatch=3 reaches the plan, plan.json, results.json and the lower bound; on the
     smoke workload (16 short sequences, a few thousand tokens in all) it is what bounds the steps, not the budget."""
-    from balance_batch import lower_bound_steps
+    from balance_batch.stats import lower_bound_steps
 
     sweep = workdir / "sweep"
     proc = run_harness("-m", "dry_run=true", f"planner={planner}", f"layout={layout}", "mtpm=4096",

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from balance_batch import plan_batch
+from balance_batch.plan import plan_batch
 
 _SPEC = importlib.util.spec_from_file_location(
     "bench_planner", Path(__file__).resolve().parents[2] / "scripts" / "bench_planner.py"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from balance_batch import plan_batch
+from balance_batch.plan import plan_batch
 from tests.conftest import harness_env, load_json, run_harness, session_processes
 
 TOKEN = "test-token-7f3a"

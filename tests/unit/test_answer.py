@@ -11,7 +11,7 @@ import json
 import pytest
 
 from backends.errors import UserError
-from balance_batch import plan_batch
+from balance_batch.plan import plan_batch
 from harness.app.config import resolve_config
 from harness.auto.model import (
     Candidate,

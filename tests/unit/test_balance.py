@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from backends.runtime.timeline import CollectiveWaits, StepClock, busy_clock
-from balance_batch import CostModel, plan_batch
+from balance_batch import CostModel
+from balance_batch.plan import plan_batch
 from balance_batch.stats import plan_stats
 from harness.metrics.balance import (
     balance_fields,

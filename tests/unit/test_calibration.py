@@ -10,7 +10,9 @@ import pytest
 
 from backends.errors import UserError
 from backends.specs import ModelSpec
-from balance_batch import CostModel, microbatch_cost, plan_batch
+from balance_batch import CostModel
+from balance_batch.cost import microbatch_cost
+from balance_batch.plan import plan_batch
 from balance_batch.stats import plan_stats
 from harness.app.config import CalibrationConfig
 from harness.metrics.calibration import (

@@ -7,7 +7,8 @@ import re
 
 import pytest
 
-from balance_batch import CostModel, plan_batch
+from balance_batch import CostModel
+from balance_batch.plan import plan_batch
 from harness.metrics.flops import checked_mfu, device_peak, flops_record, gpu_peak_flops, pass_flops
 
 COST = CostModel(a=100.0, b=2.0, source="test")

@@ -84,7 +84,7 @@ def test_each_grouping_reports_the_oracles_losses_and_gradient(backend, expected
 
 
 def _microbatches(plan: dict, mtpm, mbs, options) -> list[list[int]]:
-    from balance_batch import plan_batch
+    from balance_batch.plan import plan_batch
 
     lengths = [len(e) for e in EXAMPLES]
     return [b for s in plan_batch(lengths, 1, mtpm, mbs, **options).schedules for b in s if b is not None]

@@ -16,7 +16,7 @@ import pytest
 from backends.errors import UserError
 from backends.messages import make_command
 from backends.specs import BackendSpec, ModelSpec
-from balance_batch import lower_bound_steps
+from balance_batch.stats import lower_bound_steps
 from harness.app.config import composition_error_line, register_configs, resolve_config, validate
 from tests.conftest import CONF, REPO
 from tests.loss_oracle import tiny_examples
@@ -176,7 +176,7 @@ def test_results_without_the_cap_render_as_before_and_a_capped_row_says_its_cap(
 
 
 def test_the_plan_figure_title_says_the_cap_only_when_there_is_one():
-    from balance_batch import plan_batch
+    from balance_batch.plan import plan_batch
     from reports.plan_blocks import plan_blocks
     from reports.plan_figure import describe
 

@@ -5,15 +5,15 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from balance_batch import (
+from balance_batch.greedy import (
     align_schedules,
     deal_to_ranks,
     make_fixed_size_microbatches,
     make_token_balanced_microbatches,
-    plan_batch,
-    plan_stats,
     sort_by_length,
 )
+from balance_batch.plan import plan_batch
+from balance_batch.stats import plan_stats
 
 lengths_st = st.lists(st.integers(min_value=1, max_value=5000), min_size=0, max_size=80)
 budget_st = st.integers(min_value=1, max_value=20000)

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from balance_batch import PLANNERS, plan_batch
+from balance_batch import PLANNERS
 from balance_batch.peers import PEER_NAMES, PEERS, PeerRefusal, automodel, fairseq, nemo_rl, peer_layout, trl, verl
-from balance_batch.plan import check_plan_json
+from balance_batch.plan import check_plan_json, plan_batch
 from harness.data.workload import mixed_lengths
 
 SEED = mixed_lengths(128, 64, 32768, 42)  # the published workload's generator, as tests/unit/test_planner.py

@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from balance_batch import PLANNERS, CostModel, microbatch_cost, microbatch_tokens, plan_step
+from balance_batch import PLANNERS, CostModel, plan_step
+from balance_batch.cost import microbatch_cost, microbatch_tokens
 
 SKEWED = [7000, 6500, 6100, 90, 80, 70, 60, 50, 40, 30, 20, 10, 5000, 3]  # three long ones, many short ones
 UNIFORM = [100 + 7 * i for i in range(13)]

@@ -11,18 +11,17 @@ from hypothesis import strategies as st
 
 from backends.model.configs import QWEN3_5_35B_A3B_TEXT_CONFIG, SHIPPED_CONFIGS, cost_model_for
 from backends.specs import ModelSpec
-from balance_batch import (
-    CostModel,
-    critical_path_lower_bound,
-    deal_to_ranks,
-    lower_bound_bins,
-    lower_bound_steps,
+from balance_batch import CostModel
+from balance_batch.cost import (
+    active_matmul_params,
+    cost_model_from_config,
+    layer_types,
     microbatch_cost,
     microbatch_tokens,
-    plan_batch,
-    sort_by_length,
 )
-from balance_batch.cost import active_matmul_params, cost_model_from_config, layer_types
+from balance_batch.greedy import deal_to_ranks, sort_by_length
+from balance_batch.plan import plan_batch
+from balance_batch.stats import critical_path_lower_bound, lower_bound_bins, lower_bound_steps
 from harness.data.workload import mixed_lengths
 
 QWEN = cost_model_for(ModelSpec(name="qwen3_5_35b_a3b", path="/nonexistent/Qwen3.5-35B-A3B"))

@@ -11,9 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from balance_batch import lower_bound_bins, plan_batch
 from balance_batch.balanced.packed import _Packer
 from balance_batch.greedy import sort_by_length
+from balance_batch.plan import plan_batch
+from balance_batch.stats import lower_bound_bins
 
 _SPEC = importlib.util.spec_from_file_location(
     "bench_planner", Path(__file__).resolve().parents[2] / "scripts" / "bench_planner.py"

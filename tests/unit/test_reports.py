@@ -48,7 +48,8 @@ def test_committed_results_are_a_real_sweep_of_this_machine():
 
     from backends.registry import LOCKSTEP_BACKENDS
     from backends.specs import ModelSpec
-    from balance_batch import CostModel, plan_batch
+    from balance_batch import CostModel
+    from balance_batch.plan import plan_batch
     from harness.metrics.balance import balance_fields, ran_schedules
     from harness.metrics.flops import flops_record, training_flops_for
     from harness.metrics.spread import paired_speedup, summary
