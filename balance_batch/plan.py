@@ -12,6 +12,7 @@ from balance_batch.balanced import balanced_schedules
 from balance_batch.cost import LAYOUTS, CostModel
 from balance_batch.errors import check_choice, positive_int
 from balance_batch.greedy import Schedule, align_schedules, deal_to_ranks, length_order, microbatches_for_rank
+from balance_batch.knobs import Knobs, check_knobs, checked_groups, plan_with_knobs
 from balance_batch.peers import PEER_NAMES, PEERS, peer_record, plan_peer
 from balance_batch.stats import PlanStats, lower_bound_steps, plan_stats
 
@@ -36,6 +37,7 @@ class Plan:
     max_seqs_per_microbatch: Optional[int] = None  # at most this many sequences per micro-batch (None: no cap)
     peer: Optional[dict] = None  # a peer planner's record (balance_batch/peers/peer_record); None for ours
     loss_tokens: Optional[int] = None  # the tokens the loss counts, over every rank (None given: every real token)
+    empty: list[int] = field(default_factory=list)  # indices of zero-length sequences, placed in no micro-batch
 
     def __post_init__(self):
         if self.loss_tokens is None:
@@ -267,10 +269,15 @@ def plan_step(
     cost_model: Optional[CostModel] = None,
     micro_batch_size: int = 1,
     lockstep: bool = True,
+    groups: Optional[Sequence[int]] = None,
+    min_microbatches: Optional[int] = None,
+    microbatches_multiple_of: Optional[int] = None,
+    padded_sequences_multiple_of: Optional[int] = None,
 ) -> Plan:
     """Plan one optimizer step over a batch already in memory: which rank runs which sequences, in which micro-batches.
 
-    ``lengths``: each sequence's token count (positive integers; a list or a numpy array). ``world_size`` ranks
+    ``lengths``: each sequence's token count (non-negative integers; a list or a numpy array; a sequence of 0 tokens
+    is placed in no micro-batch, and ``Plan.empty`` lists it). ``world_size`` ranks
     share the step; every micro-batch holds at most ``max_tokens_per_microbatch`` tokens (``layout="packed"``: the
     sum of its lengths, sequences laid end to end in one row; ``"padded"``: count × longest), but a sequence longer
     than the budget, which gets a micro-batch of its own. ``planner``: ``"balanced"`` (the fewest lock-step steps,
@@ -283,6 +290,21 @@ def plan_step(
     source)`` or ``cost_model_from_config(model_config, source)`` for a model's attention term).
     ``loss_tokens_per_sequence``: how many of each sequence's tokens the loss counts (a prompt masked out, or L − 1
     for shifted labels); default: all of them.
+
+    The peers' knobs (planners ``"balanced"`` and ``"greedy"``; a peer's planner refuses them):
+
+    - ``groups``: a group id (int) per sequence (a GRPO prompt's responses, a DPO pair: verl's ``force_group_size``).
+      A group's sequences share one micro-batch where they fit it together (the budget and the cap); a group that
+      does not fit one runs on one rank, in consecutive micro-batches of its own.
+    - ``min_microbatches=k`` (verl's ``min_num_micro_batch``) and ``microbatches_multiple_of=k`` (verl's
+      ``num_batches_divided_by``, for pipeline parallelism): every rank runs at least k micro-batches, or a multiple
+      of k (both given: at least the one, then rounded up to the other). Micro-batches are split (the costliest
+      first, never inside a group that fits one) to reach the count; a dummy only where nothing is left to split.
+      Needs ``lockstep=True``.
+    - ``padded_sequences_multiple_of=k`` (``layout="padded"``, fairseq's ``bsz_mult``, for tensor cores): every
+      micro-batch holds a multiple of k sequences, except where k of its longest do not fit the budget (then fewer,
+      one over the budget alone) and the one holding the step's shortest sequences, which takes what is left. The
+      budget still bounds count × longest. Not with ``groups``.
 
     Returns a ``Plan``:
 
@@ -308,9 +330,46 @@ def plan_step(
     cap = positive_int("max_seqs_per_microbatch", max_seqs_per_microbatch, none_ok=True)
     mbs = positive_int("micro_batch_size", micro_batch_size)
     loss = _checked_loss_tokens(loss_tokens_per_sequence, n)
-    plan = plan_batch(n, world_size, budget, mbs, align=bool(lockstep), layout=layout, planner=planner,
-                      cost_model=cost_model, max_seqs_per_microbatch=cap)
+    knobs = Knobs(checked_groups(groups, len(n)), positive_int("min_microbatches", min_microbatches, none_ok=True),
+                  positive_int("microbatches_multiple_of", microbatches_multiple_of, none_ok=True),
+                  positive_int("padded_sequences_multiple_of", padded_sequences_multiple_of, none_ok=True))
+    check_knobs(knobs, planner=planner, layout=layout, budget=budget, lockstep=bool(lockstep))
+    kept = [i for i, x in enumerate(n) if x > 0]
+    if len(kept) == len(n) and not knobs.given():  # the planners as they are (the greedy bit-exact)
+        plan = plan_batch(n, world_size, budget, mbs, align=bool(lockstep), layout=layout, planner=planner,
+                          cost_model=cost_model, max_seqs_per_microbatch=cap)
+    else:
+        plan = _plan_kept(n, kept, knobs, world_size, budget, mbs, bool(lockstep), layout, planner, cost_model, cap)
     plan.loss_tokens = plan.stats.real_tokens if loss is None else loss
+    return plan
+
+
+def _plan_kept(n: list[int], kept: list[int], knobs: Knobs, world_size: int, budget: Optional[int], mbs: int,
+               lockstep: bool, layout: str, planner: str, cost_model: Optional[CostModel], cap: Optional[int]) -> Plan:
+    """``plan_step`` over the sequences of positive length (``kept``) under the peers' knobs; the zero-length ones
+    in ``Plan.empty``."""
+    sub = [n[i] for i in kept]
+    cost_model = cost_model or CostModel.tokens()
+    if knobs.given():
+        groups = None if knobs.groups is None else [knobs.groups[i] for i in kept]
+
+        def base(unit_lengths: list[int], unit_cap: Optional[int]) -> list[Schedule]:
+            return plan_batch(unit_lengths, world_size, budget, mbs, align=True, layout=layout, planner=planner,
+                              cost_model=cost_model, max_seqs_per_microbatch=unit_cap).schedules
+
+        rows = plan_with_knobs(sub, knobs._replace(groups=groups), world_size=world_size, budget=budget, layout=layout,
+                               planner=planner, cost_model=cost_model, cap=cap, base=base)
+        rows = rows if lockstep else [[b for b in s if b is not None] for s in rows]
+        stats = plan_stats(rows, sub, layout=layout, cost_model=cost_model, max_tokens=budget, micro_batch_size=mbs,
+                           lockstep=lockstep, planner=planner, max_seqs=cap)
+        plan = Plan(schedules=rows, stats=stats, max_tokens_per_microbatch=budget, micro_batch_size=mbs, layout=layout,
+                    planner=planner, cost_model=cost_model, lockstep=lockstep, max_seqs_per_microbatch=cap)
+    else:
+        plan = plan_batch(sub, world_size, budget, mbs, align=lockstep, layout=layout, planner=planner,
+                          cost_model=cost_model, max_seqs_per_microbatch=cap)
+    plan.schedules = [[None if b is None else [kept[j] for j in b] for b in s] for s in plan.schedules]
+    plan.lengths = list(n)
+    plan.empty = [i for i, x in enumerate(n) if x == 0]
     return plan
 
 
@@ -319,12 +378,12 @@ def _checked_lengths(lengths) -> list[int]:
     try:
         arr = np.asarray(lengths)
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"lengths: must be a sequence of positive integers ({exc})") from None
+        raise ValueError(f"lengths: must be a sequence of non-negative integers ({exc})") from None
     if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
-        raise ValueError(f"lengths: must be a flat sequence of positive integers, got {_shown(lengths)}")
-    if arr.size and int(arr.min()) < 1:
+        raise ValueError(f"lengths: must be a flat sequence of non-negative integers, got {_shown(lengths)}")
+    if arr.size and int(arr.min()) < 0:
         i = int(np.argmin(arr))
-        raise ValueError(f"lengths: every length must be a positive integer; lengths[{i}] is {int(arr[i])}")
+        raise ValueError(f"lengths: every length must be a non-negative integer; lengths[{i}] is {int(arr[i])}")
     return arr.tolist()
 
 

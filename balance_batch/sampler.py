@@ -23,11 +23,12 @@ import numpy as np
 from balance_batch.balanced import balanced_schedules
 from balance_batch.cost import LAYOUTS, CostModel
 from balance_batch.errors import check_choice, positive_int
+from balance_batch.knobs import Knobs, check_knobs, checked_groups, plan_with_knobs
 from balance_batch.plan import PLANNERS, plan_step
 from balance_batch.sampler_state import STATE_VERSION, PlanSettings, check_state
 from balance_batch.world import resolve_world
 
-Schedule = Union[int, Sequence[Sequence[int]]]  # tokens_per_step: a number, or [(consumed_tokens, tokens), ...]
+Schedule = Union[int, Sequence[Sequence[int]]]  # a step size: a number, or [(consumed, size), ...]
 _PLAN_CACHE = 64  # planned steps kept, so iter() (a DataLoader's prefetch) and steps() plan each step once
 
 
@@ -38,8 +39,9 @@ class Step:
     ``microbatches``: this rank's micro-batches, lists of dataset indices, run in this order; ``[]`` is a dummy (run
     it with zero loss weight: every rank runs the same number). ``global_tokens`` / ``global_loss_tokens``: the
     step's tokens and loss tokens over all ranks (the loss denominator). ``step``: optimizer steps before this one,
-    since epoch 0; ``consumed_tokens``: tokens of those steps, all ranks. A step resumed from a state taken mid-step
-    (a loader's, at a micro-batch) holds only the micro-batches still to run; ``first_microbatch`` counts those before.
+    since epoch 0; ``consumed_tokens`` / ``consumed_sequences``: tokens / sequences of those steps, all ranks. A step
+    resumed from a state taken mid-step (a loader's, at a micro-batch) holds only the micro-batches still to run;
+    ``first_microbatch`` counts those before.
     """
 
     microbatches: list[list[int]]
@@ -49,18 +51,21 @@ class Step:
     epoch: int
     consumed_tokens: int
     first_microbatch: int = 0  # micro-batches of this step run before a resume taken mid-step (they are not here)
+    consumed_sequences: int = 0  # sequences of the steps before it, all ranks, all epochs
 
 
-def _ramp(tokens_per_step: Schedule) -> list[tuple[int, int]]:
-    """``tokens_per_step`` as [(threshold, tokens), ...] from threshold 0, thresholds increasing."""
-    if not isinstance(tokens_per_step, (list, tuple)):
-        positive_int("tokens_per_step", tokens_per_step, who="TokenBudgetSampler")
-        return [(0, int(tokens_per_step))]
-    bad = ValueError("TokenBudgetSampler: tokens_per_step must be a positive integer or a schedule "
-                     f"[(consumed_tokens, tokens_per_step), ...] starting at 0 with increasing thresholds and "
-                     f"positive sizes, got {tokens_per_step!r}")
+def _ramp(size: Schedule, key: str = "tokens_per_step") -> list[tuple[int, int]]:
+    """A step size (``key``: tokens_per_step or sequences_per_step) as [(threshold, size), ...] from threshold 0,
+    thresholds increasing."""
+    if not isinstance(size, (list, tuple)):
+        positive_int(key, size, who="TokenBudgetSampler")
+        return [(0, int(size))]
+    unit = key.split("_")[0]
+    bad = ValueError(f"TokenBudgetSampler: {key} must be a positive integer or a schedule "
+                     f"[(consumed_{unit}, {key}), ...] starting at 0 with increasing thresholds and "
+                     f"positive sizes, got {size!r}")
     try:
-        pairs = [(int(c), int(t)) for c, t in tokens_per_step]
+        pairs = [(int(c), int(t)) for c, t in size]
     except (TypeError, ValueError):
         raise bad from None
     ok = (pairs and pairs[0][0] == 0 and all(t > 0 for _, t in pairs)
@@ -68,6 +73,31 @@ def _ramp(tokens_per_step: Schedule) -> list[tuple[int, int]]:
     if not ok:
         raise bad
     return pairs
+
+
+def megatron_rampup(rampup, final: Schedule, key: str) -> list[tuple[int, int]]:
+    """Megatron-LM's ``--rampup-batch-size start increment over`` as a threshold schedule: the step size starts at
+    ``start`` and grows by ``increment`` each time over / ((final - start) / increment) more sequences (or tokens) are
+    consumed, reaching ``final`` once ``over`` are (Megatron: size = start + increment * floor(consumed / (over /
+    increments)), so the j-th increment applies from ceil(j * over / increments) on, computed exactly here)."""
+    bad = (f"TokenBudgetSampler: rampup must be (start, increment, over) with 0 < start <= {key}, increment > 0 "
+           f"dividing {key} - start, and over >= 0 (Megatron-LM's rampup_batch_size), got {rampup!r}")
+    if isinstance(final, (list, tuple)):
+        raise ValueError(f"TokenBudgetSampler: rampup: {key} must then be the final size (a positive integer), not "
+                         "a schedule: give one or the other")
+    final = positive_int(key, final, who="TokenBudgetSampler")
+    try:
+        start, increment, over = (int(v) for v in rampup)
+        ok = all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in rampup)
+    except (TypeError, ValueError):
+        raise ValueError(bad) from None
+    if not ok or not (0 < start <= final and increment > 0 and over >= 0 and (final - start) % increment == 0):
+        raise ValueError(bad)
+    increments = (final - start) // increment
+    pairs: dict[int, int] = {}
+    for j in range(increments + 1):  # a later size on the same threshold replaces an earlier one (over < increments)
+        pairs[-(-j * over // increments) if increments else 0] = start + j * increment
+    return sorted(pairs.items())
 
 
 class _Partial(NamedTuple):
@@ -94,6 +124,12 @@ class TokenBudgetSampler:
     ``balance_batch.collate.pack_collate`` lays it out). ``cost_model`` (default: cost = tokens) is what the planner
     balances; ``max_seqs_per_microbatch`` caps a micro-batch's sequences. ``lengths`` and ``loss_tokens`` (int64
     arrays, one entry per item), ``world_size``, ``rank`` and ``epoch`` are public, read-only.
+
+    ``sequences_per_step`` may ramp too (``[(consumed_sequences, size), ...]``); ``rampup=(start, increment, over)``
+    is Megatron-LM's ramp to the size given (sequences or tokens), made into such a list (``megatron_rampup``). The
+    peers' knobs (``plan_step``'s docstring, docs/library.md): ``groups`` (a group id per item: the epoch's order
+    shuffles groups, a step holds whole groups, a group that fits a micro-batch shares one), ``min_microbatches``,
+    ``microbatches_multiple_of`` and ``padded_sequences_multiple_of``. An item of 0 tokens is in no step.
     """
 
     def __init__(
@@ -114,25 +150,40 @@ class TokenBudgetSampler:
         max_seqs_per_microbatch: Optional[int] = None,
         loss_tokens_per_sequence: Optional[Sequence[int]] = None,
         cost_model: Optional[CostModel] = None,
+        groups: Optional[Sequence[int]] = None,
+        min_microbatches: Optional[int] = None,
+        microbatches_multiple_of: Optional[int] = None,
+        padded_sequences_multiple_of: Optional[int] = None,
+        rampup: Optional[Sequence[int]] = None,
     ):
-        positive_int("max_tokens_per_microbatch", max_tokens_per_microbatch, who="TokenBudgetSampler")
+        who = "TokenBudgetSampler"
+        positive_int("max_tokens_per_microbatch", max_tokens_per_microbatch, who=who)
         world_size, rank = resolve_world(world_size, rank, process_group)
         if (sequences_per_step is None) == (tokens_per_step is None):
             raise ValueError("TokenBudgetSampler: give exactly one of sequences_per_step and tokens_per_step, got "
                              f"{'both' if sequences_per_step is not None else 'neither'}")
-        positive_int("sequences_per_step", sequences_per_step, none_ok=True, who="TokenBudgetSampler")
-        self._ramp = None if tokens_per_step is None else _ramp(tokens_per_step)
-        check_choice("layout", layout, LAYOUTS, who="TokenBudgetSampler")
-        check_choice("planner", planner, PLANNERS, who="TokenBudgetSampler")
-        positive_int("max_seqs_per_microbatch", max_seqs_per_microbatch, none_ok=True, who="TokenBudgetSampler")
+        key, size = (("sequences_per_step", sequences_per_step) if tokens_per_step is None
+                     else ("tokens_per_step", tokens_per_step))
+        self._unit = key.split("_")[0]  # what the ramp counts: "sequences" or "tokens"
+        self._ramp = megatron_rampup(rampup, size, key) if rampup is not None else _ramp(size, key)
+        check_choice("layout", layout, LAYOUTS, who=who)
+        check_choice("planner", planner, PLANNERS, who=who)
+        positive_int("max_seqs_per_microbatch", max_seqs_per_microbatch, none_ok=True, who=who)
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
             raise ValueError(f"TokenBudgetSampler: seed must be an integer, got {seed!r}")
         L = np.asarray(lengths)
-        if L.ndim != 1 or L.size == 0 or not np.issubdtype(L.dtype, np.integer) or (L <= 0).any():
-            raise ValueError("TokenBudgetSampler: lengths must be a non-empty sequence of positive integers")
+        if L.ndim != 1 or L.size == 0 or not np.issubdtype(L.dtype, np.integer) or (L < 0).any() or not L.any():
+            raise ValueError("TokenBudgetSampler: lengths must be a sequence of non-negative integers, at least one "
+                             "positive (an item of 0 tokens is in no step)")
         self.lengths = L.astype(np.int64)
+        self.groups = checked_groups(groups, len(L), who=who)
+        knobs = Knobs(None, *(positive_int(k, v, none_ok=True, who=who) for k, v in (
+            ("min_microbatches", min_microbatches), ("microbatches_multiple_of", microbatches_multiple_of),
+            ("padded_sequences_multiple_of", padded_sequences_multiple_of))))
+        check_knobs(knobs._replace(groups=self.groups), planner=planner, layout=layout,
+                    budget=max_tokens_per_microbatch, who=who)
         if loss_tokens_per_sequence is None:
-            self.loss_tokens = self.lengths - 1
+            self.loss_tokens = np.maximum(self.lengths - 1, 0)
         else:
             lt = np.asarray(loss_tokens_per_sequence)
             if (lt.shape != L.shape or not np.issubdtype(lt.dtype, np.integer) or (lt < 0).any()
@@ -143,13 +194,15 @@ class TokenBudgetSampler:
         self.max_tokens_per_microbatch = int(max_tokens_per_microbatch)
         self.world_size, self.rank, self.seed = world_size, rank, int(seed)
         self.shuffle, self.drop_last = bool(shuffle), bool(drop_last)
-        self.sequences_per_step = None if sequences_per_step is None else int(sequences_per_step)
+        # a number, or the ramp as [[consumed_sequences, size], ...] (given so, or from rampup); None: sized in tokens
+        self.sequences_per_step = None if self._unit == "tokens" else int(size) if len(self._ramp) == 1 and \
+            rampup is None and not isinstance(size, (list, tuple)) else [list(p) for p in self._ramp]
         self.layout, self.planner = layout, planner
         self.max_seqs_per_microbatch = max_seqs_per_microbatch
         self.cost_model = cost_model or CostModel.tokens()
         self._settings = PlanSettings(self.max_tokens_per_microbatch, self.world_size, layout, planner,
-                                      max_seqs_per_microbatch, self.cost_model)
-        self._epoch_starts: dict[int, tuple[int, int]] = {0: (0, 0)}  # epoch -> (steps, tokens) before it
+                                      max_seqs_per_microbatch, self.cost_model, *knobs[1:])
+        self._epoch_starts: dict[int, tuple[int, int, int]] = {0: (0, 0, 0)}  # epoch -> steps, tokens, sequences before
         self._plans: OrderedDict = OrderedDict()
         self._counts: dict[int, np.ndarray] = {}  # epoch -> micro-batches per step (-1: not planned yet)
         self._cut_epoch: Optional[int] = None
@@ -165,9 +218,26 @@ class TokenBudgetSampler:
     # ------------------------------------------------------------------ the epoch's steps
 
     def _order(self, epoch: int) -> np.ndarray:
-        if not self.shuffle:
-            return np.arange(len(self.lengths))
-        return np.random.default_rng([self.seed, epoch]).permutation(len(self.lengths))
+        """The epoch's items in order: a seeded permutation of the items, or with ``groups`` of the groups (each
+        group's items together, in index order), groups in the order they first appear; items of 0 tokens left out."""
+        if self.groups is None:
+            order = np.arange(len(self.lengths)) if not self.shuffle else \
+                np.random.default_rng([self.seed, epoch]).permutation(len(self.lengths))
+        else:
+            _, first, inv = np.unique(np.asarray(self.groups), return_index=True, return_inverse=True)
+            rank = np.empty(len(first), dtype=np.int64)
+            rank[np.argsort(first, kind="stable")] = np.arange(len(first))  # groups by first appearance
+            if self.shuffle:
+                rank = np.random.default_rng([self.seed, epoch]).permutation(len(first))[rank]
+            order = np.argsort(rank[inv.ravel()], kind="stable")
+        return order if self.lengths.all() else order[self.lengths[order] > 0]
+
+    def _unit_bounds(self, order: np.ndarray) -> np.ndarray:
+        """Where each cut unit starts in ``order`` (an item, or a group's items), and its end: len(units) + 1."""
+        if self.groups is None:
+            return np.arange(len(order) + 1)
+        g = np.asarray(self.groups)[order]
+        return np.concatenate([[0], np.flatnonzero(g[1:] != g[:-1]) + 1, [len(order)]])
 
     def _cut(self, epoch: int):
         """``_cut_steps(epoch)``, kept for the epoch last asked about."""
@@ -176,40 +246,45 @@ class TokenBudgetSampler:
         return self._cut_value
 
     def _cut_steps(self, epoch: int):
-        """(order, step bounds [(start, end)] into order, tokens consumed before each step, tokens consumed after the
-        epoch) for ``epoch``."""
+        """(order, step bounds [(start, end)] into order, (tokens, sequences) consumed before each step, (tokens,
+        sequences) consumed after the epoch) for ``epoch``.
+
+        A step is the most cut units (items, or whole groups) from where the last ended whose sequences (or tokens)
+        stay within the step size, at least one. The last step is short ("not full", dropped with ``drop_last``) when
+        one more unit of the largest would still have fitted."""
         order = self._order(epoch)
-        prefix = np.concatenate([[0], np.cumsum(self.lengths[order])])
-        n = len(order)
-        _, consumed = self._epoch_start(epoch)
+        tokens = np.concatenate([[0], np.cumsum(self.lengths[order])])
+        units = self._unit_bounds(order)
+        unit_tokens = tokens[units]
+        by_count = self._unit == "sequences"
+        prefix = units if by_count else unit_tokens
+        n = len(units) - 1
+        slack = (int(np.diff(units).max()) - 1) if by_count else int(np.diff(unit_tokens).max())
+        _, consumed, sequences = self._epoch_start(epoch)
         bounds, before, p = [], [], 0
-        longest = int(self.lengths.max())
         while p < n:
-            if self.sequences_per_step is not None:
-                q, full = min(n, p + self.sequences_per_step), p + self.sequences_per_step <= n
-            else:
-                target = self._target(consumed)
-                # the most sequences from p whose tokens stay within the target; at least one
-                q = max(p + 1, int(np.searchsorted(prefix, prefix[p] + target, side="right")) - 1)
-                full = q < n or int(prefix[q] - prefix[p]) >= target - longest
+            target = self._target(sequences if by_count else consumed)
+            q = max(p + 1, int(np.searchsorted(prefix, prefix[p] + target, side="right")) - 1)
+            full = q < n or int(prefix[q] - prefix[p]) >= target - slack
             if q == n and not full and self.drop_last:
                 break
-            bounds.append((p, q))
-            before.append(consumed)
-            consumed += int(prefix[q] - prefix[p])
+            bounds.append((int(units[p]), int(units[q])))
+            before.append((consumed, sequences))
+            consumed += int(unit_tokens[q] - unit_tokens[p])
+            sequences += int(units[q] - units[p])
             p = q
-        return order, bounds, before, consumed
+        return order, bounds, before, (consumed, sequences)
 
     def _target(self, consumed: int) -> int:
         return next(t for c, t in reversed(self._ramp) if consumed >= c)
 
-    def _epoch_start(self, epoch: int) -> tuple[int, int]:
-        """Steps and tokens of all epochs before ``epoch`` (each epoch's cut depends on the tokens before it)."""
+    def _epoch_start(self, epoch: int) -> tuple[int, int, int]:
+        """Steps, tokens and sequences of all epochs before ``epoch`` (each epoch's cut depends on those before it)."""
         known = max(e for e in self._epoch_starts if e <= epoch)
         while known < epoch:
-            steps, _ = self._epoch_starts[known]
+            steps = self._epoch_starts[known][0]
             _, bounds, _, end = self._cut_value if self._cut_epoch == known else self._cut_steps(known)
-            self._epoch_starts[known + 1] = (steps + len(bounds), end)
+            self._epoch_starts[known + 1] = (steps + len(bounds), *end)
             known += 1
         return self._epoch_starts[epoch]
 
@@ -262,14 +337,15 @@ class TokenBudgetSampler:
             return self._plans[key]
         order, bounds, before, _ = self._cut(epoch)
         members = self._members(epoch, step_in_epoch)
-        schedules = self._schedules(self.lengths[members].tolist(), self._settings)
+        schedules = self._schedules(self.lengths[members].tolist(), self._settings, self._groups_of(members))
         mine = [members[mb].tolist() if mb else [] for mb in schedules[self.rank]]
         counts = self._counts.setdefault(epoch, np.full(len(bounds), -1, dtype=np.int64))
         counts[step_in_epoch] = len(mine)
-        start_steps, _ = self._epoch_start(epoch)
+        start_steps = self._epoch_start(epoch)[0]
+        consumed_tokens, consumed_sequences = before[step_in_epoch]
         step = Step(microbatches=mine, global_tokens=int(self.lengths[members].sum()),
                     global_loss_tokens=int(self.loss_tokens[members].sum()), step=start_steps + step_in_epoch,
-                    epoch=epoch, consumed_tokens=before[step_in_epoch])
+                    epoch=epoch, consumed_tokens=consumed_tokens, consumed_sequences=consumed_sequences)
         self._plans[key] = step
         if len(self._plans) > _PLAN_CACHE:
             self._plans.popitem(last=False)
@@ -280,18 +356,28 @@ class TokenBudgetSampler:
         p, q = bounds[step_in_epoch]
         return order[p:q]
 
+    def _groups_of(self, members: np.ndarray) -> Optional[list[int]]:
+        return None if self.groups is None else np.asarray(self.groups)[members].tolist()
+
     @staticmethod
-    def _schedules(lengths: list[int], settings: PlanSettings) -> list[list]:
+    def _schedules(lengths: list[int], settings: PlanSettings, groups: Optional[list[int]] = None) -> list[list]:
         """Per rank, the step's micro-batches (indices into ``lengths``), equal counts, ``None`` or [] for a dummy."""
         B, W = settings.max_tokens_per_microbatch, settings.world_size
+        knobs = Knobs(groups, *settings[len(PlanSettings._fields) - 3:])
         if settings.planner == "balanced":
             # plan_step's planner without its refinement rounds: planned every step, it must take milliseconds, and the
             # rounds change a step's critical path by 0.01% (docs/measurements/2026-12-04-sampler.md)
-            return balanced_schedules(lengths, W, B, settings.layout, settings.cost_model,
-                                      settings.max_seqs_per_microbatch, work=0)
+            def base(unit_lengths: list[int], cap: Optional[int]) -> list[list]:
+                return balanced_schedules(unit_lengths, W, B, settings.layout, settings.cost_model, cap, work=0)
+
+            if not knobs.given():
+                return base(lengths, settings.max_seqs_per_microbatch)
+            return plan_with_knobs(lengths, knobs, world_size=W, budget=B, layout=settings.layout,
+                                   planner=settings.planner, cost_model=settings.cost_model,
+                                   cap=settings.max_seqs_per_microbatch, base=base)
         return plan_step(lengths, world_size=W, max_tokens_per_microbatch=B, layout=settings.layout,
                          planner=settings.planner, cost_model=settings.cost_model,
-                         max_seqs_per_microbatch=settings.max_seqs_per_microbatch).microbatches
+                         max_seqs_per_microbatch=settings.max_seqs_per_microbatch, **knobs._asdict()).microbatches
 
     def _step_to_run(self, epoch: int, step_in_epoch: int) -> Step:
         """The step as this run takes it: whole, or, resumed mid-way into it, the micro-batches still to run."""
@@ -367,10 +453,14 @@ class TokenBudgetSampler:
             "seed": self.seed,
             "shuffle": self.shuffle,
             "sequences_per_step": self.sequences_per_step,
-            "tokens_per_step": None if self._ramp is None else [list(p) for p in self._ramp],
+            "tokens_per_step": None if self._unit == "sequences" else [list(p) for p in self._ramp],
+            "groups": None if self.groups is None else self._groups_digest(),
             "drop_last": self.drop_last,
             **self._settings.as_config(),
         }
+
+    def _groups_digest(self) -> str:
+        return "sha256 " + hashlib.sha256(np.asarray(self.groups, dtype=np.int64).tobytes()).hexdigest()[:16]
 
     def state_dict(self, after: Optional[Step] = None) -> dict:
         """Where training has got to (plain ints, lists and strings: JSON- and torch.save-able): ``steps()``'s
@@ -388,9 +478,10 @@ class TokenBudgetSampler:
             microbatch += p.done
             if p.rest is not None:  # re-planned after an elastic resume: say which items ran
                 handed = sorted(p.handed + [i for rank in p.rest for mb in rank[:done] for i in (mb or ())])
-        steps, tokens = self._epoch_start(epoch)
+        steps, tokens, sequences = self._epoch_start(epoch)
         state = {"version": STATE_VERSION, "epoch": epoch, "step_in_epoch": step, "microbatch": microbatch,
-                 "epoch_start_step": steps, "epoch_start_tokens": tokens, "config": self._config()}
+                 "epoch_start_step": steps, "epoch_start_tokens": tokens, "epoch_start_sequences": sequences,
+                 "config": self._config()}
         if handed is not None:
             state["handed"] = handed
         return state
@@ -401,7 +492,10 @@ class TokenBudgetSampler:
         settings decide other steps (dataset, seed, shuffle, step size or ramp, drop_last) is refused in one line."""
         saved = check_state(state, self._config())
         epoch, step = int(state["epoch"]), int(state["step_in_epoch"])
-        self._epoch_starts = {0: (0, 0), epoch: (int(state["epoch_start_step"]), int(state["epoch_start_tokens"]))}
+        self._epoch_starts = {0: (0, 0, 0)}
+        if "epoch_start_sequences" in state:  # else (a state saved before sequences were counted) counted again here
+            self._epoch_starts[epoch] = (int(state["epoch_start_step"]), int(state["epoch_start_tokens"]),
+                                         int(state["epoch_start_sequences"]))
         self._cut_epoch, self._plans, self._counts = None, OrderedDict(), {}
         done, handed = int(state.get("microbatch", 0)), state.get("handed")
         partial = None
@@ -419,13 +513,13 @@ class TokenBudgetSampler:
         if handed is None and saved.as_config() == self._settings.as_config():
             return _Partial(epoch, step, done, None, None) if done < len(self.plan(step, epoch).microbatches) else None
         if handed is None:  # the saved run's plan of this step says which items its first micro-batches held
-            old = self._schedules(self.lengths[members].tolist(), saved)
+            old = self._schedules(self.lengths[members].tolist(), saved, self._groups_of(members))
             handed = sorted(int(members[i]) for rank in old for mb in rank[:done] for i in (mb or ()))
         ran = set(handed)
         rest = np.array([m for m in members.tolist() if m not in ran], dtype=np.int64)
         if rest.size == 0:
             return None
-        plan = self._schedules(self.lengths[rest].tolist(), self._settings)
+        plan = self._schedules(self.lengths[rest].tolist(), self._settings, self._groups_of(rest))
         return _Partial(epoch, step, done, [[rest[mb].tolist() if mb else [] for mb in r] for r in plan], handed)
 
 

@@ -13,7 +13,9 @@ READ_VERSIONS = (1, 2)  # a version-1 state (no micro-batch position) resumes at
 
 # Which items form each step: the dataset (lengths and loss tokens), the order (seed, shuffle), the step size or ramp,
 # and whether a short last step is dropped. A resume that changed one of these would not train the same items.
-STEP_KEYS = ("dataset", "seed", "shuffle", "sequences_per_step", "tokens_per_step", "drop_last")
+# A ramp (a threshold list, or Megatron's rampup triple as the list it makes) is in sequences_per_step or
+# tokens_per_step; groups keep a group's items in one step, so they decide the steps too.
+STEP_KEYS = ("dataset", "seed", "shuffle", "sequences_per_step", "tokens_per_step", "drop_last", "groups")
 
 
 class PlanSettings(NamedTuple):
@@ -25,20 +27,28 @@ class PlanSettings(NamedTuple):
     planner: str
     max_seqs_per_microbatch: Optional[int]
     cost_model: CostModel
+    # the peers' count knobs (balance_batch/knobs.py), last: the sampler hands these three on as they are
+    min_microbatches: Optional[int] = None
+    microbatches_multiple_of: Optional[int] = None
+    padded_sequences_multiple_of: Optional[int] = None
 
     def as_config(self) -> dict:
         cm = self.cost_model
         return {"max_tokens_per_microbatch": self.max_tokens_per_microbatch, "world_size": self.world_size,
                 "layout": self.layout, "planner": self.planner,
                 "max_seqs_per_microbatch": self.max_seqs_per_microbatch,
-                "cost_model": [cm.a, cm.b, cm.c, cm.fixed]}
+                "cost_model": [cm.a, cm.b, cm.c, cm.fixed], "min_microbatches": self.min_microbatches,
+                "microbatches_multiple_of": self.microbatches_multiple_of,
+                "padded_sequences_multiple_of": self.padded_sequences_multiple_of}
 
     @classmethod
     def from_config(cls, config: dict) -> "PlanSettings":
         a, b, c, fixed = config["cost_model"]
         return cls(int(config["max_tokens_per_microbatch"]), int(config["world_size"]), config["layout"],
                    config["planner"], config["max_seqs_per_microbatch"],
-                   CostModel(float(a), float(b), "a resumed state's", float(c), float(fixed)))
+                   CostModel(float(a), float(b), "a resumed state's", float(c), float(fixed)),
+                   config.get("min_microbatches"), config.get("microbatches_multiple_of"),
+                   config.get("padded_sequences_multiple_of"))
 
 
 def check_state(state: object, mine: dict) -> dict:

@@ -69,8 +69,8 @@ def test_the_same_arguments_give_the_same_plan():
 
 
 @pytest.mark.parametrize("change,named", [
-    (dict(lengths=[3, 0]), "lengths[1] is 0"),
-    (dict(lengths=[3.5, 2]), "lengths: must be a flat sequence of positive integers"),
+    (dict(lengths=[3, -1]), "lengths[1] is -1"),
+    (dict(lengths=[3.5, 2]), "lengths: must be a flat sequence of non-negative integers"),
     (dict(lengths=[[3], [2]]), "lengths: must be a flat sequence"),
     (dict(world_size=0), "world_size: must be a positive integer"),
     (dict(world_size=True), "world_size: must be a positive integer"),

@@ -196,7 +196,8 @@ def test_a_state_whose_settings_decide_other_steps_is_refused_in_one_line(change
     ({"rank": 2, "world_size": 2}, "rank"),
     ({"layout": "flat"}, "layout"),
     ({"planner": "best"}, "planner"),
-    ({"lengths": [3, 0]}, "lengths"),
+    ({"lengths": [3, -1]}, "lengths"),
+    ({"lengths": [0, 0]}, "at least one positive"),
 ])
 def test_bad_arguments_are_one_clear_value_error(kw, named):
     args = dict(lengths=[3, 4], max_tokens_per_microbatch=B, tokens_per_step=100)
