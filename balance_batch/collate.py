@@ -1,9 +1,10 @@
 """The torch-facing part of the library: a micro-batch laid end to end in one row, the padding-free layout Hugging Face
-models take (``position_ids`` restarting at 0 for each sequence, plus flash-attention's cumulative lengths)."""
+models take (``position_ids`` restarting at 0 for each sequence, plus flash-attention's cumulative lengths), or one
+right-padded row per sequence with its attention mask (``layout="padded"``)."""
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Mapping, Optional, Sequence
 
 import torch
 
@@ -44,4 +45,43 @@ def pack_collate(samples: Sequence[Mapping], *, pad_token_id: int = 0, flash_att
     if flash_attn_kwargs:
         longest = int(lengths.max())
         batch.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu.clone(), max_length_q=longest, max_length_k=longest)
+    return batch
+
+
+def pad_collate(samples: Sequence[Mapping], *, pad_token_id: int = 0, pad_to_multiple_of: Optional[int] = None
+                ) -> dict:
+    """One row per sample, right-padded to the longest (``layout="padded"``): ``input_ids``, ``labels`` and
+    ``attention_mask``, each ``[samples, longest]``.
+
+    ``labels`` are each sample's ``labels`` (default its ``input_ids``) with -100 on the padding; the model shifts
+    them, so a sequence of L tokens counts L - 1 loss tokens, as in ``pack_collate``. ``attention_mask`` is 1 on real
+    tokens and 0 on the padding, which a stock Hugging Face model needs to keep the padding out of attention (with
+    right padding its default position ids are right as they are). ``pad_to_multiple_of`` rounds the width up. No
+    samples (the sampler's dummy micro-batch) gives one ``pad_token_id`` token with no loss.
+    """
+    if pad_to_multiple_of is not None and (isinstance(pad_to_multiple_of, bool) or not isinstance(
+            pad_to_multiple_of, int) or pad_to_multiple_of < 1):
+        raise ValueError(f"pad_collate: pad_to_multiple_of must be a positive integer or None, got "
+                         f"{pad_to_multiple_of!r}")
+    ids, labels = [], []
+    for sample in samples:
+        seq = torch.as_tensor(sample["input_ids"], dtype=torch.long).reshape(-1)
+        lab = torch.as_tensor(sample.get("labels", seq), dtype=torch.long).reshape(-1)
+        if lab.shape != seq.shape:
+            raise ValueError(f"pad_collate: a sample's labels have {lab.numel()} tokens, its input_ids {seq.numel()}")
+        ids.append(seq)
+        labels.append(lab)
+    if not ids:  # the dummy: one token the model attends to (a row of only padding has nothing to attend to)
+        return {"input_ids": torch.tensor([[pad_token_id]]), "labels": torch.tensor([[IGNORE_INDEX]]),
+                "attention_mask": torch.ones(1, 1, dtype=torch.long)}
+    width = max(len(s) for s in ids)
+    if pad_to_multiple_of:
+        width = -(-width // pad_to_multiple_of) * pad_to_multiple_of
+    batch = {"input_ids": torch.full((len(ids), width), pad_token_id, dtype=torch.long),
+             "labels": torch.full((len(ids), width), IGNORE_INDEX, dtype=torch.long),
+             "attention_mask": torch.zeros(len(ids), width, dtype=torch.long)}
+    for row, (seq, lab) in enumerate(zip(ids, labels)):
+        batch["input_ids"][row, : len(seq)] = seq
+        batch["labels"][row, : len(seq)] = lab
+        batch["attention_mask"][row, : len(seq)] = 1
     return batch

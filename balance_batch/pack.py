@@ -2,15 +2,19 @@
 
 LENGTHS is a lengths file (text: one length per line, or ``length,count`` lines, as ``workload=lengths_file``
 reads), a ``.npy`` array of lengths, or a tokenized dataset cache (``.npz`` with ``offsets``, as
-``workload=dataset`` writes under ``workload.cache_dir``). The rows go to ``--out`` (default: beside LENGTHS,
-``<name>.packed<N>.npz``), written atomically, as the arrays ``balance_batch.pack`` returns:
+``workload=dataset`` writes under ``workload.cache_dir``). The rows go to ``--out`` (an ``.npz``; default: beside
+LENGTHS, its whole name and ``.packed<N>.npz``, or ``.wrapped<N>.npz`` with ``--strategy wrapped``, so ``x.txt``
+and ``x.npy`` never write the same file), written atomically, as the arrays ``balance_batch.pack`` returns:
 
-    z = np.load("corpus.packed512.npz")
+    z = np.load("corpus.csv.packed512.npz")
     indices, offsets = z["indices"], z["offsets"]   # row r: indices[offsets[r]:offsets[r + 1]]
 
+plus ``capacity``, ``empty`` (the 0-token sequences, in no row) and ``truncated``, and, where rows hold pieces of
+sequences (``--oversize truncate|split``, ``--strategy wrapped``), ``piece_starts`` and ``piece_lengths``.
+
 A line on stderr per stage (reading, packing, writing), and a last line on stdout with the rows, the packing's
-share of the lower bound, its efficiency and the time it took. A mistake (no such file, a bad capacity, a length
-over the capacity with ``--oversize error``) is one line and exit 2.
+share of the lower bound, its efficiency and the time it took. A mistake (no such file, a folder, a bad capacity,
+a length over the capacity with ``--oversize error``, an ``--out`` not ending in ``.npz``) is one line and exit 2.
 
 The function is ``balance_batch.pack`` (``balance_batch/corpus.py``); import this module only to run it.
 """
@@ -27,7 +31,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from balance_batch.corpus import OVERSIZE, Packing, pack
+from balance_batch.corpus import OVERSIZE, STRATEGIES, Packing, pack
 from balance_batch.errors import UserError
 from balance_batch.lengths import load_lengths_file
 
@@ -74,16 +78,32 @@ def read_lengths(path: Path) -> np.ndarray:
         raise _Refused(str(exc).removeprefix("workload.path: ")) from None
 
 
-def default_out(path: Path, capacity: int) -> Path:
-    return path.with_name(f"{path.stem}.packed{capacity}.npz")
+def default_out(path: Path, capacity: int, strategy: str = "bfd") -> Path:
+    """Beside the input, its whole name kept (``x.txt`` and ``x.npy`` pack to different files)."""
+    return path.with_name(f"{path.name}.{'wrapped' if strategy == 'wrapped' else 'packed'}{capacity}.npz")
+
+
+def check_out(out: Path) -> None:
+    """An .npz file name in an existing folder: the rows are several arrays, which a .npy cannot hold."""
+    if out.suffix != ".npz":
+        raise _Refused(f"--out: '{out}' must end in .npz (the rows are several arrays: indices, offsets, ...)")
+    if out.is_dir():
+        raise _Refused(f"--out: '{out}' is a folder (expected a file name ending in .npz)")
+    if not out.parent.is_dir():
+        raise _Refused(f"--out: no folder '{out.parent}' to write '{out.name}' in")
 
 
 def write_rows(out: Path, packing: Packing) -> None:
-    """The rows as an .npz (indices, offsets, capacity), written to a temporary name and renamed into place."""
+    """The rows as an .npz (indices, offsets, capacity, empty, truncated, and the pieces where there are some),
+    written to a temporary name and renamed into place."""
+    arrays = dict(indices=packing.indices, offsets=packing.offsets, capacity=np.int64(packing.capacity),
+                  empty=packing.empty, truncated=packing.truncated)
+    if packing.piece_starts is not None:
+        arrays.update(piece_starts=packing.piece_starts, piece_lengths=packing.piece_lengths)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "wb") as f:
-            np.savez(f, indices=packing.indices, offsets=packing.offsets, capacity=np.int64(packing.capacity))
+            np.savez(f, **arrays)
         os.replace(tmp, out)
     except OSError as exc:
         tmp.unlink(missing_ok=True) if tmp.parent.is_dir() else None
@@ -110,14 +130,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("lengths", type=Path, help="a lengths file, a .npy array of lengths or a tokenized cache .npz")
     parser.add_argument("--capacity", type=_positive, required=True, help="tokens per row")
     parser.add_argument("--max-seqs-per-row", type=_positive, default=None, help="sequences per row, at most")
-    parser.add_argument("--oversize", choices=OVERSIZE, default="alone",
-                        help="a sequence over the capacity: a row of its own (alone) or refused (error)")
-    parser.add_argument("--out", type=Path, default=None, help="where the rows go (default: beside LENGTHS)")
+    parser.add_argument("--oversize", choices=OVERSIZE, default=None,
+                        help="a sequence over the capacity: a row of its own (alone, the default), refused (error), "
+                        "cut to the capacity (truncate) or packed in pieces of the capacity (split)")
+    parser.add_argument("--strategy", choices=STRATEGIES, default="bfd",
+                        help="best-fit decreasing (bfd, the default) or every sequence end to end, cut into rows of "
+                        "exactly --capacity tokens (wrapped)")
+    parser.add_argument("--out", type=Path, default=None, help="where the rows go, an .npz (default: beside LENGTHS)")
     args = parser.parse_args(argv)
-    out = args.out or default_out(args.lengths, args.capacity)
     try:
-        if not out.parent.is_dir():
-            raise _Refused(f"--out: no folder '{out.parent}' to write '{out.name}' in")
+        if args.lengths.is_dir():
+            raise _Refused(f"'{args.lengths}' is a folder, not a file (expected a lengths file, a .npy array or a "
+                           "tokenized cache .npz)")
+        out = args.out or default_out(args.lengths, args.capacity, args.strategy)
+        check_out(out)
+        options = dict(max_seqs_per_row=args.max_seqs_per_row, oversize=args.oversize, strategy=args.strategy)
+        try:
+            pack([], args.capacity, **options)  # options that contradict each other, before a corpus is read
+        except ValueError as exc:
+            raise _Refused(_as_options(str(exc).removeprefix("pack: "))) from None
         t0 = time.perf_counter()
         _say(f"reading {args.lengths} ...")
         lengths = read_lengths(args.lengths)
@@ -125,19 +156,29 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
              f"packing into rows of {args.capacity:,} ...")
         t1 = time.perf_counter()
         try:
-            packing = pack(lengths, args.capacity, max_seqs_per_row=args.max_seqs_per_row, oversize=args.oversize)
+            packing = pack(lengths, args.capacity, **options)
         except ValueError as exc:
-            raise _Refused(str(exc).removeprefix("pack: ").replace("oversize='alone'", "--oversize alone")) from None
+            raise _Refused(_as_options(str(exc).removeprefix("pack: "))) from None
         packed_s = time.perf_counter() - t1
         _say(f"packed in {packed_s:.2f} s; writing {out} ...")
         write_rows(out, packing)
     except _Refused as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
-    print(f"{lengths.size:,} sequences into {packing.rows:,} rows of {args.capacity:,} tokens in {packed_s:.2f} s: "
-          f"{packing.bound_ratio:.6f} of the lower bound ({packing.lower_bound:,} rows), efficiency "
-          f"{packing.efficiency:.6f}; rows in {out}")
+    aside = "".join(f", {a.size:,} {what}" for a, what in ((packing.empty, "empty (in no row)"),
+                                                           (packing.truncated, "truncated")) if a.size)
+    print(f"{lengths.size:,} sequences{aside} into {packing.rows:,} rows of {args.capacity:,} tokens in "
+          f"{packed_s:.2f} s: {packing.bound_ratio:.6f} of the lower bound ({packing.lower_bound:,} rows), "
+          f"efficiency {packing.efficiency:.6f}; rows in {out}")
     return 0
+
+
+def _as_options(message: str) -> str:
+    """pack's ValueError in the command's words: its keyword arguments as options."""
+    for key, option in (("oversize", "--oversize"), ("max_seqs_per_row", "--max-seqs-per-row"),
+                        ("strategy", "--strategy")):
+        message = message.replace(f"{key}=", f"{option} ")
+    return message.replace("'", "")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Packed rows on stock Hugging Face models: ``model(**pack_collate(samples))`` gives each sequence's loss and the
 gradient one sequence per forward gives, on standard-attention models as they come (``use_cache`` left at its
 default) and on the tiny Qwen3.5-MoE once ``prepare_model_for_packing`` ran; what cannot keep sequences apart is
-refused in one line."""
+refused in one line. ``pad_collate``'s right-padded rows give a stock Llama the same."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from backends.model.configs import TINY_CONFIG
-from balance_batch.collate import pack_collate
+from balance_batch.collate import pack_collate, pad_collate
 from balance_batch.integrations.transformers import check_packable, prepare_model_for_packing
 from tests.loss_oracle import stock_transformers
 
@@ -148,3 +148,18 @@ def test_linear_attention_is_refused_until_prepared_and_other_stateful_layers_al
     for refuse in (check_packable, prepare_model_for_packing):
         with pytest.raises(ValueError, match=r"Lfm2ShortConv carries state .* valid: attention-only models"):
             refuse(lfm2)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_padded_rows_give_each_sequences_losses_and_gradient_on_a_stock_llama(attention):
+    """pad_collate's attention_mask keeps the padding out of attention and its labels out of the loss: each
+    sequence's per-token losses and the gradient equal one sequence per forward (float32)."""
+    model = build("llama", attention)
+    samples = samples_for(model)
+    batch = pad_collate(samples, pad_token_id=model.config.vocab_size - 1)
+    out = model(**batch, num_items_in_batch=sum(len(s["input_ids"]) - 1 for s in samples))
+    out.loss.backward()
+    losses = torch.cat([_token_losses(out.logits[r : r + 1], batch["labels"][r : r + 1])
+                        for r in range(len(samples))]).detach()
+    loss_gap, grad_gap = gaps((losses, _grads(model)), one_per_forward(model, samples))
+    assert loss_gap <= FLOAT32_TOL and grad_gap <= FLOAT32_TOL, (loss_gap, grad_gap)

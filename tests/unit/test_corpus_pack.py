@@ -1,6 +1,7 @@
 """``balance_batch.pack``: every index once, the capacity held, an oversize sequence alone, the same rows as
 best-fit decreasing done one sequence at a time, never fewer than the optimum a brute force finds on small cases;
-the peers' corpus packers valid; the command line on each input it reads."""
+oversize sequences truncated or split into pieces, the wrapped layout, 0-token sequences in no row; the peers'
+corpus packers valid; the command line on each input it reads."""
 
 from __future__ import annotations
 
@@ -15,9 +16,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from balance_batch import lower_bound_bins
 from balance_batch.corpus import Packing, pack
 from balance_batch.peers.corpus_packers import histogram_packer, rows_of, torchtune_greedy, trl_bfd
+from balance_batch.stats import lower_bound_bins
 
 
 def check_packing(p: Packing, lengths, capacity: int, max_seqs=None) -> None:
@@ -116,8 +117,8 @@ def test_oversize_alone_first_or_refused_and_bad_arguments():
                        (dict(capacity=8, oversize="drop"), "oversize must be one of alone, error")]:
         with pytest.raises(ValueError, match=match):
             pack([1, 2], **bad)
-    with pytest.raises(ValueError, match=r"lengths\[1\] = 0: every sequence needs at least 1 token"):
-        pack([3, 0], 8)
+    with pytest.raises(ValueError, match=r"lengths\[1\] = -2: a length is a count of tokens, 0 or more"):
+        pack([3, -2], 8)
     with pytest.raises(ValueError, match="one-dimensional"):
         pack([[1, 2]], 8)
     empty = pack([], 8)
@@ -164,7 +165,7 @@ def test_command_line_packs_each_input_and_refuses_in_one_line(tmp_path, capsys)
     for name in ("hist.txt", "lengths.npy", "cache.npz"):
         assert run_cli(str(tmp_path / name), "--capacity", "512") == 0
         out = capsys.readouterr()
-        written = tmp_path / f"{name.rsplit('.', 1)[0]}.packed512.npz"
+        written = tmp_path / f"{name}.packed512.npz"  # the input's whole name: x.txt and x.npy never clash
         assert "37 sequences into 12 rows of 512 tokens" in out.out and str(written) in out.out
         assert "reading" in out.err and "packing into rows of 512" in out.err
         with np.load(written) as z:
@@ -177,10 +178,118 @@ def test_command_line_packs_each_input_and_refuses_in_one_line(tmp_path, capsys)
         "array or a tokenized cache .npz)")
     assert run_cli(str(tmp_path / "lengths.npy"), "--capacity", "300", "--oversize", "error") == 2
     assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
-        "lengths[30] = 400 is over the capacity 300 (--oversize alone gives it a row of its own)")
+        "lengths[30] = 400 is over the capacity 300 (--oversize alone gives it a row of its own, truncate cuts it, "
+        "split packs its pieces)")
     assert run_cli(str(tmp_path / "lengths.npy"), "--capacity", "0") == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--capacity: 0 is not positive" in err[0]
     (tmp_path / "bad.txt").write_text("12\nx\n")
     assert run_cli(str(tmp_path / "bad.txt"), "--capacity", "8") == 2
     assert f"{tmp_path / 'bad.txt'}:2: 'x' is not an integer" in capsys.readouterr().err
+
+
+def covered(p: Packing) -> dict[int, list[tuple[int, int]]]:
+    """Each sequence's pieces as (first token, tokens), in the order the rows hold them."""
+    out: dict[int, list[tuple[int, int]]] = {}
+    for r in range(p.rows):
+        for i, start, size in zip(*(a.tolist() for a in p.pieces(r))):
+            out.setdefault(i, []).append((start, size))
+    return out
+
+
+pieces_cases = st.integers(1, 30).flatmap(lambda c: st.tuples(st.lists(st.integers(0, 4 * c), max_size=40),
+                                                                st.just(c), st.sampled_from([None, 2])))
+
+
+@settings(max_examples=80, deadline=None)
+@given(pieces_cases)
+def test_truncate_split_and_wrapped_place_each_token_once_and_0_tokens_nowhere(case):
+    lengths, capacity, max_seqs = case
+    arr = np.asarray(lengths, dtype=np.int64)
+    empty = [i for i, n in enumerate(lengths) if n == 0]
+    over = [i for i, n in enumerate(lengths) if n > capacity]
+    for how in ("alone", "truncate", "split", "wrapped"):
+        p = pack(lengths, capacity, **(dict(strategy="wrapped") if how == "wrapped" else
+                                       dict(oversize=how, max_seqs_per_row=max_seqs)))
+        assert p.empty.tolist() == empty and p.truncated.tolist() == (over if how == "truncate" else [])
+        pieces, tokens = covered(p), p.row_tokens()
+        assert sorted(pieces) == [i for i, n in enumerate(lengths) if n]  # every sequence with tokens, none without
+        assert tokens.sum() == p.tokens == sum(min(n, capacity) if how == "truncate" else n for n in lengths)
+        assert p.rows >= p.lower_bound and np.all(np.diff(p.offsets) >= 1)
+        for i, parts in pieces.items():
+            if how == "truncate":  # the first capacity tokens, once
+                assert parts == [(0, min(lengths[i], capacity))]
+                continue
+            # pieces that tile the sequence: split's in rows longest first (its full pieces first), wrapped's in order
+            parts = sorted(parts)
+            assert [s for s, _ in parts] == [0, *np.cumsum([n for _, n in parts])[:-1].tolist()]
+            assert sum(n for _, n in parts) == lengths[i]
+            if how == "split":
+                assert all(n == capacity for _, n in parts[:-1]) and len(parts) == -(-lengths[i] // capacity)
+            elif how == "alone":
+                assert len(parts) == 1
+        if how == "wrapped":  # every row exactly the capacity but the last; the corpus in order
+            assert np.all(tokens[:-1] == capacity) and 0 < tokens[-1] <= capacity if p.rows else arr.sum() == 0
+            assert p.rows == p.lower_bound == -(-arr.sum() // capacity)
+            assert np.all(np.diff(p.indices) >= 0)
+        else:
+            assert np.all(tokens <= capacity) or how == "alone"
+            assert max_seqs is None or np.all(np.diff(p.offsets) <= max_seqs)
+
+
+def test_oversize_truncated_or_split_and_the_wrapped_layout_by_hand():
+    p = pack([5, 1100, 0, 3, 700, 512, 1], 512, oversize="split")
+    rows = [[t.tolist() for t in p.pieces(r)] for r in range(p.rows)]
+    # the full pieces and the 512 alone; the remainders 188 (of 700) and 76 (of 1100) packed with the short ones
+    assert rows == [[[1], [0], [512]], [[1], [512], [512]], [[4], [0], [512]], [[5], [0], [512]],
+                    [[4, 1, 0, 3, 6], [512, 1024, 0, 0, 0], [188, 76, 5, 3, 1]]]
+    assert p.empty.tolist() == [2] and p.rows == p.lower_bound == 5
+    t = pack([5, 1100, 0, 3, 700, 512, 1], 512, oversize="truncate")
+    assert t.truncated.tolist() == [1, 4] and t.piece_lengths[t.indices == 1].tolist() == [512]
+    assert t.tokens == 5 + 512 + 3 + 512 + 512 + 1 and t.rows == 4
+    w = pack([5, 1100, 0, 3, 700, 512, 1], 512, strategy="wrapped")
+    assert [[a.tolist() for a in w.pieces(r)] for r in range(w.rows)] == [
+        [[0, 1], [0, 0], [5, 507]], [[1], [507], [512]], [[1, 3, 4], [1019, 0, 0], [81, 3, 428]],
+        [[4, 5], [428, 0], [272, 240]], [[5, 6], [240, 0], [272, 1]]]
+    assert w.row_tokens().tolist() == [512, 512, 512, 512, 273] and w.empty.tolist() == [2]
+    whole = pack([0, 4, 0, 3], 8)  # no piece anywhere: the whole-sequence arrays only
+    assert whole.piece_starts is None and whole.indices.tolist() == [1, 3] and whole.empty.tolist() == [0, 2]
+    assert pack([0, 0], 8).rows == 0 and pack([0, 0], 8, strategy="wrapped").rows == 0
+    for bad, match in [(dict(strategy="greedy"), "pack: strategy must be one of bfd, wrapped, got 'greedy'"),
+                       (dict(strategy="wrapped", oversize="split"),
+                        "pack: oversize='split' does not apply to strategy='wrapped'"),
+                       (dict(strategy="wrapped", max_seqs_per_row=2, oversize="error"),
+                        "oversize='error' and max_seqs_per_row=2 do not apply")]:
+        with pytest.raises(ValueError, match=match):
+            pack([1, 2], 8, **bad)
+
+
+def test_command_line_names_refusals_and_the_new_options(tmp_path, capsys):
+    np.save(tmp_path / "x.npy", np.array([100, 0, 900, 300]))
+    (tmp_path / "x.txt").write_text("100\n900\n300\n")
+    for name in ("x.npy", "x.txt"):
+        assert run_cli(str(tmp_path / name), "--capacity", "512") == 0
+    assert (tmp_path / "x.npy.packed512.npz").is_file() and (tmp_path / "x.txt.packed512.npz").is_file()
+    assert run_cli(str(tmp_path / "x.npy"), "--capacity", "512", "--oversize", "split") == 0
+    assert "4 sequences, 1 empty (in no row) into 3 rows" in capsys.readouterr().out
+    with np.load(tmp_path / "x.npy.packed512.npz") as z:
+        assert z["empty"].tolist() == [1] and z["piece_lengths"].tolist() == [512, 388, 100, 300]
+        assert z["indices"].tolist() == [2, 2, 0, 3] and z["piece_starts"].tolist() == [0, 512, 0, 0]
+    assert run_cli(str(tmp_path / "x.npy"), "--capacity", "512", "--strategy", "wrapped") == 0
+    with np.load(tmp_path / "x.npy.wrapped512.npz") as z:
+        assert z["offsets"].tolist() == [0, 2, 4, 5] and z["piece_lengths"].tolist() == [100, 412, 488, 24, 276]
+    for args, line in [
+        ([str(tmp_path), "--capacity", "8"], f"'{tmp_path}' is a folder, not a file"),
+        (["x.npy", "--capacity", "8", "--out", str(tmp_path / "rows.npy")],
+         f"--out: '{tmp_path / 'rows.npy'}' must end in .npz (the rows are several arrays"),
+        (["x.npy", "--capacity", "8", "--strategy", "wrapped", "--oversize", "truncate"],
+         "--oversize truncate does not apply to --strategy wrapped"),
+    ]:
+        args[0] = args[0] if args[0] == str(tmp_path) else str(tmp_path / args[0])
+        assert run_cli(*args) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[-1].startswith("python -m balance_batch.pack: ") and line in err[-1], err
+        assert not any("Traceback" in e for e in err)
+    assert run_cli(".", "--capacity", "8") == 2  # as typed: once a traceback (no name to write '.packed8.npz' to)
+    assert capsys.readouterr().err.strip() == ("python -m balance_batch.pack: '.' is a folder, not a file (expected "
+                                               "a lengths file, a .npy array or a tokenized cache .npz)")

@@ -1,0 +1,85 @@
+"""From ``pack`` to training: a torch ``Dataset`` whose items are a ``Packing``'s rows, in a seeded order, each
+collated (by default ``pack_collate``: the row's sequences, or pieces of them, end to end)."""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+import torch.utils.data
+
+from balance_batch.collate import pack_collate
+from balance_batch.corpus import Packing
+
+
+class PackedDataset(torch.utils.data.Dataset):
+    """Item ``i`` is one packed row of ``dataset``'s samples, ``collate_fn`` of them.
+
+    ``dataset[j]`` is a mapping with ``input_ids`` (and optional ``labels``) of ``packing.lengths[j]`` tokens; where
+    the packing holds a piece of a sequence (``oversize="truncate"`` or ``"split"``, ``strategy="wrapped"``) the
+    sample is that slice of its ``input_ids`` and ``labels``, so each piece starts a sequence of its own in the row
+    (its positions restart at 0, and its first label is ignored by ``pack_collate``). Sequences of 0 tokens are in
+    no row.
+
+    ``pack`` lays out the rows longest first; with ``shuffle`` (the default) item ``i`` is row ``order[i]`` of a
+    permutation seeded by ``seed`` and the epoch, a new one after ``set_epoch(e)`` (as with PyTorch's
+    ``DistributedSampler``: call it before each epoch's loader iterator is made; loader workers take the epoch with
+    the dataset when they start, so ``persistent_workers=True`` keeps their first epoch's order). ``collate_fn=None``
+    gives the list of samples instead. ``DataLoader(PackedDataset(...), batch_size=None)`` yields one collated row at
+    a time.
+    """
+
+    def __init__(self, dataset: Sequence, packing: Packing, *, seed: int = 0, shuffle: bool = True,
+                 collate_fn: Optional[Callable[[list], object]] = pack_collate):
+        if not isinstance(packing, Packing):
+            raise ValueError(f"PackedDataset: packing must be a balance_batch.Packing (what pack returns), got "
+                             f"{type(packing).__name__}")
+        if len(dataset) != len(packing.lengths):
+            raise ValueError(f"PackedDataset: the dataset has {len(dataset)} items and the packing was made for "
+                             f"{len(packing.lengths)} lengths (pack the dataset's own lengths)")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"PackedDataset: seed must be an integer, got {seed!r}")
+        self.dataset, self.packing, self.seed, self.shuffle, self.collate_fn = (dataset, packing, seed, bool(shuffle),
+                                                                                collate_fn)
+        self.epoch = 0
+        self._order: Optional[np.ndarray] = None
+
+    def set_epoch(self, epoch: int) -> None:
+        """The rows' order of ``epoch`` (with ``shuffle``)."""
+        if epoch != self.epoch:
+            self.epoch, self._order = int(epoch), None
+
+    def order(self) -> np.ndarray:
+        """Row of each item, this epoch."""
+        if self._order is None:
+            rows = self.packing.rows
+            self._order = (np.random.default_rng([self.seed, self.epoch]).permutation(rows) if self.shuffle
+                           else np.arange(rows))
+        return self._order
+
+    def __len__(self) -> int:
+        return self.packing.rows
+
+    def samples(self, i: int) -> list:
+        """Item ``i``'s samples (whole, or sliced to the row's pieces), before the collate."""
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"PackedDataset: item {i} of {len(self)} rows")
+        ids, starts, sizes = self.packing.pieces(int(self.order()[i]))
+        out = []
+        for j, start, size in zip(ids.tolist(), starts.tolist(), sizes.tolist()):
+            sample = self.dataset[j]
+            full = int(self.packing.lengths[j])
+            if len(sample["input_ids"]) != full:
+                raise ValueError(f"PackedDataset: dataset[{j}] has {len(sample['input_ids'])} input_ids and the "
+                                 f"packing says {full} (pack the dataset's own lengths)")
+            if size != full:
+                piece = {"input_ids": sample["input_ids"][start : start + size]}
+                if "labels" in sample:
+                    piece["labels"] = sample["labels"][start : start + size]
+                sample = piece
+            out.append(sample)
+        return out
+
+    def __getitem__(self, i: int):
+        samples = self.samples(i)
+        return samples if self.collate_fn is None else self.collate_fn(samples)
