@@ -25,7 +25,7 @@ from typing import Optional, Sequence, Union
 
 import numpy as np
 
-from balance_batch.balanced.packed import _Packer  # the balanced planner's histogram packer
+from balance_batch.balanced.packed import _SEARCH_BINS, _Packer, _search_work  # the balanced planner's packer
 from balance_batch.errors import check_choice, positive_int
 from balance_batch.stats import lower_bound_from_histogram
 
@@ -209,7 +209,8 @@ def _wrapped(arr: np.ndarray, capacity: int) -> Packing:
 
 def _best_fit(arr: np.ndarray, capacity: int, max_seqs_per_row: Optional[int]) -> tuple[np.ndarray, np.ndarray, int]:
     """Rows of indices into ``arr`` (every length ≥ 1) by best-fit decreasing on its histogram, an oversize one
-    alone, as (indices, offsets, lower bound)."""
+    alone, as (indices, offsets, lower bound); where BFD takes more rows than the bound and the bound is a few rows,
+    the balanced planner's exact search (capped) for the bound's rows."""
     n = arr.size
     over = arr > capacity
     n_over = int(np.count_nonzero(over))
@@ -226,6 +227,11 @@ def _best_fit(arr: np.ndarray, capacity: int, max_seqs_per_row: Optional[int]) -
                      _UNIT_COST)
     packer.bfd()
     n_small = n - n_over
+    bound = lower_bound_from_histogram(hist, capacity, n_over, max_seqs_per_row)
+    if bound - n_over < packer.n_bins() and bound - n_over <= _SEARCH_BINS:  # few rows, one over: the exact search
+        exact = _Packer(packer.hist, capacity, cap, _UNIT_COST)
+        if exact.search(bound - n_over, _search_work(n_small)):
+            packer = exact
     indices = np.empty(n, dtype=np.int64)
     widths: list[int] = []
     counts: list[int] = []
@@ -260,7 +266,7 @@ def _best_fit(arr: np.ndarray, capacity: int, max_seqs_per_row: Optional[int]) -
         np.multiply(np.arange(1, nb + 1, dtype=np.int64), width, out=run)
         run += offsets[end]
         end += nb
-    return indices, offsets, lower_bound_from_histogram(hist, capacity, n_over, max_seqs_per_row)
+    return indices, offsets, bound
 
 
 def _histogram(key: np.ndarray, size: int, chunk: int = 1 << 20) -> np.ndarray:

@@ -1,6 +1,6 @@
 """Steps 1-2 of the balanced planner, packed: how many steps, and the sequences laid into micro-batches of about equal
-cost, on the histogram of lengths (``_Packer``: longest-processing-time first, an exact search for few sequences,
-best-fit decreasing)."""
+cost, on the histogram of lengths (``_Packer``: longest-processing-time first, best-fit decreasing, and an exact search
+where BFD leaves a micro-batch over)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,18 @@ from balance_batch.balanced.bins import _Bins
 from balance_batch.cost import CostModel
 from balance_batch.stats import lower_bound_bins
 
-# Packed, at most this many sequences within the budget: where LPT misses the fewest steps, an exact search of at
-# most _EXACT_NODES placements looks for them (a few milliseconds)
-_EXACT_MAX = 16
-_EXACT_NODES = 20_000
+# Where LPT and best-fit decreasing both miss the fewest steps, an exact search (``_Packer.search``) looks for them,
+# in a step of at most _SEARCH_BINS micro-batches: with at most _EXACT_MAX sequences, up to _SEARCH_WORK units of work
+# (lengths looked at; about 0.5 s at worst, 20-25 sequences of verl's test shape need at most 1,000,000), with more a
+# tenth of that (about 50 ms at worst, wherever BFD leaves a step over)
+_EXACT_MAX = 64
+_SEARCH_BINS = 256
+_SEARCH_WORK = 1_000_000
+
+
+def _search_work(n_seqs: int) -> int:
+    """The search's cap on work for a step (or a corpus) of ``n_seqs`` sequences."""
+    return _SEARCH_WORK if n_seqs <= _EXACT_MAX else _SEARCH_WORK // 10
 
 
 class _Rooms:
@@ -154,41 +162,106 @@ class _Packer:
                 self._requeue(heap, rank, g)
         return True
 
-    def exact(self, n_bins: int, nodes: int) -> bool:
-        """Search every placement (longest first) for one into ``n_bins`` micro-batches; False when there is none or
-        the search used up ``nodes`` placements. For few sequences, where LPT can miss a fill as tight as the budget."""
+    def search(self, n_bins: int, work: int) -> bool:
+        """An exact search for a packing into ``n_bins`` micro-batches; False when there is none or when it used up
+        ``work`` (candidate fills looked at). For steps where best-fit decreasing leaves one micro-batch over.
+
+        Bin completion (Korf, 2002-2003), on the histogram of lengths: micro-batch after micro-batch, each takes the
+        longest sequence left plus one set of the others (a multiset of lengths, so sequences of one length are never
+        tried in two orders), the fullest sets first. Pruned three ways: a set must be maximal (no sequence left fits
+        in the room it leaves, as a set with one more dominates it); the rooms left over, summed, may not exceed the
+        slack ``n_bins × B − Σ lengths``; and a histogram left over that failed once is not searched again.
+        """
         B, cap = self.B, self.cap
-        seqs = [length for length, k in self.hist for _ in range(k)]
-        tok, cnt, into = [0] * n_bins, [0] * n_bins, [0] * len(seqs)
-        left = [nodes]
+        lengths = [length for length, _ in self.hist]  # longest first
+        left = [k for _, k in self.hist]
+        total = sum(length * k for length, k in self.hist)
+        if not total:
+            return n_bins >= 0
+        slack = n_bins * B - total
+        if n_bins <= 0 or slack < 0 or sum(left) > n_bins * cap:
+            return False
+        m = len(lengths)
+        budget = [work]
+        failed: set = set()
+        chosen: list[list[tuple[int, int]]] = []  # per micro-batch: (index into lengths, count)
 
-        def place(i: int) -> bool:
-            if i == len(seqs):
-                return True
-            tried = set()
-            for j in range(n_bins):
-                state = (tok[j], cnt[j])
-                if tok[j] + seqs[i] > B or cnt[j] >= cap or state in tried:
-                    continue  # micro-batches alike now are alike for the rest: one of them is tried
-                left[0] -= 1
-                if left[0] < 0:
+        def fills(a: int, room: int, need: int, seats: float) -> list[tuple[int, list[tuple[int, int]]]]:
+            """Every maximal set of the lengths from index a on that takes between ``need`` and ``room`` tokens."""
+            out: list[tuple[int, list[tuple[int, int]]]] = []
+            picked: list[tuple[int, int]] = []
+
+            def walk(d: int, room: int, seats: float) -> bool:
+                while d < m and (not left[d] or lengths[d] > room):
+                    d += 1
+                budget[0] -= 1 + m - d  # the lengths looked at below
+                if budget[0] < 0:
                     return False
-                tried.add(state)
-                tok[j] += seqs[i]
-                cnt[j] += 1
-                into[i] = j
-                if place(i + 1):
+                if room - sum(min(left[e], room // lengths[e]) * lengths[e] for e in range(d, m)) > room0 - need:
+                    return True  # what is left to take cannot fill the set as full as it must be
+                if d == m or not seats:  # nothing more fits: a maximal set, kept if full enough
+                    if room <= room0 - need and _maximal(room, seats):
+                        out.append((room, list(picked)))
                     return True
-                tok[j] -= seqs[i]
-                cnt[j] -= 1
+                length = lengths[d]
+                most = int(min(left[d], room // length, seats))
+                for t in range(most, -1, -1):  # more of the longer lengths first
+                    if t:
+                        left[d] -= t
+                        picked.append((d, t))
+                    ok = walk(d + 1, room - t * length, seats - t)
+                    if t:
+                        left[d] += t
+                        picked.pop()
+                    if not ok:
+                        return False
+                return True
+
+            room0 = room
+            return out if walk(a, room, seats) else []
+
+        def _maximal(room: int, seats: float) -> bool:
+            if not seats:
+                return True
+            return not any(left[d] and lengths[d] <= room for d in range(m))
+
+        def solve(bins: int, waste: int) -> bool:
+            a = next((d for d in range(m) if left[d]), m)
+            if a == m:
+                return True
+            key = (bins, tuple(left))
+            if key in failed:
+                return False
+            if bins == 0:
+                return False
+            left[a] -= 1
+            options = fills(a, B - lengths[a], B - lengths[a] - (slack - waste), cap - 1)
+            if budget[0] < 0:
+                left[a] += 1
+                return False
+            options.sort(key=lambda o: o[0])  # the fullest first (stable: longer lengths first among equals)
+            for room, picked in options:
+                for d, t in picked:
+                    left[d] -= t
+                chosen.append([(a, 1)] + picked)
+                if solve(bins - 1, waste + room):
+                    return True
+                chosen.pop()
+                for d, t in picked:
+                    left[d] += t
+                if budget[0] < 0:
+                    break
+            left[a] += 1
+            if budget[0] >= 0:
+                failed.add(key)
             return False
 
-        if not place(0):
+        if not solve(n_bins, 0):
             return False
-        for j in range(n_bins):
+        for content in chosen:  # a micro-batch's lengths, longest first (its first length may come again)
             g = self.group(1)
-            for length, run in itertools.groupby(seqs[i] for i in range(len(seqs)) if into[i] == j):
-                self.grow(g, length, len(list(run)))
+            for d, run in itertools.groupby(sorted(content), key=lambda p: p[0]):
+                self.grow(g, lengths[d], sum(t for _, t in run))
         return True
 
     def _requeue(self, heap: list, rank: int, g: int) -> None:
@@ -280,12 +353,14 @@ def _packed_groups(order: Sequence[int], lengths: Sequence[int], costs: Sequence
                    cost_model: CostModel, max_seqs: Optional[int], seq_cost: dict) -> tuple[_Bins, int]:
     """Steps 1-2 packed: the micro-batches of the fewest steps this planner reaches, and that step count.
 
-    Longest-processing-time first (even costs) at the lower bound; with few
-    sequences (``_EXACT_MAX``) where LPT fails there, an exact search at the
-    bound; where the fill is too tight, best-fit decreasing says how many micro-batches
-    are enough, and LPT is tried once more with that many (BFD's own, with a
-    few empty ones, when LPT still fails). Both work on the histogram of
-    lengths (``_Packer``): at most four packings, each about O(distinct lengths).
+    Longest-processing-time first (even costs) at the lower bound; where the
+    fill is too tight, best-fit decreasing says how many micro-batches are
+    enough; where that is a step more than the bound, an exact search for the
+    bound's micro-batches (``_Packer.search``, bin completion, capped by
+    ``_search_work``); failing that, LPT is tried once more with BFD's count
+    (BFD's own, with a few empty ones, when LPT still fails). All work on the
+    histogram of lengths (``_Packer``): at most five packings, each about
+    O(distinct lengths) but the capped search.
     """
     n_lone = sum(n > B for n in lengths)
     if all(lengths[i] > B for i in order[:n_lone]):  # longest first (as a rule): the over-long ones are a prefix
@@ -307,14 +382,16 @@ def _packed_groups(order: Sequence[int], lengths: Sequence[int], costs: Sequence
         return packer if packer.lpt(n_rest, n_heavy) else None
 
     n_steps, packer = bound, lpt(bound)
-    if packer is None and len(rest) <= _EXACT_MAX and bound * W > len(lone):
-        exact = _Packer(hist, B, cap, seq_cost)  # few sequences: a fill LPT missed may still exist
-        if exact.exact(bound * W - len(lone), _EXACT_NODES):
-            packer = exact
     if packer is None:
         bfd = _Packer(hist, B, cap, seq_cost)
         bfd.bfd()
         enough = math.ceil((len(lone) + bfd.n_bins()) / W)
+        n_search = bound * W - len(lone)  # the micro-batches the bound leaves for the rest
+        if enough > bound and 0 < n_search <= _SEARCH_BINS:  # one micro-batch less would save a step: search for it
+            exact = _Packer(hist, B, cap, seq_cost)
+            if exact.search(n_search, _search_work(len(rest))):
+                packer, enough = exact, bound
+    if packer is None:
         for n_steps in sorted({bound + 1, enough}) if enough > bound else ():
             packer = lpt(n_steps)
             if packer is not None:
