@@ -16,7 +16,7 @@ from balance_batch.stats import lower_bound_bins
 # Where LPT and best-fit decreasing both miss the fewest steps, an exact search (``_Packer.search``) looks for them,
 # in a step of at most _SEARCH_BINS micro-batches: with at most _EXACT_MAX sequences, up to _SEARCH_WORK units of work
 # (lengths looked at; about 0.5 s at worst, 20-25 sequences of verl's test shape need at most 1,000,000), with more a
-# tenth of that (about 50 ms at worst, wherever BFD leaves a step over)
+# hundredth of that (a few milliseconds, so a large step where BFD leaves a step over costs little more)
 _EXACT_MAX = 64
 _SEARCH_BINS = 256
 _SEARCH_WORK = 1_000_000
@@ -24,7 +24,7 @@ _SEARCH_WORK = 1_000_000
 
 def _search_work(n_seqs: int) -> int:
     """The search's cap on work for a step (or a corpus) of ``n_seqs`` sequences."""
-    return _SEARCH_WORK if n_seqs <= _EXACT_MAX else _SEARCH_WORK // 10
+    return _SEARCH_WORK if n_seqs <= _EXACT_MAX else _SEARCH_WORK // 100
 
 
 class _Rooms:
@@ -223,6 +223,7 @@ class _Packer:
         def _maximal(room: int, seats: float) -> bool:
             if not seats:
                 return True
+            budget[0] -= m
             return not any(left[d] and lengths[d] <= room for d in range(m))
 
         def solve(bins: int, waste: int) -> bool:
