@@ -130,15 +130,15 @@ def test_same_seed_same_plan_in_another_process():
 
 @pytest.mark.parametrize("world", [1, 3])
 def test_state_dict_round_trip_mid_epoch_across_a_ramp(world):
-    lengths = skewed(1500)
+    lengths = skewed(700)
     kw = dict(max_tokens_per_microbatch=B, world_size=world, rank=world - 1, seed=3,
-              tokens_per_step=[(0, 1000), (10000, 4000)])
+              tokens_per_step=[(0, 1000), (5000, 4000)])
     whole = TokenBudgetSampler(lengths, **kw)
     run = []
     for epoch in range(2):
         whole.set_epoch(epoch)
         run += list(whole.steps())
-    thresholds = [k for k, s in enumerate(run) if s.consumed_tokens >= 10000]
+    thresholds = [k for k, s in enumerate(run) if s.consumed_tokens >= 5000]
     crossing = thresholds[0]
     for stop in (crossing - 1, crossing + 1, len(run) // 2 + 2):
         first = TokenBudgetSampler(lengths, **kw)
