@@ -100,6 +100,13 @@ def megatron_rampup(rampup, final: Schedule, key: str) -> list[tuple[int, int]]:
     return sorted(pairs.items())
 
 
+def _epoch_arg(method: str, epoch) -> int:
+    """``epoch`` as an int, or one ValueError naming the method it was given to."""
+    if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
+        raise ValueError(f"TokenBudgetSampler.{method}: epoch must be a non-negative integer, got {epoch!r}")
+    return int(epoch)
+
+
 class _Partial(NamedTuple):
     """A step resumed mid-way: ``done`` of its micro-batches ran (under the saved plan); ``rest`` (per rank, lists of
     item ids) is what remains, re-planned when the plan settings changed, else None (the plan's own tail)."""
@@ -295,9 +302,7 @@ class TokenBudgetSampler:
     def steps_before(self, epoch: int) -> int:
         """Optimizer steps of all epochs before ``epoch`` (``steps_before(3)``: the steps of 3 epochs from the start;
         with a token ramp, each epoch's count depends on the tokens before it)."""
-        if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
-            raise ValueError(f"TokenBudgetSampler.steps_before: epoch must be a non-negative integer, got {epoch!r}")
-        return self._epoch_start(int(epoch))[0]
+        return self._epoch_start(_epoch_arg("steps_before", epoch))[0]
 
     @property
     def steps_in_epoch(self) -> int:
@@ -306,10 +311,9 @@ class TokenBudgetSampler:
 
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` (a new seeded order); the current epoch keeps its position (so a resumed run may call it)."""
-        if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
-            raise ValueError(f"TokenBudgetSampler.set_epoch: epoch must be a non-negative integer, got {epoch!r}")
-        if int(epoch) != self._epoch:
-            self._start(int(epoch), 0)
+        epoch = _epoch_arg("set_epoch", epoch)
+        if epoch != self._epoch:
+            self._start(epoch, 0)
 
     def _position_now(self) -> tuple[int, int, int]:
         """(epoch, step, micro-batch) training has reached: steps()'s, or, where only a loader's iterator has taken
@@ -339,8 +343,7 @@ class TokenBudgetSampler:
         members = self._members(epoch, step_in_epoch)
         schedules = self._schedules(self.lengths[members].tolist(), self._settings, self._groups_of(members))
         mine = [members[mb].tolist() if mb else [] for mb in schedules[self.rank]]
-        counts = self._counts.setdefault(epoch, np.full(len(bounds), -1, dtype=np.int64))
-        counts[step_in_epoch] = len(mine)
+        self._step_counts(epoch)[step_in_epoch] = len(mine)
         start_steps = self._epoch_start(epoch)[0]
         consumed_tokens, consumed_sequences = before[step_in_epoch]
         step = Step(microbatches=mine, global_tokens=int(self.lengths[members].sum()),
@@ -379,10 +382,19 @@ class TokenBudgetSampler:
                          planner=settings.planner, cost_model=settings.cost_model,
                          max_seqs_per_microbatch=settings.max_seqs_per_microbatch, **knobs._asdict()).microbatches
 
+    def _partial_at(self, epoch: int, step_in_epoch: int) -> Optional[_Partial]:
+        """The resumed-mid-way record when it is of this step, else None."""
+        p = self._partial
+        return p if p is not None and (p.epoch, p.step) == (epoch, step_in_epoch) else None
+
+    def _step_counts(self, epoch: int) -> np.ndarray:
+        """Micro-batches per step of ``epoch`` this rank runs, as planned so far (-1: not planned yet)."""
+        return self._counts.setdefault(epoch, np.full(len(self._cut(epoch)[1]), -1, dtype=np.int64))
+
     def _step_to_run(self, epoch: int, step_in_epoch: int) -> Step:
         """The step as this run takes it: whole, or, resumed mid-way into it, the micro-batches still to run."""
-        whole, p = self.plan(step_in_epoch, epoch), self._partial
-        if p is None or (p.epoch, p.step) != (epoch, step_in_epoch):
+        whole, p = self.plan(step_in_epoch, epoch), self._partial_at(epoch, step_in_epoch)
+        if p is None:
             return whole
         rest = whole.microbatches[p.done:] if p.rest is None else [list(mb) for mb in p.rest[self.rank]]
         return dataclasses.replace(whole, microbatches=rest, first_microbatch=p.done)
@@ -421,13 +433,12 @@ class TokenBudgetSampler:
         epoch, step, done = self._position_now()
         if step >= len(self._cut(epoch)[1]):
             epoch, step, done = epoch + 1, 0, 0
-        counts = self._counts.setdefault(epoch, np.full(len(self._cut(epoch)[1]), -1, dtype=np.int64))
+        counts = self._step_counts(epoch)
         for s in np.flatnonzero(counts[step:] < 0) + step:
             self.plan(int(s), epoch)
         if step >= len(counts):
             return 0
-        p = self._partial
-        here = int(counts[step]) if p is None or (p.epoch, p.step) != (epoch, step) else \
+        here = int(counts[step]) if self._partial_at(epoch, step) is None else \
             len(self._step_to_run(epoch, step).microbatches)
         return here - done + int(counts[step + 1:].sum())
 
@@ -472,9 +483,9 @@ class TokenBudgetSampler:
 
     def _state(self, epoch: int, step: int, done: int) -> dict:
         """The state at micro-batch ``done`` of the micro-batches this run takes of ``step``."""
-        p = self._partial
+        p = self._partial_at(epoch, step)
         microbatch, handed = done, None
-        if p is not None and (p.epoch, p.step) == (epoch, step):
+        if p is not None:
             microbatch += p.done
             if p.rest is not None:  # re-planned after an elastic resume: say which items ran
                 handed = sorted(p.handed + [i for rank in p.rest for mb in rank[:done] for i in (mb or ())])

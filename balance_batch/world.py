@@ -12,6 +12,8 @@ from typing import Any, Optional
 
 import numpy as np
 
+from balance_batch.errors import positive_int
+
 
 def _group(process_group: Any) -> Optional[tuple[int, int]]:
     """(world size, rank) of ``process_group`` (None: the default group) when torch.distributed is initialised."""
@@ -21,21 +23,16 @@ def _group(process_group: Any) -> Optional[tuple[int, int]]:
     return dist.get_world_size(process_group), dist.get_rank(process_group)
 
 
-def _int_or_none(key: str, value: Any, who: str) -> Optional[int]:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{who}: {key} must be an integer, got {value!r}")
-    return int(value)
-
-
 def resolve_world(world_size: Any, rank: Any, process_group: Any = None, who: str = "TokenBudgetSampler"
                   ) -> tuple[int, int]:
     """(world_size, rank): each left out comes from the initialised process group (``process_group``, default the
     whole job); given, they must agree with it. With no group: (1, 0), unless the launcher says there are several
     processes (``WORLD_SIZE`` > 1, as torchrun sets it), where a silent (1, 0) would give every process the same data.
     """
-    world_size, rank = _int_or_none("world_size", world_size, who), _int_or_none("rank", rank, who)
+    world_size = positive_int("world_size", world_size, none_ok=True, who=who)
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, (int, np.integer))):
+        raise ValueError(f"{who}: rank must be an integer, got {rank!r}")
+    rank = None if rank is None else int(rank)
     group = _group(process_group)
     if group is None and process_group is not None:
         raise ValueError(f"{who}: process_group was given but torch.distributed is not initialised; call "
@@ -55,8 +52,6 @@ def resolve_world(world_size: Any, rank: Any, process_group: Any = None, who: st
                          "torch.distributed is not initialised, so every process would plan as rank 0 of 1: call "
                          "torch.distributed.init_process_group() before building it, or pass world_size= and rank=")
     world_size = 1 if world_size is None else world_size
-    if world_size < 1:
-        raise ValueError(f"{who}: world_size must be a positive integer, got {world_size!r}")
     if rank is None:
         if world_size > 1:
             raise ValueError(f"{who}: rank= is needed with world_size={world_size} when no torch.distributed process "
