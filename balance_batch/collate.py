@@ -8,7 +8,23 @@ from typing import Mapping, Optional, Sequence
 
 import torch
 
+from balance_batch.errors import positive_int
+
 IGNORE_INDEX = -100  # what Hugging Face losses skip
+
+
+def _token_rows(samples: Sequence[Mapping], who: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Each sample's ``input_ids`` and ``labels`` (default a copy of its ``input_ids``) as 1-D int64 tensors, the
+    labels copies the caller may change; one ValueError when a sample's two lengths differ."""
+    ids, labels = [], []
+    for sample in samples:
+        seq = torch.as_tensor(sample["input_ids"], dtype=torch.long).reshape(-1)
+        lab = torch.as_tensor(sample.get("labels", seq), dtype=torch.long).reshape(-1).clone()
+        if lab.shape != seq.shape:
+            raise ValueError(f"{who}: a sample's labels have {lab.numel()} tokens, its input_ids {seq.numel()}")
+        ids.append(seq)
+        labels.append(lab)
+    return ids, labels
 
 
 def pack_collate(samples: Sequence[Mapping], *, pad_token_id: int = 0, flash_attn_kwargs: bool = True) -> dict:
@@ -23,15 +39,9 @@ def pack_collate(samples: Sequence[Mapping], *, pad_token_id: int = 0, flash_att
     No samples (the sampler's dummy micro-batch) gives one ``pad_token_id`` token with no loss: it runs the model, and
     adds nothing to the loss or the gradient.
     """
-    ids, labels = [], []
-    for sample in samples:
-        seq = torch.as_tensor(sample["input_ids"], dtype=torch.long).reshape(-1)
-        lab = torch.as_tensor(sample.get("labels", seq), dtype=torch.long).reshape(-1).clone()
-        if lab.shape != seq.shape:
-            raise ValueError(f"pack_collate: a sample's labels have {lab.numel()} tokens, its input_ids {seq.numel()}")
+    ids, labels = _token_rows(samples, "pack_collate")
+    for lab in labels:
         lab[0] = IGNORE_INDEX
-        ids.append(seq)
-        labels.append(lab)
     if not ids:
         ids, labels = [torch.tensor([pad_token_id])], [torch.tensor([IGNORE_INDEX])]
     lengths = torch.tensor([len(s) for s in ids])
@@ -59,18 +69,8 @@ def pad_collate(samples: Sequence[Mapping], *, pad_token_id: int = 0, pad_to_mul
     right padding its default position ids are right as they are). ``pad_to_multiple_of`` rounds the width up. No
     samples (the sampler's dummy micro-batch) gives one ``pad_token_id`` token with no loss.
     """
-    if pad_to_multiple_of is not None and (isinstance(pad_to_multiple_of, bool) or not isinstance(
-            pad_to_multiple_of, int) or pad_to_multiple_of < 1):
-        raise ValueError(f"pad_collate: pad_to_multiple_of must be a positive integer or None, got "
-                         f"{pad_to_multiple_of!r}")
-    ids, labels = [], []
-    for sample in samples:
-        seq = torch.as_tensor(sample["input_ids"], dtype=torch.long).reshape(-1)
-        lab = torch.as_tensor(sample.get("labels", seq), dtype=torch.long).reshape(-1)
-        if lab.shape != seq.shape:
-            raise ValueError(f"pad_collate: a sample's labels have {lab.numel()} tokens, its input_ids {seq.numel()}")
-        ids.append(seq)
-        labels.append(lab)
+    positive_int("pad_to_multiple_of", pad_to_multiple_of, none_ok=True, who="pad_collate")
+    ids, labels = _token_rows(samples, "pad_collate")
     if not ids:  # the dummy: one token the model attends to (a row of only padding has nothing to attend to)
         return {"input_ids": torch.tensor([[pad_token_id]]), "labels": torch.tensor([[IGNORE_INDEX]]),
                 "attention_mask": torch.ones(1, 1, dtype=torch.long)}
