@@ -5,9 +5,13 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
+
 from harness.data.workload import mixed_lengths
+from reports.plan_files import published_plans
 from tests.conftest import REPO, run_cli
-from tests.plan_docs import greedy_doc
+from tests.plan_docs import COST_MODEL, greedy_doc
+from tests.unit.test_plan_figure import CASES
 
 PNG = b"\x89PNG\r\n\x1a\n"
 LENGTHS = mixed_lengths(128, 64, 32768, 42)  # the published workload
@@ -53,3 +57,44 @@ def test_report_links_a_plan_figure_per_row(tmp_path):
     assert len(rows) == 2
     assert sum("[plan](plots/plan-1.png)" in r for r in rows) == 1
     assert "plan_png" not in (sweep / "results.csv").read_text()
+
+
+# In this tier: every case drawn and measured at two widths takes seconds (4-5 s on 2 cores).
+def _texts_outside(fig) -> list[str]:
+    """The drawn texts (title, subtitle, notes, legend, rank totals) that cross the figure's left or right edge."""
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    texts = list(fig.texts) + [t for ax in fig.axes for t in ax.texts]
+    texts += [t for legend in fig.legends for t in legend.get_texts()]
+    out = []
+    for t in texts:
+        if not t.get_text():
+            continue
+        box = t.get_window_extent(renderer)
+        if box.x0 < -0.5 or box.x1 > fig.bbox.x1 + 0.5:
+            out.append(t.get_text())
+    return out
+
+
+LONG_SOURCE = {**COST_MODEL, "source": "backends/model_configs.py:qwen3_5_35b_a3b (checkpoint not on disk) from a very "
+                                      "long path /mnt/checkpoints/some/team/qwen3.5-35b-a3b-instruct/config.json"}
+
+
+@pytest.mark.parametrize("width_in", [13.0, 6.5])
+def test_every_text_of_the_figure_fits_its_width(width_in):
+    """Every case at the narrow width, where texts wrap most; at the report's width, the published plans (the longest
+    texts) and the longest source line, with the wide figure's one-row legend."""
+    import matplotlib.pyplot as plt
+
+    from reports.plan_figure import plan_figure
+
+    docs = [json.loads(p.read_text()) for p in published_plans(REPO / "reports" / "plans")]
+    docs.append({**greedy_doc(LENGTHS, 4, 65536)[0], "cost_model": LONG_SOURCE})
+    if width_in < 10:
+        docs += [d for _, d, _ in CASES]
+    for doc in docs:
+        fig = plan_figure(doc, workload="seed_mixed_128", width_in=width_in)
+        try:
+            assert _texts_outside(fig) == [], (width_in, doc["layout"], doc["lockstep"])
+        finally:
+            plt.close(fig)

@@ -12,7 +12,6 @@ from harness.data.workload import mixed_lengths
 from reports.plan_blocks import MAX_COLUMNS, kind_totals, plan_blocks, plan_layout
 from reports.plan_figure import draw_plan, draw_side_by_side, figure_notes, readme_plan_lines
 from reports.plan_files import published_plans
-from tests.conftest import REPO
 from tests.plan_docs import COST_MODEL, greedy_doc, plan_doc
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -256,43 +255,3 @@ def test_a_plan_json_of_another_version_is_one_line_naming_the_versions_read(ver
     assert rc == 2 and printed == "" and not (tmp_path / "plan.png").exists()
     assert err.count("\n") == 0 and str(path) in err and "'version'" in err, err
     assert f"this code reads version {PLAN_JSON_VERSION}" in err, err
-
-
-def _texts_outside(fig) -> list[str]:
-    """The drawn texts (title, subtitle, notes, legend, rank totals) that cross the figure's left or right edge."""
-    fig.canvas.draw()
-    renderer = fig.canvas.get_renderer()
-    texts = list(fig.texts) + [t for ax in fig.axes for t in ax.texts]
-    texts += [t for legend in fig.legends for t in legend.get_texts()]
-    out = []
-    for t in texts:
-        if not t.get_text():
-            continue
-        box = t.get_window_extent(renderer)
-        if box.x0 < -0.5 or box.x1 > fig.bbox.x1 + 0.5:
-            out.append(t.get_text())
-    return out
-
-
-LONG_SOURCE = {**COST_MODEL, "source": "backends/model_configs.py:qwen3_5_35b_a3b (checkpoint not on disk) from a very "
-                                      "long path /mnt/checkpoints/some/team/qwen3.5-35b-a3b-instruct/config.json"}
-
-
-@pytest.mark.parametrize("width_in", [13.0, 6.5])
-def test_every_text_of_the_figure_fits_its_width(width_in):
-    """Every case at the narrow width, where texts wrap most; at the report's width, the published plans (the longest
-    texts) and the longest source line, with the wide figure's one-row legend."""
-    import matplotlib.pyplot as plt
-
-    from reports.plan_figure import plan_figure
-
-    docs = [json.loads(p.read_text()) for p in published_plans(REPO / "reports" / "plans")]
-    docs.append({**greedy_doc(LENGTHS, 4, 65536)[0], "cost_model": LONG_SOURCE})
-    if width_in < 10:
-        docs += [d for _, d, _ in CASES]
-    for doc in docs:
-        fig = plan_figure(doc, workload="seed_mixed_128", width_in=width_in)
-        try:
-            assert _texts_outside(fig) == [], (width_in, doc["layout"], doc["lockstep"])
-        finally:
-            plt.close(fig)
