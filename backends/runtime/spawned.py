@@ -169,28 +169,37 @@ def _restore_stderr(saved: Optional[int], path: Optional[str]) -> None:
 
 
 class _LogForwarder:
-    """Replays workers' log records in this process, so they reach the console and the run's log file."""
+    """Replays workers' log records in this process, so they reach the console and the run's log file.
+
+    Stopped by an event, not by a sentinel put on the queue: this process only reads the queue, and its first put
+    would start the queue's feeder thread, which Python 3.12 refuses from an atexit handler (the hot backend closes
+    there: "can't create new thread at interpreter shutdown"). After stop() it replays what is still queued, then
+    ends once the queue stays empty for a poll."""
+
+    POLL_S = 0.1
 
     def __init__(self, log_queue):
         self.queue = log_queue
+        self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._run, name="worker-logs", daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
         while True:
             try:
-                record = self.queue.get()
-            except (EOFError, OSError):
+                record = self.queue.get(timeout=self.POLL_S)
+            except queue.Empty:
+                if self.stopping.is_set():
+                    return
+                continue
+            except (EOFError, OSError, ValueError):
                 return
             if record is None:
                 return
             logging.getLogger(record.name).handle(record)
 
     def stop(self) -> None:
-        try:
-            self.queue.put(None)
-        except (OSError, ValueError):
-            pass
+        self.stopping.set()
         self.thread.join(timeout=2)
 
 
