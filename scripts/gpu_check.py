@@ -15,15 +15,24 @@ that differ in several keys at once. fla's Triton kernels are compiled once per 
 kernels stay in Triton's disk cache for the later launches, and so do the autotuning's choices
 (``FLA_CACHE_RESULTS=1``, ``TRITON_CACHE_AUTOTUNING=1``).
 
-Before each step the estimate of its seconds is held against what is left of ``--budget-s``: a step that does not
-fit is skipped, its reason written; a step that runs past its cap is stopped, and its finished points still count.
+The steps run in order of value (the published bf16 first, then the features only a GPU shows, then float32 and
+compile). Before each step its estimate, times the ratio of measured to estimated seconds of the steps run so far,
+is held against what is left of ``--budget-s``: a step that does not fit runs shortened (its last loads and their
+points left out) or is skipped, its reason written; a step that runs past its cap or past the budget is stopped
+with its whole process group (the harness, its fork server and every rank), and its finished points still count.
+``summary.json``'s ``timing`` records each step's measured seconds beside its estimate: ``--estimates-from`` that
+file plans the next run with them.
 
 Everything needed to judge the run is in ``DIR/summary.json``, at the top of the folder (nested files may not come
-back from a remote machine): the environment, the plan with its estimates, per step its status, wall seconds, the
-comparisons with their figures and tolerances, the feature checks with theirs, and per point its status, error,
-what it ran (backend, layout, dtype, ranks, device), throughput, peak memory, the kernels each pass recorded and
-the precision; then what was covered and what was not. Exits 1 if a check fails or a step is skipped, 2 on a bad
-argument.
+back from a remote machine), rewritten after every step: the environment, the plan with its estimates, per step its
+status, wall seconds, the comparisons with their figures and tolerances, the feature checks with theirs, and per
+point its status, error, what it ran (backend, layout, dtype, ranks, device), throughput, peak memory, the kernels
+each pass recorded and the precision; then what was covered and what was not. With ``--back OUT`` (gpu_check.sh's
+``$OUT``) everything is written under ``--out`` and, after every step, at most 8 files are copied to OUT: the
+summary, the logs, the points' results and configs in one small archive, the caches and traces in another.
+SIGTERM, SIGINT or SIGHUP stops the running launch's process group within seconds, records the cut in the summary,
+copies what finished, and exits 128 + the signal's number. Exits 1 if a check fails or nothing could run, 0 when
+every step that ran passed (steps skipped for want of time are listed, not failed), 2 on a bad argument.
 
 With one GPU the harness runs one rank per GPU, so the GPU runs exercise no collective; two ranks cannot share the
 GPU (NCCL refuses two ranks on one device). The multi-rank path (gloo collectives, FSDP2 sharding, megatron-core's
@@ -33,11 +42,14 @@ gradient sync) then runs on 2 CPU ranks on the same host, compared with the GPU'
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import tarfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,7 +73,14 @@ DEFAULT_BUDGET_S = 300.0  # five minutes of a 15-minute device session: start-up
 BIG_MODEL_BUDGET_S = 1500.0
 CPU_BUDGET_S = 600.0  # no device time to save on CPU: room for a machine shared with other runs
 SUMMARY = "summary.json"
+LOG = "gpu_check.log"
+KERNELS_LOG = "kernels.log"  # gpu_check.sh's kernel builds
+RESULTS_TAR = "gpu_check_results.tar.gz"  # the points' results.json and configs: small, read after the summary
+REST_TAR = "gpu_check_rest.tar.gz"  # everything else under --out: traces, Triton's and inductor's caches
+MAX_FILES = 8  # what comes back from a lent machine, none in a folder
 GROUP = "gpu_check"  # the config group of the generated point files
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+STOP_GRACE_S = 3.0  # SIGTERM to a launch's process group (the harness records the point it interrupts), then SIGKILL
 
 # Tolerances, per comparison kind (relative, on per-example fwd+bwd losses; the gradient norm where judged).
 # - same kernels, float32: the same math in the same order up to reductions.
@@ -387,7 +406,9 @@ def _p(step: str, name: str, load: str, settings: dict, extra: tuple = ()) -> Po
 
 
 def plan(target: Target) -> list[Step]:
-    """The steps, in order, for ``target``: each feature once, the published bf16 first."""
+    """The steps, in order of value, for ``target``: each feature once, the published bf16 first, then the features
+    (what only a GPU shows: traces, the allocator's history, a calibrated fit), then float32 and compile, which a short
+    budget drops first."""
     big = target.model_path is not None
     cuda = target.device == "cuda"
     backends = ALL if not big else DISTRIBUTED
@@ -417,7 +438,29 @@ def plan(target: Target) -> list[Step]:
     ref = backends[0]
     steps.append(Step("bf16", ["bf16", *backends, "padded", "packed", "padded vs packed (same backend)"],
                       grid("bf16", "bfloat16", backends), vs("bf16", backends, ref)))
-    # 2. float32. On CPU: the three backends, padded against packed and against each other, to 1e-4. On one GPU:
+    # 2. The features a point switches on, on one loaded FSDP2 in bf16: the profiler and the calibrated cost model;
+    #    then (a second load, its hooks differ) a real CUDA out-of-memory error under the allocator's history; last
+    #    mtpm=auto, which starts ranks of its own.
+    base = {"backend": SHARDED, "model.dtype": "bfloat16"}
+    feats = [
+        _p("features", "profile", f"{SHARDED}/bfloat16", {**base, **budget, "bench.profile": True}, ("profile",)),
+        _p("features", "calibrated", f"{SHARDED}/bfloat16",
+           {**base, **budget, "cost_model": "calibrated", "calibration.cache": False, "calibration.repeat": 1,
+            "calibration.warmup": 1 if cuda else 0},  # as the points' own warm-up: Triton's compile on a GPU
+           ("calibrate",)),
+    ]
+    judges = {"features.profile": check_profile, "features.calibrated": check_calibrated, "features.auto": check_auto}
+    if cuda and not big:
+        feats.append(_p("features", "oom_snapshot", f"{SHARDED}/bfloat16/oom",
+                        {**base, **budget, "bench.memory_snapshot": True,
+                         "backend.hooks": "scripts.gpu_check:FSDP2OutOfMemoryInTheWarmup"}, ("oom",)))
+        judges["features.oom_snapshot"] = check_oom_snapshot
+    # Last: mtpm=auto releases a hot backend and starts its own ranks (alone under the memory limit).
+    feats.append(_p("features", "auto", f"{SHARDED}/bfloat16/auto", {**base, "mtpm": "auto"}, ("auto",)))
+    steps.append(Step("features", ["bench.profile", "cost_model=calibrated", "mtpm=auto"]
+                      + (["bench.memory_snapshot (an induced OOM)"] if cuda and not big else []), feats,
+                      features=judges))
+    # 3. float32. On CPU: the three backends, padded against packed and against each other, to 1e-4. On one GPU:
     #    FSDP2 packed (fla's varlen kernels, TF32 inside) and the multi-rank path on 2 CPU ranks (gloo) of this
     #    host, both backends and both layouts, each against the GPU's point; on several GPUs, FSDP2 packed against
     #    padded across them (NCCL).
@@ -442,28 +485,6 @@ def plan(target: Target) -> list[Step]:
             covers += ["collectives (gloo, 2 CPU ranks)", "FSDP2 sharding", "megatron DDP grad sync",
                        "GPU against CPU ranks"]
         steps.append(Step("fp32", covers, pts, pairs, gpu_default=False))
-    # 3. The features a point switches on, on one loaded FSDP2 in bf16: the profiler and the calibrated cost model;
-    #    then (a second load, its hooks differ) a real CUDA out-of-memory error under the allocator's history; last
-    #    mtpm=auto, which starts ranks of its own.
-    base = {"backend": SHARDED, "model.dtype": "bfloat16"}
-    feats = [
-        _p("features", "profile", f"{SHARDED}/bfloat16", {**base, **budget, "bench.profile": True}, ("profile",)),
-        _p("features", "calibrated", f"{SHARDED}/bfloat16",
-           {**base, **budget, "cost_model": "calibrated", "calibration.cache": False, "calibration.repeat": 1,
-            "calibration.warmup": 1 if cuda else 0},  # as the points' own warm-up: Triton's compile on a GPU
-           ("calibrate",)),
-    ]
-    judges = {"features.profile": check_profile, "features.calibrated": check_calibrated, "features.auto": check_auto}
-    if cuda and not big:
-        feats.append(_p("features", "oom_snapshot", f"{SHARDED}/bfloat16/oom",
-                        {**base, **budget, "bench.memory_snapshot": True,
-                         "backend.hooks": "scripts.gpu_check:FSDP2OutOfMemoryInTheWarmup"}, ("oom",)))
-        judges["features.oom_snapshot"] = check_oom_snapshot
-    # Last: mtpm=auto releases a hot backend and starts its own ranks (alone under the memory limit).
-    feats.append(_p("features", "auto", f"{SHARDED}/bfloat16/auto", {**base, "mtpm": "auto"}, ("auto",)))
-    steps.append(Step("features", ["bench.profile", "cost_model=calibrated", "mtpm=auto"]
-                      + (["bench.memory_snapshot (an induced OOM)"] if cuda and not big else []), feats,
-                      features=judges))
     # 4. backend.compile on FSDP2 in bf16, packed: the compile record, no recompile-limit hit, and the same losses
     #    as the eager packed point of step 1 (inductor's fused kernels round otherwise: bf16's tolerance).
     steps.append(Step("compile", ["backend.compile"],
@@ -483,9 +504,27 @@ NOT_DEFAULT = ("not in the default GPU run (fla's Triton compile for float32 and
                "--budget-s 300 beside bf16 and the features): a second run with --only fp32,compile runs them")
 
 
+def loads_of(step: Step) -> list[str]:
+    """What the step's points load, in order of first use (points with one load share a loaded backend)."""
+    return list(dict.fromkeys(p.load for p in step.points))
+
+
+def shortened(step: Step, keep: int) -> Step:
+    """The step with the points of its first ``keep`` loads, and the comparisons and feature checks on those points
+    (a comparison with a point of an earlier step stays)."""
+    loads = loads_of(step)[:keep]
+    points = [p for p in step.points if p.load in loads]
+    dropped = {p.name for p in step.points} - {p.name for p in points}
+    return dataclasses.replace(step, points=points,
+                               comparisons=[c for c in step.comparisons if not dropped & {c[0], c[1]}],
+                               features={k: v for k, v in step.features.items() if k not in dropped})
+
+
 def estimates(steps: list[Step], target: Target, only: Optional[str] = None) -> list[dict]:
     """Each step's estimated seconds and their parts, in order (Triton is paid by the first step of each dtype and
-    layout). ``only``: the steps asked for by name, which run even where they are not in the default GPU run."""
+    layout). ``only``: the steps asked for by name, which run even where they are not in the default GPU run.
+    ``shorter``: the step with fewer loads (its last ones left out), each with its estimate, longest first: what a
+    budget that no longer fits the whole step runs."""
     seen: set = set()
     rows = []
     for step in steps:
@@ -495,12 +534,53 @@ def estimates(steps: list[Step], target: Target, only: Optional[str] = None) -> 
         elif target.device == "cuda" and not step.gpu_default and not only:
             why = NOT_DEFAULT
         parts = step.cost(target.costs, seen) if why is None else {}
+        shorter = []
         if why is None:
+            for keep in range(len(loads_of(step)) - 1, 0, -1):
+                short = shortened(step, keep)
+                shorter.append({"points": [p.name for p in short.points],
+                                "estimate_s": round(sum(short.cost(target.costs, seen).values()), 1)})
             seen.update(step.kernels())
         rows.append({"step": step.name, "covers": step.covers, "points": [p.name for p in step.points],
-                     "estimate_s": round(sum(parts.values()), 1), "parts_s": parts,
+                     "estimate_s": round(sum(parts.values()), 1), "parts_s": parts, "shorter": shorter,
                      **({} if why is None else {"skipped": why})})
     return rows
+
+
+def scale_estimates(rows: list[dict], factor: float, source: str) -> None:
+    """Every estimate of ``rows`` (the whole step's, its parts', its shorter forms') times ``factor``."""
+    for row in rows:
+        row["estimate_s"] = round(row["estimate_s"] * factor, 3)
+        row["parts_s"] = {k: round(v * factor, 3) for k, v in row["parts_s"].items()}
+        for short in row["shorter"]:
+            short["estimate_s"] = round(short["estimate_s"] * factor, 3)
+        if row["estimate_s"]:
+            row["estimate_from"] = source
+
+
+def estimates_from(rows: list[dict], path: Path, device: str) -> None:
+    """Replace the estimates with what an earlier run measured (its summary.json): a step it ran whole with the same
+    points on the same device kind takes its measured seconds; the others are scaled by that run's ratio of measured
+    to estimated seconds. One line and exit 2 when the file is no summary of this check."""
+    try:
+        prior = json.loads(path.read_text())
+        timing = prior["timing"]
+        ratio, measured = float(timing["ratio"]), timing["measured"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise SystemExit(f"--estimates-from: {path} is not a summary.json of this check with its timing "
+                         f"({type(exc).__name__}: {exc}); give the summary.json an earlier run wrote") from None
+    if prior.get("device") != device:
+        raise SystemExit(f"--estimates-from: {path} measured device {prior.get('device')}, this run is {device}; "
+                         "give a summary.json of the same device kind")
+    for row in rows:
+        if not row["estimate_s"]:
+            continue
+        got = measured.get(row["step"]) or {}
+        if got.get("points") == row["points"] and got.get("exit_code") == 0:
+            factor, source = got["wall_s"] / row["estimate_s"], f"measured by {path}"
+        else:
+            factor, source = ratio, f"{ratio:.2f} x the constants, the ratio {path} measured"
+        scale_estimates([row], factor, source)
 
 
 def print_plan(rows: list[dict], target: Target, budget_s: float) -> None:
@@ -508,13 +588,22 @@ def print_plan(rows: list[dict], target: Target, budget_s: float) -> None:
         f", model {target.model_path}" if target.model_path else ", the tiny model")
     source = ("reasoned, not yet measured; Triton's compile and autotune from fla-org/flash-linear-attention#458"
               if target.device == "cuda" else "from the 2-core machine's step logs")
+    source = next((r["estimate_from"] for r in rows if r.get("estimate_from")), source)
     print(f"gpu_check plan ({what}); estimates ({source}):")
     total = 0.0
     for row in rows:
-        # the budget spent as run_steps spends it: a step whose estimate exceeds what is left is skipped there too
+        # the budget spent as run_steps spends it (before any step has measured the estimates): a step whose
+        # estimate exceeds what is left runs its longest shorter form that fits, or is skipped
         why = row.get("skipped") or fits(row["estimate_s"], budget_s - total)
-        if why:
+        short = next((s for s in row.get("shorter", []) if s["estimate_s"] <= budget_s - total), None)
+        if why and not (short and not row.get("skipped")):
             print(f"  {row['step']:<10}  not run: {why}")
+            continue
+        if why:
+            total += short["estimate_s"]
+            print(f"  {row['step']:<10} {short['estimate_s']:6.0f} s  {len(short['points'])} of "
+                  f"{len(row['points'])} points (the whole step, {row['estimate_s']:.0f} s, does not fit): "
+                  f"{', '.join(short['points'])}")
             continue
         total += row["estimate_s"]
         parts = ", ".join(f"{k} {v:g}" for k, v in row["parts_s"].items())
@@ -544,20 +633,24 @@ def harness_env(target: Target) -> dict:
     return env
 
 
-def harness(args: list[str], timeout: float, log: Path, env: dict) -> tuple[int, float]:
-    """Run ``python -m harness``; exit code 124 when it ran past ``timeout`` (then it and its ranks are stopped)."""
+def harness(cmd: list[str], timeout: float, log: Path, env: dict) -> tuple[int, float]:
+    """Run one launch (``python -m harness ...``) in a session of its own, its output in ``log``; exit code 124 when
+    it ran past ``timeout``. Stopped there or by a signal to this script (Cut, raised again), its whole process group
+    goes: the harness, its fork server and the ranks."""
     t0 = time.perf_counter()
-    print("+ python -m harness", " ".join(args), flush=True)
+    print("+", " ".join(["python", *cmd[1:]] if cmd[0] == sys.executable else cmd), flush=True)
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "harness", *args], cwd=REPO, env=env, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)  # the launch's own session: the harness and the ranks it spawned
-            proc.wait()
-            print(f"  stopped after {timeout:.0f} s", flush=True)
+            took = stop_group(proc)
+            print(f"  stopped after {timeout:.0f} s (its process group in {took:.1f} s)", flush=True)
             rc = 124
+        except Cut as cut:
+            cut.stopped_in_s = round(stop_group(proc), 2)
+            print(f"  {cut}: stopped the launch and its process group in {cut.stopped_in_s:.1f} s", flush=True)
+            raise
     return rc, time.perf_counter() - t0
 
 
@@ -591,6 +684,11 @@ def yaml_of(settings: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def command(step: Step, out: Path, target: Target, examples: Optional[int]) -> list[str]:
+    """The step's launch: ``python -m harness -m`` over its points."""
+    return [sys.executable, "-m", "harness", *launch_args(step, out, target, examples)]
+
+
 def launch_args(step: Step, out: Path, target: Target, examples: Optional[int]) -> list[str]:
     # A warm-up on a GPU keeps Triton's compiling out of the timed repeat; on CPU nothing needs warming.
     warmup = 1 if target.device == "cuda" else 0
@@ -605,18 +703,26 @@ def launch_args(step: Step, out: Path, target: Target, examples: Optional[int]) 
     return ["-m", f"+{GROUP}=" + ",".join(p.name for p in step.points), *common]
 
 
-def judge(step: Step, runs: dict[str, dict]) -> dict:
-    """The step's comparisons and feature checks over every point run so far (``runs``, by point name)."""
+def judge(step: Step, runs: dict[str, dict], reached_only: bool = False) -> dict:
+    """The step's comparisons and feature checks over every point run so far (``runs``, by point name).
+    ``reached_only``: a step stopped part-way is judged on the points it finished (the others, and the one the stop
+    interrupted, are listed, not failed)."""
+    if reached_only:
+        runs = {k: r for k, r in runs.items() if r.get("status") != "interrupted"}
     entry: dict = {"comparisons": [], "features": {}}
     for run_key, ref_key, kind in step.comparisons:
+        if reached_only and not (run_key in runs and ref_key in runs):
+            continue
         entry["comparisons"].append({"run": run_key, "ref": ref_key, "kind": kind,
                                      **judge_comparison(runs.get(run_key), runs.get(ref_key), kind)})
     for key, fn in step.features.items():
         run = runs.get(key)
+        if reached_only and not run:
+            continue
         entry["features"][key] = fn(run, Path(run["_dir"])) if run else {"ok": False, "problems": ["not run"]}
     # Every point must end ok, except those a feature check judges (an induced out-of-memory error ends "oom").
     failed = [p.name for p in step.points if p.name not in step.features
-              and (runs.get(p.name) or {}).get("status") != "ok"]
+              and (runs.get(p.name) or {}).get("status") != "ok" and (p.name in runs or not reached_only)]
     entry["failed_points"] = failed
     entry["ok"] = (not failed and all(c["agrees"] for c in entry["comparisons"])
                    and all(f["ok"] for f in entry["features"].values()))
@@ -705,14 +811,91 @@ def cap_s(estimate_s: float, device: str) -> float:
     return max(3.0 * estimate_s, estimate_s + 120.0) if device == "cuda" else float("inf")
 
 
+class Cut(BaseException):
+    """A signal stopped the check (SIGTERM, SIGINT or SIGHUP): raised once, in the main thread, by its handler."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+        self.stopped_in_s: Optional[float] = None  # how long the running launch's process group took to end
+
+
+def catch_signals() -> None:
+    """Each stop signal raises Cut where the check is (waiting on a launch, mostly); the signals after the first
+    are ignored, so the stop, the summary and the copy to --back are not themselves cut."""
+
+    def handler(signum, frame):
+        for s in STOP_SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
+        raise Cut(signum)
+
+    for s in STOP_SIGNALS:
+        signal.signal(s, handler)
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether any process of the group is left (a launch's group holds this user's processes only)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def stop_group(proc: subprocess.Popen) -> float:
+    """Stop a launch started in a session of its own: SIGTERM to its process group (the harness, its fork server,
+    every rank), SIGKILL to what is left after STOP_GRACE_S, then wait (5 s at most) until the group is gone. Stop
+    signals wait until it is done. Returns the seconds it took."""
+    t0 = time.monotonic()
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                proc.wait(timeout=STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                pass
+        proc.wait()
+        deadline = time.monotonic() + 5
+        while group_alive(proc.pid) and time.monotonic() < deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            time.sleep(0.05)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    return time.monotonic() - t0
+
+
+def fit(step: Step, row: dict, left_s: float, ratio: float) -> tuple[Optional[Step], float, Optional[str]]:
+    """The step as it fits in ``left_s`` with each estimate times ``ratio``: whole, else its longest shorter form
+    that fits; (None, 0, why) when none does."""
+    forms = [(step, row["estimate_s"])] + [(shortened(step, len(loads_of(step)) - 1 - i), s["estimate_s"])
+                                           for i, s in enumerate(row["shorter"])]
+    for form, estimate in forms:
+        if estimate * ratio <= left_s:
+            return form, estimate, None
+    scaled = f" ({row['estimate_s']:.0f} s x {ratio:.2f}, the measured ratio so far)" if ratio != 1 else ""
+    return None, 0.0, f"estimated {row['estimate_s'] * ratio:.0f} s{scaled}, {max(left_s, 0):.0f} s left of --budget-s"
+
+
 def run_steps(steps: list[Step], rows: list[dict], target: Target, out: Path, budget_s: float,
               examples: Optional[int], summary: dict, save: Callable[[], None],
-              clock: Callable[[], float] = time.monotonic) -> dict[str, dict]:
-    """Runs the steps in order within ``budget_s`` (as ``clock`` tells it); returns every point's results by name."""
+              clock: Callable[[], float] = time.monotonic, runs: Optional[dict] = None) -> dict[str, dict]:
+    """Runs the steps in order within ``budget_s`` (as ``clock`` tells it); returns every point's results by name
+    (``runs``, filled as the steps end, so a caller that catches Cut has them too).
+
+    After each step its measured seconds against its estimate update ``summary["timing"]``'s ratio, which scales the
+    estimates of the steps after it. A Cut (a stop signal) stops the running launch, records the step as cut and
+    is raised again."""
     t_end = clock() + budget_s
     conf = out / "conf" / GROUP
     conf.mkdir(parents=True, exist_ok=True)
-    runs: dict[str, dict] = {}
+    runs = {} if runs is None else runs
+    timing = summary.setdefault("timing", {"ratio": 1.0, "measured": {}})
+    spent = {"wall_s": 0.0, "estimate_s": 0.0}
+    finished: list[str] = []
     for step, row in zip(steps, rows):
         entry: dict = {"covers": step.covers, "estimate_s": row["estimate_s"]}
         summary["steps"][step.name] = entry
@@ -720,30 +903,173 @@ def run_steps(steps: list[Step], rows: list[dict], target: Target, out: Path, bu
             entry.update(status="skipped", reason=row["skipped"], ok=None)
             save()
             continue
-        reason = fits(row["estimate_s"], t_end - clock())
-        if reason:
-            entry.update(status="skipped", reason=reason, ok=False)
-            print(f"- {step.name}: skipped ({reason})", flush=True)
+        ratio = timing["ratio"]
+        name = step.name
+        step, estimate, reason = fit(step, row, t_end - clock(), ratio)
+        if step is None:  # no longer fits: listed, not failed
+            entry.update(status="skipped", reason=reason, ok=None)
+            print(f"- {name}: skipped ({reason})", flush=True)
             save()
             continue
+        if estimate != row["estimate_s"]:
+            entry["shortened"] = {"points": [p.name for p in step.points], "estimate_s": estimate,
+                                  "why": f"the whole step, {row['estimate_s'] * ratio:.0f} s, did not fit"}
         for p in step.points:
             (conf / f"{p.name}.yaml").write_text(yaml_of(p.settings))
         sweep = out / "runs" / step.name
         shutil.rmtree(sweep, ignore_errors=True)  # a rerun replaces this script's own runs
         sweep.parent.mkdir(parents=True, exist_ok=True)
-        cap = min(cap_s(row["estimate_s"], target.device), t_end - clock())
-        rc, wall = harness(launch_args(step, out, target, examples), cap, out / f"{step.name}.log", harness_env(target))
-        got = runs_in(sweep)
-        runs.update(got)
-        entry.update(exit_code=rc, wall_s=round(wall, 1), cap_s=round(cap, 1), log=f"{step.name}.log",
-                     points={name: point_record(got[name]) if name in got else {"status": "not reached"}
-                             for name in (p.name for p in step.points)},
-                     **judge(step, runs))
-        entry["ok"] = entry["ok"] and rc == 0
-        entry["status"] = "passed" if entry["ok"] else ("stopped at its cap" if rc == 124 else "failed")
-        print(f"- {step.name}: {entry['status']} in {wall:.0f} s (estimated {row['estimate_s']:.0f} s)", flush=True)
+        cap = cap_s(estimate * ratio, target.device)
+        by_budget = cap >= t_end - clock()
+        cap = min(cap, t_end - clock())
+        entry.update(scaled_estimate_s=round(estimate * ratio, 1), cap_s=round(cap, 1), log=f"{step.name}.log")
+        summary["running"] = step.name
+        save()
+        t0 = time.perf_counter()
+        try:
+            rc, wall = harness(command(step, out, target, examples), cap, out / f"{step.name}.log",
+                               harness_env(target))
+        except Cut as cut:
+            rc, wall = None, time.perf_counter() - t0
+            record(entry, step, sweep, runs, rc, wall, f"cut by {cut}")
+            summary["cut"] = {"by": str(cut), "step": step.name, "finished": finished, "after_s": round(wall, 2),
+                              "group_stopped_in_s": getattr(cut, "stopped_in_s", None)}
+            raise
+        finally:
+            summary.pop("running", None)
+        status = None
+        if rc == 124 and by_budget:
+            status = "cut by --budget-s"
+            summary["cut"] = {"by": "--budget-s", "step": step.name, "finished": finished, "after_s": round(wall, 2)}
+        elif rc == 124:
+            status = "stopped at its cap"
+        record(entry, step, sweep, runs, rc, wall, status)
+        if rc == 0 or wall >= estimate:  # a whole run, or one that already took longer than its estimate
+            spent["wall_s"] += wall
+            spent["estimate_s"] += estimate
+            # never below a quarter: one step far faster than its estimate does not promise the same of the rest
+            timing["ratio"] = round(max(spent["wall_s"] / spent["estimate_s"], 0.25), 3)
+        timing["measured"][step.name] = {"points": [p.name for p in step.points], "estimate_s": estimate,
+                                         "wall_s": round(wall, 2), "exit_code": rc}
+        finished.append(step.name)
+        print(f"- {step.name}: {entry['status']} in {wall:.0f} s (estimated {estimate:.0f} s"
+              + (f", {estimate * ratio:.0f} s at the measured ratio {ratio:.2f}" if ratio != 1 else "") + ")",
+              flush=True)
         save()
     return runs
+
+
+def record(entry: dict, step: Step, sweep: Path, runs: dict, rc: Optional[int], wall: float,
+           status: Optional[str]) -> None:
+    """A step's entry once its launch ended: its points, comparisons and checks, its status. ``status`` names a stop
+    (its cap, the budget, a signal); a step cut by the budget or a signal is judged on the points it reached."""
+    got = runs_in(sweep)
+    runs.update(got)
+    cut = status is not None and status.startswith("cut")
+    entry.update(exit_code=rc, wall_s=round(wall, 2),
+                 points={name: point_record(got[name]) if name in got else {"status": "not reached"}
+                         for name in (p.name for p in step.points)},
+                 **judge(step, runs, reached_only=cut))
+    if cut:
+        finished = [p.name for p in step.points if (got.get(p.name) or {}).get("status") not in (None, "interrupted")]
+        entry["ok"] = entry["ok"] if finished else None
+    else:
+        entry["ok"] = entry["ok"] and rc == 0
+    entry["status"] = status or ("passed" if entry["ok"] else "failed")
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """``text`` to ``path`` whole or not at all: a temporary file beside it, then renamed over it."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def copy_atomic(src: Path, dest: Path) -> None:
+    tmp = dest.with_name(f".{dest.name}.tmp")
+    shutil.copyfile(src, tmp)
+    os.replace(tmp, dest)
+
+
+class Back:
+    """What comes back from a lent machine: at most MAX_FILES files in ``dest``, none in a folder, copied from the
+    work folder after every step, each written whole (a run stopped at any moment has returned what finished):
+    summary.json, gpu_check.log, kernels.log, each step's log, RESULTS_TAR (each point's results.json, outputs and
+    configs, the generated point files, nvidia-smi's answer, and the logs past the 8 files), and at the end
+    REST_TAR, everything else (traces, Triton's and inductor's caches), which may be too large to come back."""
+
+    # per point: what judging it needs, small (no traces, snapshots or caches)
+    POINT_FILES = ("results.json", "example_outputs.json", "plan.json", ".hydra/config.yaml", ".hydra/overrides.yaml")
+    LEFT_OUT = ("site", "build")  # gpu_check.sh's installed wheels and kernel build trees, rebuilt from .whl/
+
+    def __init__(self, work: Path, dest: Path):
+        self.work, self.dest = work, dest
+
+    def clear(self) -> None:
+        """This check's files of an earlier run in ``dest``, and what a stopped copy left half-written."""
+        self.dest.mkdir(parents=True, exist_ok=True)
+        for f in self.dest.iterdir():
+            ours = f.name == SUMMARY or f.suffix in (".log", ".tmp") or f.name in (RESULTS_TAR, REST_TAR)
+            if f.is_file() and ours:
+                f.unlink()
+
+    def logs(self) -> tuple[list[Path], list[Path]]:
+        """The logs that come back as files, and those that go into RESULTS_TAR (past the 8 files)."""
+        top = [self.work / LOG, self.work / KERNELS_LOG]
+        steps = sorted((f for f in self.work.glob("*.log") if f not in top), key=lambda f: f.stat().st_mtime)
+        logs = [f for f in top if f.is_file()] + steps
+        room = MAX_FILES - 3  # summary.json and the two archives
+        return logs[:room], logs[room:]
+
+    def results(self, extra: list[Path]) -> list[Path]:
+        files = [f for name in self.POINT_FILES for f in self.work.glob(f"runs/*/*/{name}")]
+        files += sorted(self.work.glob(f"conf/{GROUP}/*.yaml")) + [self.work / "nvidia-smi.txt"] + extra
+        return sorted({f for f in files if f.is_file()})
+
+    def _tar(self, name: str, files: list[Path], level: int) -> None:
+        tmp = self.work / f".{name}.tmp"
+        with tarfile.open(tmp, "w:gz", compresslevel=level) as tar:
+            for f in files:
+                tar.add(f, arcname=str(f.relative_to(self.work)), recursive=False)
+        try:
+            os.replace(tmp, self.dest / name)
+        except OSError:  # another file system
+            copy_atomic(tmp, self.dest / name)
+            tmp.unlink()
+
+    def ship(self, rest: bool = False) -> list[str]:
+        """Copy the summary, the logs and RESULTS_TAR (and with ``rest``, REST_TAR) to ``dest``; their names."""
+        plain, extra = self.logs()
+        copy_atomic(self.work / SUMMARY, self.dest / SUMMARY)
+        for f in plain:
+            copy_atomic(f, self.dest / f.name)
+        self._tar(RESULTS_TAR, self.results(extra), 9)
+        if rest:
+            top = {SUMMARY, *(f.name for f in plain)}
+            files = [f for f in sorted(self.work.rglob("*")) if not f.is_dir()
+                     and f.relative_to(self.work).parts[0] not in self.LEFT_OUT and f.name not in top
+                     and not f.name.endswith(".tmp") and f.name not in (RESULTS_TAR, REST_TAR)]
+            self._tar(REST_TAR, files, 1)  # caches compress little: the fastest level
+        return sorted(f.name for f in self.dest.iterdir() if f.is_file() and not f.name.startswith("."))
+
+
+class Tee:
+    """A stream that also appends to a file: this script's output in gpu_check.log, after gpu_check.sh's own."""
+
+    def __init__(self, stream, path: Path):
+        self.stream, self.file = stream, open(path, "a", buffering=1)
+
+    def write(self, text: str) -> int:
+        self.stream.write(text)
+        self.file.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+        self.file.flush()
+
+    def __getattr__(self, name: str):
+        return getattr(self.stream, name)
 
 
 def describe(args: argparse.Namespace) -> Target:
@@ -792,7 +1118,17 @@ def parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--examples", type=int, default=None, help="workload.n_examples of every point (smoke: 16)")
     ap.add_argument("--model-path", default=os.environ.get("GPU_CHECK_MODEL_PATH"),
                     help="the 35B variant: Qwen3.5-35B-A3B from this local checkpoint, gradient checkpointing on")
+    ap.add_argument("--back", type=Path, default=None,
+                    help="copy at most 8 files here after every step (gpu_check.sh: $OUT; --out is then the work "
+                         "folder): summary.json, the logs, the results archive, at the end the rest")
+    ap.add_argument("--estimates-from", type=Path, default=None,
+                    help="an earlier run's summary.json: plan with the seconds its steps measured")
+    ap.add_argument("--estimate-scale", type=float, default=1.0,
+                    help="multiply every estimate (a slower or faster machine than COSTS assumes; < 1 tests the "
+                         "budget against estimates known to be short)")
     args = ap.parse_args(argv)
+    if args.estimate_scale <= 0:
+        ap.error(f"--estimate-scale: must be > 0, got {args.estimate_scale:g}")
     if args.budget_s is not None and args.budget_s <= 0:
         ap.error(f"--budget-s: must be > 0 seconds, got {args.budget_s:g}")
     if args.examples is not None and args.examples < 1:
@@ -821,6 +1157,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         target = describe(args)
         steps = select(plan(target), args.only)
+        rows = estimates(steps, target, args.only)
+        if args.estimates_from:
+            estimates_from(rows, args.estimates_from, target.device)
+        if args.estimate_scale != 1:
+            scale_estimates(rows, args.estimate_scale, f"x{args.estimate_scale:g} (--estimate-scale)")
     except SystemExit as exc:
         if isinstance(exc.code, str):
             print(exc.code, file=sys.stderr)
@@ -829,30 +1170,72 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.budget_s is None:
         args.budget_s = (BIG_MODEL_BUDGET_S if target.model_path else DEFAULT_BUDGET_S) if target.device == "cuda" \
             else CPU_BUDGET_S
-    rows = estimates(steps, target, args.only)
     if args.plan:
         print_plan(rows, target, args.budget_s)
+        print("plan only: nothing installed, run or written (a run records this plan in its summary.json, 'plan')")
         return 0
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
+    back = Back(out, args.back.resolve()) if args.back and args.back.resolve() != out else None
     t_start = time.perf_counter()
     summary: dict = {"ok": None, "device": target.device, "gpus": target.gpus, "model_path": target.model_path,
                      "budget_s": args.budget_s, "plan": rows, "tolerances": {"/".join(k): v for k, v in RTOL.items()},
-                     "environment": environment(), "steps": {}}
+                     "steps": {}}
 
     def save() -> None:
         summary["wall_s"] = round(time.perf_counter() - t_start, 1)
-        (out / SUMMARY).write_text(json.dumps(summary, indent=2, default=str))
+        write_atomic(out / SUMMARY, json.dumps(summary, indent=2, default=str))
+        if back:
+            try:
+                back.ship()
+            except OSError as exc:  # the check goes on: everything stays in --out
+                print(f"gpu_check: copying to {back.dest} failed ({exc}); everything is in {out}", flush=True)
 
-    print_plan(rows, target, args.budget_s)
-    runs = run_steps(steps, rows, target, out, args.budget_s, args.examples, summary, save)
-    summary.update(coverage(runs, target, summary["steps"]))
-    summary["ok"] = all(s.get("ok") is not False for s in summary["steps"].values()) and any(
-        s.get("ok") for s in summary["steps"].values())
-    save()
-    print(json.dumps({"ok": summary["ok"], "steps": {k: v.get("status") for k, v in summary["steps"].items()},
-                      "wall_s": summary["wall_s"], "summary": str(out / SUMMARY)}, indent=2))
-    return 0 if summary["ok"] else 1
+    streams = sys.stdout, sys.stderr
+    handlers = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    runs: dict[str, dict] = {}
+    code = None
+    try:
+        if back:
+            back.clear()
+            sys.stdout, sys.stderr = Tee(sys.stdout, out / LOG), Tee(sys.stderr, out / LOG)
+        catch_signals()
+        try:
+            print_plan(rows, target, args.budget_s)
+            summary["environment"] = environment()
+            run_steps(steps, rows, target, out, args.budget_s, args.examples, summary, save, runs=runs)
+        except Cut as cut:
+            code = 128 + cut.signum
+            summary.setdefault("cut", {"by": str(cut), "step": None, "finished": [
+                n for n, s in summary["steps"].items() if "exit_code" in s]})
+            print(f"gpu_check: {cut}: {summary['cut']['step'] or 'between steps'} cut; finished: "
+                  f"{', '.join(summary['cut']['finished']) or 'none'}", flush=True)
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # the summary is written whole
+        summary.update(coverage(runs, target, summary["steps"]))
+        summary["skipped"] = [n for n, s in summary["steps"].items() if s.get("status") == "skipped"]
+        summary["ok"] = all(s.get("ok") is not False for s in summary["steps"].values()) and any(
+            s.get("ok") for s in summary["steps"].values())
+        save()
+        print(json.dumps({"ok": summary["ok"], "steps": {k: v.get("status") for k, v in summary["steps"].items()},
+                          "skipped": summary["skipped"], "cut": summary.get("cut"), "wall_s": summary["wall_s"],
+                          "summary": str(out / SUMMARY)}, indent=2), flush=True)
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        if back:
+            try:  # last, and the one copy a signal may cut: caches and traces, which may be too large to come back
+                names = back.ship(rest=True)
+            except Cut as cut:
+                code = code or 128 + cut.signum
+                names = back.ship()
+            print(f"gpu_check: {len(names)} files in {back.dest}; read {back.dest / SUMMARY} first, then "
+                  f"{RESULTS_TAR}", flush=True)
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+        if back:
+            for stream in (sys.stdout, sys.stderr):
+                stream.file.close()
+        sys.stdout, sys.stderr = streams
+    return code if code is not None else 0 if summary["ok"] else 1
 
 
 if __name__ == "__main__":

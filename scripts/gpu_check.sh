@@ -2,12 +2,18 @@
 # The GPU check as one command for a lent GPU machine (scripts/gpu_check.py; --plan shows its steps first, other
 # arguments go to it). Prepare the wheels here first: scripts/gpu_wheels.sh (they travel in .whl/).
 #
+# --plan prints the steps and their estimates and stops: nothing installed, run or written.
+#
 # Everything is written under a scratch folder ($GPU_CHECK_SCRATCH, default /tmp/gpu_check; a rerun on the same
-# machine reuses its Triton and inductor caches), and at the end at most 8 files are copied to $OUT
-# (gpu_check_out when unset), none in a folder: summary.json (read it first), gpu_check.log, one log per step,
-# kernels.log when kernels were built, and gpu_check_rest.tar.gz with the rest (each point's folder, the generated
-# configs, nvidia-smi's answer, Triton's cache). A later run starts warm from that cache:
+# machine reuses its Triton and inductor caches), and after every step gpu_check.py copies at most 8 files to $OUT
+# (gpu_check_out when unset), none in a folder, each written whole: summary.json (read it first), gpu_check.log,
+# kernels.log when kernels were built, one log per step, gpu_check_results.tar.gz (each point's results.json and
+# configs: small) and, at the end, gpu_check_rest.tar.gz with the rest (traces, Triton's and inductor's caches). A
+# later run starts warm from that cache:
 #   tar -xzf gpu_check_rest.tar.gz triton && TRITON_CACHE_DIR=$PWD/triton scripts/gpu_check.sh
+# Stopped (SIGTERM, SIGINT: an outer time limit), the check stops the harness and its ranks, records the cut step
+# and the finished ones in summary.json and has copied what finished: the Python check replaces this shell (exec),
+# so the signal reaches it; before that, a stop is written to summary.json here.
 #
 # A package the harness needs that neither the machine nor .whl/ has stops it at once, in one line (exit 2).
 # BUILD_KERNELS="causal-conv1d flash-attn" also compiles those sources (KERNELS=1 scripts/gpu_wheels.sh) against
@@ -30,13 +36,39 @@ fail() {  # one line on stderr and in $OUT's gpu_check.log and summary.json, the
   exit "$code"
 }
 command -v "$py" >/dev/null 2>&1 || fail 2 "no $py on PATH: set PYTHON to the machine's Python (3.11 or newer)"
+for arg in "$@"; do
+  [ "$arg" = --plan ] && exec "$py" scripts/gpu_check.py "$@"  # the plan alone: before anything is installed
+done
 mkdir -p "$scratch" || fail 2 "GPU_CHECK_SCRATCH: cannot create $scratch"
 rm -rf "$scratch"/*.log "$scratch/summary.json" "$scratch/runs" "$scratch/conf" "$scratch/nvidia-smi.txt"
 log="$scratch/gpu_check.log"
+# A stop before the check starts: the running install or build is stopped (its process group) and summary.json says
+# where it was. Each long child runs in the background and is waited for, so a signal is acted on at once.
+child=""
+stopped() {  # exit code, signal
+  [ -n "$child" ] && kill -TERM -- "-$child" 2>/dev/null
+  local line="stopped by $2 before the check started (installing .whl/ or building kernels): no step ran"
+  echo "gpu_check: $line" | tee -a "$log" >&2
+  mkdir -p "$out" && cp "$log" "$out/gpu_check.log" &&
+    printf '{"ok": false, "error": "%s", "cut": {"by": "%s", "step": null, "finished": []}}\n' "$line" "$2" \
+    > "$out/summary.json"
+  exit "$1"
+}
+trap 'stopped 143 SIGTERM' TERM
+trap 'stopped 130 SIGINT' INT
+trap 'stopped 129 SIGHUP' HUP
+waited() {  # run "$@" as its own process group in the background and wait for it
+  setsid "$@" &
+  child=$!
+  wait "$child"
+  local rc=$?
+  child=""
+  return $rc
+}
 
 if ls .whl/*.whl >/dev/null 2>&1; then
   echo "installing .whl/ into $scratch/site" | tee -a "$log"
-  "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$scratch/site" \
+  waited "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$scratch/site" \
     .whl/*.whl >> "$log" 2>&1 || fail 1 "installing .whl/ failed: see the end of $log"
   export PYTHONPATH="$scratch/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
@@ -94,7 +126,7 @@ EOF
     echo "building $name for sm_$arch (at most $limit s; output in kernels.log)" | tee -a "$log"
     if CAUSAL_CONV1D_FORCE_BUILD=TRUE FLASH_ATTENTION_FORCE_BUILD=TRUE FLASH_ATTN_CUDA_ARCHS="$arch" \
       TORCH_CUDA_ARCH_LIST="${arch:0:-1}.${arch: -1}" MAX_JOBS="$(nproc)" \
-      timeout "$limit" "$py" -m pip install --no-index --no-deps --no-build-isolation --no-cache-dir \
+      waited timeout "$limit" "$py" -m pip install --no-index --no-deps --no-build-isolation --no-cache-dir \
       --target "$scratch/site" "$build" >> "$scratch/kernels.log" 2>&1; then
       echo "built $name" | tee -a "$log"
     else
@@ -107,22 +139,7 @@ fi
 if command -v nvidia-smi >/dev/null 2>&1; then
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$scratch/nvidia-smi.txt" 2>&1
 fi
-"$py" scripts/gpu_check.py --out "$scratch" "$@" 2>&1 | tee -a "$log"
-rc=${PIPESTATUS[0]}
-
-# Back to $OUT: the top-level files (summary.json, the logs) and one tarball of the rest, at most 8 files in all;
-# the installed wheels and kernel build trees stay behind (rebuilt from .whl/ by the next run)
-mkdir -p "$out" || { echo "gpu_check: OUT: cannot create $out; everything is in $scratch" >&2; exit 1; }
-files=()
-for f in "$scratch/summary.json" "$log" "$scratch"/*.log; do
-  [ -f "$f" ] && [[ " ${files[*]} " != *" $f "* ]] && files+=("$f")
-done
-rm -f "$out/summary.json" "$out"/*.log "$out/gpu_check_rest.tar.gz"  # this script's files of an earlier run
-excluded=(--exclude=./site --exclude=./build)
-for f in "${files[@]:0:7}"; do
-  cp "$f" "$out/" && excluded+=("--exclude=./$(basename "$f")")
-done
-tar -czf "$out/gpu_check_rest.tar.gz" -C "$scratch" "${excluded[@]}" . ||
-  echo "gpu_check: the tarball of $scratch failed; everything is there" >&2
-echo "gpu_check: $(ls "$out" | wc -l) files in $out; read $out/summary.json first"
-exit "$rc"
+mkdir -p "$out" || fail 1 "OUT: cannot create $out"
+# The check itself replaces this shell, so a stop signal reaches it: it writes gpu_check.log itself (after the lines
+# above) and copies to $OUT after every step
+exec "$py" scripts/gpu_check.py --out "$scratch" --back "$out" "$@"

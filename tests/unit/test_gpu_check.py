@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -80,7 +81,7 @@ def test_a_plan_under_a_small_budget_lists_the_steps_it_would_skip(capsys):
 
 def test_the_cpu_plan_has_no_cuda_only_step_and_the_35b_variant_plans_the_published_model():
     rows = gpu_check.estimates(gpu_check.plan(gpu_check.Target("cpu")), gpu_check.Target("cpu"))
-    assert [r["step"] for r in rows if "skipped" not in r] == ["bf16", "fp32", "features"]
+    assert [r["step"] for r in rows if "skipped" not in r] == ["bf16", "features", "fp32"]  # by value
     assert "no CPU form" in next(r for r in rows if r["step"] == "compile")["skipped"]
     assert not any("oom" in p for r in rows for p in r["points"])  # the allocator's history is CUDA's
     big = gpu_check.Target("cuda", 8, "/models/Qwen3.5-35B-A3B")
@@ -94,14 +95,14 @@ def test_the_cpu_plan_has_no_cuda_only_step_and_the_35b_variant_plans_the_publis
 
 
 def test_a_budget_too_small_skips_every_step_with_its_reason_and_runs_nothing(tmp_path, monkeypatch):
-    launched = []
+    launched = []  # 20 s: not even bf16's shortest form (the in-process backend alone, 21 s) fits
     monkeypatch.setattr(gpu_check, "harness", lambda *a, **k: launched.append(a) or (0, 0.0))
-    assert gpu_check.main(["--device", "cpu", "--budget-s", "50", "--out", str(tmp_path)]) == 1
+    assert gpu_check.main(["--device", "cpu", "--budget-s", "20", "--out", str(tmp_path)]) == 1
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert launched == [] and summary["ok"] is False
     assert {"ok", "device", "budget_s", "plan", "tolerances", "environment", "steps", "covered", "not_covered",
             "wall_s"} <= set(summary)
-    assert [r["step"] for r in summary["plan"]] == list(summary["steps"]) and summary["budget_s"] == 50
+    assert [r["step"] for r in summary["plan"]] == list(summary["steps"]) and summary["budget_s"] == 20
     assert summary["steps"]["bf16"]["status"] == "skipped"
     assert "left of --budget-s" in summary["steps"]["bf16"]["reason"]
     assert "no CPU form" in summary["steps"]["compile"]["reason"]
@@ -111,19 +112,19 @@ def test_a_budget_too_small_skips_every_step_with_its_reason_and_runs_nothing(tm
 def test_a_step_that_fits_runs_and_the_next_is_skipped_once_the_budget_is_spent(tmp_path, monkeypatch):
     now = [0.0]
 
-    def fake(args, timeout, log, env):  # a launch that spends 30 s and leaves no point behind
+    def fake(cmd, timeout, log, env):  # a launch that spends 60 s and leaves no point behind
         log.write_text("ran\n")
-        now[0] += 30.0
-        return 0, 30.0
+        now[0] += 60.0
+        return 0, 60.0
 
     monkeypatch.setattr(gpu_check, "harness", fake)
     target = gpu_check.Target("cpu")
     steps = gpu_check.plan(target)
     rows = gpu_check.estimates(steps, target)
     summary: dict = {"steps": {}}
-    budget = rows[0]["estimate_s"] + 1  # the first step fits; after its 30 s the second does not
+    budget = rows[0]["estimate_s"] + 1  # the first step fits; after its 60 s the second does not, nor its shorter forms
     gpu_check.run_steps(steps, rows, target, tmp_path, budget, None, summary, lambda: None, clock=lambda: now[0])
-    first, second = summary["steps"]["bf16"], summary["steps"]["fp32"]
+    first, second = summary["steps"]["bf16"], summary["steps"]["features"]
     assert first["status"] == "failed" and first["points"]["bf16.fsdp2.packed"] == {"status": "not reached"}
     assert first["cap_s"] <= budget and second["status"] == "skipped" and "left of --budget-s" in second["reason"]
     written = (tmp_path / "conf" / "gpu_check" / "bf16.fsdp2.packed.yaml").read_text()
@@ -200,13 +201,15 @@ def test_summary_records_each_points_kernels_and_the_feature_checks(tmp_path):
 
 
 def test_bad_arguments_are_one_line_and_exit_2(capsys):
-    for argv in (["--only", "nosuch"], ["--backends", "fsdp3"], ["--model-path", "/models/x"]):
+    for argv in (["--only", "nosuch"], ["--backends", "fsdp3"], ["--model-path", "/models/x"],
+                 ["--estimates-from", "/no/summary.json"]):
         assert gpu_check.main(["--plan", "--device", "cpu", *argv]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith(argv[0])
-    with pytest.raises(SystemExit) as exc:
-        gpu_check.main(["--budget-s", "0"])
-    assert exc.value.code == 2
+    for argv in (["--budget-s", "0"], ["--estimate-scale", "0"]):
+        with pytest.raises(SystemExit) as exc:
+            gpu_check.main(argv)
+        assert exc.value.code == 2
     for argv in (["--plan", "--gpus", "4"], ["--device", "cuda", "--gpus", "4"]):  # it plans for GPUs, runs none
         with pytest.raises(SystemExit) as exc:
             gpu_check.main(argv)
@@ -290,3 +293,112 @@ def test_the_induced_out_of_memory_hooks_resolve_as_the_ranks_name_them_and_leav
     model(torch.ones(1, 2)).sum().backward()
     hooks_class(BackendSpec(name="fsdp2"), 0, 1, torch.device("cpu")).start_pass(model, "forward_backward")
     assert model.weight.grad is None  # FSDP2's own start of a fwd+bwd ran (gradients cleared), nothing raised
+
+
+def test_estimates_known_to_be_half_the_truth_still_finish_within_the_budget_and_exit_0(tmp_path, monkeypatch):
+    """Every estimate halved (--estimate-scale), each step really taking twice its halved estimate (a sleep, after
+    its points' results are written): once bf16 has measured the ratio, fp32 no longer fits whole and runs shortened
+    or is skipped, the run ends within --budget-s, exits 0 and lists what it skipped. Real processes and real time;
+    the launch is a sleep in place of the harness."""
+    seconds_per_unit = 0.006  # COSTS' CPU seconds to the real seconds of a step here (bf16: 61 units, 0.37 s)
+
+    def command(step, out, target, examples):
+        sweep = out / "runs" / step.name
+        for n, p in enumerate(step.points):
+            _point(sweep, n, p.name, p.settings["backend"], p.settings["layout"], [2.0, 3.0], 1.0,
+                   dtype=p.settings["model.dtype"])
+        return ["sleep", f"{sum(step.cost(target.costs, set()).values()) * seconds_per_unit:.3f}"]
+
+    monkeypatch.setattr(gpu_check, "command", command)
+    budget = 0.6  # bf16 (0.37 s) and the halved plan's fp32 (0.18 s) fit; fp32's real 0.37 s does not
+    argv = ["--device", "cpu", "--only", "bf16,fp32", "--out", str(tmp_path), "--budget-s", str(budget),
+            "--estimate-scale", str(seconds_per_unit / 2)]
+    assert gpu_check.main(argv) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    bf16, fp32 = summary["steps"]["bf16"], summary["steps"]["fp32"]
+    assert summary["ok"] and bf16["status"] == "passed" and 1.8 <= summary["timing"]["ratio"] < 3
+    assert sum(s.get("wall_s", 0) for s in summary["steps"].values()) <= budget
+    if fp32["status"] == "skipped":  # listed, with the measured ratio in its reason
+        assert summary["skipped"] == ["fp32"] and "the measured ratio so far" in fp32["reason"] and fp32["ok"] is None
+    else:  # fewer loads: the in-process backend only, or with fsdp2
+        assert fp32["status"] == "passed" and len(fp32["shortened"]["points"]) < len(summary["plan"][1]["points"])
+    assert summary["timing"]["measured"]["bf16"]["wall_s"] >= 2 * summary["plan"][0]["estimate_s"] * 0.95
+    # the next run plans with what this one measured
+    rows = gpu_check.estimates(gpu_check.select(gpu_check.plan(gpu_check.Target("cpu")), "bf16,fp32"),
+                               gpu_check.Target("cpu"), "bf16,fp32")
+    gpu_check.estimates_from(rows, tmp_path / "summary.json", "cpu")
+    assert rows[0]["estimate_s"] == summary["timing"]["measured"]["bf16"]["wall_s"]
+    assert "measured by" in rows[0]["estimate_from"]
+
+
+def test_the_log_forwarder_stops_without_starting_a_thread():
+    """Python 3.12 refuses to start a thread from an atexit handler ("can't create new thread at interpreter
+    shutdown"), and the hot backend closes from one (harness/sweep/hot.py): stopping the workers' log forwarder there
+    put a sentinel on the log queue, whose first put in this process starts the queue's feeder thread. Here starting
+    a thread raises what 3.12 raises at shutdown; the records queued before the stop are still replayed."""
+    import logging
+    import multiprocessing as mp
+    import threading
+
+    from backends.runtime.spawned import _LogForwarder
+
+    log_queue = mp.get_context("spawn").Queue()
+    forwarder = _LogForwarder(log_queue)
+    seen = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    logger = logging.getLogger("gpu_check_forwarder_test")
+    logger.addHandler(Keep())
+    logger.propagate = False
+    # a rank's record, as a rank's put counts it and its feeder thread writes it
+    from multiprocessing.reduction import ForkingPickler
+
+    record = logging.LogRecord(logger.name, logging.WARNING, __file__, 1, "from a rank", None, None)
+    log_queue._sem.acquire()
+    log_queue._writer.send_bytes(bytes(ForkingPickler.dumps(record)))
+    start = threading.Thread.start
+
+    def refused(self):
+        raise RuntimeError("can't create new thread at interpreter shutdown")
+
+    threading.Thread.start = refused
+    try:
+        forwarder.stop()
+    finally:
+        threading.Thread.start = start
+    assert not forwarder.thread.is_alive() and seen == ["from a rank"]
+    log_queue.close()
+
+
+def test_what_comes_back_is_eight_files_at_most_and_the_logs_past_them_ride_in_the_results(tmp_path):
+    """Four step logs and kernels.log: summary.json, the two archives and five logs come back as files; the last
+    step's log goes into the results archive with every point's results.json and configs, never the traces."""
+    import tarfile
+
+    work, dest = tmp_path / "work", tmp_path / "out"
+    for n, step in enumerate(["bf16", "features", "fp32", "compile"]):
+        _point(work / "runs" / step, 0, f"{step}.fsdp2.packed", "fsdp2", "packed", [1.0], 1.0)
+        (work / f"{step}.log").write_text(step)
+        os.utime(work / f"{step}.log", (n, n))  # in the order the steps ran
+    (work / "runs" / "bf16" / "0" / "profile.json.gz").write_bytes(b"t" * 1000)
+    for name in ("summary.json", "gpu_check.log", "kernels.log"):
+        (work / name).write_text("{}")
+    dest.mkdir()
+    (dest / "bf16.log").write_text("an earlier run's")
+    (dest / ".gpu_check_results.tar.gz.tmp").write_text("a copy cut half-way")
+    back = gpu_check.Back(work, dest)
+    back.clear()
+    names = back.ship(rest=True)
+    assert len(names) == gpu_check.MAX_FILES and all(p.is_file() for p in dest.iterdir()), names
+    assert set(names) == {"summary.json", "gpu_check.log", "kernels.log", "bf16.log", "features.log", "fp32.log",
+                          gpu_check.RESULTS_TAR, gpu_check.REST_TAR}
+    with tarfile.open(dest / gpu_check.RESULTS_TAR) as tar:
+        results = set(tar.getnames())
+    assert {"compile.log", "runs/bf16/0/results.json", "runs/bf16/0/.hydra/overrides.yaml"} <= results
+    assert not any("profile" in n for n in results)
+    with tarfile.open(dest / gpu_check.REST_TAR) as tar:
+        rest = set(tar.getnames())
+    assert "runs/bf16/0/profile.json.gz" in rest and not {"summary.json", "bf16.log"} & rest
