@@ -606,7 +606,7 @@ def print_plan(rows: list[dict], target: Target, budget_s: float) -> None:
                   f"{', '.join(short['points'])}")
             continue
         total += row["estimate_s"]
-        parts = ", ".join(f"{k} {v:g}" for k, v in row["parts_s"].items())
+        parts = ", ".join(f"{k} {round(v, 1):g}" for k, v in row["parts_s"].items())
         print(f"  {row['step']:<10} {row['estimate_s']:6.0f} s  {len(row['points'])} point(s)  [{parts}]")
         print(f"  {'':<10}          covers: {', '.join(row['covers'])}")
     print(f"  {'total':<10} {total:6.0f} s  (--budget-s {budget_s:g})")
