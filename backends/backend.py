@@ -72,6 +72,11 @@ class Backend:
         """Processes doing the work (besides this one), for CPU utilisation and memory sampling."""
         return []
 
+    def footprint(self) -> Optional[dict]:
+        """What the process running the passes holds once its caches are handed back, as a memory limit counts it
+        (backends.runtime.memory.footprint); None where the harness cannot read it (ranks in other processes)."""
+        return None
+
     def failure(self) -> Optional[str]:
         """Why this backend can run no more passes (a dead worker, stopped workers); None while it can."""
         return None

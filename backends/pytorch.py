@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import gc
 import logging
 import math
 import time
+import traceback
+from typing import Optional
 
 import torch
 
@@ -29,6 +30,7 @@ from backends.runtime.job import resolve_world_size
 from backends.runtime.memory import (
     MemoryHistory,
     data_segment_bytes,
+    footprint,
     is_out_of_memory,
     limit_memory,
     near_the_limit,
@@ -164,12 +166,12 @@ class PyTorchBackend(Backend):
             if not is_out_of_memory(exc):
                 raise
             oom = oom_message(pass_type, "", plan.stats.max_microbatch_padded_tokens, self.spec.memory_limit_gb, exc)
+            traceback.clear_frames(exc.__traceback__)  # the failed step's locals (its activations) let go now
         if oom is not None:
-            # Raised out here, once the failed step's frames (and their tensors) are gone.
+            # Raised out here, once the failed step's frames (and their tensors) are gone; what they held is handed
+            # back (gc, the CUDA cache, glibc's free heap) before the next pass measures anything.
             self.model.zero_grad(set_to_none=True)
-            gc.collect()
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
+            release_cached_memory(self.device)
             raise BackendError(oom, status="oom")
         grad_norm = math.sqrt(grad_norm_local_sq(self.model)) if pass_type == "forward_backward" else None
         end = clock.end_event()
@@ -189,6 +191,9 @@ class PyTorchBackend(Backend):
         log.warning("pytorch %s: its %d thread(s) computed %.2f CPU-seconds in the pass's %.2f s: they waited for "
                     "cores busy elsewhere, so this time is the machine's load, not the batching",
                     pass_type, threads, cpu_s, step_s)
+
+    def footprint(self) -> Optional[dict]:
+        return footprint(self.device)
 
     def close(self) -> None:
         # Release the model, then hand its memory back (gc, the CUDA cache, glibc's heap), so a later

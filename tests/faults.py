@@ -68,6 +68,21 @@ class FSDP2OutOfMemoryInTraining(FSDP2Hooks):
             raise MemoryError("injected: out of memory")
 
 
+class FSDP2ForwardOutOfMemory(FSDP2Hooks):
+    """Every forward pass runs out of memory on every rank; with BALANCE_BATCH_TEST_OOM_ONCE naming a file, only
+    while that file does not exist (the first such pass creates it: ranks started after it run). mtpm=auto's search
+    runs fwd+bwd alone, so the chosen budget's final forward pass is the one refused."""
+
+    def start_pass(self, model, pass_type):
+        super().start_pass(model, pass_type)
+        once = os.environ.get("BALANCE_BATCH_TEST_OOM_ONCE")
+        if pass_type != "forward" or (once and os.path.exists(once)):
+            return
+        if once and self.rank == 0:
+            open(once, "w").close()
+        raise MemoryError("injected: out of memory")
+
+
 class FSDP2HangAtItsMemoryLimit(FSDP2Hooks):
     """Every rank maps (without touching) all but 16 MiB of what bench.memory_limit_gb leaves it, then waits before
     joining the process group: a rank too close to its limit to start a thread, as gloo's set-up left one."""

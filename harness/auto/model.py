@@ -82,6 +82,9 @@ class Candidate:
     reason: Optional[str] = None
     # fwd+bwd tok/s over an mbs=1 pass run beside it (bench.paired): what the search ranks by, drift cancelled
     speedup: Optional[float] = None
+    # an out of memory in a process that lives on: what a limit counts of it before the candidate ran and after its
+    # memory was handed back (``measure``, ``before_bytes``, ``after_bytes``, ``back``); None elsewhere
+    after_oom: Optional[dict] = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -96,6 +99,7 @@ class Measured:
     peak_bytes: Optional[int] = None
     error: Optional[str] = None
     speedup: Optional[float] = None  # the pair ratio over an mbs=1 pass beside it (None: not paired)
+    after_oom: Optional[dict] = None  # an out of memory: the footprint before it and after (harness/auto/run.py)
 
 
 @dataclass
@@ -422,7 +426,7 @@ class _Search:
         c.tok_per_s = got.tok_per_s
         c.speedup = got.speedup
         if got.status == "oom":
-            c.status, c.reason = "oom", got.error
+            c.status, c.reason, c.after_oom = "oom", got.error, got.after_oom
             self.ceiling = min(self.ceiling, i)
             self._note(c)
             return False

@@ -21,6 +21,10 @@ from harness.point.setup import Setup, label, plan_for, setup_fields
 
 log = logging.getLogger("harness")
 
+# A budget that ran out of memory has handed its memory back when the process's footprint is within this of where it
+# was before the budget ran (what stays: the allocator's bookkeeping, a kernel's cached code)
+FOOTPRINT_SLACK_BYTES = 128 * 1024**2
+
 
 class AutoRun:
     """The search for one point (``point``: a harness.point.point.Point, whose record becomes the chosen budget's)."""
@@ -56,7 +60,7 @@ class AutoRun:
         self.examples = self.point.examples(spec)
         chosen = self._settle_lead(self._search())
         self._save()
-        self._record_choice(chosen)
+        self._record_answer(chosen)
         log_answer(self.point.label, self.point.results.doc)
 
     # -- before anything is measured ------------------------------------------------------------------
@@ -100,7 +104,7 @@ class AutoRun:
                  limit / 2**30, source)
         self.auto = {"candidates": [c.as_dict() for c in cands], "memory_model": None, "headroom": headroom,
                      "limit_bytes": limit, "limit_source": source, "baseline": None, "chosen": None,
-                     "refused": refused}
+                     "refused": refused, "final": None}
         point.results.update(backend=setup.name, world_size=setup.world_size, device=setup.device,
                              planner=setup.planner, layout=setup.layout,
                              workload=workload_record(spec.workload, lengths, self.workload.file,
@@ -133,6 +137,7 @@ class AutoRun:
         pairing = point.pairing(spec, self.examples, "forward_backward", mtpm=mtpm)
         if pairing is not None:
             pairing.warm = False  # the baseline ran first, warm: each candidate pays for its own warm-up only
+        before = point.backend.footprint()
         try:
             record, result = measure_pass(point.backend, self.examples, "forward_backward", spec.bench.warmup, 1,
                                           command_for, spec.bench.util_sample_s, label=label(setup.name, mtpm, 1),
@@ -144,13 +149,32 @@ class AutoRun:
             if point.backend.failure() is not None:  # its ranks are gone: the next candidate starts fresh ones
                 point.backend.close()
                 point.backend = None
-            return Measured("oom", error=str(exc))
+                return Measured("oom", error=str(exc))
+            return Measured("oom", error=str(exc), after_oom=self._after_oom(mtpm, before))
         self.runs[mtpm] = (record, result)
         self.last_measured = mtpm
         peaks = [p for p in record.mem_peak_bytes or [] if p is not None]
         speed = record.spread_fields().get("speedup")  # the candidate's pair ratio: what the search ranks by
         return Measured("ok", record.tok_per_s, max(peaks) if peaks else None,
                         speedup=speed["median"] if speed else None)
+
+    def _after_oom(self, mtpm: Optional[int], before: Optional[dict]) -> Optional[dict]:
+        """What a budget that ran out of memory left behind, its memory handed back (the backend releases it as the
+        pass fails): the footprint a memory limit counts before it and now; one line when it is not back within
+        ``FOOTPRINT_SLACK_BYTES`` of where it was, since every budget measured after it starts that much nearer the
+        limit."""
+        after = self.point.backend.footprint()
+        if not before or not after or before["bytes"] is None or after["bytes"] is None:
+            return None
+        grew = after["bytes"] - before["bytes"]
+        back = grew <= FOOTPRINT_SLACK_BYTES
+        if not back:
+            log.warning("%smtpm=auto: mtpm=%s ran out of memory and left the process %.2f GiB over where it started "
+                        "(%s %.2f -> %.2f GiB, what the limit counts): budgets measured after it start that much "
+                        "nearer the limit", self.point.label, mtpm, grew / 2**30, after["measure"],
+                        before["bytes"] / 2**30, after["bytes"] / 2**30)
+        return {"measure": after["measure"], "before_bytes": before["bytes"], "after_bytes": after["bytes"],
+                "back": back}
 
     def _search(self):
         """The baseline, then the search over the candidates; the candidate chosen (none fits: a BackendError)."""
@@ -247,6 +271,44 @@ class AutoRun:
         self.last_measured = mtpm
 
     # -- the answer --------------------------------------------------------------------------------------
+    def _record_answer(self, chosen) -> None:
+        """The chosen budget's record (``_record_choice``); passes that run out of memory there, though the search
+        measured the budget ``ok``, are run once more on a fresh backend (its ranks, or the pytorch backend's model,
+        started again after everything was handed back). ``auto.final`` records what happened; an out of memory on
+        the fresh backend too ends the point ``oom`` with the answer and the search's own measurement in its one
+        line, never an out of memory that reads as though no budget fitted."""
+        try:
+            self._record_choice(chosen)
+            return
+        except BackendError as exc:
+            if exc.status != "oom":
+                raise
+            first = str(exc)
+        log.warning("%smtpm=auto: mtpm=%d's final passes ran out of memory though the search measured it ok (%s); "
+                    "measuring them again on a fresh backend", self.point.label, chosen.mtpm, first)
+        self.auto["final"] = {"error": first, "fresh_backend": None}  # None: measuring on it
+        self._save()
+        if self.point.backend is not None:
+            self.point.backend.close()
+            self.point.backend = None
+        self.last_measured = "none"  # nothing cached on the fresh backend
+        try:
+            self._record_choice(chosen)
+        except BackendError as exc:
+            if exc.status != "oom":
+                raise
+            self.auto["final"].update(fresh_backend="oom", fresh_error=str(exc))
+            self._save()
+            gib = lambda n: "—" if n is None else f"{n / 2**30:.2f} GiB"  # noqa: E731
+            speed = f"{chosen.speedup:.2f}× mbs=1, " if chosen.speedup is not None else ""
+            raise BackendError(
+                f"mtpm=auto chose mtpm={chosen.mtpm} (the search measured it ok: {speed}peak "
+                f"{gib(chosen.measured_peak_bytes)} of {gib(self.limit)}), but its final passes ran out of memory "
+                f"twice, on a fresh backend too: {exc}", status="oom") from None
+        self.auto["final"]["fresh_backend"] = "ok"
+        self.point.results.save()
+        log.info("%smtpm=auto: mtpm=%d's final passes ran on the fresh backend", self.point.label, chosen.mtpm)
+
     def _record_choice(self, chosen) -> None:
         """The chosen budget's record, as any point's: its plan, its fwd+bwd topped up to ``bench.repeat`` timed
         runs (after the one the search made), and its forward pass."""
