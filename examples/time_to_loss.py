@@ -41,6 +41,8 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 
+from harness.data.demo_data import byte_level_bpe
+
 # OpenMP's idle threads spin by default: beside other work on the cores, a spinning thread holds the core its
 # partner waits for, and passes run many times slower (docs/measurements/2026-12-04-cpu-threads.md). Set before torch
 # loads; a user's own setting wins.
@@ -48,7 +50,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 ARMS = ("padded", "group_by_length", "token_budget", "token_budget_ramp")
 HELD_OUT_PERCENT = 10  # a file is held out when its path's hash is 0..9 mod 100
-PAD, VOCAB_SPECIALS = "<pad>", ("<pad>",)
+PAD = "<pad>"
 
 
 @dataclass(frozen=True)
@@ -109,18 +111,6 @@ def split(files):
     held = [f for f in ordered if file_hash(f[0]) % 100 < HELD_OUT_PERCENT]
     pool = [f for f in ordered if file_hash(f[0]) % 100 >= HELD_OUT_PERCENT]
     return pool, held
-
-
-def train_tokenizer(texts, vocab: int):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=list(VOCAB_SPECIALS), show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(texts, trainer)
-    return tok
 
 
 def take(tok, files, loss_tokens: int, max_length: int) -> list[list[int]]:
@@ -444,7 +434,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m examples.time_to_loss", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", help="folder for time_to_loss.json and time_to_loss.png")
     mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--quick", action="store_true", help="one seed, a quarter of the tokens (about 3 minutes)")
+    mode.add_argument("--quick", action="store_true",
+                      help="one seed, a fifth of the tokens, 4 held-out points (under 3 minutes)")
     mode.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # the test's form
     p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     p.add_argument("--markdown", metavar="JSON", help="print the measurement page's tables from a run's JSON")
@@ -473,7 +464,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(a.threads)
     pool, held_files = split(stdlib_files())
     tok_files = pool[:size.tokenizer_files] if size.tokenizer_files else pool
-    _TOKENIZER[:] = [train_tokenizer((t for _, t in tok_files), size.vocab)]
+    _TOKENIZER[:] = [byte_level_bpe((t for _, t in tok_files), size.vocab, [PAD])]
     train = take(_TOKENIZER[0], pool, size.train_tokens, size.max_length)
     held = Items(take(_TOKENIZER[0], held_files, size.held_out_tokens, size.max_length))
     total = sum(len(s) - 1 for s in train)

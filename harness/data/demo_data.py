@@ -107,17 +107,25 @@ def chat_rows(pairs: list[tuple[str, str, str]], rows: int, seed: int = 0) -> li
     return out
 
 
-def train_tokenizer(texts: list[str], out: Path) -> None:
-    """A byte-level BPE of ``VOCAB_SIZE`` ids with the ChatML template, saved as a transformers tokenizer folder."""
+def byte_level_bpe(texts, vocab_size: int, special_tokens):
+    """A byte-level BPE (a ``tokenizers.Tokenizer``) of ``vocab_size`` ids, the special tokens first, learned from
+    ``texts`` (an iterable of strings)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(special_tokens), show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     bpe.train_from_iterator(texts, trainer)
+    return bpe
+
+
+def train_tokenizer(texts: list[str], out: Path) -> None:
+    """A byte-level BPE of ``VOCAB_SIZE`` ids with the ChatML template, saved as a transformers tokenizer folder."""
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = byte_level_bpe(texts, VOCAB_SIZE, SPECIAL_TOKENS)
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     tok.chat_template = CHAT_TEMPLATE
     tok.save_pretrained(str(out))
