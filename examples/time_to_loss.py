@@ -197,13 +197,26 @@ def budget_sampler(lengths, size: Size, seed: int, tokens_per_step: int, ramp: d
 
 def matched_tokens_per_step(lengths, size: Size, seed: int) -> int:
     """The token-budget step that takes as many steps per epoch as ``padded`` (ceil(items / sequences per step)),
-    so both have the same mean tokens per step: a step holds at most tokens_per_step tokens, on average about half an
-    item less, so the smallest size from padded's mean tokens per step up, in 1% increments, that is no more steps."""
+    so both have the same mean tokens per step. A step holds at most tokens_per_step tokens, on average about half an
+    item less, so: the smallest multiple of 4 (the ramp's quarters are whole tokens) from padded's mean tokens per
+    step up that takes no more steps, found by doubling the distance and then halving it. Where the count jumps past
+    padded's (more at one size, fewer at the next), it is fewer."""
     target = math.ceil(len(lengths) / size.sequences_per_step)
-    tokens = size.sequences_per_step * sum(lengths) / len(lengths)
-    while budget_sampler(lengths, size, seed, 4 * math.ceil(tokens / 4), {}).steps_in_epoch > target:
-        tokens *= 1.01
-    return 4 * math.ceil(tokens / 4)  # a multiple of 4: the ramp's quarters are whole tokens
+
+    def steps(q: int) -> int:  # the steps of a step size of 4 q tokens
+        return budget_sampler(lengths, size, seed, 4 * q, {}).steps_in_epoch
+
+    low = math.ceil(size.sequences_per_step * sum(lengths) / len(lengths) / 4) - 1  # takes more steps, or is the mean
+    if steps(low + 1) <= target:
+        return 4 * (low + 1)
+    gap = 1
+    while steps(low + gap) > target:
+        low, gap = low + gap, gap * 2
+    high = low + gap  # steps(low) > target >= steps(high)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if steps(mid) > target else (low, mid)
+    return 4 * high
 
 
 class Clock:

@@ -49,9 +49,12 @@ def test_every_arm_trains_the_same_tokens_and_reports_its_curve(tiny_run):
         assert all(0 < v < 10 for v in vals) and vals[-1] < vals[0], (arm, vals)  # it learned something
     # the same seed is the same initial model: the same held-out loss before training
     assert len({r["curve"][0][3] for r in result["runs"]}) == 1
-    # padded and token_budget take as many steps (so the same mean tokens per step); the ramp takes more
+    # token_budget takes as many steps as padded (fewer only where no step size gives as many), so about the same mean
+    # tokens per step; the ramp's small first steps make more
     steps = {r["arm"]: r["steps"] for r in result["runs"]}
-    assert steps["padded"] == steps["group_by_length"] == steps["token_budget"] < steps["token_budget_ramp"]
+    assert steps["padded"] == steps["group_by_length"]
+    assert 0.9 * steps["padded"] <= steps["token_budget"] <= steps["padded"] and steps["token_budget"] < steps[
+        "token_budget_ramp"]
     speedups = result["speedup_to_baseline_loss"]
     assert list(speedups) == ARMS and speedups["padded"]["per_seed"] == [1.0]
     for s in speedups.values():
