@@ -404,7 +404,7 @@ def plot(runs: list[dict], path: str, title: str) -> None:
 
 def markdown(result: dict) -> str:
     """The measurement page's tables, from a run's JSON."""
-    lines = [("| arm | seeds | train tokens | steps | tokens/step (mean) | wall s (training) | held-out loss "
+    lines = [("| arm | seeds | train tokens | steps | loss tokens/step (mean) | wall s (training) | held-out loss "
               "(mean; min–max) | speedup to padded's loss (mean; min–max) | speedup at equal tokens (mean; min–max) |"),
              "|---|---|---|---|---|---|---|---|---|"]
     for arm in ARMS:
@@ -417,8 +417,12 @@ def markdown(result: dict) -> str:
                      f"{a['tokens_per_step_mean']:,.0f} | {a['wall_s']:.1f} | {a['val_loss']:.3f} "
                      f"({a['val_loss_min']:.3f}–{a['val_loss_max']:.3f}) | {sp} | "
                      f"{e['mean']:.2f}× ({e['min']:.2f}–{e['max']:.2f}) |")
-    m = result["machine"]
-    lines += ["", (f"Machine: {m['cpu']}, {m['threads']} threads, Python {m['python']}, torch {m['torch']}, "
+    m, c = result["machine"], result["corpus"]
+    lines += ["", (f"Corpus: {c['training_files']} training files, {c['at_max_length']} of them cut at "
+                   f"{result['size']['max_length']:,} tokens, {c['mean_length']:,.1f} tokens on average; "
+                   f"{c['held_out_files']} held-out files, {c['held_out_tokens']:,} loss tokens; "
+                   f"{result['parameters']:,} parameters."),
+              "", (f"Machine: {m['cpu']}, {m['threads']} threads, Python {m['python']}, torch {m['torch']}, "
                    f"transformers {m['transformers']}, tokenizers {m['tokenizers']}; the whole command took "
                    f"{result['total_s']:.0f} s ({result['mode']}).")]
     return "\n".join(lines)
