@@ -67,7 +67,7 @@ class Size:
     intermediate: int = 512
     heads: int = 6
     kv_heads: int = 2
-    held_out_tokens: int = 4096
+    held_out_tokens: int = 8192
     evals: int = 8  # held-out loss at 0, 1/evals, ..., 1 of the tokens
     tokenizer_files: int = 0  # 0: the tokenizer learns every training-pool file; n: the first n (the test's form)
     lr: float = 3e-3
@@ -76,7 +76,7 @@ class Size:
 
 SIZES = {
     "full": Size(train_tokens=300_000, seeds=(0, 1)),
-    "quick": Size(train_tokens=60_000, seeds=(0,), evals=4),
+    "quick": Size(train_tokens=60_000, seeds=(0,), evals=4, held_out_tokens=4096),
     # the test's form: seconds, not a measurement
     "tiny": Size(train_tokens=3_000, seeds=(0,), max_length=256, vocab=512, hidden=64, layers=2, intermediate=128,
                  heads=2, kv_heads=1, held_out_tokens=1024, evals=2, tokenizer_files=40),
