@@ -79,8 +79,7 @@ def _auto_run(workdir: Path, name: str, env: dict) -> tuple[dict, str]:
 
 def test_auto_measures_the_chosen_budget_again_on_fresh_ranks_after_its_final_pass_ran_out(workdir):
     """The search measures fwd+bwd; the chosen budget's final forward pass then runs out of memory once (the ranks'
-    injected refusal): fresh ranks run it and the point ends ok with its answer; ``auto.final`` says what happened.
-    When the fresh ranks run out too, the point ends oom with the answer and the search's measurement in its line."""
+    injected refusal): fresh ranks run it and the point ends ok with its answer; ``auto.final`` says what happened."""
     import os
 
     marker = workdir / "refused-once"
@@ -91,6 +90,12 @@ def test_auto_measures_the_chosen_budget_again_on_fresh_ranks_after_its_final_pa
     final = res["auto"]["final"]
     assert final["fresh_backend"] == "ok" and "out of memory in forward" in final["error"], final
     assert "measuring them again on a fresh backend" in log and "ran on the fresh backend" in log
+
+
+def test_auto_whose_chosen_budget_runs_out_on_fresh_ranks_too_answers_in_one_line(workdir):
+    """The final forward pass runs out of memory on the fresh ranks too: the point ends oom, not as though no budget
+    fitted: the answer and the search's own measurement are its one line, ``mtpm`` and ``auto.chosen`` hold it."""
+    import os
 
     res, log = _auto_run(workdir, "twice", {k: v for k, v in os.environ.items() if k != "BALANCE_BATCH_TEST_OOM_ONCE"})
     chosen = res["auto"]["chosen"]
