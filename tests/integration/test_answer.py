@@ -75,8 +75,8 @@ def _auto_checks(doc: dict) -> dict:
 
 def test_auto_searches_under_a_memory_limit_and_records_the_answer(tmp_path):
     """pytorch, a 1.5 GiB cap: the larger plans are predicted (or found) over it, the chosen one fits (the largest
-    peaks near 1.9 GiB: under 2 GiB since #65 hands a pass's freed heap back). Unpaired (the fsdp2 test below ranks
-    by pairs): no mbs=1 pass beside each candidate, which is ranked by its tok/s."""
+    peaks near 1.9 GiB: under 2 GiB now that a pass's freed memory goes back to the kernel). Unpaired (the fsdp2
+    test below ranks by pairs): no mbs=1 pass beside each candidate, which is ranked by its tok/s."""
     run = tmp_path / "run"
     proc = run_harness("mtpm=auto", "backend=pytorch", "workload=cpu_mixed",
                        "bench.memory_limit_gb=1.5", "bench.warmup=0", "bench.repeat=2",

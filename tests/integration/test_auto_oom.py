@@ -1,4 +1,4 @@
-"""mtpm=auto after a budget runs out of memory (#65): the pytorch backend under bench.memory_limit_gb hands back what
+"""mtpm=auto after a budget runs out of memory: the pytorch backend under bench.memory_limit_gb hands back what
 the failed budget allocated, so a smaller budget measured next (as the search does, and the chosen budget's final
 passes) runs as it did before.
 
@@ -52,8 +52,8 @@ print("RESULT " + json.dumps(out))
 def test_a_budget_that_fits_runs_again_after_a_larger_one_ran_out_of_memory():
     """The larger budget runs out of memory under the 2 GiB limit; the process's data segment (what the limit
     counts) is then back within 128 MiB of where it was, and the smaller budget, which fitted before, runs again.
-    Before #65 glibc kept the failed budget's freed heap: the data segment stayed about 0.7 GiB up, and the smaller
-    budget's 1 GiB log-prob chunk was refused."""
+    With glibc's default mmap threshold the failed budget's freed heap stayed counted: the data segment stayed about
+    0.7 GiB up, and the smaller budget's 1 GiB log-prob chunk was refused."""
     proc = subprocess.run([sys.executable, "-c", SCENARIO], cwd=REPO, capture_output=True, text=True, timeout=300)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     assert proc.returncode == 0 and line, proc.stderr[-3000:]
