@@ -44,10 +44,12 @@ def test_each_ranks_step_times_add_up_to_its_pass_time(backend_runs, backend):
             parts = rank["start_s"] + sum(rank["step_s"]) + rank["sync_s"]
             assert parts == pytest.approx(rank["elapsed_s"], rel=0.05), (backend, key, r)
         # the pass's timed region is the slowest rank's, and that rank (which waits for nobody) spends it in its steps:
-        # nothing of the region escapes the step clock
-        assert max(rank["elapsed_s"] for rank in tl["per_rank"]) == pytest.approx(result.step_s, rel=0.05)
+        # nothing of the region escapes the step clock. Within 5%, or 30 ms on the short passes: two ranks and the
+        # harness on 2 cores start a rank's region up to tens of ms late (28 ms of a 0.36 s forward pass seen on a
+        # quiet machine), while a step that escaped the clock would be one of 70 ms or more
+        assert max(rank["elapsed_s"] for rank in tl["per_rank"]) == pytest.approx(result.step_s, rel=0.05, abs=0.03)
         busiest = max(tl["per_rank"], key=lambda rank: sum(rank["busy_s"]))
-        assert sum(busiest["step_s"]) == pytest.approx(result.step_s, rel=0.05), (backend, key, busiest)
+        assert sum(busiest["step_s"]) == pytest.approx(result.step_s, rel=0.05, abs=0.03), (backend, key, busiest)
 
 
 @pytest.mark.parametrize("backend", ("fsdp2", "megatron_ddp"))
