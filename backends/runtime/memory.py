@@ -188,11 +188,21 @@ def keep_large_blocks_off_the_heap() -> None:
     goes on counting the freed space below (malloc_trim hands the pages back, not the address space the limit
     counts). A budget that ran out of memory then left the process 0.7 GB over where it started under a 2 GB limit,
     and the smaller budget measured next ran out too. Fixing the threshold keeps it from rising. Process-wide and
-    not undone (a later limit wants it too); not glibc: nothing to do."""
+    not undone (a later limit wants it too); not glibc: nothing to do. The price is speed (fresh mappings are zeroed
+    page by page: passes about 1.45x slower, docs/auto.md), said once per process in the log."""
     try:
-        ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+        set_threshold = ctypes.CDLL("libc.so.6").mallopt
     except (OSError, AttributeError):
-        pass
+        return
+    set_threshold(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+    if not _THRESHOLD_SAID:
+        _THRESHOLD_SAID.append(True)
+        log.info("bench.memory_limit_gb on CPU: glibc's mmap threshold is fixed at 128 KiB, so freed tensors leave the "
+                 "limit; passes run slower than without a limit (about 1.45x, docs/auto.md): compare their throughput "
+                 "with other points under a limit")
+
+
+_THRESHOLD_SAID: list = []  # the log line above, once per process
 
 
 def footprint(device: torch.device) -> dict[str, Optional[int]]:
