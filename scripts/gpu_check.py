@@ -861,7 +861,10 @@ def stop_group(proc: subprocess.Popen) -> float:
         proc.wait()
         deadline = time.monotonic() + 5
         while group_alive(proc.pid) and time.monotonic() < deadline:
-            os.killpg(proc.pid, signal.SIGKILL)
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:  # its last process ended since the check
+                break
             time.sleep(0.05)
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
