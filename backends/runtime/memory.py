@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import gc
 import logging
 import resource
@@ -166,12 +167,20 @@ def restore_memory_limit(previous: Optional[MemoryLimit]) -> None:
         _apply(previous.undone())
 
 
+@functools.cache
+def _glibc():
+    """glibc, for its allocator's calls (malloc_trim, mallopt); None where the C library is another."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return libc if hasattr(libc, "malloc_trim") and hasattr(libc, "mallopt") else None
+    except OSError:
+        return None
+
+
 def _malloc_trim() -> None:
     """glibc keeps freed heap pages; trimming hands them back, so the resident set (and VmHWM) drops."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass  # not glibc
+    if _glibc() is not None:
+        _glibc().malloc_trim(0)
 
 
 # glibc's own starting threshold: blocks this large or larger are mapped on their own and unmapped when freed
@@ -190,19 +199,17 @@ def keep_large_blocks_off_the_heap() -> None:
     and the smaller budget measured next ran out too. Fixing the threshold keeps it from rising. Process-wide and
     not undone (a later limit wants it too); not glibc: nothing to do. The price is speed (fresh mappings are zeroed
     page by page: passes about 1.45x slower, docs/auto.md), said once per process in the log."""
-    try:
-        set_threshold = ctypes.CDLL("libc.so.6").mallopt
-    except (OSError, AttributeError):
+    if _glibc() is None:
         return
-    set_threshold(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
-    if not _THRESHOLD_SAID:
-        _THRESHOLD_SAID.append(True)
-        log.info("bench.memory_limit_gb on CPU: glibc's mmap threshold is fixed at 128 KiB, so freed tensors leave the "
-                 "limit; passes run slower than without a limit (about 1.45x, docs/auto.md): compare their throughput "
-                 "with other points under a limit")
+    _glibc().mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+    _say_the_threshold_once()
 
 
-_THRESHOLD_SAID: list = []  # the log line above, once per process
+@functools.cache
+def _say_the_threshold_once() -> None:
+    log.info("bench.memory_limit_gb on CPU: glibc's mmap threshold is fixed at 128 KiB, so freed tensors leave the "
+             "limit; passes run slower than without a limit (about 1.45x, docs/auto.md): compare their throughput "
+             "with other points under a limit")
 
 
 def footprint(device: torch.device) -> dict[str, Optional[int]]:
