@@ -67,16 +67,22 @@ _LAYER_TYPES: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[str, ...]]" = we
 
 
 def check_packable(model: torch.nn.Module) -> None:
-    """Raise ValueError unless packing keeps sequences apart in this model's architecture (``PACKED_MODEL_TYPES``).
+    """Raise ValueError unless packing keeps sequences apart in this model's architecture (``PACKED_MODEL_TYPES``)
+    and the library's probe finds packed rows exact on it (``balance_batch...packing.check_packable``).
 
     Elsewhere a packed row would fail deep in the model's mask code, or, worse,
     run with attention across sequences. The harness refuses such a run from
     config.json before loading (``configs.check_model_spec``); this is the
-    same rule for a backend driven directly. Decided once per model.
+    same rule for a backend driven directly. The probe runs the Hugging Face
+    model inside any wrapper, where this process holds its whole parameters
+    (not sharded by FSDP2, which the probe of ``prepare_model_for_packing`` at
+    build time covers). Decided once per model.
     """
     if _PACKABLE.get(model):
         return
     from transformers import PreTrainedModel
+
+    from balance_batch.integrations.transformers.packing import check_packable as probe_packable
 
     hf = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
     model_type = getattr(getattr(hf, "config", None), "model_type", None)
@@ -84,6 +90,7 @@ def check_packable(model: torch.nn.Module) -> None:
         name = type(hf).__name__ if hf is not None else type(model).__name__
         raise ValueError(f"layout=packed cannot run {name} (model_type {model_type!r}): packed rows are kept apart "
                          f"only in Qwen3.5-MoE models (model_type {' / '.join(PACKED_MODEL_TYPES)}); use layout=padded")
+    probe_packable(hf)
     _PACKABLE[model] = True
 
 

@@ -148,10 +148,10 @@ def run_steps(
         raise ValueError(f"pass type must be one of {PASS_TYPES}, got {pass_type!r}")
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    if layout == "packed":
-        check_packable(model)  # an architecture packing does not keep apart: one clear error, before any step
     # idempotent (build_model does it): a packed row must never leak across sequences, and every kernel call is recorded
     prepare_model_for_packing(model)
+    if layout == "packed":
+        check_packable(model)  # an architecture packing does not keep apart: one clear error, before any step
     kernels.reset()  # kernels.snapshot() after the pass says what ran in it
     backward = pass_type == "forward_backward"
     scale = 1.0 / total_weight if total_weight > 0 else 0.0

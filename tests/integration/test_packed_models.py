@@ -146,7 +146,7 @@ def test_linear_attention_is_refused_until_prepared_and_other_stateful_layers_al
                                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                              layer_types=["conv", "full_attention"]))
     for refuse in (check_packable, prepare_model_for_packing):
-        with pytest.raises(ValueError, match=r"Lfm2ShortConv carries state .* valid: attention-only models"):
+        with pytest.raises(ValueError, match=r"Lfm2ShortConv layers carry a recurrent state .* attention-only models"):
             refuse(lfm2)
 
 

@@ -41,7 +41,8 @@ COMPILED_LAYER = "compiled_layer"  # one call of a compiled decoder layer (backe
 # Implementation names, as results.json spells them.
 FLASH_ATTN = "flash-attn"  # Hugging Face's flash_attention_2 (padded rows; packed rows through its varlen path)
 SDPA = "sdpa"  # torch scaled_dot_product_attention over a padded batch with its mask
-SDPA_PER_SEQUENCE = "sdpa-per-sequence"  # a packed row: SDPA once per sequence, no (row length)² mask
+PER_SEQUENCE = "-per-sequence"  # after the implementation: a packed row, the layer's own attention once per sequence
+SDPA_PER_SEQUENCE = "sdpa" + PER_SEQUENCE  # a packed row: SDPA once per sequence, no (row length)² mask
 EAGER = "eager"
 FLA_CHUNK = "fla-chunk"  # flash-linear-attention's chunked gated delta rule (Triton)
 SEGMENT_SCAN = "segment-scan"  # this project's batched torch scan (segments.py beside this), padded and packed alike

@@ -1,29 +1,34 @@
-"""Make a Hugging Face model keep a packed row's sequences apart, or refuse it: ``prepare_model_for_packing`` (one call,
-idempotent) and the cheap ``check_packable``.
+"""Make a Hugging Face model run packed rows exactly, or refuse it in one line: ``prepare_model_for_packing`` (one
+call, idempotent) and ``check_packable``, which decides by running the model.
 
 A packed row (``balance_batch.collate.pack_collate``) holds several sequences
 end to end, ``position_ids`` restarting at 0 for each and ``cu_seq_lens_q/k``
-marking the boundaries. What keeps them apart in transformers (5.x):
+marking the boundaries. Whether a model keeps them apart is decided by what it
+does, not by what its code looks like: models build their positions and masks
+in many ways (from ``position_ids``, from an attention mask's running sum, from
+the row's index; ALiBi biases; sinks), and a rule read from configs and class
+names accepted models whose packed sequences attended to each other. So
+``check_packable`` probes the model itself: two short sequences in one row,
+each against itself alone, and the first changed, which must leave the second's
+logits exactly as they were (``_probe``; four forwards of at most 22 tokens).
 
-- sdpa, eager and flex attention: the block-diagonal mask transformers builds
-  from the restarting ``position_ids`` (``masking_utils``), but only when the
-  forward makes no cache; ``pack_collate``'s batch says ``use_cache=False``;
-- flash attention: its varlen kernel on ``cu_seq_lens``;
-- nothing, in layers that carry state from token to token (state-space,
-  recurrent, short convolutions, linear attention): their pure-torch
-  fallbacks run across boundaries. The gated delta-net (Qwen3.5) is made
-  right here: ``prepare_model_for_packing`` swaps its short causal
-  convolution and chunked delta rule for boundary-aware versions that
-  delegate to the stock function (or to the causal-conv1d /
-  flash-linear-attention kernels when installed, on CUDA) and are exactly
-  the stock path when no boundaries are given. Other such layers are refused.
-
-``prepare_model_for_packing`` also makes every attention implementation X
-``packed_X``, an attention function registered with
-``transformers.AttentionInterface`` that runs SDPA once per sequence given
-``cu_seq_lens`` (cost: the sum of per-sequence costs; the (row length)² mask is
-then never needed; flash attention is left as it is). The per-sequence
-computations are in segments.py; what ran is recorded (kernels.py).
+``prepare_model_for_packing`` makes an sdpa or eager model's attention
+``packed_sdpa`` / ``packed_eager``, registered with transformers'
+``AttentionInterface``: the layer's own attention function, run once per
+sequence on that sequence's block of the mask (segments.py), so sliding
+windows, sinks, soft-capping and scaling hold as for the sequence alone, and
+the cost is the sum of per-sequence costs. Layers that carry state from token
+to token (state-space, recurrent, short convolutions, linear attention) run
+across boundaries in their pure-torch fallbacks; the gated delta-net (Qwen3.5)
+is made right here: its short causal convolution and chunked delta rule are
+swapped for boundary-aware versions that delegate to the stock function (or
+to the causal-conv1d / flash-linear-attention kernels when installed, on CUDA)
+and are exactly the stock path when no boundaries are given. Other such layers
+are refused. The prepared model is probed; where per-sequence attention is not
+exact but the model's own attention is, the model keeps its own, and where
+neither is, it is left as it was and refused. What ran is recorded
+(kernels.py). Which model types end where is a sweep anyone can rerun
+(scripts/packing_sweep.py; its table is in docs/library.md).
 
 Inside a compiled layer these functions run eagerly (``torch.compiler.disable``):
 their work depends on where sequences start and end, and tracing them would
@@ -35,6 +40,7 @@ from __future__ import annotations
 import functools
 import re
 import sys
+import weakref
 from typing import Callable, Optional
 
 import torch
@@ -50,6 +56,9 @@ from balance_batch.integrations.transformers.segments import (
 PACKED_PREFIX = "packed_"  # registered attention name = prefix + the model's own implementation
 _PACKED_MARK = kernels.SWAPPED_MARK  # set on our replacement functions (idempotence)
 
+# Attention implementations prepare_model_for_packing runs once per sequence (the layer's own function on each
+# sequence's block of the mask); flex and flash attention keep sequences apart as they are.
+PER_SEQUENCE = ("sdpa", "eager")
 # Attention implementations that keep a packed row's sequences apart on their own (see the module's docstring).
 # Elsewhere (paged|eager, a hub kernel, anything registered by name) transformers builds no mask at all for a
 # name it has no mask function for, so the row attends across sequences: refused.
@@ -61,8 +70,6 @@ _STATEFUL_LAYER = re.compile(
     r"Mamba\w*(Mixer|Layer)$|Mixer$|ShortConv|GatedDeltaNet$|DeltaAttention$|LinearAttention$|LightningAttention$"
     r"|RecurrentBlock$|^Rwkv|^xLSTM"
 )
-# The functions transformers' modeling code builds its masks with; a model without them builds no packed mask.
-_MASK_BUILDERS = ("create_causal_mask", "create_sliding_window_causal_mask", "create_chunked_causal_mask")
 
 
 # ---------------------------------------------------------------------------- dispatch
@@ -104,11 +111,11 @@ def _eager(function: Callable) -> Callable:
 # ---------------------------------------------------------------------------- attention
 
 
-def _register_packed_attention(implementation: str, modeling_module: str) -> str:
-    """Register ``packed_<implementation>`` (attention and mask functions); return its name.
+def _register_packed_attention(implementation: str) -> str:
+    """Register ``packed_<implementation>`` (attention and mask functions) once per process; return its name.
 
-    ``modeling_module`` supplies the model's own eager attention (transformers
-    keeps eager per model, not in the registry).
+    The function looks the layer's own attention up at each call (``segments.own_attention``): eager is each model's
+    own ``eager_attention_forward``, so models prepared one after another in a process each run theirs.
     """
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
@@ -117,11 +124,7 @@ def _register_packed_attention(implementation: str, modeling_module: str) -> str
     name = PACKED_PREFIX + implementation
     if name in ALL_ATTENTION_FUNCTIONS:
         return name
-    if implementation == "eager":
-        original = sys.modules[modeling_module].eager_attention_forward
-    else:
-        original = ALL_ATTENTION_FUNCTIONS[implementation]
-    attention = _eager(functools.partial(segment_attention, original, implementation))
+    attention = _eager(functools.partial(segment_attention, implementation))
     attention.__name__ = attention.__qualname__ = f"{name}_attention"  # what a graph break's reason names
     AttentionInterface.register(name, attention)
     # The padded path builds the same masks as before (nothing changes without cu_seq_lens).
@@ -270,15 +273,18 @@ def _transformers_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if type(m).__module__.startswith("transformers.models.")]
 
 
-def _attention_implementations(model: torch.nn.Module) -> dict[str, str]:
-    """Each config's attention implementation, by the config's class name."""
+def _configs(model: torch.nn.Module) -> dict:
+    """Every distinct transformers config the model's modules hold, by id."""
     from transformers import PretrainedConfig
 
+    return {id(m.config): m.config for m in model.modules() if isinstance(getattr(m, "config", None), PretrainedConfig)}
+
+
+def _attention_implementations(model: torch.nn.Module) -> dict[str, str]:
+    """Each config's attention implementation, by the config's class name."""
     found = {}
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        if isinstance(config, PretrainedConfig):
-            found.setdefault(type(config).__name__, config._attn_implementation or "sdpa")
+    for config in _configs(model).values():
+        found.setdefault(type(config).__name__, config._attn_implementation or "sdpa")
     return found
 
 
@@ -288,86 +294,227 @@ def _swapped(module: torch.nn.Module) -> bool:
     return all(hasattr(getattr(modeling, n, None), _PACKED_MARK) for n in _MODULE_FUNCTIONS)
 
 
-def _refusal(model: torch.nn.Module, preparing: bool) -> Optional[str]:
-    """Why a packed row would run across sequences in ``model`` (None: it would not). ``preparing``: what
-    ``prepare_model_for_packing`` makes right (an unprepared gated delta-net) is not a reason."""
-    from transformers import PreTrainedModel
-
+def _static_refusal(model: torch.nn.Module, preparing: bool) -> Optional[str]:
+    """What the model's configs and layer classes already say keeps no packed sequences apart (None: nothing does;
+    the probe then decides). ``preparing``: what ``prepare_model_for_packing`` makes right (an unprepared gated
+    delta-net) is not a reason."""
     for owner, impl in _attention_implementations(model).items():
         if impl not in KEPT_APART and not impl.startswith(PACKED_PREFIX):
             return (f"attention implementation {impl!r} ({owner}) keeps no packed sequences apart (transformers builds "
                     f"it no mask from position_ids and it reads no cu_seq_lens); valid: {', '.join(KEPT_APART)}")
-    modules = _transformers_modules(model)
-    for module in modules:
+    for module in _transformers_modules(model):
         name = type(module).__name__
-        if isinstance(module, PreTrainedModel):
-            modeling = sys.modules[type(module).__module__]
-            if not any(hasattr(modeling, f) for f in _MASK_BUILDERS):
-                return (f"{name} builds its attention mask without transformers' masking_utils, so no mask keeps "
-                        f"packed sequences apart; valid: models whose modeling code calls create_causal_mask")
-        elif _STATEFUL_LAYER.search(name):
-            if name.endswith("GatedDeltaNet") and all(hasattr(sys.modules[type(module).__module__], n)
-                                                      for n in _MODULE_FUNCTIONS):
-                if preparing or _swapped(module):
-                    continue
-                return f"{name} runs across packed sequences until prepared: call prepare_model_for_packing(model)"
-            return (f"{name} carries state from token to token across packed sequences and cannot be made to restart "
-                    f"at each; valid: attention-only models, and gated delta-net models (Qwen3.5) once prepared")
+        if not _STATEFUL_LAYER.search(name):
+            continue
+        if name.endswith("GatedDeltaNet") and all(hasattr(sys.modules[type(module).__module__], n)
+                                                  for n in _MODULE_FUNCTIONS):
+            if preparing or _swapped(module):
+                continue
+            return f"{name} runs across packed sequences until prepared: call prepare_model_for_packing(model)"
+        return (f"its {name} layers carry a recurrent state from token to token, which would run on from one packed "
+                f"sequence into the next and cannot be made to restart at each; use pad_collate (one row per "
+                f"sequence); packed rows run attention-only models, and gated delta-net models (Qwen3.5) once prepared")
     return None
 
 
-def check_packable(model: torch.nn.Module) -> None:
-    """Raise one-line ValueError unless a packed row (``pack_collate``'s batch) keeps its sequences apart in
-    ``model`` as it is now: attention implementations that honour ``position_ids`` or ``cu_seq_lens``, masks built by
-    transformers' masking_utils, and no layer carrying state across sequences (a gated delta-net only once
-    ``prepare_model_for_packing`` ran). Cheap: reads the model's configs and class names, runs nothing."""
-    reason = _refusal(model, preparing=False)
-    if reason is not None:
-        raise ValueError(f"packed rows cannot run on {type(model).__name__}: {reason}")
+# ---------------------------------------------------------------------------- the probe
+
+# Two sequences in one row: the first is changed, the second must not notice; each must equal itself alone.
+PROBE_LENGTHS = (13, 9)
+# Largest difference of logits (in units of the logits' largest magnitude, at least 1) between a sequence in a packed
+# row and alone that counts as rounding: float32 rounding is about 1e-6 on the models swept (scripts/packing_sweep.py),
+# the smallest defect seen 4e-3. Half precision rounds to about 1e-2; there the changed-neighbour test, which compares
+# the same computation bit for bit, is what catches small leaks.
+PROBE_TOLERANCE = {torch.float32: 2e-5, torch.float64: 1e-9}
+HALF_PROBE_TOLERANCE = 0.05
+_probed: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
 
 
-def is_prepared_for_packing(model: torch.nn.Module) -> bool:
-    """Whether ``prepare_model_for_packing`` ran on ``model``: every attention ``packed_X`` or flash, every gated
-    delta-net's functions swapped."""
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        impl = getattr(config, "_attn_implementation", None)
-        if impl is not None and not (impl.startswith(PACKED_PREFIX) or impl.startswith("flash_attention")):
-            return False
-        if type(module).__name__.endswith("GatedDeltaNet") and not _swapped(module):
+def _probe_model_state(model: torch.nn.Module) -> tuple:
+    """What decides the probe's answer besides the weights: each config's attention implementation and whether the
+    gated delta-nets run our functions. A model changed since its probe is probed again."""
+    impls = tuple(sorted(_attention_implementations(model).items()))
+    nets = tuple(_swapped(m) for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet"))
+    return impls, nets
+
+
+def probeable(model: torch.nn.Module) -> bool:
+    """Whether one process can run the model's forward by itself: its parameters are ordinary tensors on a device,
+    not shaped only (meta) nor sharded across ranks (FSDP2's DTensors), where a forward needs every rank."""
+    for p in model.parameters():
+        if p.is_meta or type(p.data).__name__ == "DTensor" or type(p).__name__ == "DTensor":
             return False
     return True
 
 
-def prepare_model_for_packing(model: torch.nn.Module) -> torch.nn.Module:
-    """Make ``model`` run packed rows exactly, or raise one-line ValueError where it cannot (``check_packable``'s
-    rule); idempotent, and a no-op for calls without ``cu_seq_lens``. Works on the bare model and under peft,
-    ``fully_shard`` and megatron-core DDP, with or without gradient checkpointing.
+def _probe_tokens(config, n: int, generator: torch.Generator) -> torch.Tensor:
+    vocab = int(getattr(config, "vocab_size", None) or 256)
+    special = {getattr(config, k, None) for k in ("pad_token_id", "bos_token_id", "eos_token_id")}
+    choices = [t for t in range(min(vocab, 1000)) if t not in special and t >= min(3, vocab - 1)]
+    return torch.tensor(choices)[torch.randint(len(choices), (n,), generator=generator)]
 
-    - every config's attention implementation X becomes ``packed_X`` (flash
-      attention already honours ``cu_seq_lens`` and is left as it is);
-    - the gated delta-net modeling module gets boundary-aware conv and delta rule;
-    - the kernels the model dispatches itself (MoE experts, flash attention) are
-      recorded as they run (``kernels.record_dispatched_kernels``), so every
-      prepared model's pass says what ran.
-    Returns the same model.
+
+def _logits(model: torch.nn.Module, **batch) -> torch.Tensor:
+    out = model(**batch)
+    logits = out.logits if hasattr(out, "logits") else out[0]
+    return logits[0].float()
+
+
+def _probe(model: torch.nn.Module) -> Optional[str]:
+    """Why packed rows are not exact on ``model`` (None: they are), found by running it: two sequences in one
+    ``pack_collate`` row, each compared with itself alone (``model(input_ids=...)``), and the row again with the
+    first sequence's tokens changed, where the second's logits must not change at all. Four forwards of at most 22
+    tokens, without gradients, in eval mode, the global random state untouched; any error is an answer."""
+    from transformers import PreTrainedModel
+
+    from balance_batch.collate import pack_collate
+
+    hf = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
+    config = getattr(hf, "config", None)
+    param = next(model.parameters(), None)
+    device = param.device if param is not None else torch.device("cpu")
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    g = torch.Generator().manual_seed(0)
+    first, second = (_probe_tokens(config, n, g) for n in PROBE_LENGTHS)
+    changed = _probe_tokens(config, PROBE_LENGTHS[0], g)
+    split = PROBE_LENGTHS[0]
+
+    def row(*seqs):
+        batch = pack_collate([{"input_ids": s} for s in seqs])
+        batch.pop("labels")
+        return _logits(model, **{k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()})
+
+    was_training = model.training
+    devices = [device] if device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            model.eval()
+            try:
+                alone = [_logits(model, input_ids=s[None].to(device), use_cache=False) for s in (first, second)]
+            except Exception as exc:  # noqa: BLE001 - any failure of the model's own forward is the answer, in one line
+                return f"its forward on input_ids alone fails ({type(exc).__name__}: {_one_line(exc)})"
+            try:
+                packed, again = row(first, second), row(changed, second)
+            except Exception as exc:  # noqa: BLE001 - a packed forward that fails is the answer, in one line
+                return f"its forward on a packed row fails ({type(exc).__name__}: {_one_line(exc)})"
+    finally:
+        model.train(was_training)
+    scale = max(1.0, float(torch.cat(alone).abs().max()))
+    leak = float((packed[split:] - again[split:]).abs().max()) / scale
+    # the changed neighbour leaves the second sequence's computation as it was: in any dtype, only float32-sized noise
+    if not leak <= PROBE_TOLERANCE.get(dtype, PROBE_TOLERANCE[torch.float32]):
+        return (f"a packed sequence sees the one before it (its logits change by {leak:.2g} of their scale when the "
+                f"other sequence's tokens change)")
+    tolerance = PROBE_TOLERANCE.get(dtype, HALF_PROBE_TOLERANCE)
+    for name, part, own in (("first", packed[:split], alone[0]), ("second", packed[split:], alone[1])):
+        off = float((part - own).abs().max()) / scale
+        if not off <= tolerance:
+            return (f"the {name} sequence of a packed row differs from the sequence alone by {off:.2g} of the logits' "
+                    f"scale (the model does not take each sequence's positions from position_ids, or mixes them)")
+    return None
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def _probe_cached(model: torch.nn.Module) -> Optional[str]:
+    state = _probe_model_state(model)
+    cached = _probed.get(model)
+    if cached is not None and cached[0] == state:
+        return cached[1]
+    reason = _probe(model)
+    _probed[model] = (state, reason)
+    return reason
+
+
+def check_packable(model: torch.nn.Module) -> None:
+    """Raise a one-line ValueError unless a packed row (``pack_collate``'s batch) gives each of its sequences
+    exactly what the sequence alone gives, on ``model`` as it is now.
+
+    Decided by running the model (``_probe``): two short sequences in one row, each compared with itself alone, and
+    the first changed, which must not change the second's logits. A rule read from configs and class names missed
+    models that build their positions or masks their own way (OPT, MPT, BLOOM, GPT-OSS, ...); the probe cannot, for
+    what it runs. Before it, what the configs already say refuses at no cost (an attention implementation that keeps
+    nothing apart, a layer carrying a recurrent state). The answer is cached per model until its attention
+    implementation or preparation changes. A model that cannot run a forward in this process alone (on the meta
+    device, or sharded by FSDP2) is decided by the rule alone: probe it before sharding.
+
+    Args:
+        model: a Hugging Face causal LM (or a wrapper around one: peft, a compiled module), any dtype and device.
+    Raises:
+        ValueError: what is not exact, in one line, with what to do instead.
     """
-    from transformers import PretrainedConfig
+    reason = _static_refusal(model, preparing=False)
+    if reason is None and probeable(model):
+        reason = _probe_cached(model)
+    if reason is not None:
+        raise ValueError(f"packed rows are not exact on {_model_name(model)}: {reason}")
 
-    reason = _refusal(model, preparing=True)
+
+def _model_name(model: torch.nn.Module) -> str:
+    from transformers import PreTrainedModel
+
+    hf = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), model)
+    return type(hf).__name__
+
+
+# Models prepare_model_for_packing finished (with per-sequence attention, or their own where that alone is exact),
+# with the attention implementations and delta-net functions it left them with (``_probe_model_state``).
+_prepared: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
+
+
+def is_prepared_for_packing(model: torch.nn.Module) -> bool:
+    """Whether ``prepare_model_for_packing`` ran on ``model`` (or on a module it wraps), and its gated delta-nets
+    still run the boundary-aware functions."""
+    prepared = next((m for m in model.modules() if m in _prepared), None)
+    return prepared is not None and _prepared[prepared] == _probe_model_state(prepared)
+
+
+def prepare_model_for_packing(model: torch.nn.Module) -> torch.nn.Module:
+    """Make ``model`` run packed rows exactly, or raise a one-line ValueError where it cannot; idempotent, and a
+    no-op for calls without ``cu_seq_lens``. Works on the bare model and under peft, ``fully_shard`` and megatron-core
+    DDP, with or without gradient checkpointing.
+
+    - every config's sdpa or eager attention becomes ``packed_sdpa`` / ``packed_eager``: the layer's own attention
+      function run once per sequence on that sequence's block of the mask, so windows, sinks, soft-capping, scaling
+      and position biases hold as for the sequence alone (flex and flash attention are left as they are: transformers'
+      block mask and flash's varlen kernel keep sequences apart);
+    - the gated delta-net modeling module gets boundary-aware conv and delta rule;
+    - the result is probed (``check_packable``'s probe); where per-sequence attention is not exact but the model's own
+      attention is, the model keeps its own; where neither is, the model is left as it was and ValueError says why;
+    - the kernels the model dispatches itself (MoE experts, flash attention) are recorded as they run
+      (``kernels.record_dispatched_kernels``), so every prepared model's pass says what ran.
+
+    A model on the meta device or sharded across ranks (FSDP2) cannot be probed by one process: it is prepared by the
+    rule alone (prepare before sharding to have it probed). Returns the same model.
+    """
+    if is_prepared_for_packing(model):
+        return model
+    reason = _static_refusal(model, preparing=True)
     if reason is not None:
         raise ValueError(f"prepare_model_for_packing: {reason}")
-    modules = list(model.modules())
-    configs = {id(m.config): m.config for m in modules if isinstance(getattr(m, "config", None), PretrainedConfig)}
-    # where the model's own eager attention lives (only needed when the model runs eager)
-    modeling = next(
-        (type(m).__module__ for m in modules if hasattr(sys.modules[type(m).__module__], "eager_attention_forward")), ""
-    )
-    for config in configs.values():
+    configs = list(_configs(model).values())
+    stock = [config._attn_implementation for config in configs]
+    for config in configs:
         impl = config._attn_implementation or "sdpa"
-        if not (impl.startswith(PACKED_PREFIX) or impl.startswith("flash_attention")):
-            config._attn_implementation = _register_packed_attention(impl, modeling)
+        if impl in PER_SEQUENCE:
+            config._attn_implementation = _register_packed_attention(impl)
+    modules = list(model.modules())
     for module_name in {type(m).__module__ for m in modules if type(m).__name__.endswith("GatedDeltaNet")}:
         _patch_linear_attention_module(module_name)
+    if probeable(model):
+        reason = _probe_cached(model)
+        if reason is not None and stock != [c._attn_implementation for c in configs]:
+            for config, impl in zip(configs, stock):  # the model's own attention, where that alone is exact
+                config._attn_implementation = impl
+            reason = _probe_cached(model)
+        if reason is not None:
+            for config, impl in zip(configs, stock):
+                config._attn_implementation = impl
+            raise ValueError(f"prepare_model_for_packing: packed rows are not exact on {_model_name(model)} and "
+                             f"cannot be made so here: {reason}; use pad_collate (one row per sequence)")
     kernels.record_dispatched_kernels(modules)
+    _prepared[model] = _probe_model_state(model)
     return model

@@ -8,6 +8,7 @@ runs.
 
 from __future__ import annotations
 
+import sys
 import weakref
 from typing import Callable, Optional, Sequence
 
@@ -63,37 +64,81 @@ def host_to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     return tensor.pin_memory().to(device, non_blocking=True)
 
 
-def segment_attention(original: Callable, implementation: str, module, query, key, value, attention_mask, **kwargs):
-    """Attention of a packed row: each sequence attends only within itself.
+def own_attention(implementation: str, module: torch.nn.Module) -> Callable:
+    """The attention function the layer ``module`` runs under ``implementation`` when not packed: its modeling
+    module's own ``eager_attention_forward`` for eager (each model has its own: sinks, soft-capping, ...), else
+    transformers' registered function. Looked up per call, so every model prepared in a process runs its own."""
+    if implementation == "eager":
+        return sys.modules[type(module).__module__].eager_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    ``query`` is [1, heads, total, head_dim] (keys/values may have fewer
-    heads); the result is [1, total, heads, head_dim] like every transformers
-    attention function. Without ``cu_seq_lens_q`` this is ``original`` as is.
-    A packed row runs SDPA once per sequence: the same SDPA a padded batch
-    runs (flash-attn serves both layouts through the model's own
-    ``flash_attention_2`` implementation instead, see ``kernels.attention_implementation``).
+    return ALL_ATTENTION_FUNCTIONS[implementation]
+
+
+def _sequence_mask(implementation: str, module, kwargs: dict, length: int, query: torch.Tensor):
+    """The mask a sequence alone gets when the model built none for the packed row (the harness's rows skip mask
+    creation): None where the function is causal by itself (sdpa without a window), else causal, within the layer's
+    sliding window if it has one, as sdpa's boolean mask or eager's additive one."""
+    window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
+    if implementation == "sdpa" and not window:
+        return None
+    i = torch.arange(length, device=query.device)
+    allowed = i[None, :] <= i[:, None]
+    if window:
+        allowed &= i[:, None] - i[None, :] < int(window)
+    if implementation == "sdpa":
+        return allowed[None, None]
+    blocked = torch.full((length, length), torch.finfo(query.dtype).min, dtype=query.dtype, device=query.device)
+    return blocked.masked_fill(allowed, 0.0)[None, None]
+
+
+def segment_attention(implementation: str, module, query, key, value, attention_mask, **kwargs):
+    """Attention of a packed row: each sequence attends only within itself, through the layer's own attention
+    function (``own_attention``), so what that function does (scaling, a sliding window, attention sinks,
+    soft-capping, a position bias) holds for each sequence as it does for the sequence alone.
+
+    ``query`` is [1, heads, total, head_dim] (keys/values may have fewer heads); the result is [1, total, heads,
+    head_dim] like every transformers attention function. Without ``cu_seq_lens_q`` this is the layer's own function
+    as is. With it, the function runs once per sequence (cost: the sum of per-sequence costs) on that sequence's
+    block of the row's mask, which is the mask the sequence alone gets (causal, windowed or chunked as the layer's
+    is); where the model built no mask for the row, the mask a sequence alone gets (``_sequence_mask``). Any other
+    [..., total, total] argument (a position bias) is cut to the same block.
     """
+    original = own_attention(implementation, module)
     cu = kwargs.get("cu_seq_lens_q")
     if cu is None:
         kernels.note("attention", implementation)
         return original(module, query, key, value, attention_mask, **kwargs)
     if query.shape[0] != 1:
         raise ValueError(f"a packed row has batch size 1, got query of shape {tuple(query.shape)}")
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    kernels.note("attention", kernels.SDPA_PER_SEQUENCE)
-    # SDPA once per sequence: the cost is the sum of per-sequence costs, and a
-    # sequence alone is exactly what the padded and mbs=1 paths compute.
-    plain = {
-        k: v for k, v in kwargs.items() if k not in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
-    }
+    kernels.note("attention", implementation + kernels.PER_SEQUENCE)
+    total = query.shape[2]
+    plain = {k: v for k, v in kwargs.items() if k not in _BOUNDARY_KWARGS}
+    square = {k for k, v in plain.items() if isinstance(v, torch.Tensor) and v.dim() >= 2
+              and tuple(v.shape[-2:]) == (total, total)}
+    if isinstance(attention_mask, torch.Tensor) and tuple(attention_mask.shape[-2:]) != (total, total):
+        raise ValueError(f"a packed row's attention mask must be [..., {total}, {total}], got "
+                         f"{tuple(attention_mask.shape)}")
+    if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
+        raise ValueError(f"per-sequence attention takes a tensor mask, got {type(attention_mask).__name__}")
     bounds = host_bounds(cu)
     lengths = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
     # torch.split, not slices: one backward that concatenates, where each slice's
     # backward would write into a zero tensor the size of the whole row.
     pieces = zip(*(t.split(lengths, dim=2) for t in (query, key, value)))
-    outs = [sdpa_attention_forward(module, q, k, v, None, **plain)[0] for q, k, v in pieces]
+    outs = []
+    for (s, e), (q, k, v) in zip(zip(bounds[:-1], bounds[1:]), pieces):
+        if e == s:
+            continue
+        mask = (attention_mask[..., s:e, s:e] if attention_mask is not None
+                else _sequence_mask(implementation, module, plain, e - s, q))
+        own = {key_: (v_[..., s:e, s:e] if key_ in square else v_) for key_, v_ in plain.items()}
+        outs.append(original(module, q, k, v, mask, **own)[0])
     return torch.cat(outs, dim=1), None
+
+
+# What marks a row's boundaries for a varlen kernel; per-sequence calls take none of it.
+_BOUNDARY_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 
 def segment_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias, activation, cu_seqlens: torch.Tensor):
