@@ -36,10 +36,13 @@ def pack_collate(samples: Sequence[Mapping], *, pad_token_id: int = 0, flash_att
     model (linear-attention ones also need ``integrations.transformers.prepare_model_for_packing``). Each sequence's
     first label is ``-100``, so the shifted loss never predicts across a boundary: a sequence of L tokens counts
     L - 1 loss tokens (``TokenBudgetSampler``'s default ``loss_tokens``), fewer where its own labels are -100.
-    No samples (the sampler's dummy micro-batch) gives one ``pad_token_id`` token with no loss: it runs the model, and
-    adds nothing to the loss or the gradient.
+    A sample of 0 tokens adds nothing to the row: no token, no loss token and no entry in ``cu_seq_lens`` (the row is
+    the one collated without it, so every attention and convolution path sees sequences of at least one token).
+    No samples (the sampler's dummy micro-batch), or only samples of 0 tokens, gives one ``pad_token_id`` token with
+    no loss: it runs the model, and adds nothing to the loss or the gradient.
     """
     ids, labels = _token_rows(samples, "pack_collate")
+    ids, labels = [s for s in ids if len(s)], [lab for lab in labels if len(lab)]  # a sample's two lengths are equal
     for lab in labels:
         lab[0] = IGNORE_INDEX
     if not ids:

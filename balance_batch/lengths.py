@@ -79,34 +79,45 @@ def _file_text(p: Path) -> str:
     return utf8_text(p, f"{expected}, in ASCII digits")
 
 
-def _positive(where: str, what: str, text: str, needs: str) -> int:
-    """``text`` as a positive integer, or a UserError: ``where`` (path:line), ``what`` (length, count), ``needs`` (why
-    > 0)."""
+def _positive(where: str, what: str, text: str, needs: str, empty_ok: bool = False) -> int:
+    """``text`` as a positive integer (a length of 0 too, with ``empty_ok``), or a UserError: ``where`` (path:line),
+    ``what`` (length, count), ``needs`` (why > 0)."""
     if not _LENGTH.fullmatch(text):
+        pair = "a length of 0 or more and a positive count" if empty_ok else "two positive integers"
         raise UserError(f"workload.path: {where}: {what} {text!r} is not an integer "
-                        "(expected length,count lines of two positive integers, in ASCII digits 0-9)")
+                        f"(expected length,count lines of {pair}, in ASCII digits 0-9)")
     n = int(text)
-    if n <= 0:
-        raise UserError(f"workload.path: {where}: {what} {n} is not positive ({needs})")
     if what == "length":
-        _check_length(where, n)
+        _check_length(where, n, empty_ok)
+    elif n <= 0:
+        raise UserError(f"workload.path: {where}: {what} {n} is not positive ({needs})")
     return n
 
 
-def _check_length(where: str, n: int) -> None:
+def _check_length(where: str, n: int, empty_ok: bool = False) -> None:
+    """A length in range, or a UserError naming ``where`` (path:line) and the valid range: 1.., or with ``empty_ok``
+    0.. (a sequence of no tokens)."""
+    if n < 0 and empty_ok:
+        raise UserError(f"workload.path: {where}: length {n} is negative (valid: 0..{MAX_LENGTH:,} tokens; 0 is a "
+                        "sequence of no tokens)")
+    if n <= 0 and not empty_ok:
+        raise UserError(f"workload.path: {where}: length {n} is not positive (every sequence needs at least 1 token)")
     if n > MAX_LENGTH:
         raise UserError(f"workload.path: {where}: length {n:,} is longer than any workload may hold (valid: "
-                        f"1..{MAX_LENGTH:,} tokens)")
+                        f"{0 if empty_ok else 1}..{MAX_LENGTH:,} tokens)")
 
 
-def load_lengths_file(path: str) -> LengthsFile:
+def load_lengths_file(path: str, empty_ok: bool = False) -> LengthsFile:
     """A lengths file: UTF-8 text, either one positive length per line or ``length,count`` lines (a histogram).
 
     Blank lines and ``#`` comments are skipped, spaces around a value or the comma
     are fine, and a histogram may start with the header ``length,count``. The
     first data line decides the format; a line of the other format, or of
     neither, is a UserError naming the path, the line and what the file is read as.
+    ``empty_ok`` takes a length of 0 too (a sequence of no tokens, which ``balance_batch.pack`` places in no row);
+    a workload refuses it, since every sequence it draws runs through the model.
     """
+    word = "non-negative" if empty_ok else "positive"
     p = Path(path).expanduser()
     text = _file_text(p)
     fmt: Optional[str] = None
@@ -132,27 +143,24 @@ def load_lengths_file(path: str) -> LengthsFile:
             )
         if kind == PLAIN:
             if not _LENGTH.fullmatch(line):
-                expected = ("one positive length per line, in ASCII digits 0-9, or length,count lines"
+                expected = (f"one {word} length per line, in ASCII digits 0-9, or length,count lines"
                             if decided == f"line {lineno} is"  # the first data line: either format would do
-                            else "a positive length in ASCII digits 0-9: this file is one length per line, as "
+                            else f"a {word} length in ASCII digits 0-9: this file is one length per line, as "
                                  f"{decided}")
                 raise UserError(f"workload.path: {where}: {line!r} is not an integer (expected {expected})")
             n = int(line)
-            if n <= 0:
-                raise UserError(f"workload.path: {where}: length {n} is not positive (every sequence needs at least 1 "
-                                "token)")
-            _check_length(where, n)
+            _check_length(where, n, empty_ok)
             lengths.append(n)
             continue
         fields = [f.strip() for f in line.split(",")]
         if len(fields) != 2:
             raise UserError(f"workload.path: {where}: {line!r} has {len(fields)} fields (expected length,count: "
-                            "two positive integers)")
-        lengths.append(_positive(where, "length", fields[0], "every sequence needs at least 1 token"))
+                            + ("a length of 0 or more and a positive count)" if empty_ok else "two positive integers)"))
+        lengths.append(_positive(where, "length", fields[0], "every sequence needs at least 1 token", empty_ok))
         counts.append(_positive(where, "count", fields[1],
                                 "a count says how many sequences have that length: at least 1"))
     if not lengths:
-        raise UserError(f"workload.path: {p} holds no lengths (expected one positive integer per line, or length,count "
+        raise UserError(f"workload.path: {p} holds no lengths (expected one {word} integer per line, or length,count "
                         "lines)")
     ones = np.ones(len(lengths), dtype=np.int64)
     return LengthsFile(str(p), fmt, np.asarray(lengths, dtype=np.int64),

@@ -12,9 +12,14 @@ and ``x.npy`` never write the same file), written atomically, as the arrays ``ba
 plus ``capacity``, ``empty`` (the 0-token sequences, in no row) and ``truncated``, and, where rows hold pieces of
 sequences (``--oversize truncate|split``, ``--strategy wrapped``), ``piece_starts`` and ``piece_lengths``.
 
+A length of 0 is a sequence of no tokens in every input, as in ``balance_batch.pack``: it keeps its index and goes
+in ``empty`` (a lengths file may hold one here, where ``workload=lengths_file`` refuses it: a workload runs every
+sequence it draws through the model). A negative length is refused, naming the file and its line or index.
+
 A line on stderr per stage (reading, packing, writing), and a last line on stdout with the rows, the packing's
 share of the lower bound, its efficiency and the time it took. A mistake (no such file, a folder, a bad capacity,
-a length over the capacity with ``--oversize error``, an ``--out`` not ending in ``.npz``) is one line and exit 2.
+a negative length, a length over the capacity with ``--oversize error``, an ``--out`` not ending in ``.npz``) is one
+line and exit 2.
 
 The function is ``balance_batch.pack`` (``balance_batch/corpus.py``); import this module only to run it.
 """
@@ -61,7 +66,12 @@ def read_lengths(path: Path) -> np.ndarray:
         if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
             raise _Refused(f"'{path}' holds a {arr.dtype} array of shape {arr.shape} (expected one integer length "
                            "per sequence)")
-        return arr.astype(np.int64, copy=False)
+        arr = arr.astype(np.int64, copy=False)
+        if arr.size and int(arr.min()) < 0:
+            i = int(np.argmax(arr < 0))
+            raise _Refused(f"{path}: lengths[{i}] = {int(arr[i])} is negative (valid: 0 or more tokens; 0 is a "
+                           "sequence of no tokens)")
+        return arr
     if path.suffix == ".npz":
         try:
             with np.load(path, allow_pickle=False) as z:
@@ -71,9 +81,15 @@ def read_lengths(path: Path) -> np.ndarray:
                 offsets = z["offsets"].astype(np.int64)
         except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
             raise _Refused(f"'{path}' is not a readable .npz file ({exc})") from None
-        return np.diff(offsets)
+        lengths = np.diff(offsets)
+        if lengths.size and int(lengths.min()) < 0:
+            i = int(np.argmax(lengths < 0))
+            raise _Refused(f"{path}: offsets[{i + 1}] = {int(offsets[i + 1])} is below offsets[{i}] = "
+                           f"{int(offsets[i])}, a negative length for sequence {i} (valid: offsets that never "
+                           "decrease)")
+        return lengths
     try:
-        return load_lengths_file(str(path)).expanded()
+        return load_lengths_file(str(path), empty_ok=True).expanded()
     except UserError as exc:
         raise _Refused(str(exc).removeprefix("workload.path: ")) from None
 

@@ -137,6 +137,11 @@ class TokenBudgetSampler:
     peers' knobs (``plan_step``'s docstring, docs/library.md): ``groups`` (a group id per item: the epoch's order
     shuffles groups, a step holds whole groups, a group that fits a micro-batch shares one), ``min_microbatches``,
     ``microbatches_multiple_of`` and ``padded_sequences_multiple_of``. An item of 0 tokens is in no step.
+
+    ``longest_first=True`` (as Hugging Face's ``LengthGroupedSampler``) puts each epoch's longest item (its group,
+    with ``groups``) at the front of the epoch's order, so it is in the epoch's first step, and runs the micro-batch
+    slot that holds it first on every rank: on its rank, the longest item's micro-batch is the step's first, so a
+    budget too large for the memory fails at once rather than hours in.
     """
 
     def __init__(
@@ -162,6 +167,7 @@ class TokenBudgetSampler:
         microbatches_multiple_of: Optional[int] = None,
         padded_sequences_multiple_of: Optional[int] = None,
         rampup: Optional[Sequence[int]] = None,
+        longest_first: bool = False,
     ):
         who = "TokenBudgetSampler"
         positive_int("max_tokens_per_microbatch", max_tokens_per_microbatch, who=who)
@@ -178,6 +184,8 @@ class TokenBudgetSampler:
         positive_int("max_seqs_per_microbatch", max_seqs_per_microbatch, none_ok=True, who=who)
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
             raise ValueError(f"TokenBudgetSampler: seed must be an integer, got {seed!r}")
+        if not isinstance(longest_first, (bool, np.bool_)):
+            raise ValueError(f"TokenBudgetSampler: longest_first must be True or False, got {longest_first!r}")
         L = np.asarray(lengths)
         if L.ndim != 1 or L.size == 0 or not np.issubdtype(L.dtype, np.integer) or (L < 0).any() or not L.any():
             raise ValueError("TokenBudgetSampler: lengths must be a sequence of non-negative integers, at least one "
@@ -201,6 +209,7 @@ class TokenBudgetSampler:
         self.max_tokens_per_microbatch = int(max_tokens_per_microbatch)
         self.world_size, self.rank, self.seed = world_size, rank, int(seed)
         self.shuffle, self.drop_last = bool(shuffle), bool(drop_last)
+        self.longest_first = bool(longest_first)
         # a number, or the ramp as [[consumed_sequences, size], ...] (given so, or from rampup); None: sized in tokens
         self.sequences_per_step = None if self._unit == "tokens" else int(size) if len(self._ramp) == 1 and \
             rampup is None and not isinstance(size, (list, tuple)) else [list(p) for p in self._ramp]
@@ -226,7 +235,9 @@ class TokenBudgetSampler:
 
     def _order(self, epoch: int) -> np.ndarray:
         """The epoch's items in order: a seeded permutation of the items, or with ``groups`` of the groups (each
-        group's items together, in index order), groups in the order they first appear; items of 0 tokens left out."""
+        group's items together, in index order), groups in the order they first appear; items of 0 tokens left out.
+        With ``longest_first``, the unit (item or group) holding the longest item is moved to the front (the first of
+        equal longest items in that order), the rest keeping their order."""
         if self.groups is None:
             order = np.arange(len(self.lengths)) if not self.shuffle else \
                 np.random.default_rng([self.seed, epoch]).permutation(len(self.lengths))
@@ -237,7 +248,13 @@ class TokenBudgetSampler:
             if self.shuffle:
                 rank = np.random.default_rng([self.seed, epoch]).permutation(len(first))[rank]
             order = np.argsort(rank[inv.ravel()], kind="stable")
-        return order if self.lengths.all() else order[self.lengths[order] > 0]
+        order = order if self.lengths.all() else order[self.lengths[order] > 0]
+        if self.longest_first:
+            units = self._unit_bounds(order)
+            k = int(np.searchsorted(units, int(np.argmax(self.lengths[order])), side="right")) - 1
+            a, b = int(units[k]), int(units[k + 1])
+            order = np.concatenate([order[a:b], order[:a], order[b:]])
+        return order
 
     def _unit_bounds(self, order: np.ndarray) -> np.ndarray:
         """Where each cut unit starts in ``order`` (an item, or a group's items), and its end: len(units) + 1."""
@@ -342,6 +359,7 @@ class TokenBudgetSampler:
         order, bounds, before, _ = self._cut(epoch)
         members = self._members(epoch, step_in_epoch)
         schedules = self._schedules(self.lengths[members].tolist(), self._settings, self._groups_of(members))
+        schedules = self._longest_slot_first(schedules, members, epoch, step_in_epoch)
         mine = [members[mb].tolist() if mb else [] for mb in schedules[self.rank]]
         self._step_counts(epoch)[step_in_epoch] = len(mine)
         start_steps = self._epoch_start(epoch)[0]
@@ -358,6 +376,20 @@ class TokenBudgetSampler:
         order, bounds, _, _ = self._cut(epoch)
         p, q = bounds[step_in_epoch]
         return order[p:q]
+
+    def _longest_slot_first(self, schedules: list[list], ids: np.ndarray, epoch: int, step_in_epoch: int) -> list[list]:
+        """``schedules`` (per rank, micro-batches of indices into ``ids``) with, under ``longest_first`` in the
+        epoch's first step, the micro-batch slot holding the epoch's longest item moved first on every rank (the
+        ranks' micro-batches run in lock-step, slot by slot, so the slot moves whole); as they are otherwise."""
+        if not self.longest_first or step_in_epoch != 0:
+            return schedules
+        first = self._members(epoch, 0)  # the epoch's first step holds its longest item (``_order``)
+        at = np.flatnonzero(ids == first[int(np.argmax(self.lengths[first]))])
+        if at.size == 0:  # it ran before a resume mid-step: what is left keeps its order
+            return schedules
+        slot = next((s for rank in schedules for s, mb in enumerate(rank) if mb and int(at[0]) in mb), 0)
+        return [[rank[slot], *rank[:slot], *rank[slot + 1:]] if slot < len(rank) else list(rank)
+                for rank in schedules]
 
     def _groups_of(self, members: np.ndarray) -> Optional[list[int]]:
         return None if self.groups is None else np.asarray(self.groups)[members].tolist()
@@ -467,6 +499,7 @@ class TokenBudgetSampler:
             "tokens_per_step": None if self._unit == "sequences" else [list(p) for p in self._ramp],
             "groups": None if self.groups is None else self._groups_digest(),
             "drop_last": self.drop_last,
+            "longest_first": self.longest_first,
             **self._settings.as_config(),
         }
 
@@ -500,7 +533,8 @@ class TokenBudgetSampler:
     def load_state_dict(self, state: dict) -> None:
         """Resume at ``state``'s position. A state saved under another world size, budget, layout, planner, cost
         model or sequence cap resumes too, each remaining step holding the items it would have held; one whose
-        settings decide other steps (dataset, seed, shuffle, step size or ramp, drop_last) is refused in one line."""
+        settings decide other steps (dataset, seed, shuffle, step size or ramp, drop_last, groups, longest_first) is
+        refused in one line."""
         saved = check_state(state, self._config())
         epoch, step = int(state["epoch"]), int(state["step_in_epoch"])
         self._epoch_starts = {0: (0, 0, 0)}
@@ -525,12 +559,14 @@ class TokenBudgetSampler:
             return _Partial(epoch, step, done, None, None) if done < len(self.plan(step, epoch).microbatches) else None
         if handed is None:  # the saved run's plan of this step says which items its first micro-batches held
             old = self._schedules(self.lengths[members].tolist(), saved, self._groups_of(members))
+            old = self._longest_slot_first(old, members, epoch, step)
             handed = sorted(int(members[i]) for rank in old for mb in rank[:done] for i in (mb or ()))
         ran = set(handed)
         rest = np.array([m for m in members.tolist() if m not in ran], dtype=np.int64)
         if rest.size == 0:
             return None
         plan = self._schedules(self.lengths[rest].tolist(), self._settings, self._groups_of(rest))
+        plan = self._longest_slot_first(plan, rest, epoch, step)
         return _Partial(epoch, step, done, [[rest[mb].tolist() if mb else [] for mb in r] for r in plan], handed)
 
 

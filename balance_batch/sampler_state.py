@@ -14,8 +14,12 @@ READ_VERSIONS = (1, 2)  # a version-1 state (no micro-batch position) resumes at
 # Which items form each step: the dataset (lengths and loss tokens), the order (seed, shuffle), the step size or ramp,
 # and whether a short last step is dropped. A resume that changed one of these would not train the same items.
 # A ramp (a threshold list, or Megatron's rampup triple as the list it makes) is in sequences_per_step or
-# tokens_per_step; groups keep a group's items in one step, so they decide the steps too.
-STEP_KEYS = ("dataset", "seed", "shuffle", "sequences_per_step", "tokens_per_step", "drop_last", "groups")
+# tokens_per_step; groups keep a group's items in one step, so they decide the steps too, and so does longest_first
+# (it moves the epoch's longest item to the front of the order).
+STEP_KEYS = ("dataset", "seed", "shuffle", "sequences_per_step", "tokens_per_step", "drop_last", "groups",
+             "longest_first")
+# A state saved before a key existed lacks it: it was saved with the value that keeps the steps as they were then.
+STEP_DEFAULTS = {"longest_first": False}
 
 
 class PlanSettings(NamedTuple):
@@ -57,10 +61,11 @@ def check_state(state: object, mine: dict) -> dict:
     if not isinstance(state, dict) or state.get("version") not in READ_VERSIONS:
         raise ValueError(f"{who}: not a sampler state (version {' or '.join(map(str, READ_VERSIONS))})")
     saved = state.get("config", {})
-    differ = [k for k in STEP_KEYS if saved.get(k) != mine[k]]
+    saved_keys = {k: saved.get(k, STEP_DEFAULTS.get(k)) for k in STEP_KEYS}
+    differ = [k for k in STEP_KEYS if saved_keys[k] != mine[k]]
     if differ:
         raise ValueError(f"{who}: the state was saved with "
-                         + "; ".join(f"{k}={saved.get(k)!r}, this sampler has {mine[k]!r}" for k in differ)
+                         + "; ".join(f"{k}={saved_keys[k]!r}, this sampler has {mine[k]!r}" for k in differ)
                          + " (these decide which items form each step; the budget, world size, layout, planner and "
                            "cost model may change)")
     try:

@@ -25,3 +25,27 @@ def test_the_dummy_microbatch_is_one_token_without_loss():
     batch = pack_collate([], pad_token_id=3)
     assert batch["input_ids"].tolist() == [[3]] and batch["labels"].tolist() == [[-100]]
     assert batch["cu_seq_lens_k"].tolist() == [0, 1]
+
+
+def same(a, b):
+    assert a.keys() == b.keys()
+    for key in a:
+        if isinstance(a[key], torch.Tensor):
+            assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
+        else:
+            assert a[key] == b[key], key
+
+
+def test_a_sample_of_0_tokens_adds_nothing_to_the_row():
+    empty = [{"input_ids": []}, {"input_ids": torch.tensor([], dtype=torch.long), "labels": torch.tensor([])}]
+    samples = [{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9], "labels": [-100, 4]}, {"input_ids": [1]}]
+    without = pack_collate(samples)
+    for at in range(len(samples) + 1):  # before, between and after the others
+        for zero in empty:
+            mixed = samples[:at] + [zero] + samples[at:]
+            same(pack_collate(mixed), without)
+            same(pack_collate(mixed, flash_attn_kwargs=False), pack_collate(samples, flash_attn_kwargs=False))
+    assert without["cu_seq_lens_q"].tolist() == [0, 3, 5, 6]  # one boundary per sequence of at least one token
+    assert without["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0]]
+    assert (without["labels"] != -100).sum() == 3  # 2 + 1 + 0 loss tokens: the 0-token sample counts none
+    same(pack_collate(empty + empty, pad_token_id=3), pack_collate([], pad_token_id=3))  # only 0 tokens: the dummy

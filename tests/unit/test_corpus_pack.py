@@ -293,3 +293,37 @@ def test_command_line_names_refusals_and_the_new_options(tmp_path, capsys):
     assert run_cli(".", "--capacity", "8") == 2  # as typed: once a traceback (no name to write '.packed8.npz' to)
     assert capsys.readouterr().err.strip() == ("python -m balance_batch.pack: '.' is a folder, not a file (expected "
                                                "a lengths file, a .npy array or a tokenized cache .npz)")
+
+
+def test_command_line_takes_a_0_length_from_every_input_and_refuses_a_negative_one_in_one_line(tmp_path, capsys):
+    lengths = np.array([100, 0, 900, 0, 0, 300])
+    np.save(tmp_path / "x.npy", lengths)
+    (tmp_path / "x.txt").write_text("100\n0\n900\n0\n0\n300\n")
+    (tmp_path / "h.txt").write_text("length,count\n100,1\n0,1\n900,1\n0,2\n300,1\n")  # the same, as a histogram
+    np.savez(tmp_path / "x.npz", offsets=np.concatenate([[0], np.cumsum(lengths)]))
+    for name in ("x.npy", "x.txt", "h.txt", "x.npz"):
+        assert run_cli(str(tmp_path / name), "--capacity", "512") == 0
+        assert "6 sequences, 3 empty (in no row) into 2 rows" in capsys.readouterr().out
+        with np.load(tmp_path / f"{name}.packed512.npz") as z, np.load(tmp_path / "x.npy.packed512.npz") as npy:
+            assert {k: z[k].tolist() for k in z.files} == {k: npy[k].tolist() for k in npy.files}
+            assert z["empty"].tolist() == [1, 3, 4]
+    np.save(tmp_path / "neg.npy", np.array([100, 0, -3, 7]))
+    (tmp_path / "neg.txt").write_text("100\n0\n-3\n7\n")
+    (tmp_path / "neg-h.txt").write_text("length,count\n100,1\n-3,2\n")
+    np.savez(tmp_path / "neg.npz", offsets=np.array([0, 100, 100, 97, 104]))
+    for name, line in [
+        ("neg.npy", (f"{tmp_path / 'neg.npy'}: lengths[2] = -3 is negative (valid: 0 or more tokens; 0 is a "
+                     "sequence of no tokens)")),
+        ("neg.txt", (f"{tmp_path / 'neg.txt'}:3: length -3 is negative (valid: 0..16,777,216 tokens; 0 is a "
+                     "sequence of no tokens)")),
+        ("neg-h.txt", f"{tmp_path / 'neg-h.txt'}:3: length -3 is negative (valid: 0..16,777,216 tokens"),
+        ("neg.npz", (f"{tmp_path / 'neg.npz'}: offsets[3] = 97 is below offsets[2] = 100, a negative length for "
+                     "sequence 2 (valid: offsets that never decrease)")),
+    ]:
+        assert run_cli(str(tmp_path / name), "--capacity", "512") == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[-1].startswith(f"python -m balance_batch.pack: {line}"), err
+        assert not any("Traceback" in e for e in err) and not (tmp_path / f"{name}.packed512.npz").exists()
+    (tmp_path / "zero-count.txt").write_text("0,0\n")  # a count still says how many: at least 1
+    assert run_cli(str(tmp_path / "zero-count.txt"), "--capacity", "512") == 2
+    assert "zero-count.txt:1: count 0 is not positive" in capsys.readouterr().err

@@ -252,3 +252,125 @@ def test_an_epoch_started_directly_counts_the_steps_and_tokens_before_it():
     direct = TokenBudgetSampler(**kw)
     direct.set_epoch(2)
     assert list(direct.steps()) == run and run[0].step > 0 and run[0].consumed_tokens > 9000
+
+
+def crowded(n=120):
+    """The longest item (130 tokens) is under the budget and packs with short ones into 250 tokens, while pairs of
+    128-token items fill micro-batches of 256: the planner runs costlier micro-batches before the longest item's."""
+    rng = np.random.default_rng(1)
+    lengths = [128] * (n // 2) + [60] * (n // 2 - 1) + [130]
+    return [lengths[i] for i in rng.permutation(n)]
+
+
+def fewer_skewed():
+    return skewed(150)
+
+
+def longest_runs_first(steps, lengths):
+    """Per epoch's steps (per step, per rank, the Step): where the longest item runs, as (step, rank, micro-batch)."""
+    longest = max(lengths)
+    return [(k, r, m) for k, step in enumerate(steps) for r, rs in enumerate(step)
+            for m, mb in enumerate(rs.microbatches) if any(lengths[i] == longest for i in mb)]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("make, kw", [
+    (crowded, dict(tokens_per_step=1200)),
+    (crowded, dict(sequences_per_step=17, layout="padded")),
+    (fewer_skewed, dict(tokens_per_step=[(0, 600), (2000, 2500)])),
+    (fewer_skewed, dict(sequences_per_step=[(0, 8), (40, 24)], drop_last=True)),
+    (fewer_skewed, dict(rampup=(500, 500, 3000), tokens_per_step=2500)),
+    (fewer_skewed, dict(sequences_per_step=12, groups=[(i * 7) % 50 for i in range(150)])),
+])
+def test_longest_first_runs_the_epochs_longest_item_in_the_first_microbatch_of_the_first_step(world, make, kw):
+    lengths = make()
+    for epoch in range(2):
+        steps = epoch_steps(lengths, world, epoch=epoch, longest_first=True, **kw)
+        seen = used(steps)
+        assert len(seen) == len(set(seen))
+        if not kw.get("drop_last"):
+            assert sorted(seen) == list(range(len(lengths)))
+        where = longest_runs_first(steps, lengths)
+        assert where[0][0] == 0 and where[0][2] == 0  # step 0; on its rank, that step's first micro-batch
+        for step in steps:
+            assert len({len(rs.microbatches) for rs in step}) == 1
+            assert len({(rs.global_tokens, rs.global_loss_tokens, rs.step, rs.consumed_tokens) for rs in step}) == 1
+        if "groups" in kw:  # the longest item's whole group is in the first step
+            group = kw["groups"][int(np.argmax(lengths))]
+            assert {i for i, g in enumerate(kw["groups"]) if g == group} <= set(used(steps[:1]))
+        # the crowded lengths: the planner alone runs the longest item's slot later; it moves first on every rank
+        if make is crowded:
+            sampler = TokenBudgetSampler(lengths, max_tokens_per_microbatch=B, world_size=world, rank=0,
+                                         longest_first=True, **kw)
+            members = sampler._members(epoch, 0)
+            raw = sampler._schedules(sampler.lengths[members].tolist(), sampler._settings)
+            lead = int(np.argmax(sampler.lengths[members]))
+            slot = next(k for rank in raw for k, mb in enumerate(rank) if mb and lead in mb)
+            assert slot > 0 or world > 1
+            moved = [[rank[slot], *rank[:slot], *rank[slot + 1:]] for rank in raw]
+            assert [rs.microbatches for rs in steps[0]] == [
+                [members[mb].tolist() if mb else [] for mb in rank] for rank in moved]
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_longest_first_resumes_exactly_and_iter_agrees_with_steps(world):
+    lengths = crowded()
+    kw = dict(max_tokens_per_microbatch=B, world_size=world, rank=world - 1, seed=2, tokens_per_step=900,
+              longest_first=True)
+    whole = TokenBudgetSampler(lengths, **kw)
+    n = len(whole)
+    flat = list(whole)
+    assert n == len(flat) and flat == [mb for step in TokenBudgetSampler(lengths, **kw).steps()
+                                       for mb in step.microbatches]
+    run = list(TokenBudgetSampler(lengths, **kw).steps())
+    for stop in (1, 3):
+        first = TokenBudgetSampler(lengths, **kw)
+        steps = first.steps()
+        taken = [next(steps) for _ in range(stop)]
+        resumed = TokenBudgetSampler(lengths, **kw)
+        resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
+        assert taken + list(resumed.steps()) == run
+    it = iter(TokenBudgetSampler(lengths, **kw))  # mid-way into the first step, after its first micro-batch
+    assert next(it) == run[0].microbatches[0]
+    resumed = TokenBudgetSampler(lengths, **kw)
+    resumed.load_state_dict(it.state_dict())
+    rest = list(resumed.steps())
+    assert rest[0].first_microbatch == 1 and rest[0].microbatches == run[0].microbatches[1:]
+    assert rest[1:] == run[1:]
+
+
+def test_longest_first_elastic_resume_mid_first_step_keeps_every_item_once():
+    lengths = crowded()
+    kw = dict(max_tokens_per_microbatch=B, seed=2, tokens_per_step=1500, longest_first=True)
+    before = [TokenBudgetSampler(lengths, world_size=3, rank=r, **kw) for r in range(3)]
+    its = [iter(s) for s in before]
+    ran = [i for it in its for i in next(it)]  # the first micro-batch of the first step, every rank
+    assert max(lengths) in [lengths[i] for i in ran]
+    state = its[0].state_dict()
+    assert (state["step_in_epoch"], state["microbatch"]) == (0, 1)
+    after = [TokenBudgetSampler(lengths, world_size=2, rank=r, **{**kw, "max_tokens_per_microbatch": 2 * B})
+             for r in range(2)]
+    for s in after:
+        s.load_state_dict(state)
+    rest = [i for s in after for step in s.steps() for mb in step.microbatches for i in mb]
+    assert sorted(ran + rest) == list(range(len(lengths)))
+
+
+def test_longest_first_is_a_setting_a_resume_must_share_and_a_bool():
+    kw = dict(lengths=skewed(), max_tokens_per_microbatch=B, world_size=2, rank=0, tokens_per_step=1000)
+    saved = TokenBudgetSampler(**kw, longest_first=True)
+    next(saved.steps())
+    with pytest.raises(ValueError) as err:
+        TokenBudgetSampler(**kw).load_state_dict(saved.state_dict())
+    assert "longest_first=True, this sampler has False" in str(err.value) and "\n" not in str(err.value)
+    plain = TokenBudgetSampler(**kw)
+    next(plain.steps())
+    older = plain.state_dict()
+    del older["config"]["longest_first"]  # a state saved before the setting existed: saved without it
+    resumed = TokenBudgetSampler(**kw)
+    resumed.load_state_dict(older)
+    assert list(resumed.steps()) == list(TokenBudgetSampler(**kw).steps())[1:]
+    with pytest.raises(ValueError, match="longest_first=False, this sampler has True"):
+        TokenBudgetSampler(**kw, longest_first=True).load_state_dict(older)
+    with pytest.raises(ValueError, match=r"^TokenBudgetSampler: longest_first must be True or False, got 'yes'$"):
+        TokenBudgetSampler(**kw, longest_first="yes")
