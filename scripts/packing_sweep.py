@@ -187,13 +187,12 @@ def _reason(row: dict) -> str:
     return text.replace("; use pad_collate (one row per sequence)", "").replace("|", "\\|")
 
 
-def markdown(rows: list[dict], argv: list[str]) -> str:
+def markdown(rows: list[dict], dtype: str) -> str:
     import transformers
 
     counts = Counter(r["verdict"] for r in rows)
     lines = [
-        f"Swept by `python -m scripts.packing_sweep {' '.join(argv)}`".rstrip() + f" on transformers "
-        f"{transformers.__version__}, torch {torch.__version__}: {len(rows)} models ("
+        f"Swept in {dtype} on transformers {transformers.__version__}, torch {torch.__version__}: {len(rows)} models ("
         + ", ".join(f"{n} {v}" for v, n in counts.most_common()) + ").",
         "",
         "| model type | class | verdict | packed vs alone, as is / prepared | why refused |",
@@ -229,7 +228,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", help="comma-separated model types (default: every causal-LM model type)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--no-windows", action="store_true", help="skip the sliding-window variants")
+    parser.add_argument("--shard", default="1/1", help="K/N: run every N-th model type from the K-th (for N processes)")
     parser.add_argument("--json", type=Path, help="write every row here")
+    parser.add_argument("--rows-from", type=Path, nargs="+",
+                        help="run nothing: read the rows of earlier --json files (the shards of one sweep)")
     parser.add_argument("--write-docs", type=Path, help="replace the table between the packing-sweep markers")
     args = parser.parse_args(argv)
     from transformers.utils import logging as hf_logging
@@ -243,9 +245,18 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--only: not causal-LM model types here: {', '.join(unknown)}")
         types = {t: types[t] for t in wanted}
     dtype = getattr(torch, args.dtype)
+    shard, shards = (int(x) for x in args.shard.split("/"))
+    if not 1 <= shard <= shards:
+        parser.error(f"--shard: K/N with 1 <= K <= N, got {args.shard}")
     rows = []
+    if args.rows_from:
+        rows = [row for path in args.rows_from for row in json.loads(path.read_text(encoding="utf-8"))]
+        order = list(types)
+        rows.sort(key=lambda r: (order.index(r["model_type"]) if r["model_type"] in order else len(order),
+                                 r["window"] or 0))
+        types = {}
     started = time.monotonic()
-    for model_type, class_name in types.items():
+    for model_type, class_name in list(types.items())[shard - 1::shards]:
         windows = [None] + ([] if args.no_windows or not _safe_has_window(model_type) else [WINDOW])
         for window in windows:
             row = judge(model_type, class_name, window, dtype)
@@ -259,8 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1) + "\n", encoding="utf-8")
     if args.write_docs:
-        write_docs(args.write_docs, markdown(rows, argv=[a for a in argv if not a.startswith("--write-docs")
-                                                          and a != str(args.write_docs)]))
+        write_docs(args.write_docs, markdown(rows, dtype=args.dtype))
     return 1 if any(r["verdict"] in DEFECTS for r in rows) else 0
 
 

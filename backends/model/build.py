@@ -107,8 +107,8 @@ def build_model(
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     # Packed rows kept apart, padded and packed on the same kernels, every kernel call recorded
-    # (backends/model/packing.py).
-    prepare_model_for_packing(model)
+    # (backends/model/packing.py); probed where it will run (not rank 0's host copy, whose weights only go to shards).
+    prepare_model_for_packing(model, probe=place != "cpu")
     return model
 
 

@@ -90,3 +90,20 @@ def test_the_probe_leaves_the_random_state_and_the_training_mode_as_they_were():
     state = torch.random.get_rng_state()
     check_packable(model)
     assert model.training and torch.equal(torch.random.get_rng_state(), state)
+
+
+def test_the_sweep_judges_rows_and_writes_the_docs_table_from_them(tmp_path, capsys):
+    """scripts/packing_sweep.py end to end on two model types: its rows, its exit status, and the table it writes
+    between a page's markers from the rows of its shards."""
+    from scripts.packing_sweep import BEGIN, END, main
+
+    first, second = tmp_path / "1.json", tmp_path / "2.json"
+    assert main(["--only", "llama,mpt", "--no-windows", "--shard", "1/2", "--json", str(first)]) == 0
+    assert main(["--only", "llama,mpt", "--no-windows", "--shard", "2/2", "--json", str(second)]) == 0
+    page = tmp_path / "page.md"
+    page.write_text(f"before\n{BEGIN}\nold\n{END}\nafter\n", encoding="utf-8")
+    assert main(["--rows-from", str(first), str(second), "--write-docs", str(page)]) == 0
+    text = page.read_text(encoding="utf-8")
+    assert "old" not in text and text.startswith("before\n") and text.endswith(f"{END}\nafter\n")
+    assert "| llama | LlamaForCausalLM | exact as is |" in text
+    assert "| mpt | MptForCausalLM | refused |" in text and "a packed sequence sees the one before it" in text
