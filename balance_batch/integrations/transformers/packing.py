@@ -351,7 +351,10 @@ def probeable(model: torch.nn.Module) -> bool:
 
 def _probe_tokens(config, n: int, generator: torch.Generator) -> torch.Tensor:
     vocab = int(getattr(config, "vocab_size", None) or 256)
-    special = {getattr(config, k, None) for k in ("pad_token_id", "bos_token_id", "eos_token_id")}
+    special = set()
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id"):  # an id, a list of ids (several eos), or None
+        value = getattr(config, name, None)
+        special.update(value if isinstance(value, (list, tuple)) else [value])
     choices = [t for t in range(min(vocab, 1000)) if t not in special and t >= min(3, vocab - 1)]
     return torch.tensor(choices)[torch.randint(len(choices), (n,), generator=generator)]
 
