@@ -2,6 +2,9 @@
 
     python -m torch.distributed.run --standalone --nproc-per-node=2 -m examples.fsdp2
 
+It needs the library's wheel with its ``[transformers]`` extra (docs/library.md, "Install") and this folder, not the
+harness: it runs from a copy of examples/ as from the checkout.
+
 The items alternate long and short, so splitting them by index (rank r takes r, r + 2, ...) would give one rank
 only long sequences and the other only short ones: with a token budget per micro-batch, different micro-batch counts,
 and a lock-step FSDP2 loop would hang in its collectives. The sampler plans each step over both ranks, so every rank

@@ -188,6 +188,33 @@ def test_the_library_imports_nothing_of_the_harness_or_the_backends():
     assert not found, f"the library imports the application: {found}"
 
 
+# The examples docs/library.md points a user of the wheel to: they run beside it, from a copy of examples/.
+WHEEL_EXAMPLES = ("dataloader.py", "fsdp2.py", "hf_trainer.py", "tiny.py")
+
+
+def test_the_library_examples_import_only_the_library_and_its_extras():
+    """examples/ beside the library's wheel: no module of the harness, the tests or a package outside the
+    ``[transformers]`` extra, and the tiny model is the harness's."""
+    allowed = {"balance_batch", "examples", "torch", "transformers", "__future__"}
+    found = []
+    for name in WHEEL_EXAMPLES:
+        path = REPO / "examples" / name
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            found += [f"examples/{name}:{node.lineno} {n}" for n in names
+                      if n.split(".")[0] not in allowed and n.split(".")[0] not in _STDLIB]
+    assert not found, f"the examples import what the wheel does not bring: {found}"
+    from backends.model.configs import TINY_CONFIG
+
+    tiny = ast.parse((REPO / "examples" / "tiny.py").read_text())  # read, not imported: no torch here
+    (config,) = [n.value for n in tiny.body if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "TINY_CONFIG"]
+    assert ast.literal_eval(config) == TINY_CONFIG
+
+
+_STDLIB = frozenset(__import__("sys").stdlib_module_names)
+
+
 def test_modules_and_functions_stay_small_and_harness_keeps_to_its_rooms():
     files = [p for package in ("harness", "backends") for p in sorted((REPO / package).rglob("*.py"))]
     long_modules, long_functions, seen = {}, {}, set()

@@ -15,9 +15,11 @@ import dataclasses
 import json
 import math
 import os
+import sys
 from functools import partial
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional, Union
 
+import numpy as np
 import torch
 from transformers import DefaultFlowCallback, Trainer, TrainerCallback
 from transformers.trainer_utils import (
@@ -28,29 +30,92 @@ from transformers.trainer_utils import (
     seed_worker,
 )
 
-from balance_batch.collate import IGNORE_INDEX, pack_collate
+from balance_batch.collate import IGNORE_INDEX, pack_collate, pad_collate
+from balance_batch.integrations.transformers.packing import check_packable
 from balance_batch.sampler import Step, TokenBudgetSampler
 
 STATE_FILE = "sampler_state.json"  # in each checkpoint folder: the sampler's position after the checkpoint's step
 
 
+class _NoInputIds(ValueError):
+    """An item without ``input_ids``: nothing to count its tokens from."""
+
+
+def _flat(values):
+    """A sequence of token ids (or labels) as a flat list, or as a 1-D tensor or array."""
+    if isinstance(values, list) and (not values or not isinstance(values[0], (list, tuple))):
+        return values  # counted with len and list.count, at C speed
+    if isinstance(values, torch.Tensor):
+        return values.reshape(-1)
+    return np.asarray(values).reshape(-1)
+
+
+def _item_counts(item, index: int) -> tuple[int, int]:
+    """An item's tokens and loss tokens (its labels after the first that are not -100)."""
+    if not isinstance(item, Mapping) or "input_ids" not in item:
+        raise _NoInputIds(f"item {index} has no input_ids")
+    seq = _flat(item["input_ids"])
+    lab = _flat(item["labels"]) if "labels" in item else seq
+    if isinstance(lab, list):
+        return len(seq), max(len(lab) - 1 - lab[1:].count(IGNORE_INDEX), 0)
+    return len(seq), int((lab[1:] != IGNORE_INDEX).sum())
+
+
+def _arrow_column_counts(column) -> Optional[tuple[np.ndarray, np.ndarray]]:
+    """Per row of an Arrow column of flat integer lists: its length, and its values after the first that are not
+    -100; None for any other column type."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    kind = column.type
+    if not ((pa.types.is_list(kind) or pa.types.is_large_list(kind)) and pa.types.is_integer(kind.value_type)):
+        return None
+    column = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    if column.null_count:
+        return None
+    lengths = pc.list_value_length(column).to_numpy(zero_copy_only=False).astype(np.int64)
+    kept = np.concatenate([[0], np.cumsum(column.flatten().to_numpy(zero_copy_only=False) != IGNORE_INDEX)])
+    ends = np.cumsum(lengths)
+    return lengths, kept[ends] - kept[np.minimum(ends - lengths + 1, ends)]
+
+
+def _dataset_counts(dataset) -> Optional[tuple[np.ndarray, np.ndarray]]:
+    """``token_counts`` of a ``datasets.Dataset`` from its Arrow columns, in the dataset's order; None where its items
+    are not its columns as stored (a custom transform) or the columns are not flat integer lists."""
+    fmt = getattr(dataset, "format", None)
+    if not isinstance(fmt, dict) or fmt.get("type") == "custom" or not hasattr(dataset, "with_format"):
+        return None
+    visible = dataset.column_names if fmt.get("columns") is None or fmt.get("output_all_columns") else fmt["columns"]
+    if "input_ids" not in visible:
+        raise _NoInputIds("the dataset has no input_ids column")
+    columns = ["input_ids"] + (["labels"] if "labels" in visible else [])
+    table = dataset.select_columns(columns).with_format("arrow")[:]
+    ids = _arrow_column_counts(table.column("input_ids"))
+    labels = ids if len(columns) == 1 else _arrow_column_counts(table.column("labels"))
+    if ids is None or labels is None:
+        return None
+    return ids[0], labels[1]
+
+
+def _token_arrays(dataset) -> tuple[np.ndarray, np.ndarray]:
+    """``token_counts`` as int64 arrays."""
+    counted = _dataset_counts(dataset) if hasattr(dataset, "column_names") else None
+    if counted is None:
+        pairs = [_item_counts(dataset[i], i) for i in range(len(dataset))]
+        counted = tuple(np.array([p[k] for p in pairs], dtype=np.int64).reshape(-1) for k in (0, 1))
+    return counted
+
+
 def token_counts(dataset) -> tuple[list[int], list[int]]:
     """Per item of a tokenized dataset (``input_ids``, optional ``labels``): its tokens, and the tokens its loss
-    counts as ``pack_collate`` lays it out (labels after the first that are not -100): a sampler's ``lengths`` and
-    ``loss_tokens_per_sequence``."""
-    columns = dataset.column_names if hasattr(dataset, "column_names") else None
-    if columns is not None:  # a datasets.Dataset: read whole columns, not item by item
-        ids = dataset["input_ids"]
-        labels = dataset["labels"] if "labels" in columns else ids
-        pairs = zip(ids, labels)
-    else:
-        pairs = ((item["input_ids"], item.get("labels", item["input_ids"])) for item in dataset)
-    lengths, loss_tokens = [], []
-    for seq, lab in pairs:
-        lab = torch.as_tensor(lab).reshape(-1)
-        lengths.append(int(torch.as_tensor(seq).numel()))
-        loss_tokens.append(int((lab[1:] != IGNORE_INDEX).sum()))
-    return lengths, loss_tokens
+    counts as ``pack_collate`` and ``pad_collate`` lay it out (labels after the first that are not -100): a sampler's
+    ``lengths`` and ``loss_tokens_per_sequence``. A ``datasets.Dataset`` is read from its Arrow columns; any other
+    map-style dataset item by item (``dataset[i]``)."""
+    try:
+        lengths, loss_tokens = _token_arrays(dataset)
+    except _NoInputIds as missing:
+        raise ValueError(f"token_counts: {missing}; valid: items with input_ids and optional labels") from None
+    return lengths.tolist(), loss_tokens.tolist()
 
 
 class _StepItems(torch.utils.data.Dataset):
@@ -126,23 +191,67 @@ class _SamplerEpochs(TrainerCallback):
             control.should_save &= args.save_strategy != SaveStrategy.EPOCH
 
 
+_SamplerOrFunction = Union[TokenBudgetSampler, Callable[..., TokenBudgetSampler]]
+
+
+def _stock_collate(collate_fn: Callable) -> Optional[Callable]:
+    """``pack_collate`` or ``pad_collate`` where ``collate_fn`` is one of them (or a ``functools.partial`` of one:
+    their options change no label), else None: a collate of the caller's own."""
+    while isinstance(collate_fn, partial):
+        collate_fn = collate_fn.func
+    return collate_fn if collate_fn in (pack_collate, pad_collate) else None
+
+
+def _is_stream(dataset) -> bool:
+    """Whether ``dataset`` cannot be indexed or measured up front: a torch or ``datasets`` ``IterableDataset``, or
+    anything without ``__len__`` and ``__getitem__``."""
+    datasets = sys.modules.get("datasets")  # imported already wherever a datasets.IterableDataset exists
+    if isinstance(dataset, torch.utils.data.IterableDataset) or (
+            datasets is not None and isinstance(dataset, getattr(datasets, "IterableDataset", ()))):
+        return True
+    return not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__"))
+
+
 class TokenBudgetMixin:
     """What makes a Trainer (or a Trainer subclass, such as TRL's ``SFTTrainer``) train on a sampler's steps; see
     ``TokenBudgetTrainer``."""
 
-    def __init__(self, *args, sampler: TokenBudgetSampler, collate_fn: Callable = pack_collate, **kwargs):
-        if not isinstance(sampler, TokenBudgetSampler):
-            raise ValueError(f"{type(self).__name__}: sampler must be a balance_batch.TokenBudgetSampler, got "
-                             f"{type(sampler).__name__}")
+    def __init__(self, *args, sampler: _SamplerOrFunction, collate_fn: Callable = pack_collate, **kwargs):
+        who = type(self).__name__
+        if not (isinstance(sampler, TokenBudgetSampler) or callable(sampler)):
+            raise ValueError(f"{who}: sampler must be a balance_batch.TokenBudgetSampler, or a function that takes "
+                             f"the train dataset and returns one; got {type(sampler).__name__}")
+        # before the Trainer's own refusal of a dataset without __len__ (which asks for max_steps)
+        self._refuse_stream(kwargs.get("train_dataset"))
         super().__init__(*args, **kwargs)
-        self.sampler, self.collate_fn = sampler, collate_fn
+        self.collate_fn = collate_fn
         self.trained_step: Optional[Step] = None  # the last step trained: what a checkpoint saves the position after
-        self._start_state = sampler.state_dict()  # where a fresh train() starts, however often it is called
         self.loss_is_scaled_for_ga = True  # the loss is over the whole step already: the Trainer must not divide it
         self._check_settings()
+        self._refuse_stream(self.train_dataset)  # a subclass may have prepared the dataset into a stream
+        if self.train_dataset is None:
+            raise ValueError(f"{who}: no train_dataset; give the dataset whose items the sampler's lengths describe")
+        if not isinstance(sampler, TokenBudgetSampler):
+            built = sampler(self.train_dataset)
+            if not isinstance(built, TokenBudgetSampler):
+                raise ValueError(f"{who}: sampler(train_dataset) returned {type(built).__name__}; it must return a "
+                                 "balance_batch.TokenBudgetSampler")
+            sampler = built
+        self.sampler = sampler
+        self._start_state = sampler.state_dict()  # where a fresh train() starts, however often it is called
+        self._check_sampler()
+        self._check_model()
         self.add_callback(_SamplerEpochs(self))
 
     # ------------------------------------------------------------------ settings
+
+    def _refuse_stream(self, dataset) -> None:
+        if dataset is not None and _is_stream(dataset):
+            raise ValueError(
+                f"{type(self).__name__}: train_dataset is a stream ({type(dataset).__name__}), but the sampler plans "
+                "each step from every item's length, known up front: give a map-style dataset (datasets.Dataset, a "
+                "list, a torch Dataset with __len__ and __getitem__), e.g. the stream materialized with "
+                "datasets.Dataset.from_generator or list()")
 
     def _check_settings(self) -> None:
         """Refuse, in one line, Trainer settings this integration would otherwise ignore or contradict."""
@@ -165,12 +274,57 @@ class TokenBudgetMixin:
         if args.n_gpu > 1:
             raise ValueError(f"{who}: {args.n_gpu} GPUs in one process (nn.DataParallel) would split a packed row; run "
                              "one process per GPU (torchrun)")
-        if (self.sampler.world_size, self.sampler.rank) != (args.world_size, args.process_index):
-            raise ValueError(f"{who}: the sampler plans for rank {self.sampler.rank} of {self.sampler.world_size}, "
+
+    # what the refusal of a sampler that does not describe the dataset calls the dataset, and how to build one that does
+    _dataset_name = "train_dataset"
+    _sampler_advice = ("build the sampler from lengths, loss_tokens = token_counts(dataset): "
+                      "TokenBudgetSampler(lengths, loss_tokens_per_sequence=loss_tokens, ...), or pass "
+                      "sampler=lambda dataset: TokenBudgetSampler(...) built so")
+
+    def _check_sampler(self) -> None:
+        """Refuse, in one line, a sampler planned for another rank or another dataset: its items' count, their tokens
+        and (with ``pack_collate`` or ``pad_collate``) their loss tokens must be the dataset's as the collate lays it
+        out. With a collate of the caller's own, whose labels only it knows, only the tokens are compared, where the
+        items have ``input_ids``."""
+        args, sampler, who = self.args, self.sampler, type(self).__name__
+        if (sampler.world_size, sampler.rank) != (args.world_size, args.process_index):
+            raise ValueError(f"{who}: the sampler plans for rank {sampler.rank} of {sampler.world_size}, "
                              f"this process is rank {args.process_index} of {args.world_size}")
-        if self.train_dataset is None or len(self.train_dataset) != len(self.sampler.lengths):
-            have = "no train_dataset" if self.train_dataset is None else f"{len(self.train_dataset)} items"
-            raise ValueError(f"{who}: the sampler has {len(self.sampler.lengths)} items' lengths, train_dataset {have}")
+        if len(self.train_dataset) != len(sampler.lengths):
+            raise ValueError(f"{who}: the sampler has {len(sampler.lengths)} items' lengths, {self._dataset_name} "
+                             f"{len(self.train_dataset)} items: {self._sampler_advice}")
+        stock = _stock_collate(self.collate_fn)
+        try:
+            lengths, loss_tokens = _token_arrays(self.train_dataset)
+        except _NoInputIds as missing:
+            if stock is None:
+                return  # the caller's collate makes the tokens: nothing here to count them from
+            raise ValueError(f"{who}: {self._dataset_name}: {missing}, which {stock.__name__} lays out; valid: "
+                             "items with input_ids and optional labels (-100 where a token has no loss)") from None
+        differs = lengths != sampler.lengths
+        if stock is not None:
+            differs |= loss_tokens != sampler.loss_tokens
+        if not differs.any():
+            return
+        i = int(np.argmax(differs))
+        count = f"{int(differs.sum())} of {len(differs)} items differ"
+        if stock is None:
+            raise ValueError(f"{who}: item {i} of {self._dataset_name} has {lengths[i]} tokens (input_ids); the "
+                             f"sampler has {sampler.lengths[i]} ({count}): build the sampler's lengths from the "
+                             "items' input_ids, token_counts(dataset)")
+        raise ValueError(f"{who}: item {i} of {self._dataset_name} has {lengths[i]} tokens, {loss_tokens[i]} of them "
+                         f"loss tokens as {stock.__name__} lays it out; the sampler has {sampler.lengths[i]} and "
+                         f"{sampler.loss_tokens[i]} ({count}): {self._sampler_advice}")
+
+    def _check_model(self) -> None:
+        """With ``pack_collate``, refuse a model whose layers would run across a packed row's sequences
+        (``check_packable``'s one line)."""
+        if _stock_collate(self.collate_fn) is not pack_collate:
+            return
+        try:
+            check_packable(self.model)
+        except ValueError as refused:
+            raise ValueError(f"{type(self).__name__}: {refused}") from refused
 
     # ------------------------------------------------------------------ the steps
 
@@ -297,10 +451,13 @@ class TokenBudgetTrainer(TokenBudgetMixin, Trainer):
     """A ``transformers.Trainer`` whose optimizer steps are a ``TokenBudgetSampler``'s.
 
     ``TokenBudgetTrainer(model=..., args=TrainingArguments(...), train_dataset=..., sampler=TokenBudgetSampler(...))``;
-    ``collate_fn`` (default ``pack_collate``) turns a micro-batch's items into the model's keyword arguments.
-    ``max_steps`` (or ``num_train_epochs`` of the sampler's epochs) counts the sampler's steps; checkpoints hold the
-    sampler's position (``sampler_state.json``). The model's forward must take ``num_items_in_batch`` (Hugging Face
-    causal LMs do), or give ``compute_loss_func``. See docs/library.md.
+    ``sampler`` may also be a function of the train dataset that returns the sampler. ``collate_fn`` (default
+    ``pack_collate``) turns a micro-batch's items into the model's keyword arguments. ``max_steps`` (or
+    ``num_train_epochs`` of the sampler's epochs) counts the sampler's steps; checkpoints hold the sampler's position
+    (``sampler_state.json``). The model's forward must take ``num_items_in_batch`` (Hugging Face causal LMs do), or
+    give ``compute_loss_func``. The constructor refuses, in one line, a sampler whose items' tokens or loss tokens are
+    not the dataset's (``token_counts``), a model ``check_packable`` refuses (with ``pack_collate``), and a streamed
+    dataset. See docs/library.md.
     """
 
     def _check_settings(self) -> None:
