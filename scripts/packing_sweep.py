@@ -12,7 +12,8 @@ A row's verdict: ``exact as is`` (accepted, exact, and preparing keeps it exact)
 as it comes, prepared, then exact), ``refused`` (both say why, in one line), or a defect the library must not have:
 ``accepted but wrong``, ``accepted but fails``, ``prepared but wrong``, ``prepared but fails``, ``raised <error>``
 (anything but ValueError). The exit status is 1 when any row is a defect. Models that do not build from a small
-config (sizes this script cannot shrink, a missing optional package) are listed as ``not built``, not judged.
+config (sizes this script cannot shrink, a missing optional package, a forward that fails on input_ids alone at
+those sizes) are listed as ``not built``, not judged.
 ``--write-docs`` replaces the table between the ``packing-sweep`` markers of that file with this run's.
 """
 
@@ -56,6 +57,8 @@ def small_config(config_class, window: int | None = None):
     base = config_class()
     names = set(base.to_dict()) | set(getattr(base, "attribute_map", {}))
     kwargs = {k: v for k, v in SMALL.items() if k in names}
+    if "kv_lora_rank" in names and "num_key_value_heads" in kwargs:  # latent attention expands keys for every head
+        kwargs["num_key_value_heads"] = kwargs["num_attention_heads"]
     layer_types = getattr(base, "layer_types", None)
     if "layer_types" in names and layer_types:
         kinds = list(dict.fromkeys(layer_types))  # each kind of layer once (two layers of one kind where one kind)
@@ -136,6 +139,11 @@ def judge(model_type: str, class_name: str, window: int | None, dtype: torch.dty
         model = build(model_type, class_name, window, dtype)
     except Exception as exc:  # noqa: BLE001 - a model that does not build small is listed, not judged
         return {**row, "verdict": "not built", "why": _short(exc)}
+    try:
+        with torch.no_grad():
+            model(input_ids=torch.arange(3, 3 + LENGTHS[0])[None], use_cache=False)
+    except Exception as exc:  # noqa: BLE001 - the small config is this script's; a model that cannot run it is not judged
+        return {**row, "verdict": "not built", "why": "its forward on input_ids alone fails: " + _short(exc)}
     try:
         worst = worst_difference(model)
         row["as_is"] = f"{worst:.2g}"
