@@ -196,6 +196,22 @@ def session_processes(sid: int) -> list:
     return out
 
 
+def left_behind(sid: int) -> list:
+    """The processes of session ``sid``, exited ones not yet reaped (zombies) included, looked up once, with no
+    wait: right after a harness run started in that session has exited this is empty, since the harness reaps
+    everything it started before it exits (backends/runtime/children.py)."""
+    import psutil
+
+    out = []
+    for p in psutil.process_iter():
+        try:
+            if os.getsid(p.pid) == sid:
+                out.append(p)
+        except (ProcessLookupError, PermissionError, psutil.Error):
+            continue
+    return out
+
+
 def rank_processes(pid: int) -> list:
     """The live ranks a process started: the children of its fork server (backends/runtime/forkserver.py)."""
     import psutil

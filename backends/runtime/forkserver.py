@@ -23,17 +23,27 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import sys
 import warnings
 
 # Imported by the fork server alone, before it forks any rank: importing it calls ``warm``.
 _PRELOAD = "backends.runtime.preload"
 
+# Whether this process has asked for the context that starts ranks (start_early only starts the server)
+_ranks_asked = False
 
-def rank_context():
-    """The multiprocessing context that starts ranks: the fork server, preloading ``warm``'s modules."""
+
+def _context():
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload([_PRELOAD])
     return ctx
+
+
+def rank_context():
+    """The multiprocessing context that starts ranks: the fork server, preloading ``warm``'s modules."""
+    global _ranks_asked
+    _ranks_asked = True
+    return _context()
 
 
 def is_fork_server(cmdline: str) -> bool:
@@ -86,10 +96,25 @@ def warm() -> None:
             pass
 
 
+def leave_now() -> None:
+    """The fork server's exit without the interpreter's teardown: its streams flushed, then ``os._exit(0)``."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (AttributeError, OSError, ValueError):
+            pass
+    os._exit(0)
+
+
 def start_early() -> None:
     """Start the fork server now, so its imports run beside the controller's own work (about 7 s of CPU on the
     other core) instead of before the first rank; a later ``rank_context`` process finds it running."""
     from multiprocessing import forkserver
 
-    rank_context()
+    _context()
     forkserver.ensure_running()
+
+
+def ranks_asked() -> bool:
+    """Whether this process has asked for ``rank_context`` (``start_early`` alone only starts the server)."""
+    return _ranks_asked

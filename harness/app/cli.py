@@ -61,6 +61,26 @@ def run_hydra_cli(hydra_main: Callable[[], object], exit_code: Callable[[], int]
     return exit_code()
 
 
+def end_children() -> None:
+    """Before a CLI process exits: what it started ended and reaped, so that nothing it started outlives it.
+
+    A hot sweep's backend is closed and W&B's service process stopped here, before the children are waited for:
+    their own exit handlers would do both only after this (a no-op then)."""
+    from backends.runtime.children import end_children as end_and_reap
+    from harness.sweep.hot import HOT
+
+    HOT.close()
+    if "wandb" in sys.modules:
+        from backends.runtime.memory import outside_the_data_limit
+
+        try:
+            with outside_the_data_limit():  # as every W&B call here (harness/point/tracking.py)
+                sys.modules["wandb"].teardown()
+        except Exception as exc:  # noqa: BLE001 - results.json holds everything; the wait below still ends it
+            print(f"warning: W&B teardown failed ({type(exc).__name__}: {exc})", file=sys.stderr)
+    end_and_reap()
+
+
 def _interrupt(signum, frame):
     """SIGTERM (a scheduler's pre-emption, kill) stops the run like Ctrl-C: workers stopped, results kept."""
     raise KeyboardInterrupt

@@ -20,7 +20,7 @@ from backends.runtime.forkserver import is_fork_server
 from backends.specs import BackendSpec, ModelSpec
 from backends.start import make_backend
 from harness.data.workload import make_examples, mixed_lengths
-from tests.conftest import REPO, load_json, start_harness, sweep_results, wait_session_empty
+from tests.conftest import REPO, left_behind, load_json, start_harness, sweep_results
 from tests.loss_oracle import oracle, tiny_examples
 
 EXAMPLES = make_examples(mixed_lengths(16, 64, 512, 42), 2048, seed=0)
@@ -340,10 +340,11 @@ def test_cli_backends_agree_and_leave_nothing_in_their_session(workdir):
         log=log,
     )
     assert proc.wait(timeout=300) == 0, log.read_text()
-    # The harness ran in a session of its own (start_new_session): every rank, queue feeder and
-    # W&B helper it started is in that session, so an empty session means nothing was left behind.
-    left = wait_session_empty(proc.pid)
-    assert left == [], [p.cmdline() for p in left]
+    # The harness ran in a session of its own (start_new_session): every process it started, and every one those
+    # started, is in that session. Checked at once, with no wait, exited ones not yet reaped included: the harness
+    # exits only once all of them have exited and been reaped.
+    left = left_behind(proc.pid)
+    assert left == [], left
     assert "starting 2 ranks" in log.read_text()  # the session did hold ranks while it ran
     results = sweep_results(sweep)
     assert [r["backend"] for r in results] == ["pytorch", "fsdp2", "megatron_ddp"]

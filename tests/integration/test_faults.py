@@ -14,6 +14,7 @@ import psutil
 from tests.conftest import (
     REPO,
     harness_env,
+    left_behind,
     load_json,
     rank_processes,
     run_harness,
@@ -83,7 +84,8 @@ def test_out_of_memory_is_a_result_and_the_sweep_goes_on(workdir):
     # the failing rank's largest micro-batch (here each rank runs one)
     assert any(f"{n:,} padded tokens" in oom["error"] for n in oom["plan"]["padded_tokens_per_rank"])
     assert "| OOM " in (sweep / "report.md").read_text()
-    assert wait_session_empty(proc.pid) == []
+    # Checked at once: a point of the sweep failed, and the harness still reaped all it started before it exited
+    assert left_behind(proc.pid) == []
 
 
 def test_pytorch_backend_recovers_after_an_oom_point(workdir):
@@ -132,7 +134,7 @@ def test_a_stopped_worker_ends_the_run_with_a_clear_error(workdir):
     assert res["passes"]["forward"]["tok_per_s"] > 0  # what was measured before is kept
     log = (workdir / "log.txt").read_text()
     assert "no heartbeat for 3 s" in log and "Traceback" not in log
-    assert wait_session_empty(proc.pid) == []  # the stopped rank too
+    assert left_behind(proc.pid) == []  # the stopped rank too, reaped before the harness exited
 
 
 def test_a_hung_worker_times_out(workdir):
@@ -157,7 +159,7 @@ def test_a_hung_worker_times_out(workdir):
         not psutil.pid_exists(int(pidfile.read_text()))
         or psutil.Process(int(pidfile.read_text())).status() == psutil.STATUS_ZOMBIE
     )
-    assert wait_session_empty(proc.pid) == []
+    assert left_behind(proc.pid) == []  # the hung rank too, reaped before the harness exited
 
 
 def test_a_start_up_that_hangs_ends_at_its_deadline_in_one_line(workdir):
@@ -248,7 +250,7 @@ def test_an_interrupted_sweep_resumes_where_it_stopped(workdir):
     log = (workdir / "log.txt").read_text()
     assert code == 130, log[-4000:]
     assert "resume=true" in log and f"hydra.sweep.dir={sweep}" in log
-    assert wait_session_empty(proc.pid) == []
+    assert left_behind(proc.pid) == []  # an interrupted run reaps what it started too
     first = sweep / "0" / "results.json"
     assert load_json(first)["status"] == "ok"
     assert load_json(sweep / "1" / "results.json")["status"] == "interrupted"
@@ -279,3 +281,30 @@ def test_a_controller_killed_outright_leaves_no_rank_and_no_fork_server(workdir)
         proc.kill()
         proc.wait()
     assert wait_session_empty(proc.pid) == []
+
+
+_LEAVES_A_PROCESS_RUNNING = """
+import logging
+import subprocess
+
+from backends.runtime.children import become_subreaper, end_children
+
+logging.basicConfig(format="%(message)s")
+become_subreaper()
+# The shell starts sleep and exits: sleep, orphaned, becomes this process's child, and never exits by itself
+out = subprocess.run(["sh", "-c", "sleep 600 >/dev/null 2>&1 & echo $!"], capture_output=True, text=True, check=True)
+print(out.stdout.strip(), flush=True)
+end_children(wait_s=0.5)
+"""
+
+
+def test_a_process_left_running_at_exit_is_killed_in_one_line_and_reaped(workdir):
+    """What the harness runs before it exits (backends/runtime/children.py), given a descendant that never exits:
+    after its wait it kills it, says so in one line, reaps it, and returns."""
+    proc = subprocess.Popen([sys.executable, "-c", _LEAVES_A_PROCESS_RUNNING], cwd=REPO, env=harness_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    sleeper = int(out.split()[-1])
+    assert err.splitlines() == [f"exit: killed sleep (pid {sleeper}), still running 0.5 s after the run ended"]
+    assert left_behind(proc.pid) == []
