@@ -45,6 +45,8 @@ SMALL = dict(
     decoder_attention_heads=4, decoder_ffn_dim=128, encoder_layers=2, encoder_attention_heads=4,
     encoder_ffn_dim=128, n_positions=512, rotary_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
     linear_key_head_dim=16, linear_value_head_dim=16, first_k_dense_replace=1, max_position_embeddings=512,
+    vocab_size_per_layer_input=512, hidden_size_per_layer_input=16, num_layers=2,
+    attention_types=[[["global", "local"], 1]],
 )
 MAX_PARAMETERS = 20_000_000  # a config whose sub-models this script cannot shrink is skipped, not built
 BEGIN, END = "<!-- packing-sweep:begin -->", "<!-- packing-sweep:end -->"
@@ -66,6 +68,8 @@ def small_config(config_class, window: int | None = None):
         kwargs["num_hidden_layers"] = len(kwargs["layer_types"])
     if window is not None:
         kwargs["sliding_window"] = window
+        if "window_size" in names:  # GPT-Neo's local attention
+            kwargs["window_size"] = window
     sub = getattr(base, "text_config", None)
     if isinstance(sub, PretrainedConfig):
         kwargs["text_config"] = small_config(type(sub), window).to_dict()
@@ -88,7 +92,7 @@ def has_window(model_type: str) -> bool:
 
     base = transformers.CONFIG_MAPPING[model_type]()
     text = getattr(base, "text_config", None) or base
-    return "sliding_window" in text.to_dict()
+    return "sliding_window" in text.to_dict() or "window_size" in text.to_dict()
 
 
 def build(model_type: str, class_name: str, window: int | None, dtype: torch.dtype) -> torch.nn.Module:
@@ -215,7 +219,7 @@ def markdown(rows: list[dict], dtype: str) -> str:
             measured += r.get("after", "-") if len(r.get("after", "-")) < 12 else "fails"
         why = _reason(r) if r["verdict"] == "refused" else ""
         lines.append(f"| {name} | {r['class']} | {r['verdict']} | {measured} | {why} |")
-    built = [r["model_type"] for r in rows if r["verdict"] == "not built"]
+    built = list(dict.fromkeys(r["model_type"] for r in rows if r["verdict"] == "not built"))
     if built:
         lines += ["", f"Not built from a small config here, so not judged ({len(built)}): {', '.join(built)}."]
     return "\n".join(lines) + "\n"
@@ -258,7 +262,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--shard: K/N with 1 <= K <= N, got {args.shard}")
     rows = []
     if args.rows_from:
-        rows = [row for path in args.rows_from for row in json.loads(path.read_text(encoding="utf-8"))]
+        # a later file's row replaces an earlier one's for the same model (a rerun of a few)
+        rows = list({(row["model_type"], row["window"]): row for path in args.rows_from
+                     for row in json.loads(path.read_text(encoding="utf-8"))}.values())
         order = list(types)
         rows.sort(key=lambda r: (order.index(r["model_type"]) if r["model_type"] in order else len(order),
                                  r["window"] or 0))
