@@ -434,12 +434,16 @@ def _one_line(exc: BaseException) -> str:
 
 
 def _probe_cached(model: torch.nn.Module) -> Optional[str]:
+    """``_probe``'s answer, kept per Hugging Face model: a wrapper around it (peft, a DDP module) shares its answer."""
+    from transformers import PreTrainedModel
+
+    key = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), model)
     state = _probe_model_state(model)
-    cached = _probed.get(model)
+    cached = _probed.get(key)
     if cached is not None and cached[0] == state:
         return cached[1]
     reason = _probe(model)
-    _probed[model] = (state, reason)
+    _probed[key] = (state, reason)
     return reason
 
 
