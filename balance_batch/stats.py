@@ -36,7 +36,12 @@ def lower_bound_bins(lengths: Sequence[int], max_tokens: Optional[int], micro_ba
         return math.ceil(len(lengths) / min(micro_batch_size, max_seqs or micro_batch_size))
     arr = np.asarray(lengths, dtype=np.int64)
     rest = arr[arr <= max_tokens]
-    return lower_bound_from_histogram(np.bincount(rest), max_tokens, len(arr) - len(rest), max_seqs)
+    n_over = len(arr) - len(rest)
+    if not len(rest) or int(rest.max()) <= 8 * len(rest) + 65_536:  # a count per token value: O(n) memory and time
+        return lower_bound_from_histogram(np.bincount(rest), max_tokens, n_over, max_seqs)
+    # longer ones: the distinct lengths by a sort, so time and memory follow n, not the longest length
+    distinct, counts = np.unique(rest, return_counts=True)
+    return _lower_bound_distinct(distinct, counts, max_tokens, n_over, max_seqs)
 
 
 def lower_bound_from_histogram(hist: np.ndarray, max_tokens: int, n_over: int = 0, max_seqs: Optional[int] = None
@@ -44,9 +49,16 @@ def lower_bound_from_histogram(hist: np.ndarray, max_tokens: int, n_over: int = 
     """``lower_bound_bins`` with a budget, from ``hist`` (how many sequences have each length, all within
     ``max_tokens``) and ``n_over`` sequences longer than it: the work is per distinct length, not per sequence."""
     lengths = np.flatnonzero(hist)
+    return _lower_bound_distinct(lengths, hist[lengths], max_tokens, n_over, max_seqs)
+
+
+def _lower_bound_distinct(lengths: np.ndarray, counts: np.ndarray, max_tokens: int, n_over: int,
+                          max_seqs: Optional[int]) -> int:
+    """``lower_bound_bins`` from the distinct ``lengths`` within ``max_tokens`` (ascending) and how many sequences
+    have each (``counts``), with ``n_over`` sequences longer than the budget."""
     if not len(lengths):
         return n_over
-    counts = hist[lengths].astype(np.int64)
+    counts = counts.astype(np.int64)
     tokens = lengths * counts
     # the most sequences one micro-batch can hold: the shortest ones, while their sum fits
     before = np.cumsum(tokens) - tokens  # tokens of all shorter sequences
