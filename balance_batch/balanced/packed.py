@@ -4,6 +4,7 @@ where BFD leaves a micro-batch over)."""
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import math
@@ -14,12 +15,18 @@ from balance_batch.cost import CostModel
 from balance_batch.stats import lower_bound_bins
 
 # Where LPT and best-fit decreasing both miss the fewest steps, an exact search (``_Packer.search``) looks for them,
-# in a step of at most _SEARCH_BINS micro-batches: with at most _EXACT_MAX sequences, up to _SEARCH_WORK units of work
-# (lengths looked at; about 0.5 s at worst, 20-25 sequences of verl's test shape need at most 1,000,000), with more a
-# hundredth of that (a few milliseconds, so a large step where BFD leaves a step over costs little more)
+# in a step of at most _SEARCH_BINS micro-batches, capped in units of work (lengths looked at): _SEARCH_WORK for a step
+# of at most _EXACT_MAX sequences (a search that used it all took 0.3-0.8 s on the project's 2-core machine), a
+# hundredth of it for more (a few milliseconds, so a large step where BFD leaves a step over costs little more).
+# What is known of when the cap suffices comes from scripts/bench_tight.py, on verl's test shape (lengths uniform in
+# [50, 90], budget 300): of 2,000 seeded steps of 25 lengths and 300 of 20 or 25, every one reached the optimum and
+# none needed more than 34,000. With more sequences the cap can run out: in 1 of 300 steps of 30 lengths (its optimum
+# is a micro-batch above the bound, which the search does not prove within the cap; best-fit decreasing reaches it)
+# and in 1 of 200 steps of 40, which then takes a micro-batch more than the optimum. Elsewhere nothing is measured.
 _EXACT_MAX = 64
 _SEARCH_BINS = 256
 _SEARCH_WORK = 1_000_000
+_BITSET_BUDGET = 1 << 20  # _Rooms: bit sets of budget / 1,024 words up to this budget, a sorted list above it
 
 
 def _search_work(n_seqs: int) -> int:
@@ -28,16 +35,20 @@ def _search_work(n_seqs: int) -> int:
 
 
 class _Rooms:
-    """Micro-batches by room left (0..budget tokens): add one, or take one with the least room >= x, in O(1) big-int
-    steps.
+    """Micro-batches by room left (0..budget tokens): add one, or take one with the least room >= x (the first
+    micro-batch among equals).
 
-    Two levels of bit sets: bit r % 1024 of ``low[r // 1024]`` says some
-    micro-batch has room r, bit k of ``high`` says ``low[k]`` is not empty.
+    Budgets up to ``_BITSET_BUDGET``: two levels of bit sets, O(1) big-int
+    steps (bit r % 1024 of ``low[r // 1024]`` says some micro-batch has room r,
+    bit k of ``high`` says ``low[k]`` is not empty). Larger budgets: a sorted
+    list of the rooms in use (bisection), so memory and time follow the
+    micro-batches, not the budget.
     """
 
     def __init__(self, budget: int):
         self.ids: dict[int, list[int]] = {}
-        self.low = [0] * (budget // 1024 + 1)
+        self.rooms: Optional[list[int]] = [] if budget > _BITSET_BUDGET else None  # sorted, distinct
+        self.low = [0] * (budget // 1024 + 1) if self.rooms is None else []
         self.high = 0
 
     def add(self, room: int, j: int) -> None:
@@ -46,6 +57,9 @@ class _Rooms:
             heapq.heappush(ids, j)
             return
         self.ids[room] = [j]
+        if self.rooms is not None:
+            bisect.insort(self.rooms, room)
+            return
         k = room >> 10
         if not self.low[k]:
             self.high |= 1 << k
@@ -53,26 +67,36 @@ class _Rooms:
 
     def take_at_least(self, x: int) -> Optional[tuple[int, int]]:
         """(room, micro-batch) with the least room >= x (the first micro-batch among equals), removed; None if none."""
-        k = x >> 10
-        word = self.low[k] >> (x & 1023) if k < len(self.low) else 0
-        if word:
-            room = x + (word & -word).bit_length() - 1
-        else:
-            higher = self.high >> (k + 1)
-            if not higher:
-                return None
-            k += (higher & -higher).bit_length()
-            word = self.low[k]
-            room = (k << 10) + (word & -word).bit_length() - 1
+        room = self._least_at_least(x)
+        if room is None:
+            return None
         ids = self.ids[room]
         j = heapq.heappop(ids)
         if not ids:
             del self.ids[room]
-            k = room >> 10
-            self.low[k] &= ~(1 << (room & 1023))
-            if not self.low[k]:
-                self.high &= ~(1 << k)
+            if self.rooms is not None:
+                del self.rooms[bisect.bisect_left(self.rooms, room)]
+            else:
+                k = room >> 10
+                self.low[k] &= ~(1 << (room & 1023))
+                if not self.low[k]:
+                    self.high &= ~(1 << k)
         return room, j
+
+    def _least_at_least(self, x: int) -> Optional[int]:
+        if self.rooms is not None:
+            e = bisect.bisect_left(self.rooms, x)
+            return self.rooms[e] if e < len(self.rooms) else None
+        k = x >> 10
+        word = self.low[k] >> (x & 1023) if k < len(self.low) else 0
+        if word:
+            return x + (word & -word).bit_length() - 1
+        higher = self.high >> (k + 1)
+        if not higher:
+            return None
+        k += (higher & -higher).bit_length()
+        word = self.low[k]
+        return (k << 10) + (word & -word).bit_length() - 1
 
 
 class _Packer:
@@ -94,6 +118,7 @@ class _Packer:
         self.nb: list[int] = []
         self.cost: list[float] = []
         self.pattern: list[list[tuple[int, int]]] = []
+        self.search_work = 0  # the work ``search`` used, its last call
 
     def group(self, nb: int, tok: int = 0, cnt: int = 0, cost: float = 0.0, pattern=()) -> int:
         self.tok.append(tok)
@@ -168,11 +193,16 @@ class _Packer:
 
         Bin completion (Korf, 2002-2003), on the histogram of lengths: micro-batch after micro-batch, each takes the
         longest sequence left plus one set of the others (a multiset of lengths, so sequences of one length are never
-        tried in two orders), the fullest sets first. Pruned three ways: a set must be maximal (no sequence left fits
-        in the room it leaves, as a set with one more dominates it); the rooms left over, summed, may not exceed the
-        slack ``n_bins × B − Σ lengths``; and a histogram left over that failed once is not searched again.
+        tried in two orders), the fullest sets first. Pruned four ways: a set must be undominated (``undominated``:
+        maximal, and no sequence left out can take the place of shorter ones in it); the rooms left over, summed, may
+        not exceed the slack ``n_bins × B − Σ lengths``; the micro-batches left must be able to hold the sequences
+        left (``too_many``: none holds more than the shortest ones whose sum fits); and a histogram left over that
+        failed once is not searched again. None of them loses a packing: what they prune leads to none, or (a
+        dominated set) to none that a fuller set tried in its place does not lead to. ``search_work`` keeps the work
+        the last search used.
         """
         B, cap = self.B, self.cap
+        self.search_work = 0
         lengths = [length for length, _ in self.hist]  # longest first
         left = [k for _, k in self.hist]
         total = sum(length * k for length, k in self.hist)
@@ -187,7 +217,8 @@ class _Packer:
         chosen: list[list[tuple[int, int]]] = []  # per micro-batch: (index into lengths, count)
 
         def fills(a: int, room: int, need: int, seats: float) -> list[tuple[int, list[tuple[int, int]]]]:
-            """Every maximal set of the lengths from index a on that takes between ``need`` and ``room`` tokens."""
+            """Every undominated set of the lengths from index a on that takes between ``need`` and ``room``
+            tokens."""
             out: list[tuple[int, list[tuple[int, int]]]] = []
             picked: list[tuple[int, int]] = []
 
@@ -199,8 +230,8 @@ class _Packer:
                     return False
                 if room - sum(min(left[e], room // lengths[e]) * lengths[e] for e in range(d, m)) > room0 - need:
                     return True  # what is left to take cannot fill the set as full as it must be
-                if d == m or not seats:  # nothing more fits: a maximal set, kept if full enough
-                    if room <= room0 - need and _maximal(room, seats):
+                if d == m or not seats:  # nothing more fits: kept if full enough and undominated
+                    if room <= room0 - need and undominated(room, seats, picked):
                         out.append((room, list(picked)))
                     return True
                 length = lengths[d]
@@ -220,11 +251,60 @@ class _Packer:
             room0 = room
             return out if walk(a, room, seats) else []
 
-        def _maximal(room: int, seats: float) -> bool:
-            if not seats:
+        def undominated(room: int, seats: float, picked: list[tuple[int, int]]) -> bool:
+            """False when a packing that holds this set as a micro-batch becomes one that holds a fuller set instead:
+            a sequence left out fits in the room (the set is not maximal), or takes the place of a shorter sequence
+            of the set within the room, or (with no cap on sequences) of two whose sum is at most its length.
+            (Martello and Toth's dominance, 1990.) The set's first sequence, the longest left, stays."""
+            looked = 1
+            if seats:
+                e = m - 1
+                while e >= 0 and not left[e]:
+                    e -= 1
+                looked += m - e
+                if e >= 0 and lengths[e] <= room:
+                    budget[0] -= looked
+                    return False
+            for d, _ in picked:  # the next longer length left out, within the room of this one's place
+                e = d - 1
+                while e >= 0 and not left[e]:
+                    e -= 1
+                looked += d - e
+                if e >= 0 and lengths[e] <= lengths[d] + room:
+                    budget[0] -= looked
+                    return False
+            budget[0] -= looked
+            if cap < math.inf or sum(t for _, t in picked) < 2:  # a cap: two giving way to one may overfill one
                 return True
+            longest_out = next((lengths[e] for e in range(m) if left[e]), 0)
+            shortest = [lengths[d] for d, t in picked[-2:] for _ in range(min(t, 2))][-2:]
+            if sum(shortest) > longest_out:
+                return True  # no two of the set are as short as the longest left out
+            inside = [lengths[d] for d, _ in picked]
+            pairs = [y + inside[j] for i, (y, (_, t)) in enumerate(zip(inside, picked)) for j in range(i + (t < 2),
+                                                                                                      len(inside))]
+            budget[0] -= m + len(pairs)
+            outside = [lengths[e] for e in range(m - 1, -1, -1) if left[e]]  # left out, shortest first
+            for p in pairs:
+                if p <= longest_out:
+                    e = bisect.bisect_left(outside, p)
+                    if outside[e] <= p + room:
+                        return False
+            return True
+
+        def too_many(bins: int) -> bool:
+            """True when more sequences are left than ``bins`` micro-batches can hold: none holds more than the
+            shortest ones left whose sum fits the budget (nor more than the cap)."""
             budget[0] -= m
-            return not any(left[d] and lengths[d] <= room for d in range(m))
+            n_left, most, room = 0, 0, B
+            for d in range(m - 1, -1, -1):  # shortest first
+                k, length = left[d], lengths[d]
+                n_left += k
+                if k and room >= 0:
+                    t = min(k, room // length) if length else k
+                    most += t
+                    room = room - t * length if t == k else -1  # -1: a shorter one is left out, no longer one fits
+            return n_left > bins * min(most, cap)
 
         def solve(bins: int, waste: int) -> bool:
             a = next((d for d in range(m) if left[d]), m)
@@ -233,7 +313,7 @@ class _Packer:
             key = (bins, tuple(left))
             if key in failed:
                 return False
-            if bins == 0:
+            if bins == 0 or too_many(bins):
                 return False
             left[a] -= 1
             options = fills(a, B - lengths[a], B - lengths[a] - (slack - waste), cap - 1)
@@ -257,7 +337,9 @@ class _Packer:
                 failed.add(key)
             return False
 
-        if not solve(n_bins, 0):
+        found = solve(n_bins, 0)
+        self.search_work = work - budget[0]
+        if not found:
             return False
         for content in chosen:  # a micro-batch's lengths, longest first (its first length may come again)
             g = self.group(1)

@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import collections
+import importlib.util
 import math
 import random
+from pathlib import Path
 
 import pytest
 
 from balance_batch import pack, plan_step
+from balance_batch.balanced.packed import _Packer
+
+_SPEC = importlib.util.spec_from_file_location(
+    "bench_tight", Path(__file__).resolve().parents[2] / "scripts" / "bench_tight.py"
+)
+bench = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(bench)
 
 
 def fewest_bins(lengths: list[int], budget: int) -> int:
@@ -70,6 +80,47 @@ def test_verl_shaped_step_reaches_the_bound():
     lengths = [71, 88, 77, 77, 79, 81, 58, 90, 87, 79, 63, 51, 73, 83, 54, 80, 90, 56, 76, 70]
     assert check_plan(lengths, 300) == 5
     assert check_pack(lengths, 300) == 5
+
+
+# 25 lengths in [50, 90] at 300 (``scripts/bench_tight.py --rows 25``): draws where the exact search used up its work
+# before it pruned on how many sequences the micro-batches left can hold, and plans took 7 micro-batches (1918 is the
+# one that needed the most work then: 30 s uncapped; 1237 has 2 tokens of slack, 487 has 78)
+ONCE_OVER = [14, 487, 1237, 1918]
+
+
+@pytest.mark.parametrize("seed", ONCE_OVER)
+def test_draws_of_25_verl_shaped_lengths_take_the_fewest_microbatches(seed):
+    rng = random.Random(seed)
+    lengths = [rng.randint(50, 90) for _ in range(25)]
+    optimum, packing = bench.fewest_microbatches(lengths, 300)  # an exact search of its own, and a packing for proof
+    assert optimum == math.ceil(sum(lengths) / 300) == len(packing) == 6
+    assert check_plan(lengths, 300) == optimum
+    assert check_pack(lengths, 300) == optimum
+    plan = plan_step(lengths, world_size=2, max_tokens_per_microbatch=300, layout="packed")
+    assert max(len(s) for s in plan.microbatches) == 3  # lock-step on two ranks: 6 micro-batches in 3 steps
+
+
+def test_the_exact_search_packs_at_the_optimum_and_proves_one_fewer_impossible():
+    # lengths from 1 to 60 at 100: sets where a sequence left out could take the place of one or two shorter ones
+    rng = random.Random(11)
+    for _ in range(150):
+        lengths = [rng.randint(1, 60) for _ in range(rng.randint(1, 11))]
+        optimum = fewest_bins(lengths, 100)
+        hist = sorted(collections.Counter(lengths).items(), reverse=True)
+        packers = [_Packer(hist, 100, math.inf, {n: float(n) for n, _ in hist}) for _ in range(2)]
+        assert packers[0].search(optimum, 10**7), lengths
+        assert all(nb == 1 for nb in packers[0].nb) and packers[0].n_bins() == optimum
+        packed = [[n for n, t in pattern for _ in range(t)] for pattern in packers[0].pattern]
+        assert sorted(n for b in packed for n in b) == sorted(lengths) and all(sum(b) <= 100 for b in packed)
+        assert not packers[1].search(optimum - 1, 10**7), lengths
+        assert packers[1].search_work < 10**7  # proved, not given up
+
+
+def test_the_reference_optimum_agrees_with_the_subset_recurrence():
+    rng = random.Random(5)
+    for _ in range(60):
+        lengths = [rng.randint(5, 70) for _ in range(rng.randint(1, 11))]
+        assert bench.fewest_microbatches(lengths, 100)[0] == fewest_bins(lengths, 100), lengths
 
 
 def test_lock_step_counts_where_a_microbatch_less_saves_a_step():
