@@ -8,7 +8,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from harness.app.cli import end_children, run_hydra_cli
+from harness.app.cli import reaped, run_hydra_cli
 from harness.app.roles import follow, leads, tell_launcher
 from harness.app.state import STATE
 from harness.point.task import run_point
@@ -29,13 +29,7 @@ def _hydra_main_spanning_job(cfg: DictConfig) -> int:
 def main() -> int:
     """Run the benchmark (rank 0 of a launched job: every point, then end the job), or follow rank 0; return once
     every process it started has exited and been reaped."""
-    from backends.runtime.children import become_subreaper
-
-    become_subreaper()
-    try:
-        return _run()
-    finally:
-        end_children()
+    return reaped(_run)
 
 
 def _run() -> int:

@@ -134,6 +134,18 @@ def _short(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[:160]}"
 
 
+def _asks(call, model) -> tuple:
+    """(True, None) where ``call(model)`` returns, (False, its one line) where it raises ValueError, and (None, what
+    it raised) for anything else."""
+    try:
+        call(model)
+        return True, None
+    except ValueError as exc:
+        return False, str(exc)
+    except Exception as exc:  # noqa: BLE001 - anything but ValueError is a defect of the library, reported as such
+        return None, f"{call.__name__}: {_short(exc)}"
+
+
 def judge(model_type: str, class_name: str, window: int | None, dtype: torch.dtype) -> dict:
     """One row: what check_packable and prepare_model_for_packing say and what is true."""
     from balance_batch.integrations.transformers import check_packable, prepare_model_for_packing
@@ -154,21 +166,16 @@ def judge(model_type: str, class_name: str, window: int | None, dtype: torch.dty
         exact = worst <= TOLERANCE[dtype]
     except Exception as exc:  # noqa: BLE001 - the packed forward failing is a fact about the model
         row["as_is"], exact = _short(exc), False
-    try:
-        check_packable(model)
-        row["accepted"] = True
-    except ValueError as exc:
-        row["accepted"], row["refusal"] = False, str(exc)
-    except Exception as exc:  # noqa: BLE001 - anything but ValueError is a defect of the library
-        return {**row, "verdict": "raised", "why": "check_packable: " + _short(exc)}
+    row["accepted"], refusal = _asks(check_packable, model)
+    if refusal is not None:
+        row["refusal"] = refusal
     model = build(model_type, class_name, window, dtype)  # prepared from scratch, as a user would
-    try:
-        prepare_model_for_packing(model)
-        row["prepared"] = True
-    except ValueError as exc:
-        row["prepared"], row["prepare_refusal"] = False, str(exc)
-    except Exception as exc:  # noqa: BLE001 - anything but ValueError is a defect of the library
-        return {**row, "verdict": "raised", "why": "prepare_model_for_packing: " + _short(exc)}
+    row["prepared"], refusal = _asks(prepare_model_for_packing, model)
+    if refusal is not None:
+        row["prepare_refusal"] = refusal
+    for asked, said in (("accepted", "refusal"), ("prepared", "prepare_refusal")):
+        if row[asked] is None:  # anything but ValueError is a defect of the library
+            return {**row, "verdict": "raised", "why": row.pop(said)}
     prepared_exact = None
     if row["prepared"]:
         try:

@@ -61,6 +61,18 @@ def run_hydra_cli(hydra_main: Callable[[], object], exit_code: Callable[[], int]
     return exit_code()
 
 
+def reaped(run: Callable[[], int]) -> int:
+    """``run()``'s exit status, returned once every process it started has exited and been reaped (orphaned
+    descendants included: this process is their subreaper)."""
+    from backends.runtime.children import become_subreaper
+
+    become_subreaper()
+    try:
+        return run()
+    finally:
+        end_children()
+
+
 def end_children() -> None:
     """Before a CLI process exits: what it started ended and reaped, so that nothing it started outlives it.
 

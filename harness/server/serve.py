@@ -26,7 +26,7 @@ from omegaconf import DictConfig
 
 from backends.errors import BackendError, UserError
 from harness.app.batching import AUTO, needs_budget
-from harness.app.cli import end_children, run_hydra_cli
+from harness.app.cli import reaped, run_hydra_cli
 from harness.server.app import build_app
 from harness.server.client import TOKEN_ENV, is_loopback
 from harness.server.supervisor import ServedBackend
@@ -196,13 +196,7 @@ def _served_cost_model(spec, backend, vocab_size: int):
 def main() -> int:
     """``python -m harness.serve``: the server as a Hydra app; its exit status (2: a config mistake). Returns once
     every process it started has exited and been reaped."""
-    from backends.runtime.children import become_subreaper
-
-    become_subreaper()
-    try:
-        return _main()
-    finally:
-        end_children()
+    return reaped(_main)
 
 
 def _main() -> int:
