@@ -332,6 +332,13 @@ HALF_PROBE_TOLERANCE = 0.05
 _probed: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
 
 
+def _hf_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The Hugging Face model in ``model`` (itself, or the one a peft or DDP wrapper holds); ``model`` if none."""
+    from transformers import PreTrainedModel
+
+    return next((m for m in model.modules() if isinstance(m, PreTrainedModel)), model)
+
+
 def _probe_model_state(model: torch.nn.Module) -> tuple:
     """What decides the probe's answer besides the weights: each config's attention implementation and whether the
     gated delta-nets run our functions. A model changed since its probe is probed again."""
@@ -370,12 +377,10 @@ def _probe(model: torch.nn.Module) -> Optional[str]:
     ``pack_collate`` row, each compared with itself alone (``model(input_ids=...)``), and the row again with the
     first sequence's tokens changed, where the second's logits must not change at all. Four forwards of at most 22
     tokens, without gradients, in eval mode, the global random state untouched; any error is an answer."""
-    from transformers import PreTrainedModel
 
     from balance_batch.collate import pack_collate
 
-    hf = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
-    config = getattr(hf, "config", None)
+    config = getattr(_hf_model(model), "config", None)
     param = next(model.parameters(), None)
     device = param.device if param is not None else torch.device("cpu")
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
@@ -435,9 +440,7 @@ def _one_line(exc: BaseException) -> str:
 
 def _probe_cached(model: torch.nn.Module) -> Optional[str]:
     """``_probe``'s answer, kept per Hugging Face model: a wrapper around it (peft, a DDP module) shares its answer."""
-    from transformers import PreTrainedModel
-
-    key = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), model)
+    key = _hf_model(model)
     state = _probe_model_state(model)
     cached = _probed.get(key)
     if cached is not None and cached[0] == state:
@@ -472,10 +475,7 @@ def check_packable(model: torch.nn.Module) -> None:
 
 
 def _model_name(model: torch.nn.Module) -> str:
-    from transformers import PreTrainedModel
-
-    hf = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), model)
-    return type(hf).__name__
+    return type(_hf_model(model)).__name__
 
 
 # Models prepare_model_for_packing finished (with per-sequence attention, or their own where that alone is exact),
