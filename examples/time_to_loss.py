@@ -254,12 +254,12 @@ def training_set(tok, pool, size: Size) -> tuple[list, dict]:
     """The training files and every arm's step, chosen so every arm takes about the same number of optimizer steps
     and exactly the same tokens in one pass.
 
-    Steps: b sequences per rank (padded, group_by_length, flattening: files / (2 b) steps) and r of TRL's rows per
-    rank (rows / (2 r) steps), b from 4 to 6 where r = round(b rows / files) comes closest to b's steps; the
-    token-budget arms' tokens per step (per seed) the smallest that takes no more steps than b's. Pieces: the pool's
-    (``pieces``) in order, the fewest from the run's tokens up that b's steps divide evenly and r's (or r ± 1's) do
-    too: where a step is short of items the Trainer's loader repeats the first ones, and that arm would train more
-    tokens."""
+    Steps: b sequences per rank (padded, group_by_length, flattening: pieces / (2 b) steps) and r of TRL's rows per
+    rank, one at a time (accumulated: rows / 2 / r steps, the last one short), b from 4 to 6 where r = round(b rows /
+    pieces) comes closest to b's steps; the token-budget arms' tokens per step (per seed) the smallest that takes no
+    more steps than b's. Pieces: the pool's (``pieces``) in order, the fewest from the run's tokens up that b's steps
+    divide evenly and whose TRL rows are even: where a step is short of items the Trainer's loader repeats the first
+    ones, and that arm would train more tokens."""
     seqs, total = [], 0
     source = pieces(tok, pool, size.max_length)
     for ids in source:
@@ -274,10 +274,10 @@ def training_set(tok, pool, size: Size) -> tuple[list, dict]:
 
     def mismatch(b: int) -> float:
         r = max(1, round(b * rows / files))
-        return abs(math.ceil(rows / (RANKS * r)) / math.ceil(files / (RANKS * b)) - 1)
+        return abs(math.ceil(rows / RANKS / r) / math.ceil(files / (RANKS * b)) - 1)
 
     b = min((4, 5, 6), key=mismatch)
-    near = max(1, round(b * rows / files))
+    r = max(1, round(b * rows / files))
     extra = [ids for ids, _ in zip(source, range(RANKS * b * 24))]
     found = None
     for n in range(files, files + len(extra) + 1):
@@ -285,16 +285,15 @@ def training_set(tok, pool, size: Size) -> tuple[list, dict]:
             continue
         train = seqs + extra[:n - files]
         rows = trl_rows(train, size.max_length)
-        found = found or (train, rows, near)
-        fits = [r for r in (near, near - 1, near + 1) if r >= 1 and rows % (RANKS * r) == 0]
-        if fits:
-            found = (train, rows, fits[0])
+        found = found or (train, rows)
+        if rows % RANKS == 0:
+            found = (train, rows)
             break
-    train, rows, r = found
+    train, rows = found
     lengths = [len(s) for s in train]
     steps = len(train) // (RANKS * b)
     return train, {"sequences_per_rank": b, "trl_rows_per_rank": r, "trl_rows": rows, "steps": steps,
-                   "trl_steps": math.ceil(rows / (RANKS * r)),
+                   "trl_steps": math.ceil(rows // RANKS / r),
                    "tokens_per_step": {str(seed): matched_tokens_per_step(lengths, size, seed, steps)
                                        for seed in size.seeds}}
 
@@ -374,22 +373,26 @@ def run_arm(arm: str, seed: int, size: Size, train, held, total: int, sizes: dic
                 model.register_comm_hook(None, timed_allreduce)
                 timing["hooked"] = True
             kernels.reset()
+            timing["ready"] = None
             start = time.perf_counter()
             loss = super().training_step(model, inputs, num_items_in_batch)
             end = time.perf_counter()
             for impl, n in _attention_calls().items():
                 attention[impl] = attention.get(impl, 0) + n
             timing["step_s"] += end - start
-            timing["wait_s"] += end - timing["ready"]  # waiting for the other rank, and the all-reduce itself
+            if timing["ready"] is not None:  # this call all-reduced: waiting for the other rank, and the all-reduce
+                timing["wait_s"] += end - timing["ready"]
             if "step" in inputs:  # a sampler step: its loss tokens over all ranks
-                tokens = inputs["step"].global_loss_tokens
                 local = sum(int((mb["labels"][..., 1:] != -100).sum()) for mb in inputs["microbatches"])
-            else:  # the Trainer's count: the labels the loss counts on all ranks (shifted, padding ignored)
-                tokens = int(num_items_in_batch)
+                tokens = inputs["step"].global_loss_tokens
+            else:  # the Trainer's count over the accumulated micro-batches on all ranks (shifted, padding ignored)
                 local = int((inputs["labels"][..., 1:] != -100).sum())
-            counter["tokens"] += tokens
-            counter["loss"] = float(loss)
+                tokens = int(num_items_in_batch) if self.accelerator.sync_gradients else 0
             timing["local_tokens"] += local
+            counter["loss"] = float(loss)
+            if not tokens:  # not the step's last micro-batch
+                return loss
+            counter["tokens"] += tokens
             steps.append(tokens)
             return loss
 
@@ -415,7 +418,10 @@ def run_arm(arm: str, seed: int, size: Size, train, held, total: int, sizes: dic
             from trl import SFTConfig, SFTTrainer
 
             # bf16=False: TRL's default would autocast every forward (and the held-out loss's) to bfloat16
-            args = SFTConfig(per_device_train_batch_size=sizes["trl_rows_per_rank"], packing=True, bf16=False,
+            # a row per forward, r accumulated: the last step takes what is left, where r rows per forward would
+            # have the loader repeat rows to fill it
+            args = SFTConfig(per_device_train_batch_size=1, gradient_accumulation_steps=sizes["trl_rows_per_rank"],
+                             packing=True, bf16=False,
                              packing_strategy="bfd", padding_free=True, max_length=size.max_length, **common)
             trainer = type("TRL", (Counted, SFTTrainer), {})(
                 model=model, args=args, train_dataset=Dataset.from_dict({"input_ids": train}),
