@@ -255,7 +255,7 @@ def training_set(tok, pool, size: Size) -> tuple[list, dict]:
     and exactly the same tokens in one pass.
 
     Steps: b sequences per rank (padded, group_by_length, flattening: pieces / (2 b) steps) and r of TRL's rows per
-    rank, one at a time (accumulated: rows / 2 / r steps, the last one short), b from 4 to 6 where r = round(b rows /
+    rank, one at a time (accumulated: rows / 2 / r steps, the last one short), b from 2 to 4 where r = round(b rows /
     pieces) comes closest to b's steps; the token-budget arms' tokens per step (per seed) the smallest that takes no
     more steps than b's. Pieces: the pool's (``pieces``) in order, the fewest from the run's tokens up that b's steps
     divide evenly and whose TRL rows are even: where a step is short of items the Trainer's loader repeats the first
@@ -276,7 +276,7 @@ def training_set(tok, pool, size: Size) -> tuple[list, dict]:
         r = max(1, round(b * rows / files))
         return abs(math.ceil(rows / RANKS / r) / math.ceil(files / (RANKS * b)) - 1)
 
-    b = min((4, 5, 6), key=mismatch)
+    b = min((2, 3, 4), key=mismatch)
     r = max(1, round(b * rows / files))
     extra = [ids for ids, _ in zip(source, range(RANKS * b * 24))]
     found = None
