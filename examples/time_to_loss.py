@@ -3,18 +3,18 @@ seven ways, the same tokens.
 
     python -m examples.time_to_loss --out DIR [--quick]
 
-A Llama-style model of 3.1M parameters (random initialisation, float32, CPU) learns the running interpreter's
+A Llama-style model of 1.2M parameters (random initialisation, float32, CPU) learns the running interpreter's
 standard library (``Lib/**/*.py``, test folders left out), split by file into training and held-out files by a hash
 of each file's path, tokenized with a byte-level BPE of 4,096 tokens trained here on the training files, each file
-cut at 1,024 tokens. The script starts two gloo ranks (``torch.distributed.run``, one thread each); every arm trains
-one pass over the same training files on both ranks, gradients all-reduced each step, with the same seeds, initial
-weights and learning-rate schedule, counted in loss tokens:
+cut into pieces of at most 1,024 tokens. The script starts two gloo ranks (``torch.distributed.run``, one thread
+each); every arm trains one pass over the same training pieces on both ranks, gradients all-reduced each step, with
+the same seeds, initial weights and learning-rate schedule, counted in loss tokens:
 
 - ``padded``: the Hugging Face Trainer's defaults: b sequences per rank per step, padded to the longest, random order;
 - ``group_by_length``: the same with ``train_sampling_strategy="group_by_length"``;
 - ``flattening``: b sequences per rank per step through ``DataCollatorWithFlattening``: one padding-free row;
 - ``trl_packing``: TRL's ``SFTTrainer(packing=True)``: best-fit-decreasing rows of 1,024 tokens, padding-free, r rows
-  per rank per step;
+  per rank per step (one per forward, accumulated);
 - ``token_budget`` / ``token_budget_ramp``: ``TokenBudgetTrainer`` on a ``TokenBudgetSampler`` over both ranks: steps
   sized in tokens (as many per pass as ``padded``'s, so the same mean tokens per step; the ramp from a quarter of the
   step over the first 20% of the tokens), packed and balanced into micro-batches of at most 1,024 tokens;
@@ -25,7 +25,7 @@ Every padding-free arm but the last runs the library's per-sequence attention (`
 sequence of a row attends to itself alone, at the cost of the sum of its lengths squared, as a GPU varlen kernel
 does); the kernel that ran is recorded per run. Every arm's loss is the mean over the step's loss tokens on both
 ranks. Each rank records its time computing and its time waiting at the step's gradient all-reduce. The held-out
-loss is measured before training and at the first step's end past each eighth of the tokens (a quarter with
+loss is measured before training and at the first step's end past each eighth of the tokens (a half with
 ``--quick``), split between the ranks, its time left out of the wall time. One untimed step of every arm runs first,
 and the arms' order alternates by seed. It writes DIR/time_to_loss.json and DIR/time_to_loss.png;
 ``--markdown DIR/time_to_loss.json`` prints the tables of the measurement page from a run's JSON.
@@ -470,9 +470,10 @@ def worker(work: str, mode_name: str, threads: int) -> int:
     import torch
     import torch.distributed as dist
     import transformers
-    import trl  # noqa: F401 (every rank at once, not one after another where TRL's arm first needs it)
+    import trl.data_utils  # noqa: F401 (TRL loads lazily: every rank at once here, not rank 0 alone while preparing)
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
+    from trl import SFTTrainer  # noqa: F401
 
     size = SIZES[mode_name]
     torch.set_num_threads(threads)
