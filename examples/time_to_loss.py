@@ -272,12 +272,14 @@ def training_set(tok, pool, size: Size) -> tuple[list, dict]:
                          f"asked")
     files, rows = len(seqs), trl_rows(seqs, size.max_length)
 
-    def mismatch(b: int) -> float:
-        r = max(1, round(b * rows / files))
-        return abs(math.ceil(rows / RANKS / r) / math.ceil(files / (RANKS * b)) - 1)
+    def rows_per_rank(b: int) -> int:  # TRL's rows per rank per step that carry about b pieces' tokens
+        return max(1, round(b * rows / files))
 
-    b = min((2, 3, 4), key=mismatch)
-    r = max(1, round(b * rows / files))
+    def trl_steps(rows: int, r: int) -> int:  # a rank's rows, r to a step, the last step short
+        return math.ceil(rows / RANKS / r)
+
+    b = min((2, 3, 4), key=lambda b: abs(trl_steps(rows, rows_per_rank(b)) / math.ceil(files / (RANKS * b)) - 1))
+    r = rows_per_rank(b)
     extra = [ids for ids, _ in zip(source, range(RANKS * b * 24))]
     found = None
     for n in range(files, files + len(extra) + 1):
@@ -293,7 +295,7 @@ def training_set(tok, pool, size: Size) -> tuple[list, dict]:
     lengths = [len(s) for s in train]
     steps = len(train) // (RANKS * b)
     return train, {"sequences_per_rank": b, "trl_rows_per_rank": r, "trl_rows": rows, "steps": steps,
-                   "trl_steps": math.ceil(rows // RANKS / r),
+                   "trl_steps": trl_steps(rows, r),
                    "tokens_per_step": {str(seed): matched_tokens_per_step(lengths, size, seed, steps)
                                        for seed in size.seeds}}
 
