@@ -16,10 +16,13 @@ from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 
+import harness.peers  # noqa: F401  (registers the peers' planners, which a command may name)
 from backends.runtime.profiling import PROFILE_RANKS, PROFILE_STEPS
-from balance_batch import LAYOUTS, PLANNERS, CostModel, Plan, plan_step
+from balance_batch import LAYOUTS, CostModel, Plan, plan_step
 from balance_batch.errors import check_choice
-from balance_batch.plan import given_plan
+from balance_batch.greedy import Schedule, lockstep_schedules
+from balance_batch.planners import get_planner
+from balance_batch.stats import plan_stats
 
 PASS_TYPES = ("forward", "forward_backward")
 # PassCommand.logprob_chunk_tokens: use the backend's ``logprob_chunk_tokens`` (None there means full logits).
@@ -98,7 +101,7 @@ class PassCommand:
         if self.schedules is not None:
             if len(self.schedules) != world_size:
                 raise ValueError(f"a given plan has {len(self.schedules)} ranks' schedules for {world_size} ranks")
-            return given_plan(self.schedules, self.all_lengths(), align=lockstep, layout=self.layout,
+            return given_plan(self.schedules, self.all_lengths(), lockstep=lockstep, layout=self.layout,
                               cost_model=CostModel.from_dict(self.cost_model))
         return plan_step(
             self.all_lengths(),
@@ -139,7 +142,7 @@ def make_command(
     if pass_type not in PASS_TYPES:
         raise ValueError(f"pass type must be one of {PASS_TYPES}, got {pass_type!r}")
     check_choice("layout", layout, LAYOUTS)
-    check_choice("planner", planner, PLANNERS)
+    get_planner(planner)  # one ValueError naming the valid ones
     return PassCommand(pass_type, list(examples), max_tokens_per_microbatch, micro_batch_size,
                        layout=layout, planner=planner, cost_model=cost_model, **options)
 
@@ -190,3 +193,30 @@ class PassResult:
         ]
         known = {f.name for f in dataclasses.fields(cls)} - {"outputs"}
         return cls(outputs=outputs, **{k: v for k, v in data.items() if k in known})
+
+
+def given_plan(
+    schedules: Sequence[Schedule],
+    lengths: Sequence[int],
+    lockstep: bool = False,
+    layout: str = "padded",
+    cost_model: Optional[CostModel] = None,
+) -> Plan:
+    """A plan given whole, per rank and step (harness/calibration.py's shapes): no planner runs, only the statistics.
+
+    With ``lockstep`` (lock-step ranks) shorter schedules are padded with ``None``; without it ``None`` entries are
+    dropped, as ``plan_step`` does for ranks that run independently (``lockstep=False``).
+    """
+    check_choice("layout", layout, LAYOUTS)
+    lengths = [int(n) for n in lengths]
+    cost_model = cost_model or CostModel.tokens()
+    for r, schedule in enumerate(schedules):
+        for batch in schedule:
+            if batch is not None and (not batch or any(not 0 <= i < len(lengths) for i in batch)):
+                raise ValueError(f"a given plan's rank {r} has a micro-batch that is empty or indexes past the "
+                                 f"{len(lengths)} examples: {batch!r}")
+    rows = [[None if b is None else list(b) for b in s] for s in schedules]
+    rows = lockstep_schedules(rows) if lockstep else [[b for b in s if b is not None] for s in rows]
+    stats = plan_stats(rows, lengths, layout=layout, cost_model=cost_model, lockstep=lockstep, planner="given")
+    return Plan(schedules=rows, stats=stats, layout=layout, planner="given", cost_model=cost_model, lengths=lengths,
+                lockstep=lockstep)

@@ -8,12 +8,14 @@ What a user calls, from here:
   ranks (a ``Step``: this rank's micro-batches and the step's loss denominator); docs/library.md.
 - ``pack(lengths, capacity)`` packs a whole corpus offline into rows (a ``Packing``, as arrays;
   ``python -m balance_batch.pack`` on disk).
-- ``CostModel`` is what the planners balance; ``PLANNERS`` and ``LAYOUTS`` the choices they take.
+- ``CostModel`` is what the planners balance; ``PLANNERS`` (the library's two, ``"greedy"`` and ``"balanced"``) and
+  ``LAYOUTS`` the choices they take.
 
-The rest stays in submodules, for the harness and the curious: the planners (``balance_batch.balanced``,
-``balance_batch.greedy``, ``balance_batch.peers``), plan statistics and bounds (``balance_batch.stats``), the cost
-model's helpers (``balance_batch.cost``). Torch-facing: ``balance_batch.collate`` (a micro-batch as one packed row)
-and ``balance_batch.integrations`` (transformers, TRL).
+The rest stays in submodules: the registry of planners by name and the settings a plan is made under
+(``balance_batch.planners``), the planners themselves (``balance_batch.balanced``, ``balance_batch.greedy``), the
+sampler's parts (``balance_batch.step_cutter``, ``balance_batch.step_plans``), plan statistics and bounds
+(``balance_batch.stats``), the cost model's helpers (``balance_batch.cost``). Torch-facing: ``balance_batch.collate``
+(a micro-batch as one packed row) and ``balance_batch.integrations`` (transformers, TRL).
 """
 
 from balance_batch.corpus import Packing, pack

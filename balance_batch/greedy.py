@@ -34,19 +34,20 @@ def length_order(lengths: Sequence[int]) -> tuple[list[int], np.ndarray]:
 def _greedy_token_budget(
     order: Sequence[int],
     lengths: Sequence[int],
-    max_tokens: int,
+    budget: int,
     max_seqs: Optional[int] = None,
     order_lengths: Optional[Sequence[int]] = None,
 ) -> list[MicroBatch]:
-    """``order_lengths``: the lengths of ``order``'s examples, in that order, where the caller has them (read in
-    sequence)."""
+    """Padded micro-batches over ``order``: a new one when ``count * longest`` would pass ``budget`` (or the count
+    reach ``max_seqs``). ``order_lengths``: the lengths of ``order``'s examples, in that order, where the caller has
+    them (read in sequence)."""
     cap = max_seqs or len(order) + 1
     batches: list[MicroBatch] = []
     current: MicroBatch = []
     current_max = count = 0
     for idx, n in zip(order, order_lengths if order_lengths is not None else map(lengths.__getitem__, order)):
         longest = n if n > current_max else current_max
-        if count and ((count + 1) * longest > max_tokens or count == cap):
+        if count and ((count + 1) * longest > budget or count == cap):
             batches.append(current)
             current, current_max, count = [idx], n, 1
         else:
@@ -77,9 +78,13 @@ def make_fixed_size_microbatches(sorted_indices: Sequence[int], micro_batch_size
     """Consecutive slices of ``micro_batch_size`` examples, at most ``max_seqs`` (the last may be shorter)."""
     if micro_batch_size <= 0:
         raise ValueError(f"micro_batch_size must be a positive integer, got {micro_batch_size}")
+    return _fixed_slices(sorted_indices, micro_batch_size, max_seqs)
+
+
+def _fixed_slices(order: Sequence[int], micro_batch_size: int, max_seqs: Optional[int]) -> list[MicroBatch]:
     if max_seqs is not None:
         micro_batch_size = min(micro_batch_size, max_seqs)
-    order = list(sorted_indices)
+    order = list(order)
     return [order[i : i + micro_batch_size] for i in range(0, len(order), micro_batch_size)]
 
 
@@ -95,8 +100,8 @@ def deal_to_ranks(sorted_indices: Sequence[int], world_size: int) -> list[list[i
     return [order[r::world_size] for r in range(world_size)]
 
 
-def align_schedules(schedules: Sequence[Sequence[MicroBatch]]) -> list[Schedule]:
-    """Pad every rank's schedule with ``None`` up to the longest one."""
+def lockstep_schedules(schedules: Sequence[Sequence[MicroBatch]]) -> list[Schedule]:
+    """Every rank's schedule padded with dummies (``None``) up to the longest one, for lock-step ranks."""
     longest = max((len(s) for s in schedules), default=0)
     return [list(s) + [None] * (longest - len(s)) for s in schedules]
 
@@ -104,44 +109,41 @@ def align_schedules(schedules: Sequence[Sequence[MicroBatch]]) -> list[Schedule]
 def microbatches_for_rank(
     rank_indices: Sequence[int],
     lengths: Sequence[int],
-    max_tokens: Optional[int],
+    budget: Optional[int],
     micro_batch_size: int,
     layout: str = "padded",
     max_seqs: Optional[int] = None,
     order_lengths: Optional[Sequence[int]] = None,
 ) -> list[MicroBatch]:
-    """One rank's micro-batches: token budget when ``max_tokens`` is set, else fixed size.
+    """One rank's micro-batches: by the token ``budget`` when it is set, else fixed slices (arguments already
+    checked, by ``plan_step`` or the sampler).
 
     ``layout="packed"`` bounds the sum of lengths instead of ``count * longest``.
     ``max_seqs`` (None: no cap) also starts a new micro-batch once one holds that many sequences.
     ``order_lengths``: the lengths of ``rank_indices`` in order, where the caller has them.
     """
-    if max_tokens is None:
-        return make_fixed_size_microbatches(rank_indices, micro_batch_size, max_seqs)
-    if max_tokens <= 0:
-        raise ValueError(f"max_tokens must be a positive integer, got {max_tokens}")
+    if budget is None:
+        return _fixed_slices(rank_indices, micro_batch_size, max_seqs)
     if layout == "packed":
-        return greedy_packed_microbatches(rank_indices, lengths, max_tokens, max_seqs, order_lengths)
-    return _greedy_token_budget(rank_indices, lengths, max_tokens, max_seqs, order_lengths)
+        return greedy_packed_microbatches(rank_indices, lengths, budget, max_seqs, order_lengths)
+    return _greedy_token_budget(rank_indices, lengths, budget, max_seqs, order_lengths)
 
 
-def greedy_packed_microbatches(order: Sequence[int], lengths: Sequence[int], max_tokens: int,
+def greedy_packed_microbatches(order: Sequence[int], lengths: Sequence[int], budget: int,
                                max_seqs: Optional[int] = None,
                                order_lengths: Optional[Sequence[int]] = None) -> list[MicroBatch]:
     """Greedy over ``order`` for packed micro-batches: a new one starts when the sum of lengths would pass
-    ``max_tokens``.
+    ``budget``.
 
     Sequences are laid end to end with no padding, so the budget bounds the sum,
-    not ``count * longest``. A sequence longer than ``max_tokens`` sits alone.
+    not ``count * longest``. A sequence longer than ``budget`` sits alone.
     """
-    if max_tokens <= 0:
-        raise ValueError(f"max_tokens must be a positive integer, got {max_tokens}")
     cap = max_seqs or len(order) + 1
     batches: list[MicroBatch] = []
     current: MicroBatch = []
     total = count = 0
     for idx, n in zip(order, order_lengths if order_lengths is not None else map(lengths.__getitem__, order)):
-        if count and (total + n > max_tokens or count == cap):
+        if count and (total + n > budget or count == cap):
             batches.append(current)
             current, total, count = [idx], n, 1
         else:
@@ -150,3 +152,22 @@ def greedy_packed_microbatches(order: Sequence[int], lengths: Sequence[int], max
     if current:
         batches.append(current)
     return batches
+
+
+def cut_multiple_of(order: Sequence[int], lengths: Sequence[int], budget: int, max_seqs: Optional[int], k: int
+                    ) -> list[MicroBatch]:
+    """Padded micro-batches of a multiple of ``k`` sequences (fairseq's ``bsz_mult``) over ``order`` (longest first).
+
+    At each point the most sequences that fit (count x the run's longest within ``budget``, at most ``max_seqs``),
+    rounded down to a multiple of k when at least k fit; so a micro-batch holds a multiple of k sequences, or fewer
+    than k where k of its longest would not fit (one over the budget alone), or the last sequences left.
+    """
+    out, p, n = [], 0, len(order)
+    while p < n:
+        c = min(n - p, budget // lengths[order[p]], max_seqs or n)
+        if c >= k:
+            c -= c % k
+        c = max(c, 1)
+        out.append(list(order[p:p + c]))
+        p += c
+    return out

@@ -9,50 +9,38 @@ A planner here is any function of (unit lengths, cap) to lock-step schedules (pe
 from __future__ import annotations
 
 import math
-from typing import Callable, NamedTuple, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from balance_batch.cost import CostModel, microbatch_cost
-from balance_batch.greedy import deal_to_ranks, length_order
+from balance_batch.cost import CostModel, microbatch_cost, microbatch_tokens
+from balance_batch.planners import PLANNERS, PlanSettings
 
 Base = Callable[[list[int], Optional[int]], list[list]]  # (unit lengths, cap) -> per rank, micro-batches or None
-OURS = ("greedy", "balanced")  # the planners that take the knobs (a peer keeps its own semantics and refuses them)
 
 
-class Knobs(NamedTuple):
-    """The knobs as given (None: not set)."""
-
-    groups: Optional[list[int]] = None
-    min_microbatches: Optional[int] = None
-    microbatches_multiple_of: Optional[int] = None
-    padded_sequences_multiple_of: Optional[int] = None
-
-    def given(self) -> list[str]:
-        return [k for k, v in self._asdict().items() if v is not None]
-
-
-def check_knobs(knobs: Knobs, *, planner: str, layout: str, budget: Optional[int], lockstep: bool = True,
-                who: str = "") -> None:
-    """One ValueError for a combination the knobs cannot honour (each value is checked by its caller)."""
-    given = knobs.given()
+def check_knobs(settings: PlanSettings, *, groups: bool, takes_knobs: bool, who: str = "") -> None:
+    """One ValueError for a combination the knobs cannot honour (each value was checked by the caller); ``groups``:
+    whether groups were given, ``takes_knobs``: whether the planner takes them."""
+    knobs, layout = settings.knobs, settings.layout
+    given = (["groups"] if groups else []) + knobs.given()
     lead = f"{who}: " if who else ""
-    if given and planner not in OURS:
-        raise ValueError(f"{lead}{given[0]}: planner {planner!r} keeps its peer's own semantics and has no such knob "
-                         f"(planners {' and '.join(OURS)} take it)")
+    if given and not takes_knobs:
+        raise ValueError(f"{lead}{given[0]}: planner {settings.planner!r} keeps its peer's own semantics and has no "
+                         f"such knob (planners {' and '.join(PLANNERS)} take it)")
     if knobs.padded_sequences_multiple_of is not None:
         if layout != "padded":
             raise ValueError(f"{lead}padded_sequences_multiple_of: needs layout 'padded' (a packed row has no "
                              f"sequence count to round), got layout {layout!r}")
-        if knobs.groups is not None:
+        if groups:
             raise ValueError(f"{lead}padded_sequences_multiple_of: not with groups (a group's size decides its "
                              "micro-batch's count); give one or the other")
-    if budget is None and (knobs.groups is not None or knobs.padded_sequences_multiple_of is not None):
-        key = "groups" if knobs.groups is not None else "padded_sequences_multiple_of"
+    if settings.budget is None and (groups or knobs.padded_sequences_multiple_of is not None):
+        key = "groups" if groups else "padded_sequences_multiple_of"
         raise ValueError(f"{lead}{key}: needs max_tokens_per_microbatch (a group fits, or k sequences fit, only "
                          "within a token budget)")
     counts = knobs.min_microbatches is not None or knobs.microbatches_multiple_of is not None
-    if counts and not lockstep:
+    if counts and not settings.lockstep:
         key = "min_microbatches" if knobs.min_microbatches is not None else "microbatches_multiple_of"
         raise ValueError(f"{lead}{key}: makes every rank's micro-batch count equal, with dummies where nothing is "
                          "left to split, which lockstep=False would drop; use lockstep=True")
@@ -77,9 +65,7 @@ class _Fit:
         self.lengths, self.budget, self.layout, self.cap, self.cost_model = lengths, budget, layout, cap, cost_model
 
     def tokens(self, items: Sequence[int]) -> int:
-        if self.layout == "packed":
-            return sum(self.lengths[i] for i in items)
-        return len(items) * max(self.lengths[i] for i in items)
+        return microbatch_tokens(items, self.lengths, self.layout)
 
     def ok(self, items: Sequence[int]) -> bool:
         if self.cap is not None and len(items) > self.cap:
@@ -105,9 +91,10 @@ class _Fit:
         return pieces
 
 
-def plan_with_knobs(lengths: Sequence[int], knobs: Knobs, *, world_size: int, budget: Optional[int], layout: str,
-                    planner: str, cost_model: CostModel, cap: Optional[int], base: Base) -> list[list]:
-    """Per rank, lock-step micro-batches (``None`` a dummy) of ``lengths`` (all positive) under ``knobs``.
+def plan_with_knobs(lengths: Sequence[int], groups: Optional[list[int]], settings: PlanSettings, base: Base
+                    ) -> list[list]:
+    """Per rank, lock-step micro-batches (``None`` a dummy) of ``lengths`` (all positive) under ``groups`` and the
+    settings' count knobs, planned through ``base`` (the planner).
 
     Groups: a group whose items fit one micro-batch (the budget and the cap) is planned as one item (packed: its
     summed length; padded: count x its longest) and expanded; a micro-batch that then holds more than fits (padded
@@ -115,18 +102,19 @@ def plan_with_knobs(lengths: Sequence[int], knobs: Knobs, *, world_size: int, bu
     into consecutive micro-batches of one rank (the rank with the fewest). Counts: each rank's costliest micro-batch
     with more than one group (or sequence) is halved until the rank has the count asked for, then dummies.
     """
-    fit = _Fit(lengths, budget, layout, cap, cost_model)
+    knobs, cap = settings.knobs, settings.max_seqs
+    fit = _Fit(lengths, settings.budget, settings.layout, cap, settings.cost_model)
     k = knobs.padded_sequences_multiple_of
-    if k is not None:
-        rows, units_of = _multiple_of_rows(lengths, world_size, fit, k, planner), None
+    if k is not None:  # the planner cuts multiples of k itself (``greedy.cut_multiple_of``)
+        rows, units_of = base(list(lengths), cap), None
     else:
-        units = _units(len(lengths), knobs.groups)
+        units = _units(len(lengths), groups)
         whole = [u for u in units if len(u) == 1 or fit.ok(u)]
         apart = [u for u in units if not (len(u) == 1 or fit.ok(u))]
         grid = base([fit.tokens(u) for u in whole], cap)
         rows = [[None if mb is None else [i for j in mb for i in whole[j]] for mb in rank] for rank in grid]
         units_of = None
-        if knobs.groups is not None:
+        if groups is not None:
             unit_id = {i: u for u, unit in enumerate(units) for i in unit}
             units_of = lambda mb: _grouped(mb, unit_id)  # noqa: E731
             rows = [[mb for b in rank for mb in ([b] if b is None or fit.ok(b) else fit.pack(units_of(b)))]
@@ -218,42 +206,3 @@ def _halves(mb: list[int], fit: _Fit, k: Optional[int], units_of) -> Optional[li
         load[h] += sum(fit.cost([i]) for i in unit)
     position = {i: p for p, i in enumerate(mb)}
     return [sorted(h, key=position.__getitem__) for h in halves]
-
-
-def _multiple_of_rows(lengths: Sequence[int], world_size: int, fit: _Fit, k: int, planner: str) -> list[list]:
-    """Padded micro-batches of a multiple of ``k`` sequences (fairseq's ``bsz_mult``) on lock-step ranks.
-
-    Balanced: the lengths sorted longest first are cut into the fewest such micro-batches (``_cut_multiple``),
-    grouped W at a time by cost into steps, each step's costliest to the rank with the least so far. Greedy: dealt
-    to ranks like cards, as the original, and each rank's cut the same way."""
-    if planner == "greedy":
-        order, _ = length_order(lengths)
-        return [_cut_multiple(list(dealt), fit, k) for dealt in deal_to_ranks(order, world_size)]
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    mbs = sorted(_cut_multiple(order, fit, k), key=lambda mb: (-fit.cost(mb), mb[0]))
-    rows: list[list] = [[] for _ in range(world_size)]
-    load = [0.0] * world_size
-    for s in range(0, len(mbs), world_size):
-        free = sorted(range(world_size), key=lambda r: (load[r], r))
-        for r, mb in zip(free, mbs[s:s + world_size]):
-            rows[r].append(mb)
-            load[r] += fit.cost(mb)
-        for r in free[len(mbs[s:s + world_size]):]:
-            rows[r].append(None)
-    return rows
-
-
-def _cut_multiple(order: list[int], fit: _Fit, k: int) -> list[list[int]]:
-    """``order`` (longest first) cut into runs: at each point the most sequences that fit (count x the run's
-    longest within the budget, the cap), rounded down to a multiple of k when at least k fit; so a run holds a
-    multiple of k sequences, or fewer than k where k of its longest would not fit (one over the budget alone), or
-    the last sequences left (fewer than k, or a multiple of k and then fewer than k)."""
-    L, B, out, p, n = fit.lengths, fit.budget, [], 0, len(order)
-    while p < n:
-        c = min(n - p, B // L[order[p]], fit.cap or n)
-        if c >= k:
-            c -= c % k
-        c = max(c, 1)
-        out.append(order[p:p + c])
-        p += c
-    return out

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from balance_batch.cost import CostModel, microbatch_cost, microbatch_tokens
-from balance_batch.plan import check_plan_json
+from reports.plan_json import check_plan_json
 
 # Above this many columns a figure's blocks get too thin to read: consecutive
 # steps (or micro-batches) are drawn summed in groups instead.

@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from backends.errors import UserError
-from balance_batch.plan import PLAN_FILE
 from reports.plan_blocks import MAX_COLUMNS, Layout, PlanBlocks, measured_blocks, plan_blocks, plan_layout
 from reports.plan_files import find_plan, load_plan, plan_figure_paths, results_beside, workload_name
+from reports.plan_json import PLAN_FILE
 
 DPI = 110  # the PNG's; text is measured at it to wrap lines to the figure's width
 COLORS = {"real": "#3b6fb6", "padding": "#e8893a", "idle": "#d9d9d9", "dummy": "#bdbdbd"}

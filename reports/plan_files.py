@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Optional
 
 from backends.errors import UserError
-from balance_batch.plan import PLAN_FILE
 from reports.plan_blocks import plan_blocks
+from reports.plan_json import PLAN_FILE
 
 
 def find_plan(path: Path) -> Path:

@@ -9,7 +9,8 @@ from typing import Optional
 
 import pandas as pd
 
-from balance_batch import PLANNERS
+import harness.peers  # noqa: F401  (registers the peers' planners: planner_names() is ours, then theirs)
+from balance_batch.planners import planner_names
 from harness.app.batching import KEYS
 from reports.collect import BACKEND_LABEL, settings_of
 from reports.render import (
@@ -47,7 +48,8 @@ def _versus(speedup: Optional[float], reference: Optional[float]) -> str:
 
 
 def _planner_order(planner) -> int:
-    return PLANNERS.index(planner) if planner in PLANNERS else len(PLANNERS)
+    names = planner_names()  # ours (PLANNERS), then the peers in harness.peers' order
+    return names.index(planner) if planner in names else len(names)
 
 
 # What a row's reference (the balanced planner's row at its budget) shares with it where there is a choice: its sweep,
@@ -72,7 +74,7 @@ def reference_of(sub: pd.DataFrame, i) -> Optional[int]:
 
 
 def _frame(sub: pd.DataFrame, speed: pd.Series) -> pd.DataFrame:
-    """One setting, backend and devices' rows, by budget then planner (PLANNERS' order)."""
+    """One setting, backend and devices' rows, by budget then planner (ours, then the peers': planner_names())."""
     keys = [k for k in KEYS if k in sub and (k in ALWAYS or sub[k].astype(str).nunique() > 1)]
     order = sorted(sub.index, key=lambda i: (sub.at[i, "mtpm"], _planner_order(sub.at[i, "planner"])))
     rows = []

@@ -20,9 +20,9 @@ import torch
 from backends.model.build import build_model
 from backends.model.step import run_schedule, total_loss_weight
 from backends.specs import ModelSpec
+from balance_batch import plan_step
 from balance_batch.greedy import make_token_balanced_microbatches, sort_by_length
 from balance_batch.integrations.transformers.packing import prepare_model_for_packing
-from balance_batch.plan import plan_batch
 from harness.data.workload import make_examples, mixed_lengths
 
 
@@ -31,7 +31,9 @@ def schedules(lengths: list[int], budgets: list[int]) -> dict[str, tuple[list, s
     out = {"mbs1": ([[i] for i in order], "padded")}
     for b in budgets:
         out[f"padded:{b}"] = (make_token_balanced_microbatches(order, [range(n) for n in lengths], b), "padded")
-        out[f"packed:{b}"] = (plan_batch(lengths, 1, b, layout="packed", planner="balanced").schedules[0], "packed")
+        packed = plan_step(lengths, world_size=1, max_tokens_per_microbatch=b, layout="packed", planner="balanced",
+                           lockstep=False)
+        out[f"packed:{b}"] = (packed.schedules[0], "packed")
     return out
 
 

@@ -14,7 +14,7 @@ original workload generator with N lengths, 8 ranks). Cost model:
 Qwen3.5-35B-A3B's shipped config.
 
 Part 2 (scaling): ``DISTRIBUTIONS`` x budgets x ranks x sizes, each planner and
-layout: planning time (``plan_batch``, statistics included: what a pass pays)
+layout: planning time (``plan_step``, statistics included: what a pass pays)
 at every size, its growth per x10 sequences, and at the largest size the steps
 against their lower bound, packing efficiency (real tokens / (micro-batches x
 budget), over all ranks) as a share of the bound's, and the per-rank cost
@@ -27,7 +27,7 @@ with 1,000,000 sequences on 1 and 8 ranks, every planner and layout, and the
 growth from 100,000 (the full grid at a million is ``--sizes
 10000,100000,1000000``: hours on 2 cores).
 
-Part 4 (the peers, balance_batch/peers/): every peer planner in its own
+Part 4 (the peers, harness/peers/): every peer planner in its own
 layout beside the balanced and greedy ones, on the published workload (4 and
 8 ranks, the four budgets, Qwen3.5's cost model) and on each distribution
 (``--peers-size`` sequences at its usual budget, 1 and 8 ranks, cost = tokens):
@@ -36,8 +36,8 @@ critical path, micro-batches over budget and planning time; a peer that
 refuses the input (a sequence over its budget, say) says so in the row.
 
 Part 5 (packing a corpus): ``balance_batch.pack`` beside the corpus packers of
-other projects (balance_batch/peers/corpus_packers.py, NeMo-RL's in
-balance_batch/peers/nemo_rl.py) on the pre-training stand-in (``short``) at 512
+other projects (harness/peers/corpus_packers.py, NeMo-RL's in
+harness/peers/nemo_rl.py) on the pre-training stand-in (``short``) at 512
 and the QA set at 384, at ``--packing-sizes`` sequences: rows against the lower
 bound, efficiency, and the time of one call with the lengths in memory (wall
 and CPU seconds). A packer whose time grows with sequences × rows is run at
@@ -58,14 +58,14 @@ import numpy as np
 
 from backends.model.configs import cost_model_for
 from backends.specs import ModelSpec
-from balance_batch import PLANNERS
+from balance_batch import plan_step
 from balance_batch.corpus import pack
-from balance_batch.peers import PEER_NAMES, PeerRefusal, peer_layout
-from balance_batch.peers.corpus_packers import histogram_packer, rows_of, torchtune_greedy, trl_bfd
-from balance_batch.peers.nemo_rl import first_fit_decreasing, modified_first_fit_decreasing
-from balance_batch.plan import plan_batch
+from balance_batch.planners import planner_names
 from balance_batch.stats import critical_path_lower_bound, lower_bound_bins
 from harness.data.workload import mixed_lengths
+from harness.peers import PEER_NAMES, PeerRefusal, peer_layout  # importing harness.peers registers the peers
+from harness.peers.corpus_packers import histogram_packer, rows_of, torchtune_greedy, trl_bfd
+from harness.peers.nemo_rl import first_fit_decreasing, modified_first_fit_decreasing
 
 BUDGETS = (16384, 32768, 65536, 131072)
 RANKS = (1, 4, 8)
@@ -79,7 +79,7 @@ MILLION = 1_000_000
 MILLION_CASES = (("short", 512), ("qa", 384), ("mixed", 32768), ("heavy", 8192), ("equal", 2048), ("ones", 131072))
 MILLION_RANKS = (1, 8)
 # Part 4: every planner in its own layout (ours: balanced packed, greedy padded), the peers after them
-PEER_CASES = [(p, peer_layout(p) or ("packed" if p == "balanced" else "padded")) for p in PLANNERS]
+PEER_CASES = [(p, peer_layout(p) or ("packed" if p == "balanced" else "padded")) for p in planner_names()]
 PEER_RANKS = (4, 8)
 # Part 5: packing a corpus, the full Wikipedia histogram's size last (16.3M sequences, Krell et al. 2021)
 PACKING_CASES = (("short", 512), ("qa", 384))
@@ -121,7 +121,8 @@ DISTRIBUTIONS: dict[str, tuple[Callable[[int], list[int]], str]] = {
 
 def row(lengths, planner, layout, world, budget, cost_model) -> list[str]:
     t0 = time.perf_counter()
-    plan = plan_batch(lengths, world, budget, 1, align=True, layout=layout, planner=planner, cost_model=cost_model)
+    plan = plan_step(lengths, world_size=world, max_tokens_per_microbatch=budget, layout=layout, planner=planner,
+                     cost_model=cost_model)
     elapsed_ms = 1000 * (time.perf_counter() - t0)
     st = plan.stats
     return [
@@ -147,7 +148,7 @@ def table(header: list[str], rows: list[list[str]]) -> str:
 
 def timed_plan(lengths, world, budget, planner, layout):
     t0 = time.perf_counter()
-    plan = plan_batch(lengths, world, budget, 1, align=True, layout=layout, planner=planner)
+    plan = plan_step(lengths, world_size=world, max_tokens_per_microbatch=budget, layout=layout, planner=planner)
     return time.perf_counter() - t0, plan
 
 
@@ -354,7 +355,7 @@ def peers(size: int, names: list[str]) -> list[str]:
               "critical path", "critical path ≥", "over budget", "plan ms"]
     lengths = mixed_lengths(128, 64, 32768, 42)
     out = ["", "## Part 4: the peers beside the balanced and greedy planners", "",
-           (f"Peers: {', '.join(PEER_NAMES)} (balance_batch/peers/), each in its own layout. "
+           (f"Peers: {', '.join(PEER_NAMES)} (harness/peers/), each in its own layout. "
            "A refusal is the peer's own (its assert, its ValueError, or a sample it would drop)."), "",
            f"### seed_mixed_128 ({len(lengths)} examples, {sum(lengths):,} tokens), cost model {cost_model.source}", ""]
     rows = []
@@ -389,8 +390,8 @@ def packing(sizes) -> list[str]:
     header = ["lengths", "capacity", "sequences", "packer", "rows", "of the bound", "efficiency", "wall s", "CPU s"]
     packers = [
         ("balance_batch.pack", lambda ls, c: pack(ls, c).rows, "array"),
-        ("balanced planner, 1 rank (plan_batch)", lambda ls, c: plan_batch(
-            ls, 1, c, 1, align=True, layout="packed", planner="balanced").stats.steps, "list"),
+        ("balanced planner, 1 rank (plan_step)", lambda ls, c: plan_step(
+            ls, world_size=1, max_tokens_per_microbatch=c, layout="packed", planner="balanced").stats.steps, "list"),
         ("TRL pack_dataset bfd", lambda ls, c: len(trl_bfd(ls, c)), "list"),
         ("torchtune PackedDataset greedy", lambda ls, c: len(torchtune_greedy(ls, c)), "list"),
         ("NeMo-RL first-fit decreasing", lambda ls, c: len(first_fit_decreasing(ls, c)), "naive"),

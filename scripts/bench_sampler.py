@@ -109,7 +109,7 @@ def refinement(lengths: list[int], n: int = 20) -> None:
             rows[work].append((st.steps, st.critical_path, st.cost_imbalance, dt))
     print(f"\n| {n} steps planned by | lock-step micro-batch slots | critical path | cost imbalance | planning |")
     print("|---|---|---|---|---|")
-    for work, label in ((0, "sampler (work=0)"), (None, "plan_batch's refinement")):
+    for work, label in ((0, "sampler (work=0)"), (None, "plan_step's refinement")):
         r = rows[work]
         print(f"| {label} | {sum(x[0] for x in r)} | mean {statistics.mean(x[1] for x in r):.4f} "
               f"| mean {statistics.mean(x[2] for x in r):.4f} | mean "

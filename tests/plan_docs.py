@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from balance_batch.plan import plan_batch
+from balance_batch import plan_step
 
 # Roughly the benchmark model's shape: a ≈ 2 × 3e9 active parameters per token,
 # b from its full-attention layers; what matters for the figure is b/a.
@@ -46,7 +46,8 @@ def greedy_doc(lengths: list[int], world_size: int, max_tokens: Optional[int], *
     ``layout="packed"`` keeps the greedy micro-batches and marks them packed: a valid
     packed plan (Σ lengths ≤ count × longest ≤ the budget), with no padding.
     """
-    plan = plan_batch(lengths, world_size, max_tokens, micro_batch_size, align=lockstep)
+    plan = plan_step(lengths, world_size=world_size, max_tokens_per_microbatch=max_tokens,
+                     micro_batch_size=micro_batch_size, layout="padded", planner="greedy", lockstep=lockstep)
     doc = plan_doc(lengths, plan.schedules, lockstep=lockstep, layout=layout, max_tokens=max_tokens,
                    micro_batch_size=micro_batch_size, cost_model=cost_model)
     return doc, plan

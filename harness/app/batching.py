@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Optional
 
 from backends.errors import UserError
-from balance_batch.peers import PEERS, peer_layout
+from harness.peers import PEERS, peer_layout
 
 AUTO = "auto"  # mtpm=auto: search the budget (harness/auto/model.py)
 
@@ -32,7 +32,7 @@ class Batching:
     # packed (sum of lengths <= mtpm, sequences end to end) or padded (count x longest <= mtpm); null: by budget
     layout: Optional[str] = field(default=None, metadata={"backend": "layout"})
     # balanced (fewest steps, even modeled cost; needs a budget) or greedy (the original), or a peer's way
-    # (balance_batch/peers/: verl, nemo_rl_packing, ...; in its own layout unless one is set); null: by budget
+    # (harness/peers/: verl, nemo_rl_packing, ...; in its own layout unless one is set); null: by budget
     planner: Optional[str] = field(default=None, metadata={"backend": "planner"})
     # at most this many sequences in a micro-batch; null = no cap
     max_seqs_per_microbatch: Optional[int] = field(default=None, metadata={"backend": "max_seqs_per_microbatch"})

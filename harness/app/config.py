@@ -24,11 +24,12 @@ from backends.model.configs import check_model_spec
 from backends.registry import backend_entry
 from backends.runtime.profiling import PROFILE_RANKS, PROFILE_STEPS
 from backends.specs import BackendSpec, ModelSpec
-from balance_batch import LAYOUTS, PLANNERS
-from balance_batch.peers import PEERS, peer_layout
+from balance_batch import LAYOUTS
+from balance_batch.planners import planner_names
 from harness.app.batching import AUTO, Batching, batching_by_budget, check_spellings, interpolations
 from harness.data.workload import WorkloadSpec
 from harness.metrics.calibration import CALIBRATED, check_cost_model
+from harness.peers import PEERS, peer_layout
 
 
 @dataclass
@@ -335,8 +336,8 @@ def validate(cfg: HarnessConfig) -> None:
 
 def _check_planner(cfg: HarnessConfig) -> None:
     """The planner: one there is, and with the budget it needs (or, for a fixed count, not mtpm=auto)."""
-    if cfg.backend.planner not in PLANNERS:
-        raise UserError(f"planner: '{cfg.backend.planner}' is not a planner (valid: {', '.join(PLANNERS)})")
+    if cfg.backend.planner not in planner_names():  # the library's and the peers' (harness/peers registers them)
+        raise UserError(f"planner: '{cfg.backend.planner}' is not a planner (valid: {', '.join(planner_names())})")
     if cfg.backend.planner == "balanced" and cfg.backend.max_tokens_per_microbatch is None and cfg.mtpm != AUTO:
         raise UserError("planner: balanced needs a budget (set mtpm=<tokens>; with mtpm=null use planner=greedy: "
                         "fixed-size slices have nothing to balance)")

@@ -193,7 +193,7 @@ def candidates_of(lengths: Sequence[int], budgets: Sequence[int], plan_at: Calla
     ``on_planned(done, total, budget)`` is called after each budget is planned (progress: PlanningProgress). A budget
     a peer planner refuses (its own refusal: a sequence over its budget) is no candidate: with ``refused`` (a list)
     it is appended there as ``{"mtpm", "reason"}`` and the search goes on; without, the refusal is raised."""
-    from balance_batch.peers.common import PeerRefusal
+    from harness.peers.common import PeerRefusal
 
     out: list[Candidate] = []
     previous = None

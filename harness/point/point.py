@@ -19,7 +19,6 @@ from backends.errors import BackendError, UserError
 from backends.model.configs import cost_model_for
 from backends.registry import is_distributed, is_lockstep
 from balance_batch import CostModel
-from balance_batch.plan import PLAN_FILE
 from harness.app.config import AUTO, HarnessConfig, launcher_sets_world_size, resolve_config
 from harness.app.state import EXIT_OK
 from harness.data.workload import Workload, check_one_size, load_workload
@@ -37,6 +36,7 @@ from harness.point.results import (
 from harness.point.setup import HydraRun, Setup, label, plan_for, setup_fields, slow_compile_warning
 from harness.point.sharing import measured_earlier, measurement_key, take_measurement
 from harness.point.tracking import start_tracker
+from reports.plan_json import PLAN_FILE, plan_json
 
 log = logging.getLogger("harness")
 
@@ -249,7 +249,7 @@ class Point:
         self.cost_model = setup.cost_model
         plan = planned if planned is not None else plan_for(lengths, setup)
         self.schedules = plan.schedules  # the micro-batches each rank runs: hardware FLOPs are counted from them
-        write_plan_json(self.out_dir / PLAN_FILE, plan.to_json(backend=setup.name))
+        write_plan_json(self.out_dir / PLAN_FILE, plan_json(plan, backend=setup.name))
         return plan
 
     def examples(self, spec: HarnessConfig) -> list:

@@ -161,7 +161,7 @@ def setup_fields(spec: HarnessConfig, workload: Workload, setup: Setup, plan) ->
         device=setup.device,
         model=model_record(spec.model, setup.built),
         workload=workload_record(spec.workload, workload.lengths, workload.file, workload.dataset),
-        plan=plan.record(),  # the statistics, and a peer planner's record (balance_batch/peers/)
+        plan=plan.record(),  # the statistics, and a peer planner's record (harness/peers/)
         # what the backend built runs in (params, adapters, compute, reduce); a dry run builds nothing
         precision=setup.precision,
         load=setup.load,  # how the backend loaded the weights: time and host/device peaks per rank

@@ -12,7 +12,7 @@ from backends.messages import make_command
 from backends.model.step import grad_norm_local_sq, run_schedule, total_loss_weight
 from backends.pytorch import PyTorchBackend
 from backends.specs import BackendSpec, ModelSpec
-from balance_batch.plan import plan_batch
+from balance_batch import plan_step
 from harness.data.workload import make_examples, mixed_lengths
 from tests.loss_oracle import oracle, tiny_examples
 
@@ -125,7 +125,9 @@ def _grad_norm_normalised_per_microbatch(backend, examples, mtpm, mbs, divisor) 
     """The bug public trainers shipped, run with the real step: each micro-batch divided by its own ``divisor``."""
     lengths = [len(e) for e in examples]
     backend.model.zero_grad(set_to_none=True)
-    for batch in plan_batch(lengths, 1, mtpm, mbs).schedules[0]:
+    plan = plan_step(lengths, world_size=1, max_tokens_per_microbatch=mtpm, micro_batch_size=mbs, layout="padded",
+                     planner="greedy", lockstep=False)
+    for batch in plan.schedules[0]:
         run_schedule(backend.model, examples, [batch], "forward_backward", divisor(batch), torch.device("cpu"))
     return math.sqrt(grad_norm_local_sq(backend.model))
 

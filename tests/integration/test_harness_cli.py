@@ -10,7 +10,7 @@ import pytest
 
 from backends.model.configs import cost_model_for
 from backends.specs import ModelSpec
-from balance_batch.plan import plan_batch
+from balance_batch import plan_step
 from harness.data.workload import mixed_lengths
 from harness.metrics.flops import training_flops_for
 from tests.conftest import config_error, load_json, run_harness, sweep_results
@@ -45,7 +45,8 @@ def test_single_run_writes_results_json(workdir):
     assert res["workload"]["total_tokens"] == sum(lengths)
     assert (res["workload"]["min_len"], res["workload"]["max_len"]) == (min(lengths), max(lengths))
     assert (res["planner"], res["layout"]) == ("greedy", "padded")
-    expected = plan_batch(lengths, 1, 600, 1, cost_model=cost_model_for(ModelSpec())).stats
+    expected = plan_step(lengths, world_size=1, max_tokens_per_microbatch=600, layout="padded", planner="greedy",
+                         lockstep=False, cost_model=cost_model_for(ModelSpec())).stats
     assert res["plan"]["n_microbatches"] == expected.n_microbatches
     assert res["plan"]["padded_tokens"] == expected.padded_tokens
     assert math.isclose(res["plan"]["pad_efficiency"], expected.pad_efficiency)
@@ -101,8 +102,9 @@ def test_dry_run_of_the_seed_workload_plans_every_point(workdir):
     for r, budget in zip(results, budgets):
         assert r["status"] == "planned"
         assert r["workload"]["total_tokens"] == 1_669_550
-        assert r["plan"] == plan_batch(lengths, 1, budget, 1, layout="packed", planner="balanced",
-                                       cost_model=cost_model_for(ModelSpec())).stats.as_dict()
+        assert r["plan"] == plan_step(lengths, world_size=1, max_tokens_per_microbatch=budget, layout="packed",
+                                      planner="balanced", lockstep=False,
+                                      cost_model=cost_model_for(ModelSpec())).stats.as_dict()
         assert r["passes"] == {}
     effs = [r["plan"]["pad_efficiency"] for r in results]
     assert effs == sorted(effs, reverse=True)  # bigger budgets pad more on this workload

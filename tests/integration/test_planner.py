@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from balance_batch.plan import plan_batch
+from balance_batch import plan_step
 
 _SPEC = importlib.util.spec_from_file_location(
     "bench_planner", Path(__file__).resolve().parents[2] / "scripts" / "bench_planner.py"
@@ -23,7 +23,7 @@ _SPEC.loader.exec_module(bench)
 
 def test_planning_modules_do_not_import_torch():
     code = (
-        "import sys, balance_batch, balance_batch.peers, backends.model.configs; "
+        "import sys, balance_batch, harness.peers, backends.model.configs; "
         "sys.exit(1 if 'torch' in sys.modules else 0)"
     )
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
@@ -35,7 +35,7 @@ def _cpu_seconds(lengths, world, budget, planner, layout, repeats: int, enough_s
     best, spent = math.inf, 0.0
     for _ in range(repeats):
         t0 = time.thread_time()
-        plan_batch(lengths, world, budget, planner=planner, layout=layout, align=True)
+        plan_step(lengths, world_size=world, max_tokens_per_microbatch=budget, planner=planner, layout=layout)
         took = time.thread_time() - t0
         best, spent = min(best, took), spent + took
         if spent > enough_s:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from balance_batch.plan import plan_batch
+from balance_batch import plan_step
 from tests.conftest import harness_env, load_json, run_harness, session_processes
 
 TOKEN = "test-token-7f3a"
@@ -146,7 +146,9 @@ def test_set_then_a_pass_uses_the_new_budget(server):
     assert len(reply["outputs"]) == 4
     assert [len(o["logprobs"]) for o in reply["outputs"]] == [300, 200, 500, 100]
     assert reply["plan"]["max_tokens_per_microbatch"] == 777
-    assert reply["plan"]["n_microbatches"] == plan_batch([300, 200, 500, 100], 1, 777, 1).stats.n_microbatches
+    greedy = plan_step([300, 200, 500, 100], world_size=1, max_tokens_per_microbatch=777, layout="padded",
+                       planner="greedy", lockstep=False)
+    assert reply["plan"]["n_microbatches"] == greedy.stats.n_microbatches
     # back to fixed slices of 2 sequences
     assert server.call("POST", "/admin/set_max_tokens_per_microbatch", {"value": None})[0] == 200
     assert server.call("POST", "/admin/set_micro_batch_size", {"value": 2})[0] == 200

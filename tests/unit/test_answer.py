@@ -11,7 +11,7 @@ import json
 import pytest
 
 from backends.errors import UserError
-from balance_batch.plan import plan_batch
+from balance_batch import plan_step
 from harness.app.config import resolve_config
 from harness.auto.model import (
     Candidate,
@@ -52,9 +52,10 @@ def test_a_budget_defaults_to_the_balanced_packed_planner_and_the_presets_keep_t
 def test_the_original_presets_plan_bit_exactly_as_the_greedy_planner():
     spec = resolve_config(_compose("batching=greedy_padded32768"))
     lengths = load_workload(spec.workload).lengths
-    via_preset = plan_batch(lengths, 2, spec.backend.max_tokens_per_microbatch, layout=spec.backend.layout,
-                            planner=spec.backend.planner, align=True)
-    original = plan_batch(lengths, 2, 32768, align=True)  # plan_batch's own defaults: greedy, padded
+    via_preset = plan_step(lengths, world_size=2, max_tokens_per_microbatch=spec.backend.max_tokens_per_microbatch,
+                           layout=spec.backend.layout, planner=spec.backend.planner)
+    original = plan_step(lengths, world_size=2, max_tokens_per_microbatch=32768, layout="padded",
+                         planner="greedy")  # the original planner, named
     assert via_preset.schedules == original.schedules
 
 
@@ -278,6 +279,11 @@ def test_nothing_fits_is_no_choice_and_a_measured_peak_over_the_limit_is_not_cho
     assert [c.status for c in found.candidates] == ["ok", "over_limit"] and found.chosen.mtpm == 2048
 
 
+def greedy_padded(lengths, budget):
+    """The original greedy padded plan over 2 lock-step ranks."""
+    return plan_step(lengths, world_size=2, max_tokens_per_microbatch=budget, layout="padded", planner="greedy")
+
+
 def test_candidates_are_distinct_plans_the_smallest_budget_naming_each():
     lengths = load_workload(WorkloadSpec(name="cpu_mixed", kind="mixed", n_examples=24, min_len=64, max_len=4096,
                                          seed=42)).lengths
@@ -285,24 +291,24 @@ def test_candidates_are_distinct_plans_the_smallest_budget_naming_each():
     # half the longest (3,531) up to the budget holding a rank's 12 sequences padded to the longest (42,372)
     assert budgets == [2048, 4096, 8192, 16384, 32768, 65536]
     published = candidates_of(lengths, [16384, 32768, 65536, 131072],
-                              lambda b: plan_batch(lengths, 2, b, align=True), "padded")
+                              lambda b: greedy_padded(lengths, b), "padded")
     assert [(c.mtpm, c.same_plan) for c in published] == [(16384, []), (32768, []), (65536, [131072])]
-    cands = candidates_of(lengths, budgets, lambda b: plan_batch(lengths, 2, b, align=True), "padded")
-    assert len({json.dumps(plan_batch(lengths, 2, c.mtpm, align=True).schedules) for c in cands}) == len(cands)
+    cands = candidates_of(lengths, budgets, lambda b: greedy_padded(lengths, b), "padded")
+    assert len({json.dumps(greedy_padded(lengths, c.mtpm).schedules) for c in cands}) == len(cands)
     assert all(a.tokens <= b.tokens for a, b in zip(cands, cands[1:]))
 
 
 def test_a_peer_planners_refused_budgets_are_no_candidates_and_are_recorded():
     """mtpm=auto with a peer that refuses a sequence over its budget (verl): the budgets under the longest sequence
     are refused as verl refuses them, recorded with its line, and the search keeps to the budgets it plans."""
-    from balance_batch.peers.common import PeerRefusal
+    from harness.peers.common import PeerRefusal  # importing harness.peers registers verl with the library
 
     lengths = [3000, 500, 700, 1200, 90, 2500]
     budgets = power_of_two_budgets(lengths, 2, "packed")  # from 2,048: under the longest (3,000)
     assert budgets[0] < max(lengths)
 
     def plan_at(b):
-        return plan_batch(lengths, 2, b, align=True, layout="packed", planner="verl")
+        return plan_step(lengths, world_size=2, max_tokens_per_microbatch=b, layout="packed", planner="verl")
 
     refused: list = []
     cands = candidates_of(lengths, budgets, plan_at, "packed", refused=refused)
@@ -359,8 +365,8 @@ def test_two_budgets_share_a_measurement_only_when_the_plan_and_everything_else_
         spec = resolve_config(cfg)
         b = spec.backend
         lengths = load_workload(spec.workload).lengths
-        plan = plan_batch(lengths, 2, b.max_tokens_per_microbatch, b.micro_batch_size, align=True, layout=b.layout,
-                          planner=b.planner)
+        plan = plan_step(lengths, world_size=2, max_tokens_per_microbatch=b.max_tokens_per_microbatch,
+                         micro_batch_size=b.micro_batch_size, layout=b.layout, planner=b.planner)
         return measurement_key(cfg, plan)
 
     greedy = ("planner=greedy", "layout=padded")
@@ -452,7 +458,8 @@ def test_planning_the_candidates_shows_progress_while_it_lasts(caplog):
 
     def plan_at(b):
         now[0] += 4.0
-        return plan_batch(lengths, 1, b, layout="packed", planner="balanced")
+        return plan_step(lengths, world_size=1, max_tokens_per_microbatch=b, layout="packed", planner="balanced",
+                         lockstep=False)
 
     with caplog.at_level("INFO", logger="harness.auto"):
         progress = PlanningProgress("[x] ", budgets, len(lengths), 10.0, clock=lambda: now[0])

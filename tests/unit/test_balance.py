@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from backends.runtime.timeline import CollectiveWaits, StepClock, busy_clock
-from balance_batch import CostModel
-from balance_batch.plan import plan_batch
+from balance_batch import CostModel, plan_step
 from balance_batch.stats import plan_stats
 from harness.metrics.balance import (
     balance_fields,
@@ -143,10 +142,12 @@ def test_measured_steps_pair_with_the_micro_batches_each_rank_ran():
 
 
 def test_modeled_idle_per_rank_is_the_share_of_the_pass_it_waits():
-    plan = plan_batch([400, 100, 100, 100], 2, None, 1, align=True, cost_model=CostModel(1.0, 0.0, "tokens"))
+    kw = dict(world_size=2, max_tokens_per_microbatch=None, layout="padded", planner="greedy",
+              cost_model=CostModel(1.0, 0.0, "tokens"))
+    plan = plan_step([400, 100, 100, 100], **kw)
     # greedy dealt like cards: rank 0 runs 400 and 100, rank 1 100 and 100; lock-step steps cost 400 and 100
     assert plan.stats.idle_fraction == [0.0, pytest.approx(1 - 200 / 500)]
-    indep = plan_batch([400, 100, 100, 100], 2, None, 1, align=False, cost_model=CostModel(1.0, 0.0, "tokens"))
+    indep = plan_step([400, 100, 100, 100], lockstep=False, **kw)
     assert indep.stats.idle_fraction == [0.0, pytest.approx(1 - 200 / 500)]
 
 

@@ -10,9 +10,8 @@ import pytest
 
 from backends.errors import UserError
 from backends.specs import ModelSpec
-from balance_batch import CostModel
+from balance_batch import CostModel, plan_step
 from balance_batch.cost import microbatch_cost
-from balance_batch.plan import plan_batch
 from balance_batch.stats import plan_stats
 from harness.app.config import CalibrationConfig
 from harness.metrics.calibration import (
@@ -172,7 +171,8 @@ def test_a_per_sequence_cost_evens_out_the_sequence_counts_the_flop_model_leaves
     lengths = [2000] + [20] * 100
     flops = CostModel(1.0, 0.0, "tokens")
     per_seq = CostModel(1.0, 0.0, "calibrated: test", c=200.0)  # each sequence costs as much as 200 tokens more
-    plans = {name: plan_batch(lengths, 2, 4096, 1, layout="packed", planner="balanced", cost_model=cm)
+    plans = {name: plan_step(lengths, world_size=2, max_tokens_per_microbatch=4096, layout="packed", planner="balanced",
+                             lockstep=False, cost_model=cm)
              for name, cm in (("flops", flops), ("calibrated", per_seq))}
     # judged by the per-sequence model (what the hardware costs here), the calibrated plan is the even one
     judged = {name: plan_stats(p.schedules, lengths, "packed", per_seq).cost_imbalance for name, p in plans.items()}

@@ -17,8 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from balance_batch.corpus import Packing, pack
-from balance_batch.peers.corpus_packers import histogram_packer, rows_of, torchtune_greedy, trl_bfd
 from balance_batch.stats import lower_bound_bins
+from harness.peers.corpus_packers import histogram_packer, rows_of, torchtune_greedy, trl_bfd
 
 
 def check_packing(p: Packing, lengths, capacity: int, max_seqs=None) -> None:

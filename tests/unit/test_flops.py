@@ -7,16 +7,21 @@ import re
 
 import pytest
 
-from balance_batch import CostModel
-from balance_batch.plan import plan_batch
+from balance_batch import CostModel, plan_step
 from harness.metrics.flops import checked_mfu, device_peak, flops_record, gpu_peak_flops, pass_flops
 
 COST = CostModel(a=100.0, b=2.0, source="test")
 LENGTHS = [10, 3, 7]
 
 
+def greedy(world_size, layout="padded", lockstep=False):
+    """The original greedy plan of LENGTHS at a budget of 20 tokens."""
+    return plan_step(LENGTHS, world_size=world_size, max_tokens_per_microbatch=20, layout=layout, planner="greedy",
+                     lockstep=lockstep, cost_model=COST)
+
+
 def test_model_flops_count_real_sequences_and_three_forwards_for_backward():
-    plan = plan_batch(LENGTHS, 1, 20, layout="padded", cost_model=COST)
+    plan = greedy(1, layout="padded")
     fwd = sum(100 * n + 2 * n * n for n in LENGTHS)  # 1000+200, 300+18, 700+98
     padded = sum(plan.stats.cost_per_rank)
     assert padded > fwd  # padding is computed but is not model work
@@ -27,13 +32,13 @@ def test_model_flops_count_real_sequences_and_three_forwards_for_backward():
 
 
 def test_packed_hardware_flops_are_the_model_flops():
-    plan = plan_batch(LENGTHS, 1, 20, layout="packed", cost_model=COST)
+    plan = greedy(1, layout="packed")
     model, hardware = pass_flops("forward", LENGTHS, COST, plan.stats.cost_per_rank, False)
     assert math.isclose(model, hardware)
 
 
 def test_mfu_is_model_flops_per_second_per_device_over_the_peak():
-    plan = plan_batch(LENGTHS, 2, 20, align=True, cost_model=COST).stats.as_dict()
+    plan = greedy(2, lockstep=True).stats.as_dict()
     rec = flops_record("forward", LENGTHS, COST, plan, False, [2.0, 4.0], 2, {"flops_per_device": 1000.0})
     fwd = sum(100 * n + 2 * n * n for n in LENGTHS)
     assert math.isclose(rec["model_flops_per_s_per_device"], fwd / 3.0 / 2)
@@ -44,7 +49,7 @@ def test_mfu_is_model_flops_per_second_per_device_over_the_peak():
 def test_an_mfu_over_100_percent_measures_the_cpu_peak_again_or_is_recorded_null_with_why():
     """A CPU peak measured on a busy machine reads low (an MFU of 684% was recorded): measured again, the MFU is
     against the new peak; still over 100% (or against a data sheet), null with the reason, never a number."""
-    plan = plan_batch(LENGTHS, 1, 20, cost_model=COST).stats.as_dict()
+    plan = greedy(1).stats.as_dict()
     real = {"flops_per_device": 65e9, "source": "measured: float32 1024³ matmul on all cores = 65.0 GFLOP/s"}
     busy = {"flops_per_device": real["flops_per_device"] / 50, "source": "measured: on a busy machine"}
     seconds = fwd_flops() / (1.2 * busy["flops_per_device"])  # 120% of the busy peak, 2.4% of the real one

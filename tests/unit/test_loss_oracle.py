@@ -84,10 +84,13 @@ def test_each_grouping_reports_the_oracles_losses_and_gradient(backend, expected
 
 
 def _microbatches(plan: dict, mtpm, mbs, options) -> list[list[int]]:
-    from balance_batch.plan import plan_batch
+    from balance_batch import plan_step
 
     lengths = [len(e) for e in EXAMPLES]
-    return [b for s in plan_batch(lengths, 1, mtpm, mbs, **options).schedules for b in s if b is not None]
+    settings = {"layout": "padded", "planner": "greedy", **options}  # make_command's defaults, then the grouping's
+    plan = plan_step(lengths, world_size=1, max_tokens_per_microbatch=mtpm, micro_batch_size=mbs, lockstep=False,
+                     **settings)
+    return [b for s in plan.schedules for b in s if b is not None]
 
 
 def test_a_token_count_normalisation_would_be_caught(expected):

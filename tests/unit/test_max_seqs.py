@@ -176,13 +176,17 @@ def test_results_without_the_cap_render_as_before_and_a_capped_row_says_its_cap(
 
 
 def test_the_plan_figure_title_says_the_cap_only_when_there_is_one():
-    from balance_batch.plan import plan_batch
+    from balance_batch import plan_step
     from reports.plan_blocks import plan_blocks
     from reports.plan_figure import describe
+    from reports.plan_json import plan_json
 
     lengths = [len(e) for e in EXAMPLES]
-    free = describe(plan_blocks(plan_batch(lengths, 2, 30, 1, layout="packed").to_json()))[0]
-    capped = describe(plan_blocks(plan_batch(lengths, 2, 30, 1, layout="packed", max_seqs_per_microbatch=2).to_json()))[
-        0
-    ]
+
+    def title(cap):
+        plan = plan_step(lengths, world_size=2, max_tokens_per_microbatch=30, layout="packed", planner="greedy",
+                         lockstep=False, max_seqs_per_microbatch=cap)
+        return describe(plan_blocks(plan_json(plan)))[0]
+
+    free, capped = title(None), title(2)
     assert capped == [*free, "≤ 2 sequences / micro-batch"] and not any("sequences" in t for t in free)

@@ -5,14 +5,14 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from balance_batch import plan_step
 from balance_batch.greedy import (
-    align_schedules,
     deal_to_ranks,
+    lockstep_schedules,
     make_fixed_size_microbatches,
     make_token_balanced_microbatches,
     sort_by_length,
 )
-from balance_batch.plan import plan_batch
 from balance_batch.stats import plan_stats
 
 lengths_st = st.lists(st.integers(min_value=1, max_value=5000), min_size=0, max_size=80)
@@ -121,12 +121,13 @@ def test_greedy_hits_the_budget_exactly():
     """The property tests above draw such budgets; this one names the case: (count + 1) × longest == budget fits."""
     lengths = [40, 30, 40, 10, 40]
     assert make_token_balanced_microbatches(sort_by_length(lengths), _seqs(lengths), 120) == [[0, 2, 4], [1, 3]]
-    assert plan_batch(lengths, 1, 120, 1).stats.n_microbatches == [2]
+    assert plan_step(lengths, world_size=1, max_tokens_per_microbatch=120, layout="padded", planner="greedy",
+                     lockstep=False).stats.n_microbatches == [2]
 
 
 @given(st.lists(st.lists(st.lists(st.integers(0, 99), min_size=1, max_size=3), max_size=6), min_size=1, max_size=5))
-def test_align_pads_with_none_to_the_longest(schedules):
-    aligned = align_schedules(schedules)
+def test_lockstep_pads_with_dummies_to_the_longest(schedules):
+    aligned = lockstep_schedules(schedules)
     longest = max(len(s) for s in schedules)
     for orig, al in zip(schedules, aligned):
         assert len(al) == longest
@@ -137,7 +138,8 @@ def test_align_pads_with_none_to_the_longest(schedules):
 @settings(max_examples=60)
 @given(lengths_st, st.one_of(st.none(), budget_st), st.integers(1, 5), st.integers(1, 4), st.booleans())
 def test_plan_statistics_are_consistent(lengths, budget, mbs, world, align):
-    plan = plan_batch(lengths, world, budget, mbs, align=align)
+    plan = plan_step(lengths, world_size=world, max_tokens_per_microbatch=budget, micro_batch_size=mbs,
+                     layout="padded", planner="greedy", lockstep=align)
     stats = plan.stats
     assert stats.real_tokens == sum(lengths)
     assert stats.real_tokens <= stats.padded_tokens
@@ -170,10 +172,11 @@ def test_seed_greedy_outputs_are_pinned():
     from harness.data.workload import mixed_lengths
 
     small = mixed_lengths(16, 64, 512, 42)
-    plan = plan_batch(small, 2, 700, 1, align=True)
+    plan = plan_step(small, world_size=2, max_tokens_per_microbatch=700, layout="padded", planner="greedy")
     assert plan.schedules == [[[7], [4], [3], [6, 1], [11, 14], [9]], [[13], [10], [12, 0], [8, 5], [15, 2], None]]
     assert plan.stats.n_dummy == [0, 1]
-    assert plan_batch(small, 3, None, 2).schedules == [
+    assert plan_step(small, world_size=3, max_tokens_per_microbatch=None, micro_batch_size=2, layout="padded",
+                     planner="greedy", lockstep=False).schedules == [
         [[7, 10], [6, 8], [14, 2]], [[13, 3], [0, 11], [15]], [[4, 12], [1, 5], [9]]
     ]
     seed = mixed_lengths(128, 64, 32768, 42)
@@ -184,7 +187,7 @@ def test_seed_greedy_outputs_are_pinned():
         131072: (5, 0.80369, 2077355, [[79, 126, 88, 37], [71, 127, 75, 6]]),
     }
     for budget, (steps, eff, padded, head) in expected.items():
-        plan = plan_batch(seed, 4, budget, 1, align=True)
+        plan = plan_step(seed, world_size=4, max_tokens_per_microbatch=budget, layout="padded", planner="greedy")
         assert [len(s) for s in plan.schedules] == [steps] * 4 and plan.stats.n_dummy == [0] * 4
         assert round(plan.stats.pad_efficiency, 6) == eff and plan.stats.padded_tokens == padded
         assert plan.schedules[0][:2] == head

@@ -1,14 +1,15 @@
-"""The peer planners (balance_batch/peers/): small hand-computed plans, each peer's edges (a sequence over the
-budget, no sequences, one, all equal), what plan_batch records of them, and the published workload's step counts."""
+"""The peer planners (harness/peers/): small hand-computed plans, each peer's edges (a sequence over the
+budget, no sequences, one, all equal), what plan_step records of them, and the published workload's step counts."""
 
 from __future__ import annotations
 
 import pytest
 
-from balance_batch import PLANNERS
-from balance_batch.peers import PEER_NAMES, PEERS, PeerRefusal, automodel, fairseq, nemo_rl, peer_layout, trl, verl
-from balance_batch.plan import check_plan_json, plan_batch
+from balance_batch import PLANNERS, plan_step
+from balance_batch.planners import planner_names
 from harness.data.workload import mixed_lengths
+from harness.peers import PEER_NAMES, PEERS, PeerRefusal, automodel, fairseq, nemo_rl, peer_layout, trl, verl
+from reports.plan_json import check_plan_json, plan_json
 
 SEED = mixed_lengths(128, 64, 32768, 42)  # the published workload's generator, as tests/unit/test_planner.py
 
@@ -182,41 +183,47 @@ def test_automodel_edges():
     assert [len(b) for b in automodel.plan([5] * 8, 1, 20).schedules[0]] == [4, 4]
 
 
-# --- through plan_batch -------------------------------------------------------------------------------------------
+# --- through plan_step --------------------------------------------------------------------------------------------
 
 def test_every_peer_is_a_planner_with_its_own_layout():
-    assert set(PEER_NAMES) <= set(PLANNERS) and PLANNERS[:2] == ("greedy", "balanced")
+    # importing harness.peers registers them with the library's planners; they are not the library's own PLANNERS
+    assert PLANNERS == ("greedy", "balanced") and not set(PEER_NAMES) & set(PLANNERS)
+    assert set(PEER_NAMES) <= set(planner_names()) and planner_names()[:2] == PLANNERS
     assert {name: peer_layout(name) for name in PEER_NAMES} == {
         "verl": "packed", "nemo_rl_packing": "packed", "nemo_rl_dynamic": "padded", "fairseq": "padded",
         "trl_fixed": "packed", "trl_budget": "packed", "automodel": "padded"}
     assert peer_layout("balanced") is None
 
 
-def test_plan_batch_records_the_peer_and_the_dummies_it_adds_for_lock_step_ranks():
-    plan = plan_batch([4, 9, 2, 7], 2, 9, align=True, layout="padded", planner="automodel")
+def test_plan_step_records_the_peer_and_the_dummies_it_adds_for_lock_step_ranks():
+    plan = plan_step([4, 9, 2, 7], world_size=2, max_tokens_per_microbatch=9, layout="padded", planner="automodel")
     assert plan.schedules == [[[1], [0, 2]], [[3], None]]
     record = plan.record()
     assert record["peer"]["harness_dummies"] == 1 and record["peer"]["peer_empty_steps"] == 0
     assert record["peer"]["knobs"]["max_tokens_per_batch"] == 9 and "Automodel" in record["peer"]["source"]
     assert record["steps"] == 2 and record["n_dummy"] == [0, 1]
-    doc = plan.to_json(backend="fsdp2")
+    doc = plan_json(plan, backend="fsdp2")
     check_plan_json(doc)
     assert doc["peer"] == record["peer"]
     # fairseq's own empty batch is its dummy, not the harness's; ranks that run independently drop it
-    lock = plan_batch([5], 2, 20, align=True, planner="fairseq").record()["peer"]
+    kw = dict(world_size=2, max_tokens_per_microbatch=20, layout="padded", planner="fairseq")
+    lock = plan_step([5], **kw).record()["peer"]
     assert (lock["peer_empty_steps"], lock["harness_dummies"]) == (1, 0)
-    free = plan_batch([5], 2, 20, align=False, planner="fairseq")
+    free = plan_step([5], lockstep=False, **kw)
     assert free.schedules == [[[0]], []] and free.peer["dropped_empty_steps"] == 1
 
 
-def test_plan_batch_notes_another_layout_and_refuses_a_cap_the_peer_has_no_knob_for():
-    plan = plan_batch([4, 9, 2, 7], 2, 9, align=True, layout="packed", planner="automodel")
+def test_plan_step_notes_another_layout_and_refuses_a_cap_the_peer_has_no_knob_for():
+    plan = plan_step([4, 9, 2, 7], world_size=2, max_tokens_per_microbatch=9, layout="packed", planner="automodel")
     assert "planned by automodel's own budget (padded rows), run packed" in plan.peer["differs"]
     with pytest.raises(PeerRefusal, match="verl has no cap on sequences per micro-batch"):
-        plan_batch([4, 4], 1, 9, layout="packed", planner="verl", max_seqs_per_microbatch=2)
-    capped = plan_batch([1] * 6, 1, 100, layout="padded", planner="fairseq", max_seqs_per_microbatch=4)
+        plan_step([4, 4], world_size=1, max_tokens_per_microbatch=9, layout="packed", planner="verl", lockstep=False,
+                  max_seqs_per_microbatch=2)
+    capped = plan_step([1] * 6, world_size=1, max_tokens_per_microbatch=100, layout="padded", planner="fairseq",
+                       lockstep=False, max_seqs_per_microbatch=4)
     assert capped.peer["knobs"]["max_sentences"] == 4 and capped.stats.max_microbatch_size <= 4
-    assert plan_batch([3, 3], 1, 9, layout="padded", planner="greedy").peer is None
+    assert plan_step([3, 3], world_size=1, max_tokens_per_microbatch=9, layout="padded", planner="greedy",
+                     lockstep=False).peer is None
 
 
 # --- the published workload ---------------------------------------------------------------------------------------
@@ -231,17 +238,19 @@ PUBLISHED_STEPS = {
 
 @pytest.mark.parametrize("name", PEER_NAMES)
 def test_published_workload_keeps_its_documented_step_counts(name):
-    steps = tuple(plan_batch(SEED, 4, budget, align=True, layout=PEERS[name].layout, planner=name).stats.steps
-                  for budget in (32768, 65536, 131072))
+    def plan(budget):
+        return plan_step(SEED, world_size=4, max_tokens_per_microbatch=budget, layout=PEERS[name].layout, planner=name)
+
+    steps = tuple(plan(budget).stats.steps for budget in (32768, 65536, 131072))
     assert steps == PUBLISHED_STEPS[name]
     if name in ("trl_fixed", "automodel"):  # a fixed count; a lone batch over the budget (with the peer's warning)
-        stats = plan_batch(SEED, 4, 16384, align=True, layout=PEERS[name].layout, planner=name).stats
+        stats = plan(16384).stats
         assert stats.steps == {"trl_fixed": 4, "automodel": 23}[name]
         # the bound is the planner's own: TRL's fixed count never reads the budget, so the budget bounds nothing
         assert stats.lower_bound_steps == {"trl_fixed": 4, "automodel": 20}[name] <= stats.steps
     else:
         with pytest.raises(PeerRefusal, match=f"planner: {name} refuses"):
-            plan_batch(SEED, 4, 16384, align=True, layout=PEERS[name].layout, planner=name)
+            plan(16384)
 
 
 def test_the_peers_preset_sweeps_every_planner():
@@ -251,7 +260,7 @@ def test_the_peers_preset_sweeps_every_planner():
 
     preset = yaml.safe_load((CONF / "batching" / "peers.yaml").read_text())
     assert preset["batching"] == {"name": "peers"}
-    assert tuple(preset["hydra"]["sweeper"]["params"]["planner"].split(",")) == PLANNERS
+    assert tuple(preset["hydra"]["sweeper"]["params"]["planner"].split(",")) == planner_names()  # ours, the peers'
 
 
 def test_the_harness_runs_a_peer_in_its_own_layout_unless_one_is_set_and_refuses_one_without_its_budget():

@@ -24,7 +24,7 @@ def cost(n: int) -> float:
 
 
 def reference(doc: dict) -> dict:
-    """What the plan costs, computed here straight from the plan.json format of balance_batch/plan.py
+    """What the plan costs, computed here straight from the plan.json format of reports/plan_json.py
     (independently of reports.plan_blocks)."""
     lengths, padded = doc["lengths"], doc["layout"] == "padded"
     def mb_cost(mb) -> float:
@@ -245,7 +245,7 @@ def test_plan_out_of_another_format_or_unwritable_is_one_line(tmp_path, capsys):
 
 @pytest.mark.parametrize("version", [2, 0, "1", None, True], ids=["2", "0", "'1'", "missing", "true"])
 def test_a_plan_json_of_another_version_is_one_line_naming_the_versions_read(version, tmp_path, capsys):
-    from balance_batch.plan import PLAN_JSON_VERSION
+    from reports.plan_json import PLAN_JSON_VERSION
 
     doc, _ = greedy_doc(LENGTHS[:24], 2, 16384)
     doc = {**doc, "version": version} if version is not None else {k: v for k, v in doc.items() if k != "version"}

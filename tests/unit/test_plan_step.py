@@ -9,6 +9,7 @@ import pytest
 
 from balance_batch import PLANNERS, CostModel, plan_step
 from balance_batch.cost import microbatch_cost, microbatch_tokens
+from balance_batch.planners import planner_names
 
 SKEWED = [7000, 6500, 6100, 90, 80, 70, 60, 50, 40, 30, 20, 10, 5000, 3]  # three long ones, many short ones
 UNIFORM = [100 + 7 * i for i in range(13)]
@@ -53,8 +54,11 @@ def test_a_sequence_over_the_budget_runs_alone_and_the_loss_tokens_follow_the_co
 
 
 def test_every_planner_and_fixed_slices_plan_through_it():
+    import harness.peers  # noqa: F401  (registers the peers' planners beside the library's own)
+
     lengths = [40, 30, 20, 10, 5, 5, 3, 2]
-    for planner in PLANNERS:
+    assert planner_names()[:len(PLANNERS)] == PLANNERS and len(planner_names()) > len(PLANNERS)
+    for planner in planner_names():
         plan = plan_step(lengths, world_size=2, max_tokens_per_microbatch=64, planner=planner)
         assert sorted(i for rank in plan.microbatches for b in rank for i in b) == list(range(8)), planner
         assert plan.planner == planner

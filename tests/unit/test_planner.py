@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from backends.model.configs import QWEN3_5_35B_A3B_TEXT_CONFIG, SHIPPED_CONFIGS, cost_model_for
 from backends.specs import ModelSpec
-from balance_batch import CostModel
+from balance_batch import CostModel, plan_step
 from balance_batch.cost import (
     active_matmul_params,
     cost_model_from_config,
@@ -20,9 +20,9 @@ from balance_batch.cost import (
     microbatch_tokens,
 )
 from balance_batch.greedy import deal_to_ranks, sort_by_length
-from balance_batch.plan import plan_batch
 from balance_batch.stats import critical_path_lower_bound, lower_bound_bins, lower_bound_steps
 from harness.data.workload import mixed_lengths
+from reports.plan_json import plan_json
 
 QWEN = cost_model_for(ModelSpec(name="qwen3_5_35b_a3b", path="/nonexistent/Qwen3.5-35B-A3B"))
 SEED = mixed_lengths(128, 64, 32768, 42)
@@ -53,7 +53,8 @@ def _microbatches(plan):
 @given(cases(), st.booleans())
 def test_balanced_plans_every_example_once_within_the_budget(case, align):
     lengths, world, budget, layout, cm = case
-    plan = plan_batch(lengths, world, budget, 1, align=align, layout=layout, planner="balanced", cost_model=cm)
+    plan = plan_step(lengths, world_size=world, max_tokens_per_microbatch=budget, lockstep=align, layout=layout,
+                     planner="balanced", cost_model=cm)
     assert len(plan.schedules) == world
     seen = sorted(i for b in _microbatches(plan) for i in b)
     assert seen == list(range(len(lengths)))
@@ -78,9 +79,11 @@ def test_balanced_plans_every_example_once_within_the_budget(case, align):
 @given(cases())
 def test_balanced_steps_against_the_bounds(case):
     lengths, world, budget, layout, cm = case
-    plan = plan_batch(lengths, world, budget, 1, align=True, layout=layout, planner="balanced", cost_model=cm)
+    plan = plan_step(lengths, world_size=world, max_tokens_per_microbatch=budget, layout=layout, planner="balanced",
+                     cost_model=cm)
     if layout == "padded":
-        greedy = plan_batch(lengths, world, budget, 1, align=True, layout="padded", planner="greedy", cost_model=cm)
+        greedy = plan_step(lengths, world_size=world, max_tokens_per_microbatch=budget, layout="padded",
+                           planner="greedy", cost_model=cm)
         assert plan.stats.steps <= greedy.stats.steps
         return
     # Any-fit packing (ours falls back to best fit) can only fail to seat a sequence of length x
@@ -121,7 +124,7 @@ def _packs_into(lengths: list[int], budget: int, bins: int) -> bool:
 @example([20, 20, 21, 21, 21, 23], 1, 63)  # two exact fills (21+21+21, 20+20+23) that LPT misses: found by hypothesis
 def test_balanced_packed_reaches_the_bound_whenever_a_plan_can(lengths, world, budget):
     """On small inputs an exact search says whether any plan has the lower-bound step count; then ours has it."""
-    plan = plan_batch(lengths, world, budget, 1, align=True, layout="packed", planner="balanced")
+    plan = plan_step(lengths, world_size=world, max_tokens_per_microbatch=budget, layout="packed", planner="balanced")
     bound = lower_bound_steps(lengths, world, budget)
     rest = [n for n in lengths if n <= budget]
     if _packs_into(rest, budget, bound * world - (len(lengths) - len(rest))):
@@ -134,8 +137,10 @@ def test_balanced_packed_reaches_the_bound_whenever_a_plan_can(lengths, world, b
 @given(cases())
 def test_balanced_is_deterministic_and_puts_the_costliest_step_first(case):
     lengths, world, budget, layout, cm = case
-    a = plan_batch(lengths, world, budget, 1, align=True, layout=layout, planner="balanced", cost_model=cm)
-    b = plan_batch(list(lengths), world, budget, 1, align=True, layout=layout, planner="balanced", cost_model=cm)
+    a = plan_step(lengths, world_size=world, max_tokens_per_microbatch=budget, layout=layout, planner="balanced",
+                  cost_model=cm)
+    b = plan_step(list(lengths), world_size=world, max_tokens_per_microbatch=budget, layout=layout,
+                  planner="balanced", cost_model=cm)
     assert a.schedules == b.schedules
     steps = [max(microbatch_cost(s[k], lengths, layout, cm) for s in a.schedules) for k in range(a.stats.steps)]
     assert steps == sorted(steps, reverse=True)
@@ -164,7 +169,8 @@ def test_seed_workload_lower_bounds_match_the_published_table():
 @settings(max_examples=100, deadline=None)
 @given(lengths_st, st.integers(1, 8), st.integers(1, 20000))
 def test_greedy_packed_sorts_deals_and_fills_to_the_sum(lengths, world, budget):
-    plan = plan_batch(lengths, world, budget, 1, layout="packed")
+    plan = plan_step(lengths, world_size=world, max_tokens_per_microbatch=budget, layout="packed", planner="greedy",
+                     lockstep=False)
     dealt = deal_to_ranks(sort_by_length(lengths), world)
     for rank, schedule in enumerate(plan.schedules):
         assert [i for b in schedule for i in b] == dealt[rank]  # the original planner's order, cut differently
@@ -177,26 +183,29 @@ def test_greedy_packed_sorts_deals_and_fills_to_the_sum(lengths, world, budget):
 
 def test_packed_greedy_without_a_budget_is_fixed_slices():
     lengths = [5, 9, 1, 7, 3]
-    packed = plan_batch(lengths, 2, None, 2, layout="packed")
-    padded = plan_batch(lengths, 2, None, 2)
+    kw = dict(world_size=2, max_tokens_per_microbatch=None, micro_batch_size=2, planner="greedy", lockstep=False)
+    packed = plan_step(lengths, layout="packed", **kw)
+    padded = plan_step(lengths, layout="padded", **kw)
     assert packed.schedules == padded.schedules
     assert packed.stats.pad_efficiency == 1.0 and padded.stats.pad_efficiency < 1.0
 
 
 def test_bad_choices_are_refused():
+    kw = dict(world_size=1, lockstep=False)
     with pytest.raises(ValueError, match="layout"):
-        plan_batch([1], layout="zigzag")
+        plan_step([1], max_tokens_per_microbatch=None, layout="zigzag", planner="greedy", **kw)
     with pytest.raises(ValueError, match="planner"):
-        plan_batch([1], planner="magic")
+        plan_step([1], max_tokens_per_microbatch=None, layout="padded", planner="magic", **kw)
     with pytest.raises(ValueError, match="max_tokens_per_microbatch"):
-        plan_batch([1], planner="balanced")
+        plan_step([1], max_tokens_per_microbatch=None, layout="padded", planner="balanced", **kw)
 
 
 @pytest.mark.parametrize("world", [1, 4, 8])
 def test_balanced_packed_meets_its_targets_on_the_seed_workload(world):
     """Fewest steps, only lone sequences over budget, ranks within 0.5%, the critical path near its bound."""
     for budget in BUDGETS:
-        plan = plan_batch(SEED, world, budget, 1, align=True, layout="packed", planner="balanced", cost_model=QWEN)
+        plan = plan_step(SEED, world_size=world, max_tokens_per_microbatch=budget, layout="packed", planner="balanced",
+                         cost_model=QWEN)
         st_ = plan.stats
         assert st_.steps == st_.lower_bound_steps, (world, budget)
         assert st_.over_budget == sum(1 for n in SEED if n > budget)
@@ -217,9 +226,9 @@ def test_balanced_packed_meets_its_targets_on_the_seed_workload(world):
 def test_balanced_padded_evens_the_ranks_on_the_seed_workload(world):
     """Padded, ranks within 0.5% of each other, in no more steps than the original greedy planner."""
     for budget in BUDGETS:
-        kw = dict(align=True, layout="padded", cost_model=QWEN)
-        greedy = plan_batch(SEED, world, budget, 1, planner="greedy", **kw).stats
-        st_ = plan_batch(SEED, world, budget, 1, planner="balanced", **kw).stats
+        kw = dict(world_size=world, max_tokens_per_microbatch=budget, layout="padded", cost_model=QWEN)
+        greedy = plan_step(SEED, planner="greedy", **kw).stats
+        st_ = plan_step(SEED, planner="balanced", **kw).stats
         assert st_.steps <= greedy.steps, (world, budget)
         assert st_.over_budget == sum(1 for n in SEED if n > budget)
         assert st_.cost_imbalance <= 1.005, (world, budget, st_.cost_imbalance)
@@ -229,17 +238,18 @@ def test_balanced_padded_evens_the_ranks_on_the_seed_workload(world):
 def test_balanced_beats_greedy_on_the_seed_workload(world):
     for layout in ("padded", "packed"):
         for budget in BUDGETS:
-            kw = dict(align=True, layout=layout, cost_model=QWEN)
-            greedy = plan_batch(SEED, world, budget, 1, planner="greedy", **kw).stats
-            balanced = plan_batch(SEED, world, budget, 1, planner="balanced", **kw).stats
+            kw = dict(world_size=world, max_tokens_per_microbatch=budget, layout=layout, cost_model=QWEN)
+            greedy = plan_step(SEED, planner="greedy", **kw).stats
+            balanced = plan_step(SEED, planner="balanced", **kw).stats
             assert balanced.steps <= greedy.steps
             assert balanced.critical_path < greedy.critical_path, (layout, budget)
             assert balanced.cost_imbalance < greedy.cost_imbalance, (layout, budget)
 
 
 def test_plan_json_document():
-    plan = plan_batch([300, 20, 500], 2, 400, 1, align=True, layout="packed", planner="balanced", cost_model=QWEN)
-    doc = plan.to_json(backend="fsdp2")
+    plan = plan_step([300, 20, 500], world_size=2, max_tokens_per_microbatch=400, layout="packed", planner="balanced",
+                     cost_model=QWEN)
+    doc = plan_json(plan, backend="fsdp2")
     assert list(doc)[:2] == ["version", "backend"] and doc["version"] == 1
     assert doc["world_size"] == 2 and doc["lockstep"] is True
     assert (doc["planner"], doc["layout"], doc["max_tokens_per_microbatch"], doc["micro_batch_size"]) == (

@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from balance_batch import plan_step
 from balance_batch.balanced.packed import _Packer
 from balance_batch.greedy import sort_by_length
-from balance_batch.plan import plan_batch
 from balance_batch.stats import lower_bound_bins
 
 _SPEC = importlib.util.spec_from_file_location(
@@ -36,9 +36,8 @@ def capped_cases(draw):
 @given(capped_cases(), st.booleans())
 def test_the_cap_holds_in_both_planners_and_layouts(case, align):
     lengths, world, budget, cap, (planner, layout) = case
-    plan = plan_batch(
-        lengths, world, budget, 1, align=align, layout=layout, planner=planner, max_seqs_per_microbatch=cap
-    )
+    plan = plan_step(lengths, world_size=world, max_tokens_per_microbatch=budget, lockstep=align, layout=layout,
+                     planner=planner, max_seqs_per_microbatch=cap)
     batches = [b for s in plan.schedules for b in s if b]
     assert sorted(i for b in batches for i in b) == list(range(len(lengths)))  # every example once
     assert max(len(b) for b in batches) <= cap == plan.max_seqs_per_microbatch
@@ -55,13 +54,15 @@ def test_the_cap_is_part_of_the_lower_bound_and_the_balanced_planner_reaches_it(
     assert lower_bound_bins(lengths, 1024) == 1
     assert lower_bound_bins(lengths, 1024, max_seqs=4) == 25
     for layout in ("packed", "padded"):
-        plan = plan_batch(lengths, 5, 1024, planner="balanced", layout=layout, align=True, max_seqs_per_microbatch=4)
+        plan = plan_step(lengths, world_size=5, max_tokens_per_microbatch=1024, planner="balanced", layout=layout,
+                         max_seqs_per_microbatch=4)
         assert plan.stats.steps == plan.stats.lower_bound_steps == 5
         assert plan.stats.max_microbatch_size == 4
 
 
 def test_without_a_budget_the_cap_limits_the_fixed_slices():
-    plan = plan_batch([5] * 10, 1, None, 4, max_seqs_per_microbatch=3)
+    plan = plan_step([5] * 10, world_size=1, max_tokens_per_microbatch=None, micro_batch_size=4, layout="padded",
+                     planner="greedy", lockstep=False, max_seqs_per_microbatch=3)
     assert [len(b) for b in plan.schedules[0]] == [3, 3, 3, 1]
     assert plan.stats.lower_bound_steps == 4
 
@@ -70,17 +71,17 @@ def test_without_a_budget_the_cap_limits_the_fixed_slices():
 def test_a_cap_no_micro_batch_reaches_leaves_the_greedy_planner_as_it_was(planner, layout):
     lengths = bench.DISTRIBUTIONS["mixed"][0](500)
     for world in (1, 3, 8):
-        plain = plan_batch(lengths, world, 65536, layout=layout, planner=planner, align=True)
-        capped = plan_batch(
-            lengths, world, 65536, layout=layout, planner=planner, align=True, max_seqs_per_microbatch=10**6
-        )
+        plain = plan_step(lengths, world_size=world, max_tokens_per_microbatch=65536, layout=layout, planner=planner)
+        capped = plan_step(lengths, world_size=world, max_tokens_per_microbatch=65536, layout=layout, planner=planner,
+                           max_seqs_per_microbatch=10**6)
         assert capped.schedules == plain.schedules
 
 
 def test_bad_caps_are_refused():
     for bad in (0, -1, True, 2.5, "3"):
         with pytest.raises(ValueError, match="max_seqs_per_microbatch"):
-            plan_batch([1, 2], 1, 10, max_seqs_per_microbatch=bad)
+            plan_step([1, 2], world_size=1, max_tokens_per_microbatch=10, layout="padded", planner="greedy",
+                      lockstep=False, max_seqs_per_microbatch=bad)
 
 
 def _item_bfd(lengths, budget, cap):
@@ -117,7 +118,7 @@ def test_histogram_best_fit_decreasing_packs_as_the_one_at_a_time_form(lengths, 
 
 def test_short_sequences_pack_within_a_tenth_of_a_percent_of_the_bound():
     lengths = bench.short_lengths(100_000)
-    plan = plan_batch(lengths, 1, 512, planner="balanced", layout="packed", align=True)
+    plan = plan_step(lengths, world_size=1, max_tokens_per_microbatch=512, planner="balanced", layout="packed")
     bound = lower_bound_bins(lengths, 512)
     efficiency = sum(lengths) / (sum(plan.stats.n_microbatches) * 512)
     assert efficiency >= 0.999 * sum(lengths) / (bound * 512), (sum(plan.stats.n_microbatches), bound)
@@ -127,6 +128,7 @@ def test_the_cap_holds_where_a_few_cheap_micro_batches_take_many_short_sequences
     """Two long sequences leave two of the four micro-batches empty and cheapest; ten short ones must still go three at
     most."""
     lengths = [100, 100] + [1] * 10
-    plan = plan_batch(lengths, 1, 1000, planner="balanced", layout="packed", align=True, max_seqs_per_microbatch=3)
+    plan = plan_step(lengths, world_size=1, max_tokens_per_microbatch=1000, planner="balanced", layout="packed",
+                     max_seqs_per_microbatch=3)
     assert plan.stats.lower_bound_steps == plan.stats.steps == 4
     assert plan.stats.max_microbatch_size == 3

@@ -48,8 +48,7 @@ def test_committed_results_are_a_real_sweep_of_this_machine():
 
     from backends.registry import LOCKSTEP_BACKENDS
     from backends.specs import ModelSpec
-    from balance_batch import CostModel
-    from balance_batch.plan import plan_batch
+    from balance_batch import CostModel, plan_step
     from harness.metrics.balance import balance_fields, ran_schedules
     from harness.metrics.flops import flops_record, training_flops_for
     from harness.metrics.spread import paired_speedup, summary
@@ -69,12 +68,12 @@ def test_committed_results_are_a_real_sweep_of_this_machine():
             len(lengths), sum(lengths), min(lengths), max(lengths)), point
         stored_plan = json.loads((point / "plan.json").read_text())
         assert stored_plan["lengths"] == lengths, point
-        plan = plan_batch(
+        plan = plan_step(
             lengths,
-            res["world_size"],
-            res["mtpm"],
-            res["mbs"],
-            align=res["backend"] in LOCKSTEP_BACKENDS,
+            world_size=res["world_size"],
+            max_tokens_per_microbatch=res["mtpm"],
+            micro_batch_size=res["mbs"],
+            lockstep=res["backend"] in LOCKSTEP_BACKENDS,
             layout=res["layout"],
             planner=res["planner"],
             cost_model=CostModel.from_dict(res["plan"]["cost_model"]),

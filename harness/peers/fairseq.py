@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from balance_batch.peers.common import PeerPlan, budget_of, ceil_div, refuse_over
+from harness.peers.common import PeerPlan, budget_of, ceil_div, refuse_over
 
 NAME = "fairseq"
 LAYOUT = "padded"

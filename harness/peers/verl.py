@@ -19,7 +19,7 @@ import heapq
 import itertools
 from typing import Optional, Sequence
 
-from balance_batch.peers.common import PeerPlan, PeerRefusal, budget_of, ceil_div, refuse_over
+from harness.peers.common import PeerPlan, PeerRefusal, budget_of, ceil_div, refuse_over
 
 NAME = "verl"
 LAYOUT = "packed"

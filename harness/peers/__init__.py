@@ -1,14 +1,18 @@
-"""Other frameworks' ways of cutting a batch into micro-batches, as planners of this harness: each written here from
-the peer's published algorithm and defaults, with the peer's own layout, budget semantics, refusals and spread over
-ranks. ``plan_peer`` is what ``plan_batch`` calls; ``PEERS`` names them."""
+"""Other frameworks' ways of cutting a batch into micro-batches, as planners the harness measures beside the
+library's: each written here from the peer's published algorithm and defaults, with the peer's own layout, budget
+semantics, refusals and spread over ranks. ``PEERS`` names them; importing this package registers each with the
+library (``balance_batch.planners.register``), so ``plan_step(planner=...)`` plans it through the one pipeline and
+``Plan.peer`` holds its record. They are not in ``balance_batch.PLANNERS``, the library's own."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-from balance_batch.peers import automodel, fairseq, nemo_rl, trl, verl
-from balance_batch.peers.common import PeerPlan, PeerRefusal
+from balance_batch.planners import Planner, PlanSettings, register
+from balance_batch.stats import lower_bound_steps
+from harness.peers import automodel, fairseq, nemo_rl, trl, verl
+from harness.peers.common import PeerPlan, PeerRefusal
 
 
 @dataclass(frozen=True)
@@ -84,5 +88,27 @@ def peer_record(name: str, result: PeerPlan, schedules: Sequence[Sequence[Option
         "differs": list(result.differs),
     }
 
+
+def _plan(name: str):
+    def plan(lengths: list[int], settings: PlanSettings) -> tuple[list, PeerPlan]:
+        result = plan_peer(name, lengths, settings.world_size, settings.budget, settings.layout, settings.max_seqs)
+        return [list(s) for s in result.schedules], result
+    return plan
+
+
+def _record(name: str):
+    return lambda result, schedules, lockstep: peer_record(name, result, schedules, lockstep)
+
+
+def _count_bound(lengths: list[int], settings: PlanSettings, record: dict) -> int:
+    """The fewest steps a planner of a fixed count can take follow from its count per rank, not from a budget it
+    never reads (over_budget still counts what exceeds it)."""
+    return lower_bound_steps(lengths, settings.world_size, None, record["knobs"]["per_device_train_batch_size"],
+                             settings.max_seqs)
+
+
+for _peer in PEERS.values():  # each refuses a missing budget itself, in its own words
+    register(Planner(_peer.name, _plan(_peer.name), needs_budget=False, record=_record(_peer.name),
+                     lower_bound_steps=None if _peer.needs_budget else _count_bound))
 
 __all__ = ["PEERS", "PEER_NAMES", "Peer", "PeerPlan", "PeerRefusal", "peer_layout", "peer_record", "plan_peer"]

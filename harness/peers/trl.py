@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from balance_batch.greedy import Schedule
-from balance_batch.peers.common import PeerPlan, PeerRefusal, budget_of
+from harness.peers.common import PeerPlan, PeerRefusal, budget_of
 
 FIXED, BUDGET = "trl_fixed", "trl_budget"
 LAYOUT = "packed"

@@ -6,7 +6,7 @@ algorithm itself assigns sequences (per-sequence packers), the rows as lists of 
   through a segment tree over remaining space (``trl/data_utils.py``).
 - torchtune ``PackedDataset``: greedy in dataset order, a new pack whenever the next sequence does not fit
   (``torchtune/datasets/_packed.py``).
-- NeMo-RL's first-fit decreasing and modified first-fit decreasing: ``balance_batch.peers.nemo_rl``.
+- NeMo-RL's first-fit decreasing and modified first-fit decreasing: ``harness.peers.nemo_rl``.
 - The packed-BERT histogram packers (Krell et al. 2021): LPFHP (the fullest pack that fits, as many copies of the
   length as fit) and SPFHP (the emptiest pack that fits, one copy a round), at most ``max_seqs`` sequences a pack
   (3 in the paper's runs). They return pack strategies with counts, not sequence ids, as published.

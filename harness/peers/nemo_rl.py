@@ -18,7 +18,7 @@ import random
 from bisect import bisect_right
 from typing import Optional, Sequence
 
-from balance_batch.peers.common import PeerPlan, PeerRefusal, budget_of, deal_round_robin, round_up
+from harness.peers.common import PeerPlan, PeerRefusal, budget_of, deal_round_robin, round_up
 
 SOURCE = "NVIDIA-NeMo/RL nemo_rl/data/packing/algorithms.py and nemo_rl/distributed/batched_data_dict.py at 7ea279a"
 PACKING, DYNAMIC = "nemo_rl_packing", "nemo_rl_dynamic"

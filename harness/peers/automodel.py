@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from balance_batch.peers.common import PeerPlan, budget_of
+from harness.peers.common import PeerPlan, budget_of
 
 NAME = "automodel"
 LAYOUT = "padded"
