@@ -4,9 +4,8 @@ resume on another world size, budget, layout, planner or cost model keeps every 
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
-
 from balance_batch.cost import CostModel
+from balance_batch.planners import Knobs, PlanSettings
 
 STATE_VERSION = 2
 READ_VERSIONS = (1, 2)  # a version-1 state (no micro-batch position) resumes at its step's start
@@ -22,37 +21,21 @@ STEP_KEYS = ("dataset", "seed", "shuffle", "sequences_per_step", "tokens_per_ste
 STEP_DEFAULTS = {"longest_first": False}
 
 
-class PlanSettings(NamedTuple):
-    """How a step's items are planned into micro-batches per rank (an elastic resume may change every one)."""
+def settings_config(settings: PlanSettings) -> dict:
+    """A state's record of how steps are planned (the keys a saved state has always had)."""
+    cm, knobs = settings.cost_model, settings.knobs
+    return {"max_tokens_per_microbatch": settings.budget, "world_size": settings.world_size,
+            "layout": settings.layout, "planner": settings.planner, "max_seqs_per_microbatch": settings.max_seqs,
+            "cost_model": [cm.a, cm.b, cm.c, cm.fixed], **knobs._asdict()}
 
-    max_tokens_per_microbatch: int
-    world_size: int
-    layout: str
-    planner: str
-    max_seqs_per_microbatch: Optional[int]
-    cost_model: CostModel
-    # the peers' count knobs (balance_batch/knobs.py), last: the sampler hands these three on as they are
-    min_microbatches: Optional[int] = None
-    microbatches_multiple_of: Optional[int] = None
-    padded_sequences_multiple_of: Optional[int] = None
 
-    def as_config(self) -> dict:
-        cm = self.cost_model
-        return {"max_tokens_per_microbatch": self.max_tokens_per_microbatch, "world_size": self.world_size,
-                "layout": self.layout, "planner": self.planner,
-                "max_seqs_per_microbatch": self.max_seqs_per_microbatch,
-                "cost_model": [cm.a, cm.b, cm.c, cm.fixed], "min_microbatches": self.min_microbatches,
-                "microbatches_multiple_of": self.microbatches_multiple_of,
-                "padded_sequences_multiple_of": self.padded_sequences_multiple_of}
-
-    @classmethod
-    def from_config(cls, config: dict) -> "PlanSettings":
-        a, b, c, fixed = config["cost_model"]
-        return cls(int(config["max_tokens_per_microbatch"]), int(config["world_size"]), config["layout"],
-                   config["planner"], config["max_seqs_per_microbatch"],
-                   CostModel(float(a), float(b), "a resumed state's", float(c), float(fixed)),
-                   config.get("min_microbatches"), config.get("microbatches_multiple_of"),
-                   config.get("padded_sequences_multiple_of"))
+def settings_from_config(config: dict) -> PlanSettings:
+    """The plan settings a state was saved under (a sampler plans every step without the refinement rounds)."""
+    a, b, c, fixed = config["cost_model"]
+    return PlanSettings(int(config["max_tokens_per_microbatch"]), int(config["world_size"]), config["layout"],
+                        config["planner"], config["max_seqs_per_microbatch"],
+                        CostModel(float(a), float(b), "a resumed state's", float(c), float(fixed)),
+                        Knobs(*(config.get(k) for k in Knobs._fields)), refine=False)
 
 
 def check_state(state: object, mine: dict) -> dict:
@@ -69,7 +52,7 @@ def check_state(state: object, mine: dict) -> dict:
                          + " (these decide which items form each step; the budget, world size, layout, planner and "
                            "cost model may change)")
     try:
-        PlanSettings.from_config(saved)
+        settings_from_config(saved)
     except (KeyError, TypeError, ValueError):
         raise ValueError(f"{who}: the state's plan settings are incomplete: {saved!r}") from None
     return saved

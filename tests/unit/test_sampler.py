@@ -8,8 +8,10 @@ import sys
 import numpy as np
 import pytest
 
-from balance_batch import PLANNERS, TokenBudgetSampler
-from balance_batch.peers import peer_layout
+from balance_batch import TokenBudgetSampler
+from balance_batch.plan import planned_rows
+from balance_batch.planners import planner_names
+from harness.peers import peer_layout
 
 B = 256
 
@@ -205,8 +207,8 @@ def test_bad_arguments_are_one_clear_value_error(kw, named):
         TokenBudgetSampler(**{**args, **kw})
 
 
-@pytest.mark.parametrize("planner", [p for p in PLANNERS if p != "balanced"])
-def test_every_planner_of_the_library_plans_the_steps(planner):
+@pytest.mark.parametrize("planner", [p for p in planner_names() if p != "balanced"])  # ours, and the registered peers
+def test_every_registered_planner_plans_the_steps(planner):
     lengths = [min(n, B) for n in skewed(120)]  # some peers refuse a sequence over the budget
     layout = peer_layout(planner) or "packed"
     # steps of 21 sequences, 15 in the last: verl and NeMo-RL's dynamic batching split a step evenly over the ranks
@@ -302,8 +304,8 @@ def test_longest_first_runs_the_epochs_longest_item_in_the_first_microbatch_of_t
         if make is crowded:
             sampler = TokenBudgetSampler(lengths, max_tokens_per_microbatch=B, world_size=world, rank=0,
                                          longest_first=True, **kw)
-            members = sampler._members(epoch, 0)
-            raw = sampler._schedules(sampler.lengths[members].tolist(), sampler._settings)
+            members = sampler._epochs.members(epoch, 0)
+            raw = planned_rows(sampler.lengths[members].tolist(), sampler._settings)[0]
             lead = int(np.argmax(sampler.lengths[members]))
             slot = next(k for rank in raw for k, mb in enumerate(rank) if mb and lead in mb)
             assert slot > 0 or world > 1

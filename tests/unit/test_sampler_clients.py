@@ -130,8 +130,8 @@ def test_len_plans_each_step_once_and_a_second_call_costs_nothing():
     lengths = lengths_of(20000, seed=4)
     sampler = TokenBudgetSampler(lengths, **KW, world_size=8, rank=3)
     calls = []
-    plan = sampler._schedules
-    sampler._schedules = lambda *a: calls.append(1) or plan(*a)
+    plan = sampler._plans.rows
+    sampler._plans.rows = lambda *a: calls.append(1) or plan(*a)
     n = len(sampler)
     first = len(calls)
     assert first == sampler.steps_in_epoch
@@ -152,6 +152,51 @@ def test_accelerates_prepare_would_reshard_the_plan_and_is_refused_in_one_line()
     loader = prepare_data_loader(DataLoader(range(len(lengths)), batch_sampler=single, collate_fn=list),
                                  num_processes=1, process_index=0, put_on_device=False)
     assert list(loader) == [mb for step in TokenBudgetSampler(lengths, **KW).steps() for mb in step.microbatches]
+
+
+def _pairs(sampler, loader, epochs=2):
+    """(step, micro-batch planned, micro-batch the loader handed) over ``epochs`` of the docs' loop."""
+    out = []
+    for _ in range(epochs):
+        batches = loader()
+        for step in sampler.steps():
+            out += [(step.step, mb, next(batches)) for mb in step.microbatches]
+    return out
+
+
+def test_a_loader_started_lazily_trains_each_steps_own_microbatches():
+    """The docs' loop with a loader whose iterator starts at its first ``next`` (accelerate's prepared loader on one
+    process, a user's generator around a DataLoader), after ``steps()`` has yielded the step: each step's own
+    micro-batches, over two epochs."""
+    from accelerate.data_loader import prepare_data_loader
+
+    lengths = lengths_of()
+    sampler = TokenBudgetSampler(lengths, **KW)
+    prepared = prepare_data_loader(DataLoader(range(len(lengths)), batch_sampler=sampler, collate_fn=list),
+                                   num_processes=1, process_index=0, put_on_device=False)
+
+    def wrapped():
+        yield from DataLoader(range(len(lengths)), batch_sampler=sampler, collate_fn=list)
+
+    for loader in (lambda: iter(prepared), wrapped):
+        sampler.set_epoch(0)
+        pairs = _pairs(sampler, loader)
+        assert len({s for s, _, _ in pairs}) == sampler.steps_before(2) > 2
+        assert all(planned == handed for _, planned, handed in pairs)
+
+
+def test_a_loader_behind_steps_is_stopped_in_one_line():
+    lengths = lengths_of()
+    for late in (False, True):
+        sampler = TokenBudgetSampler(lengths, **KW)
+        batches = iter(DataLoader(range(len(lengths)), batch_sampler=sampler, collate_fn=list))  # started at once
+        with pytest.raises(ValueError) as err:
+            for step in sampler.steps():
+                if late and step.step == 0:
+                    continue  # step 0 taken without its data
+                for _ in step.microbatches[1:]:  # one micro-batch short each step
+                    next(batches)
+        assert "behind steps()" in str(err.value) and "\n" not in str(err.value)
 
 
 def test_torchdatas_stateful_dataloader_resumes_mid_step_at_that_microbatch():
