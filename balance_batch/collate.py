@@ -28,18 +28,45 @@ def _token_rows(samples: Sequence[Mapping], who: str) -> tuple[list[torch.Tensor
 
 
 def pack_collate(samples: Sequence[Mapping], *, pad_token_id: int = 0, flash_attn_kwargs: bool = True) -> dict:
-    """One packed row from ``samples`` (each with ``input_ids`` and optional ``labels``, equal lengths).
+    """Lay samples end to end in one packed row, the padding-free layout Hugging Face causal LMs take.
 
-    Returns ``input_ids``, ``labels`` and ``position_ids``, each ``[1, total tokens]``, ``use_cache=False``, and with
-    ``flash_attn_kwargs`` ``cu_seq_lens_q/k`` (int32 ``[sequences + 1]``) and ``max_length_q/k``: keyword arguments
-    of a Hugging Face causal LM's forward, so ``model(**batch)`` keeps the sequences apart on a standard-attention
-    model (linear-attention ones also need ``integrations.transformers.prepare_model_for_packing``). Each sequence's
-    first label is ``-100``, so the shifted loss never predicts across a boundary: a sequence of L tokens counts
-    L - 1 loss tokens (``TokenBudgetSampler``'s default ``loss_tokens``), fewer where its own labels are -100.
-    A sample of 0 tokens adds nothing to the row: no token, no loss token and no entry in ``cu_seq_lens`` (the row is
-    the one collated without it, so every attention and convolution path sees sequences of at least one token).
-    No samples (the sampler's dummy micro-batch), or only samples of 0 tokens, gives one ``pad_token_id`` token with
-    no loss: it runs the model, and adds nothing to the loss or the gradient.
+    Each sequence's ``position_ids`` restart at 0 and its first label is -100, so the shifted loss never predicts
+    across a boundary: a sequence of L tokens counts L - 1 loss tokens (``TokenBudgetSampler``'s default
+    ``loss_tokens``), fewer where its own labels are -100. ``model(**batch)`` keeps the sequences apart on a model
+    ``integrations.transformers.check_packable`` accepts (linear-attention models need ``prepare_model_for_packing``
+    first). A sample of 0 tokens adds nothing to the row. No samples (the sampler's dummy micro-batch), or only
+    samples of 0 tokens, give one ``pad_token_id`` token with no loss: it runs the model and adds nothing to the loss
+    or the gradient.
+
+    Args:
+        samples: mappings with ``input_ids`` and optional ``labels`` (default: a copy of ``input_ids``), each a list,
+            array or tensor of one sequence's ids; a sample's labels have as many tokens as its ids.
+        pad_token_id: the token of the dummy row.
+        flash_attn_kwargs: also return the boundaries varlen attention kernels read, ``cu_seq_lens_q/k`` and
+            ``max_length_q/k``.
+
+    Returns:
+        The forward's keyword arguments: ``input_ids``, ``labels`` and ``position_ids``, int64 ``[1, total tokens]``;
+        ``use_cache=False`` (transformers keeps packed sequences apart only without a cache); and with
+        ``flash_attn_kwargs`` ``cu_seq_lens_q`` and ``cu_seq_lens_k`` (int32 cumulative lengths, ``[sequences +
+        1]``) and ``max_length_q`` and ``max_length_k`` (the longest sequence's tokens, an int).
+
+    Raises:
+        KeyError: a sample has no ``input_ids``.
+        ValueError: a sample's ``labels`` and ``input_ids`` differ in length.
+
+    Example:
+        >>> import torch
+        >>> from balance_batch.collate import pack_collate
+        >>> batch = pack_collate([{"input_ids": torch.tensor([5, 6, 7])}, {"input_ids": [8, 9]}])
+        >>> batch["input_ids"]
+        tensor([[5, 6, 7, 8, 9]])
+        >>> batch["position_ids"]
+        tensor([[0, 1, 2, 0, 1]])
+        >>> batch["labels"]
+        tensor([[-100,    6,    7, -100,    9]])
+        >>> batch["cu_seq_lens_q"], batch["max_length_q"]
+        (tensor([0, 3, 5], dtype=torch.int32), 3)
     """
     ids, labels = _token_rows(samples, "pack_collate")
     ids, labels = [s for s in ids if len(s)], [lab for lab in labels if len(lab)]  # a sample's two lengths are equal
@@ -63,14 +90,41 @@ def pack_collate(samples: Sequence[Mapping], *, pad_token_id: int = 0, flash_att
 
 def pad_collate(samples: Sequence[Mapping], *, pad_token_id: int = 0, pad_to_multiple_of: Optional[int] = None
                 ) -> dict:
-    """One row per sample, right-padded to the longest (``layout="padded"``): ``input_ids``, ``labels`` and
-    ``attention_mask``, each ``[samples, longest]``.
+    """One right-padded row per sample, with the attention mask a stock Hugging Face model takes (``layout="padded"``).
 
-    ``labels`` are each sample's ``labels`` (default its ``input_ids``) with -100 on the padding; the model shifts
-    them, so a sequence of L tokens counts L - 1 loss tokens, as in ``pack_collate``. ``attention_mask`` is 1 on real
-    tokens and 0 on the padding, which a stock Hugging Face model needs to keep the padding out of attention (with
-    right padding its default position ids are right as they are). ``pad_to_multiple_of`` rounds the width up. No
-    samples (the sampler's dummy micro-batch) gives one ``pad_token_id`` token with no loss.
+    The labels are each sample's ``labels`` (default its ``input_ids``) with -100 on the padding; the model shifts
+    them, so a sequence of L tokens counts L - 1 loss tokens, as with ``pack_collate``. No samples (the sampler's
+    dummy micro-batch) give one ``pad_token_id`` token with no loss.
+
+    Args:
+        samples: mappings with ``input_ids`` and optional ``labels`` (default: a copy of ``input_ids``), each a list,
+            array or tensor of one sequence's ids; a sample's labels have as many tokens as its ids.
+        pad_token_id: the token on the padding (and of the dummy row).
+        pad_to_multiple_of: round the width up to a multiple of this; None pads to the longest sample only.
+
+    Returns:
+        ``input_ids``, ``labels`` and ``attention_mask`` (1 on tokens, 0 on padding), each int64 ``[samples,
+        width]``.
+
+    Raises:
+        KeyError: a sample has no ``input_ids``.
+        ValueError: ``pad_to_multiple_of`` is not a positive integer or None, or a sample's ``labels`` and
+            ``input_ids`` differ in length.
+
+    Example:
+        >>> from balance_batch.collate import pad_collate
+        >>> batch = pad_collate([{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9], "labels": [-100, 9]}])
+        >>> batch["input_ids"]
+        tensor([[5, 6, 7],
+                [8, 9, 0]])
+        >>> batch["labels"]
+        tensor([[   5,    6,    7],
+                [-100,    9, -100]])
+        >>> batch["attention_mask"]
+        tensor([[1, 1, 1],
+                [1, 1, 0]])
+        >>> pad_collate([{"input_ids": [5, 6, 7]}], pad_to_multiple_of=4)["input_ids"]
+        tensor([[5, 6, 7, 0]])
     """
     positive_int("pad_to_multiple_of", pad_to_multiple_of, none_ok=True, who="pad_collate")
     ids, labels = _token_rows(samples, "pad_collate")

@@ -13,20 +13,41 @@ from balance_batch.corpus import Packing
 
 
 class PackedDataset(torch.utils.data.Dataset):
-    """Item ``i`` is one packed row of ``dataset``'s samples, ``collate_fn`` of them.
+    """A torch ``Dataset`` of a ``Packing``'s rows: item ``i`` is one packed row of ``dataset``'s samples, collated.
 
-    ``dataset[j]`` is a mapping with ``input_ids`` (and optional ``labels``) of ``packing.lengths[j]`` tokens; where
-    the packing holds a piece of a sequence (``oversize="truncate"`` or ``"split"``, ``strategy="wrapped"``) the
-    sample is that slice of its ``input_ids`` and ``labels``, so each piece starts a sequence of its own in the row
-    (its positions restart at 0, and its first label is ignored by ``pack_collate``). Sequences of 0 tokens are in
-    no row.
+    Where the packing holds a piece of a sequence (``oversize="truncate"`` or ``"split"``, ``strategy="wrapped"``),
+    the sample is that slice of its ``input_ids`` and ``labels``, a sequence of its own in the row. Sequences of 0
+    tokens are in no row. With ``shuffle`` the rows come in a permutation seeded by ``seed`` and the epoch: call
+    ``set_epoch(e)`` before each epoch's loader iterator is made, as with PyTorch's ``DistributedSampler`` (loader
+    workers take the epoch when they start, so ``persistent_workers=True`` keeps their first epoch's order).
+    ``DataLoader(PackedDataset(...), batch_size=None)`` yields one collated row at a time.
 
-    ``pack`` lays out the rows longest first; with ``shuffle`` (the default) item ``i`` is row ``order[i]`` of a
-    permutation seeded by ``seed`` and the epoch, a new one after ``set_epoch(e)`` (as with PyTorch's
-    ``DistributedSampler``: call it before each epoch's loader iterator is made; loader workers take the epoch with
-    the dataset when they start, so ``persistent_workers=True`` keeps their first epoch's order). ``collate_fn=None``
-    gives the list of samples instead. ``DataLoader(PackedDataset(...), batch_size=None)`` yields one collated row at
-    a time.
+    Args:
+        dataset: a map-style dataset; ``dataset[j]`` is a mapping with ``input_ids`` (and optional ``labels``) of
+            ``packing.lengths[j]`` tokens.
+        packing: what ``balance_batch.pack`` returned for the dataset's lengths.
+        seed: seeds the rows' order (with ``shuffle``).
+        shuffle: a new seeded order of the rows each epoch; False keeps ``pack``'s order (longest rows first).
+        collate_fn: makes a row's samples into the item (default ``pack_collate``); None makes the item the list of
+            samples.
+
+    Raises:
+        ValueError: ``packing`` is not a ``Packing``, it was made for another number of items than ``dataset`` has,
+            or ``seed`` is not an integer; when an item is read, a sample whose ``input_ids`` are not as long as the
+            packing says.
+        IndexError: an item past the rows (a negative index counts from the end).
+
+    Example:
+        >>> from balance_batch import pack
+        >>> from balance_batch.data import PackedDataset
+        >>> corpus = [{"input_ids": [token] * n} for token, n in ((1, 6), (2, 3), (3, 4), (4, 2))]
+        >>> dataset = PackedDataset(corpus, pack([6, 3, 4, 2], 8), shuffle=False)
+        >>> len(dataset)
+        2
+        >>> dataset[0]["input_ids"], dataset[0]["position_ids"]
+        (tensor([[1, 1, 1, 1, 1, 1, 4, 4]]), tensor([[0, 1, 2, 3, 4, 5, 0, 1]]))
+        >>> dataset.samples(1)
+        [{'input_ids': [3, 3, 3, 3]}, {'input_ids': [2, 2, 2]}]
     """
 
     def __init__(self, dataset: Sequence, packing: Packing, *, seed: int = 0, shuffle: bool = True,
@@ -81,5 +102,6 @@ class PackedDataset(torch.utils.data.Dataset):
         return out
 
     def __getitem__(self, i: int):
+        """Item ``i``: ``collate_fn`` of its samples (the samples themselves where ``collate_fn`` is None)."""
         samples = self.samples(i)
         return samples if self.collate_fn is None else self.collate_fn(samples)

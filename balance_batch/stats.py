@@ -176,57 +176,76 @@ def plan_stats(
     Vectorised over the sequences (each distinct length's cost computed once).
     """
     cost_model = cost_model or CostModel.tokens()
-    packed = layout == "packed"
-    L = np.asarray(lengths, dtype=np.int64)
-    uniq, inv = np.unique(L, return_inverse=True)  # each distinct length's cost, computed once
-    ucost = np.array([cost_model.sequence(int(n)) for n in uniq], dtype=np.float64)
-    real_per_rank, padded_per_rank, n_mb, n_dummy, cost_per_rank = [], [], [], [], []
-    step_costs = np.zeros((len(schedules), max((len(s) for s in schedules), default=0)))  # rank x step, 0 for a dummy
-    max_padded, max_size, over = 0, 0, 0
-    for r, schedule in enumerate(schedules):
-        at = [k for k, batch in enumerate(schedule) if batch]
-        n_mb.append(sum(1 for batch in schedule if batch is not None))
-        n_dummy.append(len(schedule) - n_mb[-1])
-        if not at:
-            real_per_rank.append(0)
-            padded_per_rank.append(0)
-            cost_per_rank.append(0.0)
-            continue
-        sizes, real, tokens, costs = _microbatch_values([schedule[k] for k in at], L, uniq, inv, ucost, packed,
-                                                        cost_model)
-        step_costs[r, at] = costs
-        real_per_rank.append(int(real.sum()))
-        padded_per_rank.append(int(tokens.sum()))
-        cost_per_rank.append(float(costs.sum()))
-        max_padded = max(max_padded, int(tokens.max()))
-        max_size = max(max_size, int(sizes.max()))
-        if max_tokens is not None:
-            over += int(np.count_nonzero(tokens > max_tokens))
-    real_total, padded_total = sum(real_per_rank), sum(padded_per_rank)
+    ranks = _rank_totals(schedules, lengths, layout == "packed", cost_model, max_tokens)
+    real_total, padded_total = sum(ranks.real), sum(ranks.padded)
     world = max(1, len(schedules))
-    imbalance, critical, idle = _waiting(step_costs, cost_per_rank, world, lockstep)
-    steps = step_costs.shape[1]
+    imbalance, critical, idle = _waiting(ranks.step_costs, ranks.cost, world, lockstep)
     return PlanStats(
         real_tokens=real_total,
         padded_tokens=padded_total,
         pad_efficiency=(real_total / padded_total) if padded_total else 1.0,
-        n_microbatches=n_mb,
-        n_dummy=n_dummy,
-        real_tokens_per_rank=real_per_rank,
-        padded_tokens_per_rank=padded_per_rank,
-        max_microbatch_padded_tokens=max_padded,
-        max_microbatch_size=max_size,
+        n_microbatches=ranks.microbatches,
+        n_dummy=ranks.dummies,
+        real_tokens_per_rank=ranks.real,
+        padded_tokens_per_rank=ranks.padded,
+        max_microbatch_padded_tokens=ranks.max_padded,
+        max_microbatch_size=ranks.max_size,
         layout=layout,
         planner=planner,
-        steps=steps,
+        steps=ranks.step_costs.shape[1],
         lower_bound_steps=lower_bound_steps(lengths, world, max_tokens, micro_batch_size, max_seqs),
-        over_budget=over,
-        cost_per_rank=cost_per_rank,
+        over_budget=ranks.over_budget,
+        cost_per_rank=ranks.cost,
         cost_imbalance=imbalance,
         critical_path=critical,
         cost_model=cost_model.as_dict(),
         idle_fraction=idle,
     )
+
+
+@dataclass
+class _RankTotals:
+    """Per rank: real and computed tokens, micro-batches, dummies and modeled cost; the rank x step cost table (0 for
+    a dummy); and over all ranks the largest micro-batch and how many micro-batches exceed the budget."""
+
+    step_costs: np.ndarray
+    real: list[int] = field(default_factory=list)
+    padded: list[int] = field(default_factory=list)
+    microbatches: list[int] = field(default_factory=list)
+    dummies: list[int] = field(default_factory=list)
+    cost: list[float] = field(default_factory=list)
+    max_padded: int = 0
+    max_size: int = 0
+    over_budget: int = 0
+
+
+def _rank_totals(schedules: Sequence[Schedule], lengths: Sequence[int], packed: bool, cost_model: CostModel,
+                 max_tokens: Optional[int]) -> _RankTotals:
+    """Each rank's schedule summed up (``_RankTotals``), each distinct length's cost computed once."""
+    L = np.asarray(lengths, dtype=np.int64)
+    uniq, inv = np.unique(L, return_inverse=True)
+    ucost = np.array([cost_model.sequence(int(n)) for n in uniq], dtype=np.float64)
+    totals = _RankTotals(step_costs=np.zeros((len(schedules), max((len(s) for s in schedules), default=0))))
+    for r, schedule in enumerate(schedules):
+        at = [k for k, batch in enumerate(schedule) if batch]
+        totals.microbatches.append(sum(1 for batch in schedule if batch is not None))
+        totals.dummies.append(len(schedule) - totals.microbatches[-1])
+        if not at:
+            totals.real.append(0)
+            totals.padded.append(0)
+            totals.cost.append(0.0)
+            continue
+        sizes, real, tokens, costs = _microbatch_values([schedule[k] for k in at], L, uniq, inv, ucost, packed,
+                                                        cost_model)
+        totals.step_costs[r, at] = costs
+        totals.real.append(int(real.sum()))
+        totals.padded.append(int(tokens.sum()))
+        totals.cost.append(float(costs.sum()))
+        totals.max_padded = max(totals.max_padded, int(tokens.max()))
+        totals.max_size = max(totals.max_size, int(sizes.max()))
+        if max_tokens is not None:
+            totals.over_budget += int(np.count_nonzero(tokens > max_tokens))
+    return totals
 
 
 def _microbatch_values(batches: Sequence[MicroBatch], L: np.ndarray, uniq: np.ndarray, inv: np.ndarray,

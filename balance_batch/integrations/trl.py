@@ -16,10 +16,32 @@ from balance_batch.integrations.transformers.trainer import TokenBudgetMixin
 
 
 class TokenBudgetSFTTrainer(TokenBudgetMixin, SFTTrainer):
-    """TRL's ``SFTTrainer`` whose optimizer steps are a ``TokenBudgetSampler``'s: ``TokenBudgetSFTTrainer(model=...,
-    args=SFTConfig(...), train_dataset=..., processing_class=..., sampler=lambda dataset: TokenBudgetSampler(...))``,
-    the function called with the prepared train dataset; the rest as ``TokenBudgetTrainer`` (docs/library.md,
-    "TRL")."""
+    """TRL's ``SFTTrainer`` whose optimizer steps are a ``TokenBudgetSampler``'s; the rest as ``TokenBudgetTrainer``.
+
+    SFTTrainer prepares the dataset in its constructor (tokenizes, builds labels, truncates), so give ``sampler`` as
+    a function: it is called with the dataset as SFTTrainer prepared it. See docs/library.md, "TRL".
+
+    Args:
+        *args: ``SFTTrainer``'s (``model``, ``args=SFTConfig(...)``, ``train_dataset``, ``processing_class``, ...);
+            **kwargs takes the rest of them.
+        sampler: a function of the prepared train dataset that returns the ``TokenBudgetSampler`` (or a sampler
+            that describes the prepared dataset item by item).
+        collate_fn: as ``TokenBudgetTrainer``'s (default ``pack_collate``).
+
+    Raises:
+        ValueError: ``packing=True`` (the sampler packs the micro-batches), and what ``TokenBudgetTrainer``
+            refuses.
+
+    Example:
+        >>> from balance_batch import TokenBudgetSampler
+        >>> from balance_batch.integrations.transformers import token_counts
+        >>> def make_sampler(prepared):  # the dataset as SFTTrainer prepared it
+        ...     lengths, loss_tokens = token_counts(prepared)
+        ...     return TokenBudgetSampler(lengths, loss_tokens_per_sequence=loss_tokens,
+        ...                               max_tokens_per_microbatch=1024, tokens_per_step=4096)
+        >>> trainer = TokenBudgetSFTTrainer(model=model, args=sft_config, train_dataset=dataset,  # doctest: +SKIP
+        ...                                 processing_class=tokenizer, sampler=make_sampler)
+    """
 
     _dataset_name = "the prepared train dataset"
     _sampler_advice = ("pass sampler=lambda dataset: TokenBudgetSampler(lengths, loss_tokens_per_sequence=loss_tokens, "

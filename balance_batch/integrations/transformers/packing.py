@@ -170,19 +170,8 @@ def _packed_delta_rule(original: Callable) -> Callable:
     torch_delta_rule = _torch_function(original)
     bound = kernels.transformers_bound_kernel(original)
 
-    def dispatch(
-        query,
-        key,
-        value,
-        g,
-        beta,
-        chunk_size: int = 64,
-        initial_state=None,
-        output_final_state: bool = False,
-        use_qk_l2norm_in_kernel: bool = False,
-        cu_seqlens=None,
-        **kwargs,
-    ):
+    def dispatch(query, key, value, g, beta, chunk_size: int = 64, initial_state=None, output_final_state: bool = False,
+                 use_qk_l2norm_in_kernel: bool = False, cu_seqlens=None, **kwargs):
         common = dict(
             g=g,
             beta=beta,
@@ -191,14 +180,7 @@ def _packed_delta_rule(original: Callable) -> Callable:
             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         )
         if _fla_runs(query, bound):
-            # the stock wrapper dispatches to flash-linear-attention, whose kernel takes cu_seqlens (int64, and,
-            # given the host copy, computes its chunk indices without a device-to-host sync, once per micro-batch:
-            # every layer gets the same two tensors)
-            kernels.note("delta_rule", kernels.FLA_CHUNK)
-            if cu_seqlens is None:
-                return original(query, key, value, chunk_size=chunk_size, **common, **kwargs)
-            device_bounds, host = int64_bounds(cu_seqlens)
-            return original(query, key, value, **common, cu_seqlens=device_bounds, cu_seqlens_cpu=host)
+            return _fla_delta_rule(original, query, key, value, chunk_size, cu_seqlens, common, kwargs)
         if initial_state is not None or output_final_state:
             if cu_seqlens is not None:
                 raise ValueError("a packed row runs without a cache (use_cache=False, which pack_collate's batch "
@@ -207,28 +189,7 @@ def _packed_delta_rule(original: Callable) -> Callable:
             kernels.note("delta_rule", kernels.TRANSFORMERS_TORCH_CHUNK)
             return torch_delta_rule(query, key, value, chunk_size=chunk_size, **common, **kwargs)
         # the scan records itself: a path that does not reach it records nothing
-        if cu_seqlens is None:
-            # A padded batch runs the same scan as a packed row, each row one segment: the
-            # layouts then differ by what they compute (padding), not by the fallback they get.
-            batch, length = query.shape[:2]
-            row = lambda t: t.reshape(1, batch * length, *t.shape[2:])  # noqa: E731
-            bounds = list(range(0, batch * length + 1, length))
-            out = segment_chunk_gated_delta_rule(
-                row(query), row(key), row(value), row(g), row(beta), None, chunk_size=chunk_size,
-                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, bounds=bounds,
-            )
-            return out.reshape(batch, length, *out.shape[2:]), None
-        out = segment_chunk_gated_delta_rule(
-            query,
-            key,
-            value,
-            g,
-            beta,
-            cu_seqlens,
-            chunk_size=chunk_size,
-            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-        )
-        return out, None
+        return _scanned_delta_rule(query, key, value, g, beta, cu_seqlens, chunk_size, use_qk_l2norm_in_kernel), None
 
     @functools.wraps(original)
     def torch_chunk_gated_delta_rule(*args, **kwargs):
@@ -238,6 +199,43 @@ def _packed_delta_rule(original: Callable) -> Callable:
     torch_chunk_gated_delta_rule = _eager(torch_chunk_gated_delta_rule)
     setattr(torch_chunk_gated_delta_rule, _PACKED_MARK, original)
     return torch_chunk_gated_delta_rule
+
+
+def _fla_delta_rule(original: Callable, query, key, value, chunk_size: int, cu_seqlens, common: dict, kwargs: dict):
+    """The stock wrapper's dispatch to flash-linear-attention, whose kernel takes ``cu_seqlens`` (int64, and, given
+    the host copy, computes its chunk indices without a device-to-host sync, once per micro-batch: every layer gets
+    the same two tensors)."""
+    kernels.note("delta_rule", kernels.FLA_CHUNK)
+    if cu_seqlens is None:
+        return original(query, key, value, chunk_size=chunk_size, **common, **kwargs)
+    device_bounds, host = int64_bounds(cu_seqlens)
+    return original(query, key, value, **common, cu_seqlens=device_bounds, cu_seqlens_cpu=host)
+
+
+def _scanned_delta_rule(query, key, value, g, beta, cu_seqlens, chunk_size: int, use_qk_l2norm_in_kernel: bool
+                        ) -> torch.Tensor:
+    """The delta rule by the segment scan (segments.py): over a packed row's sequences, or, without ``cu_seqlens``,
+    over a padded batch whose rows are each one segment, so the two layouts differ by what they compute (padding),
+    not by the fallback they get."""
+    if cu_seqlens is not None:
+        return segment_chunk_gated_delta_rule(
+            query,
+            key,
+            value,
+            g,
+            beta,
+            cu_seqlens,
+            chunk_size=chunk_size,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        )
+    batch, length = query.shape[:2]
+    row = lambda t: t.reshape(1, batch * length, *t.shape[2:])  # noqa: E731
+    bounds = list(range(0, batch * length + 1, length))
+    out = segment_chunk_gated_delta_rule(
+        row(query), row(key), row(value), row(g), row(beta), None, chunk_size=chunk_size,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, bounds=bounds,
+    )
+    return out.reshape(batch, length, *out.shape[2:])
 
 
 # ---------------------------------------------------------------------------- the model

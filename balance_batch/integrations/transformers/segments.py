@@ -199,53 +199,79 @@ def segment_chunk_gated_delta_rule(
     """
     kernels.note("delta_rule", kernels.SEGMENT_SCAN)  # recorded by what runs, not by who dispatched it
     out_dtype = query.dtype
-    total, k_heads = key.shape[1], key.shape[2]
-    v_heads = value.shape[2]
+    q, k, v, b, decay = _heads_first(query, key, value, g, beta, use_qk_l2norm_in_kernel)
+    bounds = list(bounds) if bounds is not None else host_bounds(cu_seqlens)
+    layout = _ChunkLayout(bounds, key.shape[1], chunk_size, q.device)
+    q, k, v, b, decay = (layout.to_chunks(t) for t in (q, k, v, b, decay))
+    out = _scan_chunk_steps(layout.per_step, *_within_chunks(q, k, v, b, decay))  # [slots, heads, chunk, v_dim]
+    return layout.from_chunks(out).unsqueeze(0).to(out_dtype)
+
+
+def _heads_first(query, key, value, g, beta, use_qk_l2norm_in_kernel: bool) -> tuple[torch.Tensor, ...]:
+    """The delta rule's inputs as float32 [v_heads, total, ...]: each q/k head repeated for the value heads it serves,
+    q and k normalised where asked, q scaled by 1/sqrt(k_dim)."""
+    k_heads, v_heads = key.shape[2], value.shape[2]
     if k_heads != v_heads:  # grouped value heads: each q/k head serves consecutive value heads
         query = query.repeat_interleave(v_heads // k_heads, dim=2)
         key = key.repeat_interleave(v_heads // k_heads, dim=2)
-    # [heads, total, dim] in float32
     q, k, v = (t[0].transpose(0, 1).float() for t in (query, key, value))
     b, decay = (t[0].transpose(0, 1).float() for t in (beta, g))
     if use_qk_l2norm_in_kernel:
         q, k = _l2normalize(q), _l2normalize(k)
     q = q * q.shape[-1] ** -0.5
+    return q, k, v, b, decay
 
-    # Layout. Sequence s has n_s chunks; sorted by n_s (longest first) it has rank r_s.
-    # Chunk j of the sequence of rank r sits in slot offset[j] + r.
-    device = q.device
-    bounds = list(bounds) if bounds is not None else host_bounds(cu_seqlens)
-    lengths = np.diff(np.asarray(bounds, dtype=np.int64))
-    n_chunks = -(-lengths // chunk_size)
-    order = np.argsort(-n_chunks, kind="stable")
-    rank = np.empty_like(order)
-    rank[order] = np.arange(order.size)
-    steps = int(n_chunks.max())
-    active = (n_chunks[None, :] > np.arange(steps)[:, None]).sum(axis=1)  # sequences still running at step j
-    offset = np.concatenate([[0], np.cumsum(active)])
-    seg = np.repeat(np.arange(lengths.size), lengths)
-    local = np.arange(total) - np.repeat(np.asarray(bounds[:-1]), lengths)
-    slot_token = (offset[local // chunk_size] + rank[seg]) * chunk_size + local % chunk_size
-    n_slots = int(offset[-1])
-    source = np.full(n_slots * chunk_size, total, dtype=np.int64)  # padding reads the zero row at `total`
-    source[slot_token] = np.arange(total)
-    source_t = host_to_device(source, device)  # queued copies from pinned memory: the host does not wait
-    slot_token_t = host_to_device(slot_token, device)
 
-    def to_chunks(x: torch.Tensor) -> torch.Tensor:  # [heads, total, ...] -> [slots, heads, chunk, ...]
+class _ChunkLayout:
+    """Where each token of a packed row sits among the scan's chunk slots.
+
+    Sequence s has n_s chunks; sorted by n_s (longest first) it has rank r_s. Chunk j of the sequence of rank r sits
+    in slot ``offset[j] + r``, so the sequences still running at step j are the first ``per_step[j]`` slots of that
+    step. A chunk's positions past its sequence's end read a zero row.
+    """
+
+    def __init__(self, bounds: Sequence[int], total: int, chunk_size: int, device: torch.device):
+        lengths = np.diff(np.asarray(bounds, dtype=np.int64))
+        n_chunks = -(-lengths // chunk_size)
+        order = np.argsort(-n_chunks, kind="stable")
+        rank = np.empty_like(order)
+        rank[order] = np.arange(order.size)
+        steps = int(n_chunks.max())
+        active = (n_chunks[None, :] > np.arange(steps)[:, None]).sum(axis=1)  # sequences still running at step j
+        offset = np.concatenate([[0], np.cumsum(active)])
+        seg = np.repeat(np.arange(lengths.size), lengths)
+        local = np.arange(total) - np.repeat(np.asarray(bounds[:-1]), lengths)
+        slot_token = (offset[local // chunk_size] + rank[seg]) * chunk_size + local % chunk_size
+        self.chunk_size, self.n_slots = chunk_size, int(offset[-1])
+        self.per_step = [int(a) for a in active]
+        source = np.full(self.n_slots * chunk_size, total, dtype=np.int64)  # padding reads the zero row at `total`
+        source[slot_token] = np.arange(total)
+        self.source = host_to_device(source, device)  # queued copies from pinned memory: the host does not wait
+        self.slot_token = host_to_device(slot_token, device)
+
+    def to_chunks(self, x: torch.Tensor) -> torch.Tensor:
+        """[heads, total, ...] -> [slots, heads, chunk, ...]."""
         x = F.pad(x, (0, 0, 0, 1)) if x.dim() == 3 else F.pad(x, (0, 1))
-        x = x.index_select(1, source_t)
-        x = x.reshape(x.shape[0], n_slots, chunk_size, *x.shape[2:])
+        x = x.index_select(1, self.source)
+        x = x.reshape(x.shape[0], self.n_slots, self.chunk_size, *x.shape[2:])
         return x.transpose(0, 1)
 
-    q, k, v = to_chunks(q), to_chunks(k), to_chunks(v)
-    b, decay = to_chunks(b), to_chunks(decay)
+    def from_chunks(self, out: torch.Tensor) -> torch.Tensor:
+        """[slots, heads, chunk, dim] -> [total, heads, dim], each token back at its place in the row."""
+        heads = out.shape[1]
+        out = out.transpose(0, 1).reshape(heads, self.n_slots * self.chunk_size, -1).index_select(1, self.slot_token)
+        return out.transpose(0, 1)
 
-    # Within each chunk (all slots at once)
+
+def _within_chunks(q, k, v, b, decay) -> tuple[torch.Tensor, ...]:
+    """What each chunk contributes on its own, all slots at once ([slots, heads, chunk, ...] each): the corrected
+    values and the state's keys, the queries' and keys' decayed reads and writes of the state, the queries' intra-chunk
+    attention, and the chunk's total decay."""
+    chunk_size = q.shape[2]
     k_beta = k * b.unsqueeze(-1)
     v_beta = v * b.unsqueeze(-1)
     cum = decay.cumsum(dim=-1)  # log of the decay from the chunk's start to each position
-    future = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=device).triu(1)
+    future = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).triu(1)
     pair_decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(future, float("-inf")).exp()
     system = (k_beta @ k.transpose(-1, -2)) * pair_decay
     intra = (q @ k.transpose(-1, -2)) * pair_decay
@@ -256,13 +282,19 @@ def segment_chunk_gated_delta_rule(
     q_read = q * cum.exp().unsqueeze(-1)
     k_write = k * (cum[..., -1:] - cum).exp().unsqueeze(-1)
     chunk_decay = cum[..., -1].exp()[..., None, None]
+    return corrected_v, state_keys, q_read, intra, chunk_decay, k_write
 
-    # Scan over chunk steps, all running sequences at once; a sequence's state starts at zero.
-    # Steps are taken with torch.split (one backward for all steps); a slice per step
-    # would cost a zero tensor the size of the whole row in backward, each step.
-    per_step = [int(a) for a in active]
+
+def _scan_chunk_steps(per_step: list[int], corrected_v, state_keys, q_read, intra, chunk_decay, k_write
+                      ) -> torch.Tensor:
+    """The scan over chunk steps, all running sequences at once, each sequence's state starting at zero; returns the
+    output [slots, heads, chunk, v_dim] in slot order.
+
+    Steps are taken with torch.split (one backward for all steps); a slice per step would cost a zero tensor the size
+    of the whole row in backward, each step.
+    """
     steps_of = lambda t: t.split(per_step, dim=0)  # noqa: E731
-    state = q.new_zeros(per_step[0], v_heads, k.shape[-1], v.shape[-1])
+    state = q_read.new_zeros(per_step[0], corrected_v.shape[1], state_keys.shape[-1], corrected_v.shape[-1])
     outs = []
     for n, cv, sk, qr, ia, cd, kw in zip(
         per_step, *map(steps_of, (corrected_v, state_keys, q_read, intra, chunk_decay, k_write))
@@ -271,6 +303,4 @@ def segment_chunk_gated_delta_rule(
         delta = cv - sk @ state
         outs.append(qr @ state + ia @ delta)
         state = state * cd + kw.transpose(-1, -2) @ delta
-    out = torch.cat(outs, dim=0)  # [slots, heads, chunk, v_dim], slot order
-    out = out.transpose(0, 1).reshape(v_heads, n_slots * chunk_size, -1).index_select(1, slot_token_t)
-    return out.transpose(0, 1).unsqueeze(0).to(out_dtype)
+    return torch.cat(outs, dim=0)

@@ -212,68 +212,129 @@ def _is_stream(dataset) -> bool:
     return not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__"))
 
 
+def _refuse_stream(dataset, who: str) -> None:
+    """Refuse, in one line, a train dataset the sampler cannot plan: a stream (``_is_stream``)."""
+    if dataset is not None and _is_stream(dataset):
+        raise ValueError(
+            f"{who}: train_dataset is a stream ({type(dataset).__name__}), but the sampler plans "
+            "each step from every item's length, known up front: give a map-style dataset (datasets.Dataset, a "
+            "list, a torch Dataset with __len__ and __getitem__), e.g. the stream materialized with "
+            "datasets.Dataset.from_generator or list()")
+
+
+# TrainingArguments the sampler decides instead, each refused unless left at its default ("not asked for"), and why
+_SAMPLER_DECIDES = {
+    "gradient_accumulation_steps": "one Trainer batch is one whole sampler step, its micro-batches "
+                                   "accumulated inside it: set it to 1",
+    "per_device_train_batch_size": "the sampler sizes the steps (sequences_per_step or tokens_per_step)",
+    "train_sampling_strategy": "the sampler orders the items",
+    "dataloader_drop_last": "the sampler's drop_last decides",
+    "auto_find_batch_size": "the sampler's max_tokens_per_microbatch sizes the micro-batches",
+}
+
+
+def _check_training_args(args, who: str) -> None:
+    """Refuse, in one line, Trainer arguments this integration would otherwise ignore or contradict."""
+    fields = {f.name: f.default for f in dataclasses.fields(args)}
+    for key, why in _SAMPLER_DECIDES.items():
+        if getattr(args, key) != fields[key]:
+            raise ValueError(f"{who}: {key}={getattr(args, key)!r} would be ignored ({why})")
+    if not args.average_tokens_across_devices:
+        raise ValueError(f"{who}: average_tokens_across_devices=False contradicts the sampler, whose loss "
+                         "denominator (global_loss_tokens) counts every rank's tokens: leave it True")
+    if args.n_gpu > 1:
+        raise ValueError(f"{who}: {args.n_gpu} GPUs in one process (nn.DataParallel) would split a packed row; run "
+                         "one process per GPU (torchrun)")
+
+
+def _check_sampler_argument(sampler, who: str) -> None:
+    """Refuse a ``sampler=`` that is neither a sampler nor a function (of the train dataset, returning one)."""
+    if not (isinstance(sampler, TokenBudgetSampler) or callable(sampler)):
+        raise ValueError(f"{who}: sampler must be a balance_batch.TokenBudgetSampler, or a function that takes "
+                         f"the train dataset and returns one; got {type(sampler).__name__}")
+
+
+def _built_sampler(sampler: _SamplerOrFunction, dataset, who: str) -> TokenBudgetSampler:
+    """``sampler`` itself, or what the function ``sampler`` returns for the train dataset (refused unless a sampler)."""
+    if isinstance(sampler, TokenBudgetSampler):
+        return sampler
+    built = sampler(dataset)
+    if not isinstance(built, TokenBudgetSampler):
+        raise ValueError(f"{who}: sampler(train_dataset) returned {type(built).__name__}; it must return a "
+                         "balance_batch.TokenBudgetSampler")
+    return built
+
+
+def _check_sampler_rank(sampler: TokenBudgetSampler, args, who: str) -> None:
+    """Refuse a sampler planned for another rank or world size than this process's."""
+    if (sampler.world_size, sampler.rank) != (args.world_size, args.process_index):
+        raise ValueError(f"{who}: the sampler plans for rank {sampler.rank} of {sampler.world_size}, "
+                         f"this process is rank {args.process_index} of {args.world_size}")
+
+
+def _check_sampler_counts(sampler: TokenBudgetSampler, dataset, collate_fn: Callable, who: str, dataset_name: str,
+                          advice: str) -> None:
+    """Refuse, in one line naming the first item that differs, a sampler whose items' count, tokens or (with
+    ``pack_collate`` or ``pad_collate``) loss tokens are not the dataset's as the collate lays it out. With a collate
+    of the caller's own, whose labels only it knows, only the tokens are compared, where the items have
+    ``input_ids``. ``dataset_name`` names the dataset in the message; ``advice`` says how to build a sampler that
+    fits."""
+    if len(dataset) != len(sampler.lengths):
+        raise ValueError(f"{who}: the sampler has {len(sampler.lengths)} items' lengths, {dataset_name} "
+                         f"{len(dataset)} items: {advice}")
+    stock = _stock_collate(collate_fn)
+    try:
+        lengths, loss_tokens = _token_arrays(dataset)
+    except _NoInputIds as missing:
+        if stock is None:
+            return  # the caller's collate makes the tokens: nothing here to count them from
+        raise ValueError(f"{who}: {dataset_name}: {missing}, which {stock.__name__} lays out; valid: "
+                         "items with input_ids and optional labels (-100 where a token has no loss)") from None
+    differs = lengths != sampler.lengths
+    if stock is not None:
+        differs |= loss_tokens != sampler.loss_tokens
+    if not differs.any():
+        return
+    i = int(np.argmax(differs))
+    count = f"{int(differs.sum())} of {len(differs)} items differ"
+    if stock is None:
+        raise ValueError(f"{who}: item {i} of {dataset_name} has {lengths[i]} tokens (input_ids); the "
+                         f"sampler has {sampler.lengths[i]} ({count}): build the sampler's lengths from the "
+                         "items' input_ids, token_counts(dataset)")
+    raise ValueError(f"{who}: item {i} of {dataset_name} has {lengths[i]} tokens, {loss_tokens[i]} of them "
+                     f"loss tokens as {stock.__name__} lays it out; the sampler has {sampler.lengths[i]} and "
+                     f"{sampler.loss_tokens[i]} ({count}): {advice}")
+
+
 class TokenBudgetMixin:
     """What makes a Trainer (or a Trainer subclass, such as TRL's ``SFTTrainer``) train on a sampler's steps; see
     ``TokenBudgetTrainer``."""
 
     def __init__(self, *args, sampler: _SamplerOrFunction, collate_fn: Callable = pack_collate, **kwargs):
         who = type(self).__name__
-        if not (isinstance(sampler, TokenBudgetSampler) or callable(sampler)):
-            raise ValueError(f"{who}: sampler must be a balance_batch.TokenBudgetSampler, or a function that takes "
-                             f"the train dataset and returns one; got {type(sampler).__name__}")
+        _check_sampler_argument(sampler, who)
         # before the Trainer's own refusal of a dataset without __len__ (which asks for max_steps)
-        self._refuse_stream(kwargs.get("train_dataset"))
+        _refuse_stream(kwargs.get("train_dataset"), who)
         super().__init__(*args, **kwargs)
         self.collate_fn = collate_fn
         self.trained_step: Optional[Step] = None  # the last step trained: what a checkpoint saves the position after
         self.loss_is_scaled_for_ga = True  # the loss is over the whole step already: the Trainer must not divide it
         self._check_settings()
-        self._refuse_stream(self.train_dataset)  # a subclass may have prepared the dataset into a stream
+        _refuse_stream(self.train_dataset, who)  # a subclass may have prepared the dataset into a stream
         if self.train_dataset is None:
             raise ValueError(f"{who}: no train_dataset; give the dataset whose items the sampler's lengths describe")
-        if not isinstance(sampler, TokenBudgetSampler):
-            built = sampler(self.train_dataset)
-            if not isinstance(built, TokenBudgetSampler):
-                raise ValueError(f"{who}: sampler(train_dataset) returned {type(built).__name__}; it must return a "
-                                 "balance_batch.TokenBudgetSampler")
-            sampler = built
-        self.sampler = sampler
-        self._start_state = sampler.state_dict()  # where a fresh train() starts, however often it is called
+        self.sampler = _built_sampler(sampler, self.train_dataset, who)
+        self._start_state = self.sampler.state_dict()  # where a fresh train() starts, however often it is called
         self._check_sampler()
         self._check_model()
         self.add_callback(_SamplerEpochs(self))
 
     # ------------------------------------------------------------------ settings
 
-    def _refuse_stream(self, dataset) -> None:
-        if dataset is not None and _is_stream(dataset):
-            raise ValueError(
-                f"{type(self).__name__}: train_dataset is a stream ({type(dataset).__name__}), but the sampler plans "
-                "each step from every item's length, known up front: give a map-style dataset (datasets.Dataset, a "
-                "list, a torch Dataset with __len__ and __getitem__), e.g. the stream materialized with "
-                "datasets.Dataset.from_generator or list()")
-
     def _check_settings(self) -> None:
-        """Refuse, in one line, Trainer settings this integration would otherwise ignore or contradict."""
-        args, who = self.args, type(self).__name__
-        fields = {f.name: f.default for f in dataclasses.fields(args)}
-        ignored = {
-            "gradient_accumulation_steps": "one Trainer batch is one whole sampler step, its micro-batches "
-                                           "accumulated inside it: set it to 1",
-            "per_device_train_batch_size": "the sampler sizes the steps (sequences_per_step or tokens_per_step)",
-            "train_sampling_strategy": "the sampler orders the items",
-            "dataloader_drop_last": "the sampler's drop_last decides",
-            "auto_find_batch_size": "the sampler's max_tokens_per_microbatch sizes the micro-batches",
-        }
-        for key, why in ignored.items():  # each default is the value that means "not asked for"
-            if getattr(args, key) != fields[key]:
-                raise ValueError(f"{who}: {key}={getattr(args, key)!r} would be ignored ({why})")
-        if not args.average_tokens_across_devices:
-            raise ValueError(f"{who}: average_tokens_across_devices=False contradicts the sampler, whose loss "
-                             "denominator (global_loss_tokens) counts every rank's tokens: leave it True")
-        if args.n_gpu > 1:
-            raise ValueError(f"{who}: {args.n_gpu} GPUs in one process (nn.DataParallel) would split a packed row; run "
-                             "one process per GPU (torchrun)")
+        """Refuse, in one line, Trainer settings this integration would otherwise ignore or contradict (a subclass
+        adds its own)."""
+        _check_training_args(self.args, type(self).__name__)
 
     # what the refusal of a sampler that does not describe the dataset calls the dataset, and how to build one that does
     _dataset_name = "train_dataset"
@@ -282,39 +343,12 @@ class TokenBudgetMixin:
                       "sampler=lambda dataset: TokenBudgetSampler(...) built so")
 
     def _check_sampler(self) -> None:
-        """Refuse, in one line, a sampler planned for another rank or another dataset: its items' count, their tokens
-        and (with ``pack_collate`` or ``pad_collate``) their loss tokens must be the dataset's as the collate lays it
-        out. With a collate of the caller's own, whose labels only it knows, only the tokens are compared, where the
-        items have ``input_ids``."""
-        args, sampler, who = self.args, self.sampler, type(self).__name__
-        if (sampler.world_size, sampler.rank) != (args.world_size, args.process_index):
-            raise ValueError(f"{who}: the sampler plans for rank {sampler.rank} of {sampler.world_size}, "
-                             f"this process is rank {args.process_index} of {args.world_size}")
-        if len(self.train_dataset) != len(sampler.lengths):
-            raise ValueError(f"{who}: the sampler has {len(sampler.lengths)} items' lengths, {self._dataset_name} "
-                             f"{len(self.train_dataset)} items: {self._sampler_advice}")
-        stock = _stock_collate(self.collate_fn)
-        try:
-            lengths, loss_tokens = _token_arrays(self.train_dataset)
-        except _NoInputIds as missing:
-            if stock is None:
-                return  # the caller's collate makes the tokens: nothing here to count them from
-            raise ValueError(f"{who}: {self._dataset_name}: {missing}, which {stock.__name__} lays out; valid: "
-                             "items with input_ids and optional labels (-100 where a token has no loss)") from None
-        differs = lengths != sampler.lengths
-        if stock is not None:
-            differs |= loss_tokens != sampler.loss_tokens
-        if not differs.any():
-            return
-        i = int(np.argmax(differs))
-        count = f"{int(differs.sum())} of {len(differs)} items differ"
-        if stock is None:
-            raise ValueError(f"{who}: item {i} of {self._dataset_name} has {lengths[i]} tokens (input_ids); the "
-                             f"sampler has {sampler.lengths[i]} ({count}): build the sampler's lengths from the "
-                             "items' input_ids, token_counts(dataset)")
-        raise ValueError(f"{who}: item {i} of {self._dataset_name} has {lengths[i]} tokens, {loss_tokens[i]} of them "
-                         f"loss tokens as {stock.__name__} lays it out; the sampler has {sampler.lengths[i]} and "
-                         f"{sampler.loss_tokens[i]} ({count}): {self._sampler_advice}")
+        """Refuse, in one line, a sampler planned for another rank or another dataset (``_check_sampler_rank``,
+        ``_check_sampler_counts``)."""
+        who = type(self).__name__
+        _check_sampler_rank(self.sampler, self.args, who)
+        _check_sampler_counts(self.sampler, self.train_dataset, self.collate_fn, who, self._dataset_name,
+                              self._sampler_advice)
 
     def _check_model(self) -> None:
         """With ``pack_collate``, refuse a model whose layers would run across a packed row's sequences
@@ -450,14 +484,47 @@ class TokenBudgetMixin:
 class TokenBudgetTrainer(TokenBudgetMixin, Trainer):
     """A ``transformers.Trainer`` whose optimizer steps are a ``TokenBudgetSampler``'s.
 
-    ``TokenBudgetTrainer(model=..., args=TrainingArguments(...), train_dataset=..., sampler=TokenBudgetSampler(...))``;
-    ``sampler`` may also be a function of the train dataset that returns the sampler. ``collate_fn`` (default
-    ``pack_collate``) turns a micro-batch's items into the model's keyword arguments. ``max_steps`` (or
-    ``num_train_epochs`` of the sampler's epochs) counts the sampler's steps; checkpoints hold the sampler's position
-    (``sampler_state.json``). The model's forward must take ``num_items_in_batch`` (Hugging Face causal LMs do), or
-    give ``compute_loss_func``. The constructor refuses, in one line, a sampler whose items' tokens or loss tokens are
-    not the dataset's (``token_counts``), a model ``check_packable`` refuses (with ``pack_collate``), and a streamed
-    dataset. See docs/library.md.
+    One Trainer batch is one whole sampler step: its micro-batches run forward and backward one at a time, each loss
+    divided by the step's ``global_loss_tokens``. ``max_steps`` (or ``num_train_epochs`` of the sampler's epochs)
+    counts the sampler's steps, and every checkpoint holds the sampler's position (``sampler_state.json``), so
+    ``train(resume_from_checkpoint=...)`` trains the next step. On torchrun, build the ``TrainingArguments`` before
+    the sampler: they start the process group the sampler takes its rank from. See docs/library.md.
+
+    Args:
+        *args: the ``transformers.Trainer``'s (``model``, ``args``, ``train_dataset``, ...), as keywords or in its
+            order; **kwargs takes the rest of them.
+        sampler: the ``TokenBudgetSampler`` that plans the steps, built from ``token_counts(train_dataset)``; or a
+            function of the train dataset that returns one, called once in the constructor.
+        collate_fn: makes a micro-batch's items into the model's keyword arguments: ``pack_collate`` (the default)
+            or ``pad_collate`` (for a sampler with ``layout="padded"``), either maybe a ``functools.partial``, or a
+            function of your own.
+
+    Raises:
+        ValueError: in one line, from the constructor: ``sampler`` is neither a sampler nor a function returning
+            one; ``train_dataset`` is missing or a stream (an ``IterableDataset``); a ``TrainingArguments`` the
+            sampler decides is set (``gradient_accumulation_steps`` other than 1, ``per_device_train_batch_size``,
+            ``train_sampling_strategy``, ``dataloader_drop_last``, ``auto_find_batch_size``), or
+            ``average_tokens_across_devices=False``, or several GPUs in one process; the sampler plans for another
+            rank, or its items' tokens or loss tokens are not ``token_counts(train_dataset)``'s (with your own
+            ``collate_fn``, only the tokens are compared); with ``pack_collate``, a model ``check_packable`` refuses;
+            a model whose forward takes no ``num_items_in_batch``, without ``compute_loss_func``. From ``train``: a
+            checkpoint without ``sampler_state.json``, or epochs or ``max_steps`` the sampler's steps never reach.
+
+    Example:
+        >>> import tempfile
+        >>> import torch
+        >>> from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
+        >>> from balance_batch import TokenBudgetSampler
+        >>> from balance_batch.integrations.transformers import TokenBudgetTrainer, token_counts
+        >>> rows = [{"input_ids": torch.randint(0, 256, (n,))} for n in (5, 9, 3, 12, 7, 4)]
+        >>> lengths, loss_tokens = token_counts(rows)
+        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64,
+        ...                                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
+        >>> args = TrainingArguments(output_dir=tempfile.mkdtemp(), max_steps=2, use_cpu=True, report_to="none")
+        >>> sampler = TokenBudgetSampler(lengths, loss_tokens_per_sequence=loss_tokens, max_tokens_per_microbatch=16,
+        ...                              tokens_per_step=20)
+        >>> trainer = TokenBudgetTrainer(model=model, args=args, train_dataset=rows, sampler=sampler)
+        >>> trainer.train()  # doctest: +SKIP
     """
 
     def _check_settings(self) -> None:
