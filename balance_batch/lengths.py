@@ -1,6 +1,6 @@
 """Lengths files: a corpus's sequence lengths as UTF-8 text, one length per line or ``length,count`` lines (a
-histogram). What ``workload=lengths_file`` draws from and ``python -m balance_batch.pack`` packs; a mistake is a
-UserError naming the file, the line and what is valid."""
+histogram). What ``python -m balance_batch.pack`` packs (and the harness's ``workload=lengths_file`` draws from); a
+mistake is a UserError naming the file, the line and what is valid."""
 
 from __future__ import annotations
 
@@ -73,9 +73,9 @@ def _file_text(p: Path) -> str:
     """The file's text, or a UserError naming the path: a folder, no file, unreadable, not UTF-8 (a BOM is skipped)."""
     expected = "expected a text file with one sequence length per line, or length,count lines"
     if p.is_dir():
-        raise UserError(f"workload.path: '{p}' is a folder, not a file ({expected})")
+        raise UserError(f"'{p}' is a folder, not a file ({expected})")
     if not p.is_file():
-        raise UserError(f"workload.path: no such file '{p}' ({expected})")
+        raise UserError(f"no such file '{p}' ({expected})")
     return utf8_text(p, f"{expected}, in ASCII digits")
 
 
@@ -84,13 +84,13 @@ def _positive(where: str, what: str, text: str, needs: str, empty_ok: bool = Fal
     ``what`` (length, count), ``needs`` (why > 0)."""
     if not _LENGTH.fullmatch(text):
         pair = "a length of 0 or more and a positive count" if empty_ok else "two positive integers"
-        raise UserError(f"workload.path: {where}: {what} {text!r} is not an integer "
+        raise UserError(f"{where}: {what} {text!r} is not an integer "
                         f"(expected length,count lines of {pair}, in ASCII digits 0-9)")
     n = int(text)
     if what == "length":
         _check_length(where, n, empty_ok)
     elif n <= 0:
-        raise UserError(f"workload.path: {where}: {what} {n} is not positive ({needs})")
+        raise UserError(f"{where}: {what} {n} is not positive ({needs})")
     return n
 
 
@@ -98,16 +98,16 @@ def _check_length(where: str, n: int, empty_ok: bool = False) -> None:
     """A length in range, or a UserError naming ``where`` (path:line) and the valid range: 1.., or with ``empty_ok``
     0.. (a sequence of no tokens)."""
     if n < 0 and empty_ok:
-        raise UserError(f"workload.path: {where}: length {n} is negative (valid: 0..{MAX_LENGTH:,} tokens; 0 is a "
+        raise UserError(f"{where}: length {n} is negative (valid: 0..{MAX_LENGTH:,} tokens; 0 is a "
                         "sequence of no tokens)")
     if n <= 0 and not empty_ok:
-        raise UserError(f"workload.path: {where}: length {n} is not positive (every sequence needs at least 1 token)")
+        raise UserError(f"{where}: length {n} is not positive (every sequence needs at least 1 token)")
     if n > MAX_LENGTH:
-        raise UserError(f"workload.path: {where}: length {n:,} is longer than any workload may hold (valid: "
+        raise UserError(f"{where}: length {n:,} is longer than any workload may hold (valid: "
                         f"{0 if empty_ok else 1}..{MAX_LENGTH:,} tokens)")
 
 
-def load_lengths_file(path: str, empty_ok: bool = False) -> LengthsFile:
+def load_lengths_file(path: str, empty_ok: bool = False, key: str = "") -> LengthsFile:
     """A lengths file: UTF-8 text, either one positive length per line or ``length,count`` lines (a histogram).
 
     Blank lines and ``#`` comments are skipped, spaces around a value or the comma
@@ -115,8 +115,18 @@ def load_lengths_file(path: str, empty_ok: bool = False) -> LengthsFile:
     first data line decides the format; a line of the other format, or of
     neither, is a UserError naming the path, the line and what the file is read as.
     ``empty_ok`` takes a length of 0 too (a sequence of no tokens, which ``balance_batch.pack`` places in no row);
-    a workload refuses it, since every sequence it draws runs through the model.
+    a workload refuses it, since every sequence it draws runs through the model. ``key``: the setting that named
+    the file, put before each message (the harness's ``workload.path``).
     """
+    try:
+        return _load(path, empty_ok)
+    except UserError as exc:
+        if key:
+            raise UserError(f"{key}: {exc}") from None
+        raise
+
+
+def _load(path: str, empty_ok: bool) -> LengthsFile:
     word = "non-negative" if empty_ok else "positive"
     p = Path(path).expanduser()
     text = _file_text(p)
@@ -138,7 +148,7 @@ def load_lengths_file(path: str, empty_ok: bool = False) -> LengthsFile:
         elif kind != fmt:
             found = "has a comma (length,count)" if kind == HISTOGRAM else "has no count (length,count)"
             raise UserError(
-                f"workload.path: {where}: {line!r} {found} in a file of {_FORMAT_WORDS[fmt]} (as {decided}); "
+                f"{where}: {line!r} {found} in a file of {_FORMAT_WORDS[fmt]} (as {decided}); "
                 "a file is all one length per line or all length,count lines"
             )
         if kind == PLAIN:
@@ -147,26 +157,26 @@ def load_lengths_file(path: str, empty_ok: bool = False) -> LengthsFile:
                             if decided == f"line {lineno} is"  # the first data line: either format would do
                             else f"a {word} length in ASCII digits 0-9: this file is one length per line, as "
                                  f"{decided}")
-                raise UserError(f"workload.path: {where}: {line!r} is not an integer (expected {expected})")
+                raise UserError(f"{where}: {line!r} is not an integer (expected {expected})")
             n = int(line)
             _check_length(where, n, empty_ok)
             lengths.append(n)
             continue
         fields = [f.strip() for f in line.split(",")]
         if len(fields) != 2:
-            raise UserError(f"workload.path: {where}: {line!r} has {len(fields)} fields (expected length,count: "
+            raise UserError(f"{where}: {line!r} has {len(fields)} fields (expected length,count: "
                             + ("a length of 0 or more and a positive count)" if empty_ok else "two positive integers)"))
         lengths.append(_positive(where, "length", fields[0], "every sequence needs at least 1 token", empty_ok))
         counts.append(_positive(where, "count", fields[1],
                                 "a count says how many sequences have that length: at least 1"))
     if not lengths:
-        raise UserError(f"workload.path: {p} holds no lengths (expected one {word} integer per line, or length,count "
+        raise UserError(f"{p} holds no lengths (expected one {word} integer per line, or length,count "
                         "lines)")
     ones = np.ones(len(lengths), dtype=np.int64)
     return LengthsFile(str(p), fmt, np.asarray(lengths, dtype=np.int64),
                        np.asarray(counts, dtype=np.int64) if fmt == HISTOGRAM else ones)
 
 
-def read_lengths_file(path: str) -> list[int]:
+def read_lengths_file(path: str, key: str = "") -> list[int]:
     """Every sequence length a lengths file holds, in file order (a histogram's lines expanded as listed)."""
-    return load_lengths_file(path).expanded().tolist()
+    return load_lengths_file(path, key=key).expanded().tolist()

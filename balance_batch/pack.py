@@ -91,7 +91,7 @@ def read_lengths(path: Path) -> np.ndarray:
     try:
         return load_lengths_file(str(path), empty_ok=True).expanded()
     except UserError as exc:
-        raise _Refused(str(exc).removeprefix("workload.path: ")) from None
+        raise _Refused(str(exc)) from None
 
 
 def default_out(path: Path, capacity: int, strategy: str = "bfd") -> Path:

@@ -7,16 +7,17 @@ from pathlib import Path
 from balance_batch.errors import UserError
 
 
-def utf8_text(p: Path, expected: str) -> str:
-    """A file's text, or a UserError naming the path: unreadable, or not UTF-8 (the byte, its line, ``expected``);
-    a byte-order mark is skipped."""
+def utf8_text(p: Path, expected: str, key: str = "") -> str:
+    """A file's text, or a UserError naming the path (after ``key``, the setting that named it, where given):
+    unreadable, or not UTF-8 (the byte, its line, ``expected``); a byte-order mark is skipped."""
+    lead = f"{key}: " if key else ""
     try:
         data = p.read_bytes()
     except OSError as exc:
-        raise UserError(f"workload.path: cannot read '{p}' ({exc.strerror or exc})") from None
+        raise UserError(f"{lead}cannot read '{p}' ({exc.strerror or exc})") from None
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         lineno = data.count(b"\n", 0, exc.start) + 1
-        raise UserError(f"workload.path: {p} is not UTF-8 text (byte 0x{data[exc.start]:02x} on line {lineno}; "
+        raise UserError(f"{lead}{p} is not UTF-8 text (byte 0x{data[exc.start]:02x} on line {lineno}; "
                         f"{expected})") from None

@@ -38,7 +38,7 @@ def dataset_files(path: str) -> list[Path]:
 
 def _json_rows(p: Path) -> Iterator[tuple[str, Any]]:
     """A .jsonl file's objects one per line (blank lines skipped); a .json file: one array of rows, or JSON Lines."""
-    text = utf8_text(p, "JSON rows are UTF-8")
+    text = utf8_text(p, "JSON rows are UTF-8", key="workload.path")
     if p.suffix.lower() == ".json":
         try:
             doc = json.loads(text)

@@ -138,7 +138,7 @@ def file_lengths(spec: WorkloadSpec) -> Workload:
     if n < 0:
         raise UserError(f"workload.n_examples: must be >= 0 or null for a lengths file (0 or null: every sequence in "
                         f"the file; more: that many drawn from it), got {n}")
-    table = load_lengths_file(spec.path)
+    table = load_lengths_file(spec.path, key="workload.path")
     if spec.n_tokens:
         mean = float(np.average(table.lengths, weights=table.counts))
         lengths = np.asarray(tokens_prefix(lambda k: table.sample(k, spec.seed), spec.n_tokens,

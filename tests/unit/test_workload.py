@@ -76,7 +76,10 @@ def test_bad_lengths_file_names_the_line(tmp_path, content, needle):
     f.write_text(content)
     with pytest.raises(UserError, match=needle) as info:
         read_lengths_file(str(f))
-    assert str(info.value).startswith("workload.path:")
+    assert str(info.value).startswith(str(f)) or "holds no lengths" in str(info.value)  # the library's own words
+    with pytest.raises(UserError, match=needle) as info:
+        read_lengths_file(str(f), key="workload.path")
+    assert str(info.value).startswith("workload.path: ")  # the harness names the setting first
 
 
 def test_bad_generator_values_name_the_key():
@@ -98,7 +101,7 @@ def test_a_lengths_file_that_is_not_utf8_is_one_line_naming_the_path(tmp_path):
     f = tmp_path / "lengths.txt"
     f.write_bytes(b"100\n\xff\xfe200\n")
     with pytest.raises(UserError) as info:
-        read_lengths_file(str(f))
+        read_lengths_file(str(f), key="workload.path")
     message = str(info.value)
     assert message.startswith("workload.path: ") and str(f) in message and "UTF-8" in message and "\n" not in message
     assert "line 2" in message  # where the first bad byte is
@@ -112,11 +115,11 @@ def test_a_lengths_file_with_a_utf8_bom_is_read(tmp_path):
 
 
 def test_a_folder_as_lengths_file_says_it_is_a_folder(tmp_path):
-    with pytest.raises(UserError, match=r"workload.path: '.*' is a folder, not a file") as info:
+    with pytest.raises(UserError, match=r"^'.*' is a folder, not a file") as info:
         read_lengths_file(str(tmp_path))
     assert "no such file" not in str(info.value)
-    with pytest.raises(UserError, match=r"workload.path: no such file"):
-        read_lengths_file(str(tmp_path / "absent.txt"))
+    with pytest.raises(UserError, match=r"^workload.path: no such file"):
+        read_lengths_file(str(tmp_path / "absent.txt"), key="workload.path")
 
 
 @pytest.mark.parametrize("text", ["1_000", "\uff11\uff10\uff10", "\u0661\u0660", "1e3", "0x10", "12.0"])
@@ -124,7 +127,7 @@ def test_only_plain_ascii_digits_are_lengths(tmp_path, text):
     """Python's int() takes 1_000, full-width and Arabic-Indic digits; a lengths file takes 0-9 only."""
     f = tmp_path / "lengths.txt"
     f.write_text(f"100\n{text}\n", encoding="utf-8")
-    with pytest.raises(UserError, match=r"workload.path: .*lengths.txt:2: .* is not an integer .*0-9") as info:
+    with pytest.raises(UserError, match=r"^.*lengths.txt:2: .* is not an integer .*0-9") as info:
         read_lengths_file(str(f))
     assert repr(text) in str(info.value)  # shown as Python writes it: invisible or look-alike characters show
 
@@ -241,7 +244,7 @@ def test_a_bad_line_of_a_histogram_is_one_line_naming_it(tmp_path, content, line
     f = tmp_path / "lengths.csv"
     f.write_text(content)
     with pytest.raises(UserError) as info:
-        load_lengths_file(str(f))
+        load_lengths_file(str(f), key="workload.path")
     message = str(info.value)
     assert message.startswith(f"workload.path: {f}" + (f":{line}: " if line else " ")) and "\n" not in message, message
     assert needle in message, message
