@@ -26,7 +26,7 @@ from typing import Optional, Sequence, Union
 import numpy as np
 
 from balance_batch.balanced.packed import _SEARCH_BINS, _Packer, _search_work  # the balanced planner's packer
-from balance_batch.errors import check_choice, positive_int
+from balance_batch.errors import check_choice, checked_lengths, positive_int
 from balance_batch.stats import lower_bound_from_histogram
 
 # a sequence longer than the capacity: a row of its own, a ValueError, its first ``capacity`` tokens, or cut into
@@ -108,33 +108,45 @@ class Packing:
 
 
 def _as_lengths(lengths: Union[Sequence[int], np.ndarray]) -> tuple[np.ndarray, int]:
-    """The lengths as int64, and the shortest (0 for none)."""
-    arr = np.asarray(lengths)
-    if arr.ndim != 1:
-        raise ValueError(f"pack: lengths must be one-dimensional, got shape {arr.shape}")
-    if arr.size and not np.issubdtype(arr.dtype, np.integer):
-        if not np.issubdtype(arr.dtype, np.floating) or not np.all(np.mod(arr, 1) == 0):
-            raise ValueError(f"pack: lengths must be integers, got dtype {arr.dtype}")
-    arr = arr.astype(np.int64, copy=False)
-    shortest = int(arr.min()) if arr.size else 0
-    if shortest < 0:
-        i = int(np.argmin(arr))
-        raise ValueError(f"pack: lengths[{i}] = {int(arr[i])}: a length is a count of tokens, 0 or more")
-    return arr, shortest
+    """The lengths as int64 (``errors.checked_lengths``), and the shortest (0 for none)."""
+    arr = checked_lengths(lengths, "pack")
+    return arr, int(arr.min()) if arr.size else 0
 
 
 def pack(lengths: Union[Sequence[int], np.ndarray], capacity: int, *, max_seqs_per_row: Optional[int] = None,
          oversize: Optional[str] = None, strategy: str = "bfd") -> Packing:
-    """Every sequence into rows of at most ``capacity`` tokens (at most ``max_seqs_per_row`` sequences each).
+    """Pack a whole corpus offline: every sequence into rows of at most ``capacity`` tokens, laid end to end.
 
-    ``strategy="bfd"`` (best-fit decreasing) packs whole sequences; ``oversize`` says what becomes of one longer
-    than ``capacity``: a row of its own (``"alone"``, the default; those rows first, longest first), refused
-    (``"error"``: a ValueError naming the first), cut to its first ``capacity`` tokens (``"truncate"``: its id in
-    ``Packing.truncated``), or cut into pieces of ``capacity`` tokens and a remainder, each packed like a sequence
-    (``"split"``). ``strategy="wrapped"`` lays every sequence end to end in index order and cuts rows of exactly
-    ``capacity`` tokens (the last may be shorter), so a sequence may run on into the next row (``oversize`` and
-    ``max_seqs_per_row`` do not apply). A sequence of 0 tokens goes in no row; its id is in ``Packing.empty``.
-    Raises ValueError on a bad argument.
+    Best-fit decreasing over the histogram of lengths (the balanced planner's packer), so its cost grows with the
+    distinct lengths, not the sequences; the result is arrays, never a list per row. ``python -m balance_batch.pack``
+    does the same on a lengths file.
+
+    Args:
+        lengths: each sequence's token count (non-negative integers; a sequence of 0 tokens goes in no row and its
+            id is in ``Packing.empty``).
+        capacity: the most tokens a row holds.
+        max_seqs_per_row: at most this many sequences in a row (None: no cap).
+        oversize: what becomes of a sequence longer than ``capacity``: ``"alone"`` (a row of its own, the default;
+            those rows first), ``"error"`` (a ValueError naming the first), ``"truncate"`` (its first ``capacity``
+            tokens; its id in ``Packing.truncated``) or ``"split"`` (pieces of ``capacity`` tokens and a remainder,
+            each packed like a sequence).
+        strategy: ``"bfd"`` (best-fit decreasing, whole sequences or pieces) or ``"wrapped"`` (every sequence end to
+            end in index order, cut into rows of exactly ``capacity`` tokens; a sequence may run on into the next row;
+            ``oversize`` and ``max_seqs_per_row`` do not apply).
+
+    Returns:
+        A ``Packing``: ``indices`` and ``offsets`` (row ``r`` is ``indices[offsets[r]:offsets[r + 1]]``, longest
+        first), ``lower_bound`` (the fewest rows any packing can have), ``efficiency``, and ``pieces(r)`` where a
+        row holds part of a sequence.
+
+    Raises:
+        ValueError: one line naming the first bad argument (or, with ``oversize="error"``, the first sequence over
+            the capacity) and what would be valid.
+
+    Example:
+        >>> packing = pack([900, 300, 300, 200, 100, 1500], 1000)
+        >>> [packing.row(r).tolist() for r in range(packing.rows)], packing.lower_bound
+        ([[5], [0, 4], [1, 2, 3]], 3)
     """
     capacity = positive_int("capacity", capacity, who="pack")
     positive_int("max_seqs_per_row", max_seqs_per_row, none_ok=True, who="pack")

@@ -1,8 +1,10 @@
 """The one error class the library shares with the harness (a mistake in what the user asked for), and the checks
-of a count or a choice argument its entry points share."""
+of a count, a choice or the lengths its entry points share."""
 
 import numbers
 from typing import Optional, Sequence
+
+import numpy as np
 
 
 class UserError(Exception):
@@ -28,3 +30,25 @@ def check_choice(key: str, value: str, valid: Sequence[str], who: str = "") -> N
     if value not in valid:
         named = f"{who}: {key}" if who else key
         raise ValueError(f"{named} must be one of {', '.join(valid)}, got {value!r}")
+
+
+def checked_lengths(lengths, who: str = "") -> np.ndarray:
+    """``lengths`` as a flat int64 array of token counts (0 or more; floats that are whole numbers taken), or one
+    ValueError naming ``who`` takes them and the first thing wrong."""
+    lead = f"{who}: lengths" if who else "lengths"
+    valid = "a flat sequence of token counts, integers 0 or more"
+    try:
+        arr = np.asarray(lengths)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{lead} must be {valid} ({exc})") from None
+    if arr.ndim != 1:
+        raise ValueError(f"{lead} must be {valid}, got an array of shape {arr.shape}")
+    whole = arr.dtype.kind in "iu" or (arr.dtype.kind == "f" and bool(np.all(np.mod(arr, 1) == 0)))
+    if arr.size and not whole:
+        text = repr(lengths)
+        raise ValueError(f"{lead} must be {valid}, got {text if len(text) <= 60 else text[:57] + '...'}")
+    arr = arr.astype(np.int64)
+    if arr.size and int(arr.min()) < 0:
+        i = int(np.argmin(arr))
+        raise ValueError(f"{lead}[{i}] = {int(arr[i])}: a length is a count of tokens, 0 or more")
+    return arr

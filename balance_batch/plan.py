@@ -9,7 +9,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from balance_batch.cost import LAYOUTS, CostModel
-from balance_batch.errors import check_choice, positive_int
+from balance_batch.errors import check_choice, checked_lengths, positive_int
 from balance_batch.greedy import Schedule, lockstep_schedules
 from balance_batch.knobs import check_knobs, checked_groups, plan_with_knobs
 from balance_batch.planners import PLANNERS, Knobs, PlanSettings, get_planner
@@ -123,7 +123,7 @@ def plan_step(
         >>> plan.loss_tokens
         1800
     """
-    n = _checked_lengths(lengths)
+    n = checked_lengths(lengths).tolist()
     settings = checked_settings(world_size=world_size, budget=max_tokens_per_microbatch, layout=layout,
                                 planner=planner, max_seqs=max_seqs_per_microbatch, cost_model=cost_model,
                                 micro_batch_size=micro_batch_size, lockstep=bool(lockstep),
@@ -194,20 +194,6 @@ def planned(lengths: list[int], settings: PlanSettings, groups: Optional[list[in
                 layout=s.layout, planner=s.planner, cost_model=s.cost_model, lengths=list(lengths),
                 lockstep=s.lockstep, max_seqs_per_microbatch=s.max_seqs, peer=record,
                 loss_tokens=loss_tokens, empty=[] if whole else [i for i, x in enumerate(lengths) if x == 0])
-
-
-def _checked_lengths(lengths) -> list[int]:
-    """``lengths`` as a list of ints, or one ValueError saying what is wrong with it."""
-    try:
-        arr = np.asarray(lengths)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"lengths: must be a sequence of non-negative integers ({exc})") from None
-    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
-        raise ValueError(f"lengths: must be a flat sequence of non-negative integers, got {_shown(lengths)}")
-    if arr.size and int(arr.min()) < 0:
-        i = int(np.argmin(arr))
-        raise ValueError(f"lengths: every length must be a non-negative integer; lengths[{i}] is {int(arr[i])}")
-    return arr.tolist()
 
 
 def _checked_loss_tokens(loss_tokens, lengths: list[int]) -> Optional[int]:

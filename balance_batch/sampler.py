@@ -25,6 +25,7 @@ from typing import Any, Iterator, Optional, Sequence
 import numpy as np
 
 from balance_batch.cost import CostModel
+from balance_batch.errors import checked_lengths
 from balance_batch.knobs import checked_groups
 from balance_batch.plan import checked_settings
 from balance_batch.sampler_state import STATE_VERSION, check_state, settings_config, settings_from_config
@@ -78,11 +79,10 @@ def _epoch_arg(method: str, epoch) -> int:
 def _checked_items(lengths, loss_tokens_per_sequence) -> tuple[np.ndarray, np.ndarray]:
     """(lengths, loss tokens) as int64 arrays, or one ValueError; loss tokens default to length - 1 (a causal LM
     predicts every token but the first)."""
-    L = np.asarray(lengths)
-    if L.ndim != 1 or L.size == 0 or not np.issubdtype(L.dtype, np.integer) or (L < 0).any() or not L.any():
-        raise ValueError(f"{WHO}: lengths must be a sequence of non-negative integers, at least one positive (an item "
-                         "of 0 tokens is in no step)")
-    L = L.astype(np.int64)
+    L = checked_lengths(lengths, WHO)
+    if not L.any():
+        raise ValueError(f"{WHO}: lengths must hold at least one positive length (an item of 0 tokens is in no step), "
+                         f"got {len(L)} of 0 tokens")
     if loss_tokens_per_sequence is None:
         return L, np.maximum(L - 1, 0)
     lt = np.asarray(loss_tokens_per_sequence)

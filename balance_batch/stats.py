@@ -13,13 +13,6 @@ from balance_batch.cost import CostModel
 from balance_batch.greedy import MicroBatch, Schedule
 
 
-def padded_tokens(batch: Optional[MicroBatch], lengths: Sequence[int]) -> int:
-    """What a micro-batch costs once padded: size x longest (0 for a dummy entry)."""
-    if not batch:
-        return 0
-    return len(batch) * max(lengths[i] for i in batch)
-
-
 def lower_bound_bins(lengths: Sequence[int], max_tokens: Optional[int], micro_batch_size: int = 1,
                      max_seqs: Optional[int] = None) -> int:
     """The fewest micro-batches any plan can have.

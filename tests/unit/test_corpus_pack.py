@@ -119,7 +119,7 @@ def test_oversize_alone_first_or_refused_and_bad_arguments():
             pack([1, 2], **bad)
     with pytest.raises(ValueError, match=r"lengths\[1\] = -2: a length is a count of tokens, 0 or more"):
         pack([3, -2], 8)
-    with pytest.raises(ValueError, match="one-dimensional"):
+    with pytest.raises(ValueError, match="pack: lengths must be a flat sequence of token counts"):
         pack([[1, 2]], 8)
     empty = pack([], 8)
     assert empty.rows == 0 and empty.indices.size == 0 and empty.offsets.tolist() == [0]

@@ -73,9 +73,9 @@ def test_the_same_arguments_give_the_same_plan():
 
 
 @pytest.mark.parametrize("change,named", [
-    (dict(lengths=[3, -1]), "lengths[1] is -1"),
-    (dict(lengths=[3.5, 2]), "lengths: must be a flat sequence of non-negative integers"),
-    (dict(lengths=[[3], [2]]), "lengths: must be a flat sequence"),
+    (dict(lengths=[3, -1]), "lengths[1] = -1: a length is a count of tokens"),
+    (dict(lengths=[3.5, 2]), "lengths must be a flat sequence of token counts"),
+    (dict(lengths=[[3], [2]]), "lengths must be a flat sequence"),
     (dict(world_size=0), "world_size: must be a positive integer"),
     (dict(world_size=True), "world_size: must be a positive integer"),
     (dict(max_tokens_per_microbatch=0), "max_tokens_per_microbatch: must be a positive integer"),
