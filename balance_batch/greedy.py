@@ -6,6 +6,8 @@ from typing import Optional, Sequence, Sized
 
 import numpy as np
 
+from balance_batch.errors import positive_int
+
 # A schedule is one rank's ordered list of micro-batches. A micro-batch is a
 # list of example indices into the whole request; ``None`` is a dummy entry
 # that only exists so all ranks call the model the same number of times.
@@ -67,8 +69,7 @@ def make_token_balanced_microbatches(
     next sequence would make ``count * longest`` exceed ``max_tokens``. A
     sequence longer than ``max_tokens`` is never dropped: it sits alone.
     """
-    if max_tokens <= 0:
-        raise ValueError(f"max_tokens must be a positive integer, got {max_tokens}")
+    positive_int("max_tokens", max_tokens)
     lengths = [len(seq) for seq in all_input_ids]
     return _greedy_token_budget(sorted_indices, lengths, max_tokens)
 
@@ -76,8 +77,7 @@ def make_token_balanced_microbatches(
 def make_fixed_size_microbatches(sorted_indices: Sequence[int], micro_batch_size: int,
                                  max_seqs: Optional[int] = None) -> list[MicroBatch]:
     """Consecutive slices of ``micro_batch_size`` examples, at most ``max_seqs`` (the last may be shorter)."""
-    if micro_batch_size <= 0:
-        raise ValueError(f"micro_batch_size must be a positive integer, got {micro_batch_size}")
+    positive_int("micro_batch_size", micro_batch_size)
     return _fixed_slices(sorted_indices, micro_batch_size, max_seqs)
 
 
@@ -94,8 +94,7 @@ def deal_to_ranks(sorted_indices: Sequence[int], world_size: int) -> list[list[i
     Each rank then holds a similar mix of long and short sequences, and keeps
     the sorted order, so its own micro-batches stay tight.
     """
-    if world_size <= 0:
-        raise ValueError(f"world_size must be a positive integer, got {world_size}")
+    positive_int("world_size", world_size)
     order = list(sorted_indices)
     return [order[r::world_size] for r in range(world_size)]
 
