@@ -43,7 +43,7 @@ MUTATIONS = (
         "balance_batch/integrations/transformers/packing.py",
         "return _cuda_kernel_available(package) if bound is None else bound",
         "return _cuda_kernel_available(package)",
-        ("tests/unit/test_kernels.py::test_the_record_follows_what_transformers_bound_at_import_not_what_imports_now",),
+        ("tests/unit/balance_batch/integrations/transformers/test_kernels.py::test_the_record_follows_what_transformers_bound_at_import_not_what_imports_now",),
     ),
     Mutation(
         "backend.compile traces the delta-rule scan into the compiled layer (a graph per set of boundaries)",
@@ -90,8 +90,8 @@ MUTATIONS = (
         "if count and ((count + 1) * longest > max_tokens or count == cap):",
         "if count and ((count + 1) * longest >= max_tokens or count == cap):",
         (
-            "tests/unit/test_microbatch.py::test_greedy_closes_a_batch_only_when_the_next_sequence_does_not_fit",
-            "tests/unit/test_microbatch.py::test_a_micro_batch_that_exactly_fills_the_budget_is_kept_whole",
+            "tests/unit/balance_batch/test_greedy.py::test_greedy_closes_a_batch_only_when_the_next_sequence_does_not_fit",
+            "tests/unit/balance_batch/test_greedy.py::test_a_micro_batch_that_exactly_fills_the_budget_is_kept_whole",
         ),
     ),
     Mutation(
@@ -150,7 +150,7 @@ MUTATIONS = (
         "return [order[r::world_size] for r in range(world_size)]",
         "return [order[r * len(order) // world_size : (r + 1) * len(order) // world_size] for r in range(world_size)]",
         (
-            "tests/unit/test_microbatch.py::test_dealing_covers_every_example_once_and_balances_counts",
+            "tests/unit/balance_batch/test_greedy.py::test_dealing_covers_every_example_once_and_balances_counts",
             "tests/unit/test_reports.py::test_committed_results_are_a_real_sweep_of_this_machine",
         ),
     ),
@@ -175,7 +175,7 @@ MUTATIONS = (
         "backends/model/packing.py",
         "positions = np.arange(int(cu[-1]), dtype=np.int64) - starts",
         "positions = np.arange(int(cu[-1]), dtype=np.int64)",
-        ("tests/unit/test_packing.py::test_collate_lays_sequences_end_to_end",),
+        ("tests/unit/balance_batch/integrations/transformers/test_packing.py::test_collate_lays_sequences_end_to_end",),
     ),
     Mutation(
         "packed cu_seqlens make the whole row one sequence",
@@ -185,7 +185,7 @@ MUTATIONS = (
         "    cu_seqlens = host_to_device(cu[[0, -1]].copy(), device)\n"
         "    remember_bounds(cu_seqlens, cu[[0, -1]].tolist())",
         (
-            "tests/unit/test_packing.py::test_collate_lays_sequences_end_to_end",
+            "tests/unit/balance_batch/integrations/transformers/test_packing.py::test_collate_lays_sequences_end_to_end",
             "tests/unit/test_loss_oracle.py::test_each_grouping_reports_the_oracles_losses_and_gradient",
         ),
     ),
@@ -229,7 +229,7 @@ MUTATIONS = (
         "        if cu_seqlens is None:\n"
         "            return torch_delta_rule(query, key, value, chunk_size=chunk_size, **common, **kwargs)\n"
         "            # A padded batch runs the same scan",
-        ("tests/unit/test_kernels.py::test_each_layout_records_what_ran_and_both_run_the_same_scan_and_convolution",),
+        ("tests/unit/balance_batch/integrations/transformers/test_kernels.py::test_each_layout_records_what_ran_and_both_run_the_same_scan_and_convolution",),
     ),
     Mutation(
         "CPU tensors handed to the kernel transformers bound on a GPU host (padded convolution)",
@@ -237,7 +237,7 @@ MUTATIONS = (
         "return (original if fused else torch_conv1d)(hidden_states",
         "return original(hidden_states",
         (
-            "tests/unit/test_kernels.py::test_cpu_tensors_never_reach_a_gpu_kernel_even_where_the_kernel_packages_import",
+            "tests/unit/balance_batch/integrations/transformers/test_kernels.py::test_cpu_tensors_never_reach_a_gpu_kernel_even_where_the_kernel_packages_import",
         ),
     ),
     Mutation(

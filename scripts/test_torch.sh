@@ -31,5 +31,5 @@ fi
 exec "$py" -m pytest -q -p no:randomly -n 0 \
   tests/unit/test_gpu_check.py tests/integration/test_gpu_check.py \
   tests/unit/test_compiling.py tests/integration/test_compile.py \
-  tests/unit/test_kernels.py tests/unit/test_host_syncs.py \
+  tests/unit/balance_batch/integrations/transformers/test_kernels.py tests/unit/test_host_syncs.py \
   "tests/integration/test_distributed.py::test_the_fork_server_imports_nothing_that_makes_a_cuda_context" "$@"
