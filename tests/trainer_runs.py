@@ -1,7 +1,7 @@
-"""Trainer runs that tests/integration/balance_batch/test_trainer.py compares: a tiny stock Llama trained by ``TokenBudgetTrainer``
-(or TRL's SFTTrainer through ``TokenBudgetSFTTrainer``) with SGD and a linear learning-rate schedule, on 24 short
-items over 3 epochs of a token ramp, recording each trained step (its index, this rank's items, its loss denominator)
-and the final weights.
+"""Trainer runs that tests/integration/balance_batch/test_trainer.py compares: a tiny stock Llama trained by
+``TokenBudgetTrainer`` (or TRL's SFTTrainer through ``TokenBudgetSFTTrainer``) with SGD and a linear learning-rate
+schedule, on 24 short items over 3 epochs of a token ramp, recording each trained step (its index, this rank's
+items, its loss denominator) and the final weights.
 
 Run as a module it is the test's second process:
     python -m tests.trainer_runs resume CHECKPOINT OUT       both resumes from CHECKPOINT (ignore_data_skip False, True)

@@ -13,7 +13,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from balance_batch.corpus import Packing, pack
@@ -83,13 +83,15 @@ def test_small_cases_against_brute_force(case):
 
 @settings(max_examples=60, deadline=None)
 @given(st.integers(1, 600).flatmap(lambda c: st.tuples(st.lists(st.integers(1, 2 * c), max_size=400), st.just(c))))
-def test_same_rows_as_best_fit_decreasing_one_at_a_time(case):
-    """Planning on the histogram loses nothing against placing each sequence in turn (TRL's way)."""
+@example(([67, 67, 105, 105, 106, 106, 172], 382))  # best-fit decreasing takes 3 rows; 2 hold them
+def test_never_more_rows_than_best_fit_decreasing_one_at_a_time(case):
+    """Planning on the histogram loses nothing against placing each sequence in turn (TRL's way); where few rows
+    are enough, the exact search may find fewer (the rows themselves may differ where two rows tie for the best
+    fit)."""
     lengths, capacity = case
     p = pack(np.asarray(lengths, dtype=np.int32), capacity)
     check_packing(p, lengths, capacity)
-    reference = trl_bfd(lengths, capacity)
-    assert p.rows == len(reference)  # the rows themselves may differ where two rows tie for the best fit
+    assert p.rows <= len(trl_bfd(lengths, capacity))
 
 
 def test_a_large_skewed_corpus_is_exact_and_near_its_bound():

@@ -211,7 +211,8 @@ def test_packed_forward_and_a_rank_with_only_dummies():
 
 def test_a_built_model_is_prepared_and_preparing_again_changes_nothing():
     """build_model prepares every model (both layouts then run the same kernels, recorded); preparing is idempotent.
-    That the padded path still gives transformers' own answer is tests/unit/balance_batch/integrations/transformers/test_kernels.py's oracle comparison."""
+    That the padded path still gives transformers' own answer is the oracle comparison of test_kernels.py, beside
+    this file."""
     examples = make_examples([40, 9, 3], 2048, seed=7)
     model = build_model(ModelSpec(lora_rank=8), CPU, False)
     assert is_prepared_for_packing(model)
