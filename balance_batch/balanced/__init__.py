@@ -37,13 +37,20 @@ How it plans (B = the budget, W = ranks, S = steps, n = sequences):
 ``max_seqs`` caps the sequences of every micro-batch in every step above.
 Steps 1-3 and 6 take O(n log n) (sorts) plus about O(distinct lengths);
 steps 4-5 a fixed budget of candidate evaluations, each round's bookkeeping
-counted in it. Everything is deterministic: ties break on example indices.
+counted in it. An evaluation costs O(1) whatever W: every step keeps its
+three costliest micro-batches, so what a change does to its maximum is read,
+not recomputed, and evaluations run in numpy blocks, in the order (and with
+the ties) of a loop over them. Everything is deterministic: ties break on
+example indices.
 
 Where each part lives: ``schedules`` (the planner, step 6 and the sequence
-order), ``packed`` (steps 1-2 packed: ``_Rooms``, ``_Packer``), ``padded``
-(steps 1-2 padded: ``_Runs``, and the step-count search), ``bins`` (the
-micro-batches every step works on), ``steps`` (steps 3-4: ``_Grid``) and
-``ranks`` (step 5).
+order), ``packed`` (steps 1-2 packed: ``_Rooms``, ``_Packer``) and
+``completion`` (its exact search, ``_Completion``), ``padded`` (steps 1-2
+padded: ``_Runs``, and the step-count search), ``bins`` (the micro-batches
+every step works on), ``options`` (what moving or swapping a sequence would
+make of two of them, many at once: ``_Table``), ``steps`` (steps 3-4:
+``_Grid``) and ``ranks`` (step 5). ``multiple`` is apart from these steps:
+padded micro-batches of a multiple of k sequences (fairseq's ``bsz_mult``).
 """
 
 from balance_batch.balanced.padded import fewest_padded_microbatches

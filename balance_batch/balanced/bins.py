@@ -1,5 +1,5 @@
 """The balanced planner's micro-batches under construction (``_Bins``): what each holds, its tokens and modeled cost,
-and what a move or swap of one sequence would make of them."""
+and which of its sequences are worth moving (what a move or swap would make of them: ``options``)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,10 @@ _CANDIDATES = 24  # sequences of one micro-batch considered for a move or swap
 
 
 class _Bins:
-    """Micro-batches under construction: items (longest first), computed tokens and modeled cost of each."""
+    """Micro-batches under construction: items (longest first), computed tokens and modeled cost of each.
+
+    ``costs[i]`` is the cost model's cost of ``lengths[i]`` (a padded micro-batch costs its count times its longest's).
+    """
 
     def __init__(self, lengths: Sequence[int], costs: Sequence[float], budget: int, layout: str, cost_model: CostModel,
                  max_seqs: Optional[int] = None):
@@ -54,31 +57,6 @@ class _Bins:
             return sum(map(self.L.__getitem__, items)), sum(map(self.c.__getitem__, items))
         longest = max(map(self.L.__getitem__, items))
         return len(items) * longest, len(items) * self.cm.sequence(longest)
-
-    def after(self, j: int, remove: Optional[int], add: Optional[int]) -> tuple[int, float, int]:
-        """(tokens, cost, count) of bin j once ``remove`` leaves it and ``add`` joins it."""
-        items = self.items[j]
-        count = len(items) - (remove is not None) + (add is not None)
-        if count == 0:
-            return 0, 0.0, 0
-        if self.packed:
-            tok, cost = self.tok[j], self.cost[j]
-            if remove is not None:
-                tok, cost = tok - self.L[remove], cost - self.c[remove]
-            if add is not None:
-                tok, cost = tok + self.L[add], cost + self.c[add]
-            return tok, cost, count
-        longest = 0
-        for i in items:  # longest first: the first one that is not leaving
-            if i != remove:
-                longest = self.L[i]
-                break
-        if add is not None:
-            longest = max(longest, self.L[add])
-        return count * longest, count * self.cm.sequence(longest), count
-
-    def fits(self, tok: int, count: int) -> bool:
-        return count <= 1 or (tok <= self.B and count <= self.cap)
 
     def candidates(self, j: int) -> list[int]:
         """Sequences of bin j worth moving or swapping.

@@ -11,6 +11,7 @@ import math
 from typing import Optional, Sequence
 
 from balance_batch.balanced.bins import _Bins
+from balance_batch.balanced.completion import _Completion
 from balance_batch.cost import CostModel
 from balance_batch.stats import lower_bound_bins
 
@@ -188,163 +189,22 @@ class _Packer:
         return True
 
     def search(self, n_bins: int, work: int) -> bool:
-        """An exact search for a packing into ``n_bins`` micro-batches; False when there is none or when it used up
-        ``work`` (candidate fills looked at). For steps where best-fit decreasing leaves one micro-batch over.
-
-        Bin completion (Korf, 2002-2003), on the histogram of lengths: micro-batch after micro-batch, each takes the
-        longest sequence left plus one set of the others (a multiset of lengths, so sequences of one length are never
-        tried in two orders), the fullest sets first. Pruned four ways: a set must be undominated (``undominated``:
-        maximal, and no sequence left out can take the place of shorter ones in it); the rooms left over, summed, may
-        not exceed the slack ``n_bins × B − Σ lengths``; the micro-batches left must be able to hold the sequences
-        left (``too_many``: none holds more than the shortest ones whose sum fits); and a histogram left over that
-        failed once is not searched again. None of them loses a packing: what they prune leads to none, or (a
-        dominated set) to none that a fuller set tried in its place does not lead to. ``search_work`` keeps the work
-        the last search used.
+        """An exact search for a packing into ``n_bins`` micro-batches (``_Completion``: bin completion); False when
+        there is none or when it used up ``work`` (lengths looked at). For steps where best-fit decreasing leaves one
+        micro-batch over. ``search_work`` keeps the work the last search used.
         """
-        B, cap = self.B, self.cap
         self.search_work = 0
-        lengths = [length for length, _ in self.hist]  # longest first
-        left = [k for _, k in self.hist]
-        total = sum(length * k for length, k in self.hist)
-        if not total:
+        if not sum(length * k for length, k in self.hist):
             return n_bins >= 0
-        slack = n_bins * B - total
-        if n_bins <= 0 or slack < 0 or sum(left) > n_bins * cap:
-            return False
-        m = len(lengths)
-        budget = [work]
-        failed: set = set()
-        chosen: list[list[tuple[int, int]]] = []  # per micro-batch: (index into lengths, count)
-
-        def fills(a: int, room: int, need: int, seats: float) -> list[tuple[int, list[tuple[int, int]]]]:
-            """Every undominated set of the lengths from index a on that takes between ``need`` and ``room``
-            tokens."""
-            out: list[tuple[int, list[tuple[int, int]]]] = []
-            picked: list[tuple[int, int]] = []
-
-            def walk(d: int, room: int, seats: float) -> bool:
-                while d < m and (not left[d] or lengths[d] > room):
-                    d += 1
-                budget[0] -= 1 + m - d  # the lengths looked at below
-                if budget[0] < 0:
-                    return False
-                if room - sum(min(left[e], room // lengths[e]) * lengths[e] for e in range(d, m)) > room0 - need:
-                    return True  # what is left to take cannot fill the set as full as it must be
-                if d == m or not seats:  # nothing more fits: kept if full enough and undominated
-                    if room <= room0 - need and undominated(room, seats, picked):
-                        out.append((room, list(picked)))
-                    return True
-                length = lengths[d]
-                most = int(min(left[d], room // length, seats))
-                for t in range(most, -1, -1):  # more of the longer lengths first
-                    if t:
-                        left[d] -= t
-                        picked.append((d, t))
-                    ok = walk(d + 1, room - t * length, seats - t)
-                    if t:
-                        left[d] += t
-                        picked.pop()
-                    if not ok:
-                        return False
-                return True
-
-            room0 = room
-            return out if walk(a, room, seats) else []
-
-        def undominated(room: int, seats: float, picked: list[tuple[int, int]]) -> bool:
-            """False when a packing that holds this set as a micro-batch becomes one that holds a fuller set instead:
-            a sequence left out fits in the room (the set is not maximal), or takes the place of a shorter sequence
-            of the set within the room, or (with no cap on sequences) of two whose sum is at most its length.
-            (Martello and Toth's dominance, 1990.) The set's first sequence, the longest left, stays."""
-            looked = 1
-            if seats:
-                e = m - 1
-                while e >= 0 and not left[e]:
-                    e -= 1
-                looked += m - e
-                if e >= 0 and lengths[e] <= room:
-                    budget[0] -= looked
-                    return False
-            for d, _ in picked:  # the next longer length left out, within the room of this one's place
-                e = d - 1
-                while e >= 0 and not left[e]:
-                    e -= 1
-                looked += d - e
-                if e >= 0 and lengths[e] <= lengths[d] + room:
-                    budget[0] -= looked
-                    return False
-            budget[0] -= looked
-            if cap < math.inf or sum(t for _, t in picked) < 2:  # a cap: two giving way to one may overfill one
-                return True
-            longest_out = next((lengths[e] for e in range(m) if left[e]), 0)
-            shortest = [lengths[d] for d, t in picked[-2:] for _ in range(min(t, 2))][-2:]
-            if sum(shortest) > longest_out:
-                return True  # no two of the set are as short as the longest left out
-            inside = [lengths[d] for d, _ in picked]
-            pairs = [y + inside[j] for i, (y, (_, t)) in enumerate(zip(inside, picked)) for j in range(i + (t < 2),
-                                                                                                      len(inside))]
-            budget[0] -= m + len(pairs)
-            outside = [lengths[e] for e in range(m - 1, -1, -1) if left[e]]  # left out, shortest first
-            for p in pairs:
-                if p <= longest_out:
-                    e = bisect.bisect_left(outside, p)
-                    if outside[e] <= p + room:
-                        return False
-            return True
-
-        def too_many(bins: int) -> bool:
-            """True when more sequences are left than ``bins`` micro-batches can hold: none holds more than the
-            shortest ones left whose sum fits the budget (nor more than the cap)."""
-            budget[0] -= m
-            n_left, most, room = 0, 0, B
-            for d in range(m - 1, -1, -1):  # shortest first
-                k, length = left[d], lengths[d]
-                n_left += k
-                if k and room >= 0:
-                    t = min(k, room // length) if length else k
-                    most += t
-                    room = room - t * length if t == k else -1  # -1: a shorter one is left out, no longer one fits
-            return n_left > bins * min(most, cap)
-
-        def solve(bins: int, waste: int) -> bool:
-            a = next((d for d in range(m) if left[d]), m)
-            if a == m:
-                return True
-            key = (bins, tuple(left))
-            if key in failed:
-                return False
-            if bins == 0 or too_many(bins):
-                return False
-            left[a] -= 1
-            options = fills(a, B - lengths[a], B - lengths[a] - (slack - waste), cap - 1)
-            if budget[0] < 0:
-                left[a] += 1
-                return False
-            options.sort(key=lambda o: o[0])  # the fullest first (stable: longer lengths first among equals)
-            for room, picked in options:
-                for d, t in picked:
-                    left[d] -= t
-                chosen.append([(a, 1)] + picked)
-                if solve(bins - 1, waste + room):
-                    return True
-                chosen.pop()
-                for d, t in picked:
-                    left[d] += t
-                if budget[0] < 0:
-                    break
-            left[a] += 1
-            if budget[0] >= 0:
-                failed.add(key)
-            return False
-
-        found = solve(n_bins, 0)
-        self.search_work = work - budget[0]
-        if not found:
+        completion = _Completion(self.hist, self.B, self.cap, work)
+        chosen = completion.run(n_bins)
+        self.search_work = work - completion.budget
+        if chosen is None:
             return False
         for content in chosen:  # a micro-batch's lengths, longest first (its first length may come again)
             g = self.group(1)
             for d, run in itertools.groupby(sorted(content), key=lambda p: p[0]):
-                self.grow(g, lengths[d], sum(t for _, t in run))
+                self.grow(g, self.hist[d][0], sum(t for _, t in run))
         return True
 
     def _requeue(self, heap: list, rank: int, g: int) -> None:
