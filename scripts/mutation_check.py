@@ -64,9 +64,9 @@ MUTATIONS = (
     Mutation(
         "packed planner without its exact search for few sequences: a tight fill LPT misses costs a step",
         "balance_batch/balanced/packed.py",
-        "_EXACT_MAX = 16",
-        "_EXACT_MAX = 0",
-        ("tests/unit/test_planner.py::test_balanced_packed_reaches_the_bound_whenever_a_plan_can",),
+        "if enough > bound and 0 < n_search <= _SEARCH_BINS:",
+        "if False:",
+        ("tests/unit/balance_batch/balanced/test_balanced.py::test_balanced_packed_reaches_the_bound_whenever_a_plan_can",),
     ),
     Mutation(
         "backend.compile without the plan's sizes named: each graph compiles for its first shape, then again",
@@ -87,8 +87,8 @@ MUTATIONS = (
     Mutation(
         "greedy closes a micro-batch at the budget (> becomes >=)",
         "balance_batch/greedy.py",
-        "if count and ((count + 1) * longest > max_tokens or count == cap):",
-        "if count and ((count + 1) * longest >= max_tokens or count == cap):",
+        "if count and ((count + 1) * longest > budget or count == cap):",
+        "if count and ((count + 1) * longest >= budget or count == cap):",
         (
             "tests/unit/balance_batch/test_greedy.py::test_greedy_closes_a_batch_only_when_the_next_sequence_does_not_fit",
             "tests/unit/balance_batch/test_greedy.py::test_a_micro_batch_that_exactly_fills_the_budget_is_kept_whole",
@@ -99,7 +99,7 @@ MUTATIONS = (
         "balance_batch/balanced/packed.py",
         "q = int(min(room // length, cap - self.cnt[g]))",
         "q = int(room // length)",
-        ("tests/unit/test_planner_scaling.py::test_histogram_best_fit_decreasing_packs_as_the_one_at_a_time_form",),
+        ("tests/unit/balance_batch/balanced/test_scaling.py::test_histogram_best_fit_decreasing_packs_as_the_one_at_a_time_form",),
     ),
     Mutation(
         "the balanced planner's LPT keeps filling a micro-batch past the cap",
@@ -107,7 +107,7 @@ MUTATIONS = (
         "t = min(room // length, k // nb, cap - self.cnt[g])",
         "t = min(room // length, k // nb)",
         (
-            "tests/unit/test_planner_scaling.py::test_the_cap_holds_where_a_few_cheap_micro_batches_take_many_short_sequences",
+            "tests/unit/balance_batch/balanced/test_scaling.py::test_the_cap_holds_where_a_few_cheap_micro_batches_take_many_short_sequences",
         ),
     ),
     Mutation(
@@ -116,7 +116,7 @@ MUTATIONS = (
         "    if max_seqs:\n        most = min(most, max_seqs)\n",
         "",
         (
-            "tests/unit/test_planner_scaling.py::test_the_cap_is_part_of_the_lower_bound_and_the_balanced_planner_reaches_it",
+            "tests/unit/balance_batch/balanced/test_scaling.py::test_the_cap_is_part_of_the_lower_bound_and_the_balanced_planner_reaches_it",
         ),
     ),
     Mutation(
@@ -166,8 +166,8 @@ MUTATIONS = (
     Mutation(
         "an allocator's refusal is not classified as out of memory",
         "backends/runtime/memory.py",
-        "return isinstance(exc, RuntimeError) and any(m in str(exc).lower() for m in _OOM_MARKERS)",
-        "return False",
+        "if any(m in text for m in _OOM_MARKERS):",
+        "if False:",
         ("tests/unit/test_memory.py", "tests/integration/test_memory.py"),
     ),
     Mutation(
@@ -225,10 +225,9 @@ MUTATIONS = (
     Mutation(
         "padded rows keep transformers' delta rule while packed rows run the project's scan",
         "balance_batch/integrations/transformers/packing.py",
-        "        if cu_seqlens is None:\n            # A padded batch runs the same scan",
+        "        # the scan records itself: a path that does not reach it records nothing\n",
         "        if cu_seqlens is None:\n"
-        "            return torch_delta_rule(query, key, value, chunk_size=chunk_size, **common, **kwargs)\n"
-        "            # A padded batch runs the same scan",
+        "            return torch_delta_rule(query, key, value, chunk_size=chunk_size, **common, **kwargs)\n",
         ("tests/unit/balance_batch/integrations/transformers/test_kernels.py::test_each_layout_records_what_ran_and_both_run_the_same_scan_and_convolution",),
     ),
     Mutation(

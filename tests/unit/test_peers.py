@@ -11,7 +11,7 @@ from harness.data.workload import mixed_lengths
 from harness.peers import PEER_NAMES, PEERS, PeerRefusal, automodel, fairseq, nemo_rl, peer_layout, trl, verl
 from reports.plan_json import check_plan_json, plan_json
 
-SEED = mixed_lengths(128, 64, 32768, 42)  # the published workload's generator, as tests/unit/test_planner.py
+SEED = mixed_lengths(128, 64, 32768, 42)  # the published workload's generator, as the balanced planner's tests
 
 
 def _covers(schedules, n):

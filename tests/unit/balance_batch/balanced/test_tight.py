@@ -14,7 +14,7 @@ from balance_batch import pack, plan_step
 from balance_batch.balanced.packed import _Packer
 
 _SPEC = importlib.util.spec_from_file_location(
-    "bench_tight", Path(__file__).resolve().parents[2] / "scripts" / "bench_tight.py"
+    "bench_tight", Path(__file__).resolve().parents[4] / "scripts" / "bench_tight.py"
 )
 bench = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(bench)

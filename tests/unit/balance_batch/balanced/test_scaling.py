@@ -17,7 +17,7 @@ from balance_batch.greedy import sort_by_length
 from balance_batch.stats import lower_bound_bins
 
 _SPEC = importlib.util.spec_from_file_location(
-    "bench_planner", Path(__file__).resolve().parents[2] / "scripts" / "bench_planner.py"
+    "bench_planner", Path(__file__).resolve().parents[4] / "scripts" / "bench_planner.py"
 )
 bench = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(bench)
