@@ -183,7 +183,7 @@ def planned(lengths: list[int], settings: PlanSettings, groups: Optional[list[in
     sub = lengths if whole else [lengths[i] for i in kept]
     rows, record = planned_rows(sub, settings, groups if groups is None or whole else [groups[i] for i in kept])
     s = settings
-    stats = plan_stats(rows, sub, layout=s.layout, cost_model=s.cost_model, max_tokens=s.budget,
+    stats = plan_stats(rows, sub, layout=s.layout, cost_model=s.cost_model, budget=s.budget,
                        micro_batch_size=s.micro_batch_size, lockstep=s.lockstep, planner=s.planner, max_seqs=s.max_seqs)
     bound = get_planner(s.planner).lower_bound_steps
     if bound is not None and record is not None:

@@ -13,7 +13,7 @@ from balance_batch.cost import CostModel
 from balance_batch.greedy import MicroBatch, Schedule
 
 
-def lower_bound_bins(lengths: Sequence[int], max_tokens: Optional[int], micro_batch_size: int = 1,
+def lower_bound_bins(lengths: Sequence[int], budget: Optional[int], micro_batch_size: int = 1,
                      max_seqs: Optional[int] = None) -> int:
     """The fewest micro-batches any plan can have.
 
@@ -25,27 +25,27 @@ def lower_bound_bins(lengths: Sequence[int], max_tokens: Optional[int], micro_ba
     """
     if not len(lengths):
         return 0
-    if max_tokens is None:
+    if budget is None:
         return math.ceil(len(lengths) / min(micro_batch_size, max_seqs or micro_batch_size))
     arr = np.asarray(lengths, dtype=np.int64)
-    rest = arr[arr <= max_tokens]
+    rest = arr[arr <= budget]
     n_over = len(arr) - len(rest)
     if not len(rest) or int(rest.max()) <= 8 * len(rest) + 65_536:  # a count per token value: O(n) memory and time
-        return lower_bound_from_histogram(np.bincount(rest), max_tokens, n_over, max_seqs)
+        return lower_bound_from_histogram(np.bincount(rest), budget, n_over, max_seqs)
     # longer ones: the distinct lengths by a sort, so time and memory follow n, not the longest length
     distinct, counts = np.unique(rest, return_counts=True)
-    return _lower_bound_distinct(distinct, counts, max_tokens, n_over, max_seqs)
+    return _lower_bound_distinct(distinct, counts, budget, n_over, max_seqs)
 
 
-def lower_bound_from_histogram(hist: np.ndarray, max_tokens: int, n_over: int = 0, max_seqs: Optional[int] = None
+def lower_bound_from_histogram(hist: np.ndarray, budget: int, n_over: int = 0, max_seqs: Optional[int] = None
                                ) -> int:
     """``lower_bound_bins`` with a budget, from ``hist`` (how many sequences have each length, all within
     ``max_tokens``) and ``n_over`` sequences longer than it: the work is per distinct length, not per sequence."""
     lengths = np.flatnonzero(hist)
-    return _lower_bound_distinct(lengths, hist[lengths], max_tokens, n_over, max_seqs)
+    return _lower_bound_distinct(lengths, hist[lengths], budget, n_over, max_seqs)
 
 
-def _lower_bound_distinct(lengths: np.ndarray, counts: np.ndarray, max_tokens: int, n_over: int,
+def _lower_bound_distinct(lengths: np.ndarray, counts: np.ndarray, budget: int, n_over: int,
                           max_seqs: Optional[int]) -> int:
     """``lower_bound_bins`` from the distinct ``lengths`` within ``max_tokens`` (ascending) and how many sequences
     have each (``counts``), with ``n_over`` sequences longer than the budget."""
@@ -55,25 +55,25 @@ def _lower_bound_distinct(lengths: np.ndarray, counts: np.ndarray, max_tokens: i
     tokens = lengths * counts
     # the most sequences one micro-batch can hold: the shortest ones, while their sum fits
     before = np.cumsum(tokens) - tokens  # tokens of all shorter sequences
-    take = np.minimum(counts, np.maximum(0, (max_tokens - before) // lengths))
+    take = np.minimum(counts, np.maximum(0, (budget - before) // lengths))
     first_partial = int(np.searchsorted(take < counts, True))  # from the first length that no longer fits whole
     most = max(1, int(take[: first_partial + 1].sum()))
     if max_seqs:
         most = min(most, max_seqs)
-    halves = int(counts[2 * lengths > max_tokens].sum())
-    return n_over + max(-(-int(tokens.sum()) // max_tokens), halves, -(-int(counts.sum()) // most))
+    halves = int(counts[2 * lengths > budget].sum())
+    return n_over + max(-(-int(tokens.sum()) // budget), halves, -(-int(counts.sum()) // most))
 
 
 def lower_bound_steps(
-    lengths: Sequence[int], world_size: int, max_tokens: Optional[int], micro_batch_size: int = 1,
+    lengths: Sequence[int], world_size: int, budget: Optional[int], micro_batch_size: int = 1,
     max_seqs: Optional[int] = None,
 ) -> int:
     """The fewest lock-step steps any plan can have: the fewest micro-batches spread over ``world_size`` ranks."""
-    return math.ceil(lower_bound_bins(lengths, max_tokens, micro_batch_size, max_seqs) / world_size)
+    return math.ceil(lower_bound_bins(lengths, budget, micro_batch_size, max_seqs) / world_size)
 
 
 def critical_path_lower_bound(
-    lengths: Sequence[int], world_size: int, max_tokens: int, cost_model: Optional[CostModel] = None
+    lengths: Sequence[int], world_size: int, budget: int, cost_model: Optional[CostModel] = None
 ) -> float:
     """No packed lock-step plan has a shorter critical path (sum of step maxima / mean per-rank cost).
 
@@ -89,10 +89,10 @@ def critical_path_lower_bound(
     total = sum(costs)
     if total <= 0:
         return 1.0
-    lone = sorted((c for n, c in zip(lengths, costs) if n > max_tokens), reverse=True)
+    lone = sorted((c for n, c in zip(lengths, costs) if n > budget), reverse=True)
     leaders = lone[::world_size]  # the costliest over-long sequence of each of the first steps
     free_slots = len(leaders) * world_size - len(lone)
-    rest = max(0.0, total - sum(lone) - free_slots * cost_model.sequence(max_tokens))
+    rest = max(0.0, total - sum(lone) - free_slots * cost_model.sequence(budget))
     return (sum(leaders) + rest / world_size) / (total / world_size)
 
 
@@ -155,7 +155,7 @@ def plan_stats(
     lengths: Sequence[int],
     layout: str = "padded",
     cost_model: Optional[CostModel] = None,
-    max_tokens: Optional[int] = None,
+    budget: Optional[int] = None,
     micro_batch_size: int = 1,
     lockstep: bool = False,
     planner: str = "greedy",
@@ -169,7 +169,7 @@ def plan_stats(
     Vectorised over the sequences (each distinct length's cost computed once).
     """
     cost_model = cost_model or CostModel.tokens()
-    ranks = _rank_totals(schedules, lengths, layout == "packed", cost_model, max_tokens)
+    ranks = _rank_totals(schedules, lengths, layout == "packed", cost_model, budget)
     real_total, padded_total = sum(ranks.real), sum(ranks.padded)
     world = max(1, len(schedules))
     imbalance, critical, idle = _waiting(ranks.step_costs, ranks.cost, world, lockstep)
@@ -186,7 +186,7 @@ def plan_stats(
         layout=layout,
         planner=planner,
         steps=ranks.step_costs.shape[1],
-        lower_bound_steps=lower_bound_steps(lengths, world, max_tokens, micro_batch_size, max_seqs),
+        lower_bound_steps=lower_bound_steps(lengths, world, budget, micro_batch_size, max_seqs),
         over_budget=ranks.over_budget,
         cost_per_rank=ranks.cost,
         cost_imbalance=imbalance,
@@ -213,7 +213,7 @@ class _RankTotals:
 
 
 def _rank_totals(schedules: Sequence[Schedule], lengths: Sequence[int], packed: bool, cost_model: CostModel,
-                 max_tokens: Optional[int]) -> _RankTotals:
+                 budget: Optional[int]) -> _RankTotals:
     """Each rank's schedule summed up (``_RankTotals``), each distinct length's cost computed once."""
     L = np.asarray(lengths, dtype=np.int64)
     uniq, inv = np.unique(L, return_inverse=True)
@@ -236,8 +236,8 @@ def _rank_totals(schedules: Sequence[Schedule], lengths: Sequence[int], packed: 
         totals.cost.append(float(costs.sum()))
         totals.max_padded = max(totals.max_padded, int(tokens.max()))
         totals.max_size = max(totals.max_size, int(sizes.max()))
-        if max_tokens is not None:
-            totals.over_budget += int(np.count_nonzero(tokens > max_tokens))
+        if budget is not None:
+            totals.over_budget += int(np.count_nonzero(tokens > budget))
     return totals
 
 

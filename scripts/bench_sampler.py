@@ -104,7 +104,7 @@ def refinement(lengths: list[int], n: int = 20) -> None:
             t = time.perf_counter()
             grid = balanced_schedules(step, RANKS, BUDGET, "packed", cm, work=work)
             dt = time.perf_counter() - t
-            st = plan_stats(grid, step, layout="packed", cost_model=cm, max_tokens=BUDGET, lockstep=True,
+            st = plan_stats(grid, step, layout="packed", cost_model=cm, budget=BUDGET, lockstep=True,
                             planner="balanced")
             rows[work].append((st.steps, st.critical_path, st.cost_imbalance, dt))
     print(f"\n| {n} steps planned by | lock-step micro-batch slots | critical path | cost imbalance | planning |")

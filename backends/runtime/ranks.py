@@ -242,7 +242,7 @@ def _gathered_result(command, gathered: list, rank: int, lengths, lockstep: bool
             lengths,
             layout=command.layout,
             cost_model=CostModel.from_dict(command.cost_model),
-            max_tokens=command.max_tokens_per_microbatch,
+            budget=command.max_tokens_per_microbatch,
             micro_batch_size=command.micro_batch_size,
             lockstep=lockstep,
             planner=command.planner,

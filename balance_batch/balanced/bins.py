@@ -20,7 +20,7 @@ class _Bins:
 
     def __init__(self, lengths: Sequence[int], costs: Sequence[float], budget: int, layout: str, cost_model: CostModel,
                  max_seqs: Optional[int] = None):
-        self.L, self.c, self.B, self.packed, self.cm = lengths, costs, budget, layout == "packed", cost_model
+        self.L, self.c, self.budget, self.packed, self.cm = lengths, costs, budget, layout == "packed", cost_model
         self.cap = max_seqs or math.inf  # sequences per micro-batch
         self.items: list[list[int]] = []
         self.tok: list[int] = []

@@ -26,7 +26,7 @@ class _Completion:
     """
 
     def __init__(self, hist: Sequence[tuple[int, int]], budget: int, cap: float, work: int):
-        self.B, self.cap, self.budget = budget, cap, work
+        self.budget, self.cap, self.work_left = budget, cap, work
         self.lengths = [length for length, _ in hist]  # longest first
         self.left = [k for _, k in hist]
         self.m = len(self.lengths)
@@ -38,7 +38,7 @@ class _Completion:
         """Every micro-batch's (index into the lengths, count) of a packing into ``n_bins``; None when there is none or
         the budget ran out. Call once, with sequences to pack."""
         total = sum(length * k for length, k in zip(self.lengths, self.left))
-        self.slack = n_bins * self.B - total
+        self.slack = n_bins * self.budget - total
         if n_bins <= 0 or self.slack < 0 or sum(self.left) > n_bins * self.cap:
             return None
         return self.chosen if self._solve(n_bins, 0) else None
@@ -54,9 +54,9 @@ class _Completion:
         if bins == 0 or self._too_many(bins):
             return False
         left[a] -= 1
-        room = self.B - self.lengths[a]
+        room = self.budget - self.lengths[a]
         options = self._fills(a, room, room - (self.slack - waste), self.cap - 1)
-        if self.budget < 0:
+        if self.work_left < 0:
             left[a] += 1
             return False
         options.sort(key=lambda o: o[0])  # the fullest first (stable: longer lengths first among equals)
@@ -69,10 +69,10 @@ class _Completion:
             self.chosen.pop()
             for d, t in picked:
                 left[d] += t
-            if self.budget < 0:
+            if self.work_left < 0:
                 break
         left[a] += 1
-        if self.budget >= 0:
+        if self.work_left >= 0:
             self.failed.add(key)
         return False
 
@@ -88,8 +88,8 @@ class _Completion:
         lengths, left, m = self.lengths, self.left, self.m
         while d < m and (not left[d] or lengths[d] > room):
             d += 1
-        self.budget -= 1 + m - d  # the lengths looked at below
-        if self.budget < 0:
+        self.work_left -= 1 + m - d  # the lengths looked at below
+        if self.work_left < 0:
             return False
         if room - sum(min(left[e], room // lengths[e]) * lengths[e] for e in range(d, m)) > most_room:
             return True  # what is left to take cannot fill the set as full as it must be
@@ -123,7 +123,7 @@ class _Completion:
                 e -= 1
             looked += m - e
             if e >= 0 and lengths[e] <= room:
-                self.budget -= looked
+                self.work_left -= looked
                 return False
         for d, _ in picked:  # the next longer length left out, within the room of this one's place
             e = d - 1
@@ -131,9 +131,9 @@ class _Completion:
                 e -= 1
             looked += d - e
             if e >= 0 and lengths[e] <= lengths[d] + room:
-                self.budget -= looked
+                self.work_left -= looked
                 return False
-        self.budget -= looked
+        self.work_left -= looked
         if self.cap < math.inf or sum(t for _, t in picked) < 2:  # a cap: two giving way to one may overfill one
             return True
         return not self._pair_gives_way(room, picked)
@@ -149,7 +149,7 @@ class _Completion:
         inside = [lengths[d] for d, _ in picked]
         pairs = [y + inside[j] for i, (y, (_, t)) in enumerate(zip(inside, picked)) for j in range(i + (t < 2),
                                                                                                   len(inside))]
-        self.budget -= m + len(pairs)
+        self.work_left -= m + len(pairs)
         outside = [lengths[e] for e in range(m - 1, -1, -1) if left[e]]  # left out, shortest first
         for p in pairs:
             if p <= longest_out:
@@ -161,8 +161,8 @@ class _Completion:
     def _too_many(self, bins: int) -> bool:
         """True when more sequences are left than ``bins`` micro-batches can hold: none holds more than the shortest
         ones left whose sum fits the budget (nor more than the cap)."""
-        self.budget -= self.m
-        n_left, most, room = 0, 0, self.B
+        self.work_left -= self.m
+        n_left, most, room = 0, 0, self.budget
         for d in range(self.m - 1, -1, -1):  # shortest first
             k, length = self.left[d], self.lengths[d]
             n_left += k

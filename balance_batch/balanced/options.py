@@ -117,7 +117,7 @@ class _Table:
         return count * np.where(take, L_arrive, L_stay), count * np.where(take, self.c[arrive], self.c[stay])
 
     def _fits(self, tok: np.ndarray, count: np.ndarray) -> np.ndarray:
-        return (count <= 1) | ((tok <= self.bins.B) & (count <= self.bins.cap))
+        return (count <= 1) | ((tok <= self.bins.budget) & (count <= self.bins.cap))
 
 
 def _pairs_within(n_pairs: int, per_pair: int, budget: int) -> int:

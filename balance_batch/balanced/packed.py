@@ -112,7 +112,7 @@ class _Packer:
     """
 
     def __init__(self, hist: Sequence[tuple[int, int]], budget: int, cap: float, seq_cost: dict):
-        self.hist, self.B, self.cap, self.seq_cost = hist, budget, cap, seq_cost
+        self.hist, self.budget, self.cap, self.seq_cost = hist, budget, cap, seq_cost
         # per group: tokens, sequences, micro-batches, cost and the lengths it holds as [(length, count)]
         self.tok: list[int] = []
         self.cnt: list[int] = []
@@ -150,7 +150,7 @@ class _Packer:
         False when some sequence fits nowhere. Micro-batches of rank 0 (the
         first ``n_heavy``) take what fits first, the rest fill evenly.
         """
-        B, cap = self.B, self.cap
+        budget, cap = self.budget, self.cap
         heap = []  # (rank, cost, group)
         for rank, nb in ((0, n_heavy), (1, n_bins - n_heavy)):
             if nb > 0:
@@ -165,7 +165,7 @@ class _Packer:
                 if not heap:
                     return False
                 rank, cost, g = heap[0]
-                room = B - self.tok[g]
+                room = budget - self.tok[g]
                 if room < length:
                     heapq.heappop(heap)
                     heapq.heappush(parked, (-room, rank, cost, g))
@@ -196,9 +196,9 @@ class _Packer:
         self.search_work = 0
         if not sum(length * k for length, k in self.hist):
             return n_bins >= 0
-        completion = _Completion(self.hist, self.B, self.cap, work)
+        completion = _Completion(self.hist, self.budget, self.cap, work)
         chosen = completion.run(n_bins)
-        self.search_work = work - completion.budget
+        self.search_work = work - completion.work_left
         if chosen is None:
             return False
         for content in chosen:  # a micro-batch's lengths, longest first (its first length may come again)
@@ -208,19 +208,19 @@ class _Packer:
         return True
 
     def _requeue(self, heap: list, rank: int, g: int) -> None:
-        if self.cnt[g] < self.cap and self.tok[g] < self.B:
+        if self.cnt[g] < self.cap and self.tok[g] < self.budget:
             heapq.heappush(heap, (rank, self.cost[g], g))
 
     def bfd(self) -> None:
         """Best-fit decreasing (each sequence, longest first, into the fullest micro-batch with room): as many as it
         needs."""
-        B, cap = self.B, self.cap
-        rooms = _Rooms(B)
+        budget, cap = self.budget, self.cap
+        rooms = _Rooms(budget)
         for length, k in self.hist:
             while k > 0:
                 found = rooms.take_at_least(length)
                 if found is None:  # new micro-batches, each as full as the budget and the cap allow
-                    q = int(min(B // length, cap))
+                    q = int(min(budget // length, cap))
                     full, rest = divmod(k, q)
                     if full:
                         g = self.group(full)
@@ -253,7 +253,7 @@ class _Packer:
                 k -= full * q
 
     def _add_room(self, rooms: "_Rooms", g: int) -> None:
-        room = self.B - self.tok[g]
+        room = self.budget - self.tok[g]
         if room > 0 and self.cnt[g] < self.cap:
             rooms.add(room, g)
 
@@ -292,7 +292,7 @@ class _Packer:
         return out
 
 
-def _packed_groups(order: Sequence[int], lengths: Sequence[int], costs: Sequence[float], B: int, W: int,
+def _packed_groups(order: Sequence[int], lengths: Sequence[int], costs: Sequence[float], budget: int, W: int,
                    cost_model: CostModel, max_seqs: Optional[int], seq_cost: dict) -> tuple[_Bins, int]:
     """Steps 1-2 packed: the micro-batches of the fewest steps this planner reaches, and that step count.
 
@@ -305,18 +305,18 @@ def _packed_groups(order: Sequence[int], lengths: Sequence[int], costs: Sequence
     histogram of lengths (``_Packer``): at most five packings, each about
     O(distinct lengths) but the capped search.
     """
-    n_lone = sum(n > B for n in lengths)
-    if all(lengths[i] > B for i in order[:n_lone]):  # longest first (as a rule): the over-long ones are a prefix
+    n_lone = sum(n > budget for n in lengths)
+    if all(lengths[i] > budget for i in order[:n_lone]):  # longest first (as a rule): the over-long ones are a prefix
         lone, rest = order[:n_lone], order[n_lone:]
     else:
-        lone, rest = [i for i in order if lengths[i] > B], [i for i in order if lengths[i] <= B]
+        lone, rest = [i for i in order if lengths[i] > budget], [i for i in order if lengths[i] <= budget]
     pools = {length: list(ids) for length, ids in itertools.groupby(rest, key=lengths.__getitem__)}
     hist = [(length, len(ids)) for length, ids in pools.items()]  # longest first, as ``rest`` is
     cap = max_seqs or math.inf
-    bound = math.ceil(lower_bound_bins(lengths, B, max_seqs=max_seqs) / W)
+    bound = math.ceil(lower_bound_bins(lengths, budget, max_seqs=max_seqs) / W)
 
     def lpt(n_steps: int) -> Optional[_Packer]:
-        packer = _Packer(hist, B, cap, seq_cost)
+        packer = _Packer(hist, budget, cap, seq_cost)
         n_rest = n_steps * W - len(lone)
         if n_rest <= 0:
             return None if rest else packer
@@ -326,12 +326,12 @@ def _packed_groups(order: Sequence[int], lengths: Sequence[int], costs: Sequence
 
     n_steps, packer = bound, lpt(bound)
     if packer is None:
-        bfd = _Packer(hist, B, cap, seq_cost)
+        bfd = _Packer(hist, budget, cap, seq_cost)
         bfd.bfd()
         enough = math.ceil((len(lone) + bfd.n_bins()) / W)
         n_search = bound * W - len(lone)  # the micro-batches the bound leaves for the rest
         if enough > bound and 0 < n_search <= _SEARCH_BINS:  # one micro-batch less would save a step: search for it
-            exact = _Packer(hist, B, cap, seq_cost)
+            exact = _Packer(hist, budget, cap, seq_cost)
             if exact.search(n_search, _search_work(len(rest))):
                 packer, enough = exact, bound
     if packer is None:
@@ -341,7 +341,7 @@ def _packed_groups(order: Sequence[int], lengths: Sequence[int], costs: Sequence
                 break
         if packer is None:  # BFD's micro-batches, and a few empty ones the refinement below can fill
             n_steps, packer = max(bound, enough), bfd
-    bins = _Bins(lengths, costs, B, "packed", cost_model, max_seqs)
+    bins = _Bins(lengths, costs, budget, "packed", cost_model, max_seqs)
     for i in lone:
         bins.add_bin([i], presorted=True)
     groups = packer.groups(pools)

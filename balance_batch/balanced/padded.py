@@ -41,7 +41,7 @@ class _Runs:
 
     def __init__(self, lengths: Sequence[int], costs: Sequence[float], budget: int, max_seqs: Optional[int]):
         self.order, ordered = length_order(lengths)
-        self.n, self.B, self.max_seqs = len(self.order), budget, max_seqs or len(self.order)
+        self.n, self.budget, self.max_seqs = len(self.order), budget, max_seqs or len(self.order)
         # blocks of equal length in the sorted order: [end position, length, cost of one]
         starts = [0, *(np.flatnonzero(np.diff(ordered)) + 1).tolist()] if self.n else []
         ends = starts[1:] + [self.n]
@@ -49,7 +49,7 @@ class _Runs:
         self.spans: list[tuple[int, int, int]] = []  # of the last cut: (first position, run size, runs)
 
     def size(self, length: int, cost: float, cap: float) -> int:
-        k = min(self.B // length, self.max_seqs)
+        k = min(self.budget // length, self.max_seqs)
         if cap < math.inf and cost > 0:
             k = min(k, int(cap // cost))
         return max(1, k)
@@ -112,12 +112,12 @@ def _padded_groups(lengths: Sequence[int], costs: Sequence[float], budget: int, 
     return runs.groups()
 
 
-def _padded_attempt(lengths: Sequence[int], costs: Sequence[float], B: int, W: int, cost_model: CostModel,
+def _padded_attempt(lengths: Sequence[int], costs: Sequence[float], budget: int, W: int, cost_model: CostModel,
                     n_steps: int, groups: Sequence[Sequence[int]], work: int,
                     max_seqs: Optional[int] = None) -> tuple[_Bins, _Grid, list[list[int]], int]:
     """Steps 3-5 of the package's docstring for padded micro-batches ``groups`` over ``n_steps`` steps; the last item is
     the work used."""
-    bins = _Bins(lengths, costs, B, "padded", cost_model, max_seqs)
+    bins = _Bins(lengths, costs, budget, "padded", cost_model, max_seqs)
     for g in groups:
         bins.add_bin(g, presorted=True)
     grid = _Grid(bins, n_steps, W)
@@ -126,7 +126,7 @@ def _padded_attempt(lengths: Sequence[int], costs: Sequence[float], B: int, W: i
     return bins, grid, slots, work - left
 
 
-def _padded_plan(lengths: Sequence[int], costs: Sequence[float], B: int, W: int, cost_model: CostModel,
+def _padded_plan(lengths: Sequence[int], costs: Sequence[float], budget: int, W: int, cost_model: CostModel,
                  n_steps: int, n_fewest: int, work: int,
                  max_seqs: Optional[int] = None) -> tuple[_Bins, _Grid, list[list[int]]]:
     """Padded over several ranks: the fewest steps whose plan has ranks within ``_PADDED_IMBALANCE`` of each other.
@@ -143,7 +143,7 @@ def _padded_plan(lengths: Sequence[int], costs: Sequence[float], B: int, W: int,
     many ranks over few steps, or many sequences, still plan in seconds.
     """
     greedy_steps = max(
-        len(_greedy_token_budget(d, lengths, B, max_seqs)) for d in deal_to_ranks(sort_by_length(lengths), W)
+        len(_greedy_token_budget(d, lengths, budget, max_seqs)) for d in deal_to_ranks(sort_by_length(lengths), W)
     )
     last = min(max(n_steps, greedy_steps), n_steps + _PADDED_RETRIES)
     if n_steps > _PADDED_FEW_STEPS:
@@ -157,8 +157,8 @@ def _padded_plan(lengths: Sequence[int], costs: Sequence[float], B: int, W: int,
         for n_bins in counts:
             if spent > _PADDED_SEARCH * work:
                 break
-            *attempt, used = _padded_attempt(lengths, costs, B, W, cost_model, steps,
-                                             _padded_groups(lengths, costs, B, n_bins, max_seqs), work, max_seqs)
+            *attempt, used = _padded_attempt(lengths, costs, budget, W, cost_model, steps,
+                                             _padded_groups(lengths, costs, budget, n_bins, max_seqs), work, max_seqs)
             spent += used + len(lengths)  # an attempt's cutting, dealing and statistics are O(n) work too
             _, grid, slots = attempt
             totals = [sum(grid.bins.cost[slots[s][r]] for s in range(grid.S)) for r in range(W)]

@@ -27,7 +27,7 @@ def _sequence_order(lengths: Sequence[int], costs: Sequence[float], a: float, b:
 
 
 def balanced_schedules(
-    lengths: Sequence[int], world_size: int, max_tokens: int, layout: str, cost_model: CostModel,
+    lengths: Sequence[int], world_size: int, budget: int, layout: str, cost_model: CostModel,
     max_seqs: Optional[int] = None, work: Optional[int] = None,
 ) -> list[Schedule]:
     """Per rank, S micro-batches (``None`` for an empty slot): see the package's docstring.
@@ -35,7 +35,7 @@ def balanced_schedules(
     ``max_seqs`` caps the sequences of a micro-batch (None: no cap). ``work`` bounds the refinement (steps 4-5) in
     candidate evaluations; None: the bounds above; 0: none (what a sampler planning every optimizer step uses).
     """
-    n, W, B = len(lengths), world_size, max_tokens
+    n, W, budget = len(lengths), world_size, budget
     if n == 0:
         return [[] for _ in range(W)]
     seq_cost = {x: cost_model.sequence(x) for x in set(lengths)}
@@ -44,18 +44,20 @@ def balanced_schedules(
         work = min(_MAX_WORK, max(_MIN_WORK, _WORK_PER_ITEM * n))
     order = _sequence_order(lengths, costs, cost_model.a, cost_model.b)
     if layout == "packed":
-        bins, n_steps = _packed_groups(order, lengths, costs, B, W, cost_model, max_seqs, seq_cost)
+        bins, n_steps = _packed_groups(order, lengths, costs, budget, W, cost_model, max_seqs, seq_cost)
         grid = _Grid(bins, n_steps, W)
         if W > 1:  # one rank has nothing to even out: its steps are its micro-batches, costliest first
             work = grid.improve(work // 2) + work // 2
         slots, _ = _assign_ranks(grid, work)
     else:
-        fewest = fewest_padded_microbatches(lengths, B, max_seqs)
+        fewest = fewest_padded_microbatches(lengths, budget, max_seqs)
         n_steps = math.ceil(len(fewest) / W)
         if W == 1:  # one rank has nothing to balance: the fewest micro-batches, filled greedily, pad least
-            bins, grid, slots, _ = _padded_attempt(lengths, costs, B, W, cost_model, n_steps, fewest, work, max_seqs)
+            bins, grid, slots, _ = _padded_attempt(lengths, costs, budget, W, cost_model, n_steps, fewest, work,
+                                                   max_seqs)
         else:
-            bins, grid, slots = _padded_plan(lengths, costs, B, W, cost_model, n_steps, len(fewest), work, max_seqs)
+            bins, grid, slots = _padded_plan(lengths, costs, budget, W, cost_model, n_steps, len(fewest), work,
+                                             max_seqs)
     maxima = [grid.step_max(s) for s in range(grid.S)]
     step_order = sorted(range(grid.S), key=maxima.__getitem__, reverse=True)  # costliest first, ties by step
     items = bins.items  # handed over as they are: the bins are not used after this
