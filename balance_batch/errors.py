@@ -45,10 +45,30 @@ def checked_lengths(lengths, who: str = "") -> np.ndarray:
         raise ValueError(f"{lead} must be {valid}, got an array of shape {arr.shape}")
     whole = arr.dtype.kind in "iu" or (arr.dtype.kind == "f" and bool(np.all(np.mod(arr, 1) == 0)))
     if arr.size and not whole:
-        text = repr(lengths)
-        raise ValueError(f"{lead} must be {valid}, got {text if len(text) <= 60 else text[:57] + '...'}")
+        raise ValueError(f"{lead} must be {valid}, got {shown(lengths)}")
     arr = arr.astype(np.int64)
     if arr.size and int(arr.min()) < 0:
         i = int(np.argmin(arr))
         raise ValueError(f"{lead}[{i}] = {int(arr[i])}: a length is a count of tokens, 0 or more")
     return arr
+
+
+def checked_loss_tokens(loss_tokens, lengths: np.ndarray, who: str = "") -> np.ndarray:
+    """Per sequence, the tokens its loss counts, as int64 (an integer in [0, its length] each), or one ValueError
+    naming ``who`` takes them and the first count out of range."""
+    key = f"{who}: loss_tokens_per_sequence" if who else "loss_tokens_per_sequence"
+    arr = np.asarray(loss_tokens)
+    if arr.ndim != 1 or len(arr) != len(lengths) or (arr.size and arr.dtype.kind not in "iu"):
+        raise ValueError(f"{key}: must be one integer per sequence ({len(lengths)}), got {shown(loss_tokens)}")
+    bad = np.flatnonzero((arr < 0) | (arr > lengths))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"{key}: each count must be between 0 and its sequence's length; "
+                         f"loss_tokens_per_sequence[{i}] is {int(arr[i])} for a length of {int(lengths[i])}")
+    return arr.astype(np.int64)
+
+
+def shown(value) -> str:
+    """``value`` as a message shows it: its repr, cut to 60 characters."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

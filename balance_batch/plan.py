@@ -6,10 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-import numpy as np
-
 from balance_batch.cost import LAYOUTS, CostModel
-from balance_batch.errors import check_choice, checked_lengths, positive_int
+from balance_batch.errors import check_choice, checked_lengths, checked_loss_tokens, positive_int
 from balance_batch.greedy import Schedule, lockstep_schedules
 from balance_batch.knobs import check_knobs, checked_groups, plan_with_knobs
 from balance_batch.planners import PLANNERS, Knobs, PlanSettings, get_planner
@@ -123,14 +121,15 @@ def plan_step(
         >>> plan.loss_tokens
         1800
     """
-    n = checked_lengths(lengths).tolist()
+    arr = checked_lengths(lengths)
+    n = arr.tolist()
     settings = checked_settings(world_size=world_size, budget=max_tokens_per_microbatch, layout=layout,
                                 planner=planner, max_seqs=max_seqs_per_microbatch, cost_model=cost_model,
                                 micro_batch_size=micro_batch_size, lockstep=bool(lockstep),
                                 knobs=(min_microbatches, microbatches_multiple_of, padded_sequences_multiple_of),
                                 groups=groups is not None)
     group_ids = checked_groups(groups, len(n))
-    loss = _checked_loss_tokens(loss_tokens_per_sequence, n)
+    loss = None if loss_tokens_per_sequence is None else int(checked_loss_tokens(loss_tokens_per_sequence, arr).sum())
     return planned(n, settings, group_ids, loss)
 
 
@@ -194,24 +193,3 @@ def planned(lengths: list[int], settings: PlanSettings, groups: Optional[list[in
                 layout=s.layout, planner=s.planner, cost_model=s.cost_model, lengths=list(lengths),
                 lockstep=s.lockstep, max_seqs_per_microbatch=s.max_seqs, peer=record,
                 loss_tokens=loss_tokens, empty=[] if whole else [i for i, x in enumerate(lengths) if x == 0])
-
-
-def _checked_loss_tokens(loss_tokens, lengths: list[int]) -> Optional[int]:
-    """The step's loss tokens from per-sequence counts (None: not given), or one ValueError."""
-    if loss_tokens is None:
-        return None
-    arr = np.asarray(loss_tokens)
-    if arr.ndim != 1 or len(arr) != len(lengths) or (arr.size and arr.dtype.kind not in "iu"):
-        raise ValueError(f"loss_tokens_per_sequence: must be one integer per sequence ({len(lengths)}), got "
-                         f"{_shown(loss_tokens)}")
-    bad = np.flatnonzero((arr < 0) | (arr > np.asarray(lengths, dtype=np.int64)))
-    if bad.size:
-        i = int(bad[0])
-        raise ValueError(f"loss_tokens_per_sequence: each count must be between 0 and its sequence's length; "
-                         f"loss_tokens_per_sequence[{i}] is {int(arr[i])} for a length of {lengths[i]}")
-    return int(arr.sum())
-
-
-def _shown(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."

@@ -25,7 +25,7 @@ from typing import Any, Iterator, Optional, Sequence
 import numpy as np
 
 from balance_batch.cost import CostModel
-from balance_batch.errors import checked_lengths
+from balance_batch.errors import checked_lengths, checked_loss_tokens
 from balance_batch.knobs import checked_groups
 from balance_batch.plan import checked_settings
 from balance_batch.sampler_state import STATE_VERSION, check_state, settings_config, settings_from_config
@@ -85,10 +85,7 @@ def _checked_items(lengths, loss_tokens_per_sequence) -> tuple[np.ndarray, np.nd
                          f"got {len(L)} of 0 tokens")
     if loss_tokens_per_sequence is None:
         return L, np.maximum(L - 1, 0)
-    lt = np.asarray(loss_tokens_per_sequence)
-    if lt.shape != L.shape or not np.issubdtype(lt.dtype, np.integer) or (lt < 0).any() or (lt > L).any():
-        raise ValueError(f"{WHO}: loss_tokens_per_sequence must give, per item, an integer in [0, its length]")
-    return L, lt.astype(np.int64)
+    return L, checked_loss_tokens(loss_tokens_per_sequence, L, WHO)
 
 
 def _step_size(sequences_per_step, tokens_per_step, rampup) -> tuple[str, list[tuple[int, int]], Any]:
