@@ -313,17 +313,21 @@ class TokenBudgetSampler:
     def _digest(self) -> str:  # hashed once, when a state is first saved or loaded
         return hashlib.sha256(self.lengths.tobytes() + b"|" + self.loss_tokens.tobytes()).hexdigest()[:16]
 
+    @functools.cached_property
+    def _groups_digest(self) -> Optional[str]:  # as the dataset's: once, not at every micro-batch a loader saves
+        if self.groups is None:
+            return None
+        return "sha256 " + hashlib.sha256(np.asarray(self.groups, dtype=np.int64).tobytes()).hexdigest()[:16]
+
     def _config(self) -> dict:
         cutter = self._epochs.cutter
-        groups = None if self.groups is None else \
-            "sha256 " + hashlib.sha256(np.asarray(self.groups, dtype=np.int64).tobytes()).hexdigest()[:16]
         return {
             "dataset": f"{len(self.lengths)} items, sha256 {self._digest}",
             "seed": cutter.seed,
             "shuffle": cutter.shuffle,
             "sequences_per_step": self.sequences_per_step,
             "tokens_per_step": None if cutter.unit == "sequences" else [list(p) for p in cutter.ramp],
-            "groups": groups,
+            "groups": self._groups_digest,
             "drop_last": cutter.drop_last,
             "longest_first": cutter.longest_first,
             **settings_config(self._settings),
