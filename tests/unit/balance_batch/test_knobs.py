@@ -10,6 +10,7 @@ from math import floor
 import numpy as np
 import pytest
 
+import harness.peers  # noqa: F401  (registers the peers' planners, whose refusal of the knobs is checked here)
 from balance_batch import TokenBudgetSampler, plan_step
 from balance_batch.cost import microbatch_tokens
 
