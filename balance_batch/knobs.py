@@ -14,6 +14,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from balance_batch.cost import CostModel, microbatch_cost, microbatch_tokens
+from balance_batch.errors import shown
 from balance_batch.planners import PLANNERS, PlanSettings
 
 Base = Callable[[list[int], Optional[int]], list[list]]  # (unit lengths, cap) -> per rank, micro-batches or None
@@ -53,7 +54,7 @@ def checked_groups(groups, n: int, who: str = "") -> Optional[list[int]]:
     lead = f"{who}: " if who else ""
     arr = np.asarray(groups)
     if arr.ndim != 1 or len(arr) != n or (arr.size and arr.dtype.kind not in "iu"):
-        raise ValueError(f"{lead}groups: must be one integer group id per item ({n}), got {str(groups)[:60]}")
+        raise ValueError(f"{lead}groups: must be one integer group id per item ({n}), got {shown(groups)}")
     return arr.tolist()
 
 
