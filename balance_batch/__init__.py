@@ -6,6 +6,8 @@ What a user calls, from here:
   rollouts of an RL step): each rank's micro-batches, their modeled cost and the step's token totals (a ``Plan``).
 - ``TokenBudgetSampler`` samples a dataset in optimizer steps sized in sequences or tokens, each planned over the
   ranks (a ``Step``: this rank's micro-batches and the step's loss denominator); docs/library.md.
+- ``TokenBudgetStream`` does the same for a stream of items whose lengths are not known up front, each step planned
+  over every rank's items together (``balance_batch.stream``).
 - ``pack(lengths, capacity)`` packs a whole corpus offline into rows (a ``Packing``, as arrays;
   ``python -m balance_batch.pack`` on disk).
 - ``CostModel`` is what the planners balance; ``PLANNERS`` (the library's two, ``"greedy"`` and ``"balanced"``) and
@@ -22,5 +24,7 @@ from balance_batch.corpus import Packing, pack
 from balance_batch.cost import LAYOUTS, CostModel
 from balance_batch.plan import PLANNERS, Plan, plan_step
 from balance_batch.sampler import Step, TokenBudgetSampler
+from balance_batch.stream import TokenBudgetStream
 
-__all__ = ["LAYOUTS", "PLANNERS", "CostModel", "Packing", "Plan", "Step", "TokenBudgetSampler", "pack", "plan_step"]
+__all__ = ["LAYOUTS", "PLANNERS", "CostModel", "Packing", "Plan", "Step", "TokenBudgetSampler", "TokenBudgetStream",
+           "pack", "plan_step"]

@@ -1,8 +1,11 @@
 """From ``pack`` to training: a torch ``Dataset`` whose items are a ``Packing``'s rows, in a seeded order, each
-collated (by default ``pack_collate``: the row's sequences, or pieces of them, end to end)."""
+collated (by default ``pack_collate``: the row's sequences, or pieces of them, end to end); and a
+``TokenBudgetStream``'s steps as a torch ``IterableDataset`` (``StreamSteps``), resumable by torchdata's
+``StatefulDataLoader``."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Optional, Sequence
 
 import numpy as np
@@ -105,3 +108,40 @@ class PackedDataset(torch.utils.data.Dataset):
         """Item ``i``: ``collate_fn`` of its samples (the samples themselves where ``collate_fn`` is None)."""
         samples = self.samples(i)
         return samples if self.collate_fn is None else self.collate_fn(samples)
+
+
+class StreamSteps(torch.utils.data.IterableDataset):
+    """A ``TokenBudgetStream``'s steps as a torch ``IterableDataset``, each step's micro-batches collated (by
+    ``collate_fn``; None keeps the lists of items), with the stream's ``state_dict`` / ``load_state_dict``: what
+    torchdata's ``StatefulDataLoader`` saves and restores, so a loader's state resumes the stream exactly.
+
+    ``DataLoader(StreamSteps(stream), batch_size=None)`` yields one ``Step`` at a time. The steps are planned with
+    collectives over the ranks, so they are read in the main process: ``num_workers=0``.
+
+    Raises:
+        ValueError: ``stream`` is not a ``TokenBudgetStream``; iterated in a loader worker.
+    """
+
+    def __init__(self, stream, collate_fn: Optional[Callable[[list], object]] = None):
+        from balance_batch.stream import TokenBudgetStream
+
+        if not isinstance(stream, TokenBudgetStream):
+            raise ValueError(f"StreamSteps: stream must be a balance_batch.stream.TokenBudgetStream, got "
+                             f"{type(stream).__name__}")
+        self.stream, self.collate_fn = stream, collate_fn
+
+    def __iter__(self):
+        if torch.utils.data.get_worker_info() is not None:
+            raise ValueError("StreamSteps: read in a loader worker, but its steps are planned with collectives "
+                             "over the ranks in the main process: use num_workers=0")
+        for step in self.stream:
+            if self.collate_fn is not None:
+                step = dataclasses.replace(step, microbatches=[self.collate_fn(mb) for mb in step.microbatches])
+            yield step
+
+    def state_dict(self) -> dict:
+        """The stream's position after the last step yielded."""
+        return self.stream.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.stream.load_state_dict(state)

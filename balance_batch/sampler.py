@@ -29,7 +29,7 @@ from balance_batch.errors import checked_lengths, checked_loss_tokens
 from balance_batch.knobs import checked_groups
 from balance_batch.plan import checked_settings
 from balance_batch.sampler_state import STATE_VERSION, check_state, settings_config, settings_from_config
-from balance_batch.step_cutter import StepCutter, StepSize, megatron_rampup, step_ramp
+from balance_batch.step_cutter import StepCutter, StepSize, megatron_rampup, step_size
 from balance_batch.step_plans import Epochs, Partial, Step, StepPlans
 from balance_batch.world import resolve_world
 
@@ -86,21 +86,6 @@ def _checked_items(lengths, loss_tokens_per_sequence) -> tuple[np.ndarray, np.nd
     if loss_tokens_per_sequence is None:
         return L, np.maximum(L - 1, 0)
     return L, checked_loss_tokens(loss_tokens_per_sequence, L, WHO)
-
-
-def _step_size(sequences_per_step, tokens_per_step, rampup) -> tuple[str, list[tuple[int, int]], Any]:
-    """(what the step size counts, its ramp, ``sequences_per_step`` as the sampler shows it), or one ValueError."""
-    if (sequences_per_step is None) == (tokens_per_step is None):
-        raise ValueError(f"{WHO}: give exactly one of sequences_per_step and tokens_per_step, got "
-                         f"{'both' if sequences_per_step is not None else 'neither'}")
-    key, size = (("sequences_per_step", sequences_per_step) if tokens_per_step is None
-                 else ("tokens_per_step", tokens_per_step))
-    ramp = megatron_rampup(rampup, size, key) if rampup is not None else step_ramp(size, key)
-    unit = key.split("_")[0]
-    if unit == "tokens":
-        return unit, ramp, None
-    plain = rampup is None and not isinstance(size, (list, tuple))
-    return unit, ramp, int(size) if plain else [list(p) for p in ramp]
 
 
 class TokenBudgetSampler:
@@ -171,7 +156,7 @@ class TokenBudgetSampler:
         longest_first: bool = False,
     ):
         world_size, rank = resolve_world(world_size, rank, process_group)
-        unit, ramp, self.sequences_per_step = _step_size(sequences_per_step, tokens_per_step, rampup)
+        unit, ramp, self.sequences_per_step = step_size(sequences_per_step, tokens_per_step, rampup, WHO)
         settings = checked_settings(world_size=world_size, budget=max_tokens_per_microbatch, layout=layout,
                                     planner=planner, max_seqs=max_seqs_per_microbatch, cost_model=cost_model,
                                     knobs=(min_microbatches, microbatches_multiple_of, padded_sequences_multiple_of),

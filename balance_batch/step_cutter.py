@@ -5,7 +5,7 @@ seed and epoch). No planning and no position here: ``TokenBudgetSampler`` plans 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, Optional, Sequence, Union
+from typing import Any, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 
@@ -26,14 +26,14 @@ class EpochCut(NamedTuple):
     end: tuple[int, int]
 
 
-def step_ramp(size: StepSize, key: str) -> list[tuple[int, int]]:
+def step_ramp(size: StepSize, key: str, who: str = WHO) -> list[tuple[int, int]]:
     """A step size (``key``: tokens_per_step or sequences_per_step) as [(threshold, size), ...] from threshold 0,
     thresholds increasing, or one ValueError."""
     if not isinstance(size, (list, tuple)):
-        positive_int(key, size, who=WHO)
+        positive_int(key, size, who=who)
         return [(0, int(size))]
     unit = key.split("_")[0]
-    bad = ValueError(f"{WHO}: {key} must be a positive integer or a schedule [(consumed_{unit}, {key}), ...] "
+    bad = ValueError(f"{who}: {key} must be a positive integer or a schedule [(consumed_{unit}, {key}), ...] "
                      f"starting at 0 with increasing thresholds and positive sizes, got {size!r}")
     try:
         pairs = [(int(c), int(t)) for c, t in size]
@@ -46,7 +46,7 @@ def step_ramp(size: StepSize, key: str) -> list[tuple[int, int]]:
     return pairs
 
 
-def megatron_rampup(rampup, final: StepSize, key: str) -> list[tuple[int, int]]:
+def megatron_rampup(rampup, final: StepSize, key: str, who: str = WHO) -> list[tuple[int, int]]:
     """Megatron-LM's ``--rampup-batch-size start increment over`` as a threshold schedule.
 
     The step size starts at ``start`` and grows by ``increment`` each time over / ((final - start) / increment) more
@@ -54,12 +54,12 @@ def megatron_rampup(rampup, final: StepSize, key: str) -> list[tuple[int, int]]:
     floor(consumed / (over / increments)), so the j-th increment applies from ceil(j * over / increments) on,
     computed exactly here).
     """
-    bad = (f"{WHO}: rampup must be (start, increment, over) with 0 < start <= {key}, increment > 0 "
+    bad = (f"{who}: rampup must be (start, increment, over) with 0 < start <= {key}, increment > 0 "
            f"dividing {key} - start, and over >= 0 (Megatron-LM's rampup_batch_size), got {rampup!r}")
     if isinstance(final, (list, tuple)):
-        raise ValueError(f"{WHO}: rampup: {key} must then be the final size (a positive integer), not a schedule: "
+        raise ValueError(f"{who}: rampup: {key} must then be the final size (a positive integer), not a schedule: "
                          "give one or the other")
-    final = positive_int(key, final, who=WHO)
+    final = positive_int(key, final, who=who)
     try:
         start, increment, over = (int(v) for v in rampup)
         ok = all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in rampup)
@@ -72,6 +72,23 @@ def megatron_rampup(rampup, final: StepSize, key: str) -> list[tuple[int, int]]:
     for j in range(increments + 1):  # a later size on the same threshold replaces an earlier one (over < increments)
         pairs[-(-j * over // increments) if increments else 0] = start + j * increment
     return sorted(pairs.items())
+
+
+def step_size(sequences_per_step, tokens_per_step, rampup, who: str = WHO) -> tuple[str, list[tuple[int, int]], Any]:
+    """(what the step size counts, its ramp, ``sequences_per_step`` as a state records it), or one ValueError naming
+    ``who`` takes them (the sampler, the stream)."""
+    if (sequences_per_step is None) == (tokens_per_step is None):
+        raise ValueError(f"{who}: give exactly one of sequences_per_step and tokens_per_step, got "
+                         f"{'both' if sequences_per_step is not None else 'neither'}")
+    key, size = (("sequences_per_step", sequences_per_step) if tokens_per_step is None
+                 else ("tokens_per_step", tokens_per_step))
+    ramp = megatron_rampup(rampup, size, key, who) if rampup is not None else step_ramp(size, key, who)
+    unit = key.split("_")[0]
+    if unit == "tokens":
+        return unit, ramp, None
+    plain = rampup is None and not isinstance(size, (list, tuple))
+    return unit, ramp, int(size) if plain else [list(p) for p in ramp]
+
 
 
 @dataclass(frozen=True, eq=False)

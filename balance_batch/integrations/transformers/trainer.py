@@ -6,6 +6,9 @@ The Trainer counts a fixed number of batches per epoch and per optimizer step; t
 micro-batches as their tokens need, and with a token ramp each epoch has its own number of steps. So the Trainer's
 loop runs one "epoch" that spans the whole run (``max_steps`` of the sampler's steps, across its epochs), and a
 callback keeps ``state.epoch`` and the epoch-based save/eval/log strategies on the sampler's epochs.
+
+A ``TokenBudgetStream`` given as the train dataset (and no sampler) is trained the same way, ``max_steps`` of its
+steps, as the Trainer asks of any iterable dataset; each rank saves its own stream state in every checkpoint.
 """
 
 from __future__ import annotations
@@ -33,8 +36,10 @@ from transformers.trainer_utils import (
 from balance_batch.collate import IGNORE_INDEX, pack_collate, pad_collate
 from balance_batch.integrations.transformers.packing import check_packable
 from balance_batch.sampler import Step, TokenBudgetSampler
+from balance_batch.stream import TokenBudgetStream
 
 STATE_FILE = "sampler_state.json"  # in each checkpoint folder: the sampler's position after the checkpoint's step
+STREAM_STATE_FILE = "stream_state_{rank}.pt"  # with a stream: each rank's position (torch.save: it holds items)
 
 
 class _NoInputIds(ValueError):
@@ -161,6 +166,25 @@ class _StepKeys(torch.utils.data.Sampler):
             last_epoch = sampler.epoch
 
 
+class _StreamSteps(torch.utils.data.IterableDataset):
+    """A stream's steps in the main process (their planning takes collectives), collated, up to ``max_steps``."""
+
+    def __init__(self, trainer: "TokenBudgetMixin"):
+        self.trainer = trainer
+
+    def __iter__(self):
+        trainer = self.trainer
+        stream, state = trainer.stream, trainer.state
+        if stream.step != state.global_step:
+            raise ValueError(f"{type(trainer).__name__}: the stream's next step is {stream.step} but the Trainer is "
+                             f"at step {state.global_step}; resume with train(resume_from_checkpoint=...), which "
+                             "loads the checkpoint's stream state")
+        for step in stream:
+            yield {"microbatches": [trainer.collate_fn(mb) for mb in step.microbatches], "step": step}
+            if step.step + 1 >= state.max_steps:
+                return
+
+
 class _SamplerEpochs(TrainerCallback):
     """Keeps ``state.epoch``, ``state.num_train_epochs`` and the epoch strategies on the sampler's epochs, which the
     Trainer's one loop epoch spans."""
@@ -213,13 +237,30 @@ def _is_stream(dataset) -> bool:
 
 
 def _refuse_stream(dataset, who: str) -> None:
-    """Refuse, in one line, a train dataset the sampler cannot plan: a stream (``_is_stream``)."""
-    if dataset is not None and _is_stream(dataset):
+    """Refuse, in one line, a train dataset the sampler cannot plan: a stream (``_is_stream``) not wrapped in a
+    ``TokenBudgetStream``."""
+    if dataset is not None and not isinstance(dataset, TokenBudgetStream) and _is_stream(dataset):
         raise ValueError(
             f"{who}: train_dataset is a stream ({type(dataset).__name__}), but the sampler plans "
             "each step from every item's length, known up front: give a map-style dataset (datasets.Dataset, a "
             "list, a torch Dataset with __len__ and __getitem__), e.g. the stream materialized with "
-            "datasets.Dataset.from_generator or list()")
+            "datasets.Dataset.from_generator or list(); or give train_dataset=TokenBudgetStream(stream, ...) "
+            "(balance_batch.stream) and no sampler")
+
+
+def _check_stream_arguments(dataset, sampler, args, who: str) -> None:
+    """Refuse, in one line, a stream with a sampler or without ``max_steps``, and a sampler missing without one."""
+    if not isinstance(dataset, TokenBudgetStream):
+        if sampler is None:
+            raise ValueError(f"{who}: give sampler= (a TokenBudgetSampler, or a function of the train dataset that "
+                             "returns one), or train_dataset=TokenBudgetStream(...) for a stream")
+        return
+    if sampler is not None:
+        raise ValueError(f"{who}: train_dataset is a TokenBudgetStream, which plans its own steps: leave sampler out")
+    if args is not None and args.max_steps <= 0:
+        raise ValueError(f"{who}: train_dataset is a TokenBudgetStream, whose length is not known up front: give "
+                         f"max_steps (its steps to train), as the Trainer asks of any iterable dataset; got "
+                         f"max_steps={args.max_steps}")
 
 
 # TrainingArguments the sampler decides instead, each refused unless left at its default ("not asked for"), and why
@@ -265,10 +306,11 @@ def _built_sampler(sampler: _SamplerOrFunction, dataset, who: str) -> TokenBudge
     return built
 
 
-def _check_sampler_rank(sampler: TokenBudgetSampler, args, who: str) -> None:
-    """Refuse a sampler planned for another rank or world size than this process's."""
+def _check_sampler_rank(sampler, args, who: str) -> None:
+    """Refuse a sampler (or stream) planned for another rank or world size than this process's."""
     if (sampler.world_size, sampler.rank) != (args.world_size, args.process_index):
-        raise ValueError(f"{who}: the sampler plans for rank {sampler.rank} of {sampler.world_size}, "
+        name = "stream" if isinstance(sampler, TokenBudgetStream) else "sampler"
+        raise ValueError(f"{who}: the {name} plans for rank {sampler.rank} of {sampler.world_size}, "
                          f"this process is rank {args.process_index} of {args.world_size}")
 
 
@@ -310,11 +352,15 @@ class TokenBudgetMixin:
     """What makes a Trainer (or a Trainer subclass, such as TRL's ``SFTTrainer``) train on a sampler's steps; see
     ``TokenBudgetTrainer``."""
 
-    def __init__(self, *args, sampler: _SamplerOrFunction, collate_fn: Callable = pack_collate, **kwargs):
+    def __init__(self, *args, sampler: Optional[_SamplerOrFunction] = None, collate_fn: Callable = pack_collate,
+                 **kwargs):
         who = type(self).__name__
-        _check_sampler_argument(sampler, who)
+        if sampler is not None:
+            _check_sampler_argument(sampler, who)
         # before the Trainer's own refusal of a dataset without __len__ (which asks for max_steps)
         _refuse_stream(kwargs.get("train_dataset"), who)
+        if "train_dataset" in kwargs:
+            _check_stream_arguments(kwargs["train_dataset"], sampler, kwargs.get("args"), who)
         super().__init__(*args, **kwargs)
         self.collate_fn = collate_fn
         self.trained_step: Optional[Step] = None  # the last step trained: what a checkpoint saves the position after
@@ -323,11 +369,18 @@ class TokenBudgetMixin:
         _refuse_stream(self.train_dataset, who)  # a subclass may have prepared the dataset into a stream
         if self.train_dataset is None:
             raise ValueError(f"{who}: no train_dataset; give the dataset whose items the sampler's lengths describe")
-        self.sampler = _built_sampler(sampler, self.train_dataset, who)
-        self._start_state = self.sampler.state_dict()  # where a fresh train() starts, however often it is called
-        self._check_sampler()
+        _check_stream_arguments(self.train_dataset, sampler, self.args, who)
+        self.stream: Optional[TokenBudgetStream] = None
+        if isinstance(self.train_dataset, TokenBudgetStream):
+            self.stream, self.sampler = self.train_dataset, None
+            self._start_state = self.stream.state_dict()
+            _check_sampler_rank(self.stream, self.args, who)
+        else:
+            self.sampler = _built_sampler(sampler, self.train_dataset, who)
+            self._start_state = self.sampler.state_dict()  # where a fresh train() starts, however often it is called
+            self._check_sampler()
+            self.add_callback(_SamplerEpochs(self))
         self._check_model()
-        self.add_callback(_SamplerEpochs(self))
 
     # ------------------------------------------------------------------ settings
 
@@ -367,6 +420,9 @@ class TokenBudgetMixin:
         Not passed through ``accelerator.prepare``: the sampler plans each rank's share already, and accelerate would
         shard it again."""
         args = self.args
+        if self.stream is not None:  # read and collated here: the stream's steps are planned with collectives
+            return torch.utils.data.DataLoader(_StreamSteps(self), batch_size=None, collate_fn=_as_is, num_workers=0,
+                                               pin_memory=args.dataloader_pin_memory)
         extra = {}
         if args.dataloader_num_workers > 0:
             extra = {"prefetch_factor": args.dataloader_prefetch_factor,
@@ -400,7 +456,10 @@ class TokenBudgetMixin:
 
     def set_initial_training_values(self, args, dataloader):
         """The Trainer's step counts from the sampler: ``max_steps`` (given, or the steps of ``num_train_epochs``
-        epochs, each with its own count under a ramp), all in one loop epoch."""
+        epochs, each with its own count under a ramp), all in one loop epoch; with a stream, ``max_steps``."""
+        if self.stream is not None:
+            steps = args.max_steps
+            return 1, steps, steps, steps, 1, steps, steps
         max_steps = args.max_steps if args.max_steps > 0 else self.steps_for_epochs(args.num_train_epochs)
         if max_steps < 1:
             raise ValueError(f"{type(self).__name__}: num_train_epochs={args.num_train_epochs} of the sampler is no "
@@ -416,7 +475,9 @@ class TokenBudgetMixin:
             resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
             if resume_from_checkpoint is None:
                 raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
-        if resume_from_checkpoint in (None, False):
+        if self.stream is not None:
+            self._load_stream_state(resume_from_checkpoint)
+        elif resume_from_checkpoint in (None, False):
             self.sampler.load_state_dict(self._start_state)
         else:
             path = os.path.join(resume_from_checkpoint, STATE_FILE)
@@ -433,6 +494,19 @@ class TokenBudgetMixin:
             return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
         finally:
             self.args.ignore_data_skip = ignore_data_skip
+
+    def _load_stream_state(self, checkpoint) -> None:
+        """The stream placed after the checkpoint's step (this rank's state), or at its start."""
+        if checkpoint in (None, False):
+            if self.stream.step != 0:  # a second train(): from the start again (the source read anew)
+                self.stream.load_state_dict(self._start_state)
+            return
+        path = os.path.join(checkpoint, STREAM_STATE_FILE.format(rank=self.args.process_index))
+        if not os.path.isfile(path):
+            raise ValueError(f"{type(self).__name__}: {path} is missing; the checkpoint was not saved by a "
+                             "token-budget trainer on this stream, and resuming without it would retrain or skip "
+                             "items")
+        self.stream.load_state_dict(torch.load(path, weights_only=False))
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         """The step's micro-batches forward and backward one at a time, each loss summed over its tokens and divided
@@ -470,9 +544,14 @@ class TokenBudgetMixin:
     def _save_checkpoint(self, model, trial):
         # Written before the Trainer's files, so a checkpoint with a trainer_state.json has its sampler state too.
         # Rank 0's is every rank's: the state has no rank in it.
-        if self.trained_step is not None and self.args.should_save:
-            name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"  # the folder the Trainer saves into
-            folder = os.path.join(self._get_output_dir(trial=trial), name)
+        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"  # the folder the Trainer saves into
+        folder = os.path.join(self._get_output_dir(trial=trial), name)
+        if self.trained_step is not None and self.stream is not None:  # every rank its own, as the RNG states
+            os.makedirs(folder, exist_ok=True)
+            path = os.path.join(folder, STREAM_STATE_FILE.format(rank=self.args.process_index))
+            torch.save(self.stream.state_dict(after=self.trained_step), path + ".tmp")
+            os.replace(path + ".tmp", path)
+        elif self.trained_step is not None and self.args.should_save:
             os.makedirs(folder, exist_ok=True)
             tmp = os.path.join(folder, STATE_FILE + ".tmp")
             with open(tmp, "w", encoding="utf-8") as f:
@@ -494,21 +573,26 @@ class TokenBudgetTrainer(TokenBudgetMixin, Trainer):
         *args: the ``transformers.Trainer``'s (``model``, ``args``, ``train_dataset``, ...), as keywords or in its
             order; **kwargs takes the rest of them.
         sampler: the ``TokenBudgetSampler`` that plans the steps, built from ``token_counts(train_dataset)``; or a
-            function of the train dataset that returns one, called once in the constructor.
+            function of the train dataset that returns one, called once in the constructor. Left out where
+            ``train_dataset`` is a ``balance_batch.stream.TokenBudgetStream``: its steps are trained, ``max_steps``
+            of them, and each rank saves its stream state (``stream_state_{rank}.pt``) in every checkpoint.
         collate_fn: makes a micro-batch's items into the model's keyword arguments: ``pack_collate`` (the default)
             or ``pad_collate`` (for a sampler with ``layout="padded"``), either maybe a ``functools.partial``, or a
             function of your own.
 
     Raises:
         ValueError: in one line, from the constructor: ``sampler`` is neither a sampler nor a function returning
-            one; ``train_dataset`` is missing or a stream (an ``IterableDataset``); a ``TrainingArguments`` the
-            sampler decides is set (``gradient_accumulation_steps`` other than 1, ``per_device_train_batch_size``,
-            ``train_sampling_strategy``, ``dataloader_drop_last``, ``auto_find_batch_size``), or
+            one, or missing (or given with a ``TokenBudgetStream``); ``train_dataset`` is missing or a stream (an
+            ``IterableDataset``) not wrapped in a ``TokenBudgetStream``, which needs ``max_steps``; a
+            ``TrainingArguments`` the sampler decides is set (``gradient_accumulation_steps`` other than 1,
+            ``per_device_train_batch_size``, ``train_sampling_strategy``, ``dataloader_drop_last``,
+            ``auto_find_batch_size``), or
             ``average_tokens_across_devices=False``, or several GPUs in one process; the sampler plans for another
             rank, or its items' tokens or loss tokens are not ``token_counts(train_dataset)``'s (with your own
             ``collate_fn``, only the tokens are compared); with ``pack_collate``, a model ``check_packable`` refuses;
             a model whose forward takes no ``num_items_in_batch``, without ``compute_loss_func``. From ``train``: a
-            checkpoint without ``sampler_state.json``, or epochs or ``max_steps`` the sampler's steps never reach.
+            checkpoint without ``sampler_state.json`` (a stream's: ``stream_state_{rank}.pt``), or epochs or
+            ``max_steps`` the sampler's steps never reach.
 
     Example:
         >>> import tempfile

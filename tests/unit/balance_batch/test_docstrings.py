@@ -5,11 +5,11 @@ import doctest
 import pytest
 
 import balance_batch
-from balance_batch import collate, corpus, data, plan, sampler
+from balance_batch import collate, corpus, data, plan, sampler, stream
 from balance_batch.integrations.transformers import trainer
 
 ENTRIES = [plan.plan_step, sampler.TokenBudgetSampler, corpus.pack, collate.pack_collate, collate.pad_collate,
-           data.PackedDataset, trainer.TokenBudgetTrainer]
+           data.PackedDataset, stream.TokenBudgetStream, trainer.TokenBudgetTrainer]
 
 
 @pytest.mark.parametrize("entry", ENTRIES, ids=lambda e: e.__qualname__)
