@@ -503,6 +503,29 @@ MUTATIONS = (
         "        raise UserError(f\"mtpm: must",
         ("tests/unit/test_config.py",),
     ),
+    Mutation(
+        "the stream's items go to the ranks in the plan's order, whichever rank the plan gave them to",
+        "balance_batch/stream.py",
+        "held.update(zip(np.flatnonzero((ranks == src) & (runs_on == self.rank)).tolist(), incoming[src]))",
+        "held.update(zip(sorted(np.flatnonzero(ranks == src).tolist(), reverse=True), incoming[src]))",
+        ("tests/integration/balance_batch/test_stream.py::test_every_item_once_equal_counts_within_budget",),
+    ),
+    Mutation(
+        "the stream's state forgets the items read and not yet trained",
+        "balance_batch/stream.py",
+        '"source_dry": self.dry, "buffer": list(self.items)}',
+        '"source_dry": self.dry, "buffer": []}',
+        ("tests/unit/balance_batch/test_stream.py",
+         "tests/integration/balance_batch/test_stream.py::test_a_restart_after_step_k_trains_what_the_run_trained_after_it"),
+    ),
+    Mutation(
+        "a rank whose source ran dry stops alone, before the others",
+        "balance_batch/stream.py",
+        "        planned = _planned_step(self._exchange.gather(offer), size, by_count, self._settings)\n",
+        "        if reader.dry and not reader.items:\n            return None\n"
+        "        planned = _planned_step(self._exchange.gather(offer), size, by_count, self._settings)\n",
+        ("tests/integration/balance_batch/test_stream.py",),
+    ),
 )
 
 

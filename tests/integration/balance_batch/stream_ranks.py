@@ -17,24 +17,7 @@ import torch.distributed as dist
 
 from balance_batch.cost import CostModel
 from balance_batch.stream import TokenBudgetStream
-
-
-class Shard:
-    """A source with its own position (``state_dict``), as ``datasets.IterableDataset``'s and torchdata's have."""
-
-    def __init__(self, items):
-        self.items, self.at = items, 0
-
-    def __iter__(self):
-        while self.at < len(self.items):
-            self.at += 1
-            yield self.items[self.at - 1]
-
-    def state_dict(self):
-        return {"at": self.at}
-
-    def load_state_dict(self, state):
-        self.at = state["at"]
+from tests.stream_sources import Shard
 
 
 def shard(rank: int, n: int, seed: int) -> list[dict]:

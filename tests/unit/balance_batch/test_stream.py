@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from balance_batch.stream import StreamError, TokenBudgetStream
+from tests.stream_sources import Shard
 
 BUDGET = 512
 
@@ -26,24 +27,6 @@ def stream(source=None, **kwargs) -> TokenBudgetStream:
 
 def ids(step) -> list[list[int]]:
     return [[item["id"] for item in mb] for mb in step.microbatches]
-
-
-class Shard:
-    """A source with its own ``state_dict``, as datasets' and torchdata's have."""
-
-    def __init__(self, items):
-        self.items, self.at = items, 0
-
-    def __iter__(self):
-        while self.at < len(self.items):
-            self.at += 1
-            yield self.items[self.at - 1]
-
-    def state_dict(self):
-        return {"at": self.at}
-
-    def load_state_dict(self, state):
-        self.at = state["at"]
 
 
 def test_every_item_once_within_the_budget_in_steps_of_the_token_size():
