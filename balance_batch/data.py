@@ -111,12 +111,13 @@ class PackedDataset(torch.utils.data.Dataset):
 
 
 class StreamSteps(torch.utils.data.IterableDataset):
-    """A ``TokenBudgetStream``'s steps as a torch ``IterableDataset``, each step's micro-batches collated (by
-    ``collate_fn``; None keeps the lists of items), with the stream's ``state_dict`` / ``load_state_dict``: what
-    torchdata's ``StatefulDataLoader`` saves and restores, so a loader's state resumes the stream exactly.
+    """A ``TokenBudgetStream``'s steps, each step's micro-batches collated (by ``collate_fn``; None keeps the lists
+    of items), with the stream's ``state_dict`` / ``load_state_dict``: what torchdata's ``StatefulDataLoader`` saves
+    and restores, so a loader's state resumes the stream exactly. (A stream is itself a torch ``IterableDataset``
+    once torch is imported, its steps uncollated.)
 
-    ``DataLoader(StreamSteps(stream), batch_size=None)`` yields one ``Step`` at a time. The steps are planned with
-    collectives over the ranks, so they are read in the main process: ``num_workers=0``.
+    ``DataLoader(StreamSteps(stream, pack_collate), batch_size=None)`` yields one ``Step`` at a time. The steps are
+    planned with collectives over the ranks, so they are read in the main process: ``num_workers=0``.
 
     Raises:
         ValueError: ``stream`` is not a ``TokenBudgetStream``; iterated in a loader worker.
@@ -131,9 +132,6 @@ class StreamSteps(torch.utils.data.IterableDataset):
         self.stream, self.collate_fn = stream, collate_fn
 
     def __iter__(self):
-        if torch.utils.data.get_worker_info() is not None:
-            raise ValueError("StreamSteps: read in a loader worker, but its steps are planned with collectives "
-                             "over the ranks in the main process: use num_workers=0")
         for step in self.stream:
             if self.collate_fn is not None:
                 step = dataclasses.replace(step, microbatches=[self.collate_fn(mb) for mb in step.microbatches])

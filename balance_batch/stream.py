@@ -264,6 +264,19 @@ class _Reader:
             self.add(item, -1)
 
 
+def _as_torch_dataset() -> None:
+    """Where torch's data utilities are imported, a stream counts as their ``IterableDataset`` (a virtual subclass),
+    so ``DataLoader`` and torchdata's ``StatefulDataLoader`` take it as it is (``batch_size=None``)."""
+    data = sys.modules.get("torch.utils.data")
+    if data is not None and not issubclass(TokenBudgetStream, data.IterableDataset):
+        data.IterableDataset.register(TokenBudgetStream)
+
+
+def _in_loader_worker() -> bool:
+    data = sys.modules.get("torch.utils.data")
+    return data is not None and data.get_worker_info() is not None
+
+
 def _planned_step(offers: list[np.ndarray], size: int, by_count: bool, settings) -> Optional[tuple]:
     """The step taken from every rank's offer in turn and planned: (owner rank and index in its offer, length, loss
     tokens) per item, and each rank's micro-batches (indices into the step; None a dummy), the plan's schedules
@@ -344,6 +357,7 @@ class TokenBudgetStream:
         self._exchange = _Exchange(world_size, process_group)
         self._step, self._consumed, self._ended = 0, (0, 0), False  # consumed: (tokens, sequences), all ranks
         self._states: dict[int, dict] = {-1: self._state()}  # the state after each of the last steps, by step
+        _as_torch_dataset()
 
     # ------------------------------------------------------------------ settings, read-only
 
@@ -403,6 +417,9 @@ class TokenBudgetStream:
 
     def __iter__(self) -> Iterator[Step]:
         """The steps from the position on, until every rank's source and buffer are empty (then on every rank)."""
+        if _in_loader_worker():
+            raise StreamError(f"{WHO}: read in a loader worker, but its steps are planned with collectives over the "
+                              "ranks, in the main process: use num_workers=0")
         while True:
             step = self._next_step()
             if step is None:

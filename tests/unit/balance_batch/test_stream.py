@@ -76,24 +76,26 @@ def test_a_restart_from_the_state_after_step_k_trains_what_the_run_trained_after
 
 
 def test_a_stateful_dataloader_resumes_the_stream_at_its_saved_step():
+    """The stream itself (a torch IterableDataset once torch is imported) and ``StreamSteps`` (collated)."""
+    from torch.utils.data import DataLoader
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     from balance_batch.collate import pack_collate
     from balance_batch.data import StreamSteps
 
-    def loader(collate_fn=None):
-        return StatefulDataLoader(StreamSteps(stream(), collate_fn=collate_fn), batch_size=None)
-
-    first, steps = loader(), []
-    for k, s in enumerate(first):
-        steps.append(ids(s))
-        if k == 2:
-            state = first.state_dict()
-    again = loader()
-    again.load_state_dict(state)
-    assert [ids(s) for s in again] == steps[3:]
-    collated = next(iter(loader(pack_collate)))
+    for wrap in (lambda s: s, StreamSteps):
+        first, steps = StatefulDataLoader(wrap(stream()), batch_size=None), []
+        for k, s in enumerate(first):
+            steps.append(ids(s))
+            if k == 2:
+                state = first.state_dict()
+        again = StatefulDataLoader(wrap(stream()), batch_size=None)
+        again.load_state_dict(state)
+        assert [ids(s) for s in again] == steps[3:]
+    collated = next(iter(DataLoader(StreamSteps(stream(), collate_fn=pack_collate), batch_size=None)))
     assert collated.microbatches[0]["input_ids"].shape[0] == 1  # one packed row per micro-batch
+    with pytest.raises(ValueError, match="read in a loader worker, but its steps are planned with collectives"):
+        next(iter(DataLoader(stream(), batch_size=None, num_workers=1)))
 
 
 def test_a_state_decides_its_steps_budget_may_change_but_not_seed_or_step_size():
