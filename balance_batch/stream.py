@@ -86,13 +86,18 @@ class _Exchange:
             raise StreamError(f"{WHO}: world_size={world_size} needs an initialised torch.distributed process group "
                               "to exchange items: call torch.distributed.init_process_group() first")
 
-    def gather(self, offer: np.ndarray) -> list[np.ndarray]:
-        """Every rank's offer, in rank order."""
-        if self.dist is None:
-            return [offer]
-        out: list = [None] * self.world_size
-        self.dist.all_gather_object(out, offer, group=self.group)
-        return out
+    def gather(self, offer: np.ndarray, error: Optional[str] = None) -> list[np.ndarray]:
+        """Every rank's offer, in rank order; a rank's reading error raised on every rank (one line naming the rank),
+        so no rank waits in a collective the failed one never joins."""
+        gathered = [(offer, error)]
+        if self.dist is not None:
+            gathered = [None] * self.world_size
+            self.dist.all_gather_object(gathered, (offer, error), group=self.group)
+        failed = [(r, e) for r, (_, e) in enumerate(gathered) if e is not None]
+        if failed:
+            rank, message = failed[0]
+            raise StreamError(message if self.dist is None else f"rank {rank}: {message}")
+        return [o for o, _ in gathered]
 
     def move(self, outgoing: list[list]) -> list[list]:
         """``outgoing[d]``: the items for rank ``d``; returns the items each rank sent here, in rank order."""
@@ -381,9 +386,15 @@ class TokenBudgetStream:
         if self._ended:
             return None
         size, by_count, reader = self._size(), self.unit == "sequences", self._reader
-        reader.fill(size, by_count, self.buffer_size)
+        error = None
+        try:
+            reader.fill(size, by_count, self.buffer_size)
+        except StreamError as bad:
+            if self.world_size == 1:
+                raise
+            error = str(bad)  # told to every rank at the gather, raised there on each
         drawn, offer = reader.offer([self.seed, self.rank, self._step], size, by_count)
-        planned = _planned_step(self._exchange.gather(offer), size, by_count, self._settings)
+        planned = _planned_step(self._exchange.gather(offer, error), size, by_count, self._settings)
         if planned is None:  # no rank has an item left: every rank ends here
             self._ended = True
             self._states = {self._step - 1: self._state()}

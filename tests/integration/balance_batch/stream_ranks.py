@@ -3,7 +3,8 @@
 Each rank streams its own shard of items with ids: rank 0 from a generator (resumed by the count it read), rank 1
 from a source with a ``state_dict`` (10% more items than rank 0), rank 2 and later from an empty list. The run is
 made twice: uninterrupted, and again from the state each rank saved after step ``--resume-after``. Rank 0 writes
-what every rank trained, step by step, to ``--out`` (JSON).
+what every rank trained, step by step, to ``--out`` (JSON). With ``--fail-at k``, rank 1's length function raises at
+its item k, and each rank writes the error it raised to ``--out``.rank<r>.
 """
 
 from __future__ import annotations
@@ -59,10 +60,26 @@ def main():
     p.add_argument("--budget", type=int, default=4096)
     p.add_argument("--tokens-per-step", type=int, default=30000)
     p.add_argument("--resume-after", type=int, default=4)
+    p.add_argument("--fail-at", type=int, default=None, help="rank 1's length function raises at this item")
     args = p.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     cost = CostModel(1.0, 1 / 4096, "tokens plus attention")
+    if args.fail_at is not None:
+        def length(item):
+            if rank == 1 and item["id"] == 1_000_000 + args.fail_at:
+                raise KeyError("no tokens")
+            return len(item["input_ids"])
+
+        stream = TokenBudgetStream(source(rank, args.items, args.seed), max_tokens_per_microbatch=args.budget,
+                                   tokens_per_step=args.tokens_per_step, buffer_size=64, length=length)
+        try:
+            list(stream)
+        except ValueError as failed:
+            with open(f"{args.out}.rank{rank}", "w", encoding="utf-8") as f:
+                f.write(str(failed))
+        dist.destroy_process_group()
+        return
 
     def stream():
         return TokenBudgetStream(source(rank, args.items, args.seed), max_tokens_per_microbatch=args.budget,

@@ -1,7 +1,8 @@
 """``TokenBudgetStream`` on three torchrun ranks (gloo) with uneven shards, one of them empty: every item trained
 once, the same micro-batch count on every rank at every step, each micro-batch within the budget, each step's
 modeled cost balanced over the ranks as the map-style sampler balances the same lengths, and a restart from the
-state after step k training what the uninterrupted run trained after it."""
+state after step k training what the uninterrupted run trained after it; and one rank's bad item raised on every
+rank, none left waiting in a collective."""
 
 from __future__ import annotations
 
@@ -74,3 +75,14 @@ def test_a_restart_after_step_k_trains_what_the_run_trained_after_it(stream_run)
     for r in stream_run["ranks"]:
         after = [s for s in r["full"] if s["step"] > RESUME_AFTER]
         assert after and r["rest"] == after
+
+
+def test_one_ranks_bad_item_is_raised_on_every_rank_in_one_line(tmp_path):
+    out = tmp_path / "failed"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3", str(RANKS),
+               "--out", str(out), "--fail-at", "150", "--items", "200"]
+    proc = subprocess.run(command, env=harness_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    said = {(tmp_path / f"failed.rank{r}").read_text() for r in range(3)}
+    assert said == {("rank 1: TokenBudgetStream: length or loss_tokens raised KeyError: 'no tokens' on item 150 of "
+                    "this rank's source")}
