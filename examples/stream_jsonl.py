@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 import zlib
 
@@ -28,8 +29,8 @@ from balance_batch.collate import pack_collate
 from balance_batch.stream import TokenBudgetStream
 from examples.tiny import VOCAB, tiny_model
 
-SHARDS = (60, 20, 50, 14)  # documents per shard: split over 2 ranks, rank 0 reads shards 0 and 2, rank 1 1 and 3
-STREAM = dict(max_tokens_per_microbatch=512, tokens_per_step=3072, buffer_size=32, seed=0)
+SHARDS = (30, 10, 25, 7)  # documents per shard: split over 2 ranks, rank 0 reads shards 0 and 2, rank 1 1 and 3
+STREAM = dict(max_tokens_per_microbatch=512, tokens_per_step=1536, buffer_size=16, seed=0)
 SAVE_AFTER = 2
 LR = 0.5
 
@@ -110,7 +111,10 @@ def main() -> None:
             per_step = np.array([[t for _, t in rows] for rows in totals])
             print("the same micro-batch count on every rank at every step; each step's tokens, slowest rank over "
                   f"the mean: {float((per_step.max(0) / per_step.mean(0)).mean()):.3f}")
+        dist.barrier()  # every rank done reading before rank 0 removes the shards
         dist.destroy_process_group()
+    if rank == 0:
+        shutil.rmtree(folder)
 
 
 if __name__ == "__main__":
