@@ -89,7 +89,8 @@ def test_out_of_memory_is_a_result_and_the_sweep_goes_on(workdir):
 
 
 def test_pytorch_backend_recovers_after_an_oom_point(workdir):
-    """In-process OOM: memory is released, the next point runs; each point's W&B run is finished with its status."""
+    """In-process OOM (8 sequences under 1 GB): memory is released, the next point runs; each point's W&B run is
+    finished with its status."""
     sweep = workdir / "sweep"
     proc = run_harness(
         "-m",
@@ -99,10 +100,10 @@ def test_pytorch_backend_recovers_after_an_oom_point(workdir):
         "bench.baseline=false",
         "backend=pytorch",
         "workload=cpu_mixed",
-        "workload.n_examples=16",
+        "workload.n_examples=8",
         "bench.warmup=0",
         "bench.repeat=1",
-        "bench.memory_limit_gb=3",
+        "bench.memory_limit_gb=1",
         f"hydra.sweep.dir={sweep}",
         cwd=workdir,
         env=harness_env(WANDB_MODE="offline"),
