@@ -94,8 +94,12 @@ def test_a_stateful_dataloader_resumes_the_stream_at_its_saved_step():
         assert [ids(s) for s in again] == steps[3:]
     collated = next(iter(DataLoader(StreamSteps(stream(), collate_fn=pack_collate), batch_size=None)))
     assert collated.microbatches[0]["input_ids"].shape[0] == 1  # one packed row per micro-batch
-    with pytest.raises(ValueError, match="read in a loader worker, but its steps are planned with collectives"):
-        next(iter(DataLoader(stream(), batch_size=None, num_workers=1)))
+    workers = iter(DataLoader(stream(), batch_size=None, num_workers=1))
+    try:
+        with pytest.raises(ValueError, match="read in a loader worker, but its steps are planned with collectives"):
+            next(workers)
+    finally:  # at once: left to the garbage collector, torch waits 5 s for a worker that raised to exit
+        workers._shutdown_workers()
 
 
 def test_a_state_decides_its_steps_budget_may_change_but_not_seed_or_step_size():
