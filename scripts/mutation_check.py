@@ -168,7 +168,9 @@ MUTATIONS = (
         "backends/runtime/memory.py",
         "if any(m in text for m in _OOM_MARKERS):",
         "if False:",
-        ("tests/unit/test_memory.py", "tests/integration/test_memory.py"),
+        ("tests/unit/test_memory.py", "tests/integration/test_memory.py",
+         "tests/integration/test_faults.py::test_out_of_memory_is_a_result_and_the_sweep_goes_on",
+         "tests/integration/test_faults.py::test_pytorch_backend_recovers_after_an_oom_point"),
     ),
     Mutation(
         "packed position ids do not restart at each sequence",
