@@ -523,9 +523,9 @@ MUTATIONS = (
     Mutation(
         "a rank whose source ran dry stops alone, before the others",
         "balance_batch/stream.py",
-        "        planned = _planned_step(self._exchange.gather(offer), size, by_count, self._settings)\n",
+        "        planned = _planned_step(self._exchange.gather(offer, error), size, by_count, self._settings)\n",
         "        if reader.dry and not reader.items:\n            return None\n"
-        "        planned = _planned_step(self._exchange.gather(offer), size, by_count, self._settings)\n",
+        "        planned = _planned_step(self._exchange.gather(offer, error), size, by_count, self._settings)\n",
         ("tests/integration/balance_batch/test_stream.py",),
     ),
 )
