@@ -9,8 +9,7 @@ from typing import Mapping, Optional, Sequence
 import torch
 
 from balance_batch.errors import positive_int
-
-IGNORE_INDEX = -100  # what Hugging Face losses skip
+from balance_batch.tokens import IGNORE_INDEX
 
 
 def _token_rows(samples: Sequence[Mapping], who: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

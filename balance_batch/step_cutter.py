@@ -90,6 +90,10 @@ def step_size(sequences_per_step, tokens_per_step, rampup, who: str = WHO) -> tu
     return unit, ramp, int(size) if plain else [list(p) for p in ramp]
 
 
+def size_at(ramp, consumed: int) -> int:
+    """The step size once ``consumed`` sequences (or tokens) were consumed: the ramp's last threshold reached."""
+    return next(t for c, t in reversed(ramp) if consumed >= c)
+
 
 @dataclass(frozen=True, eq=False)
 class StepCutter:
@@ -139,8 +143,8 @@ class StepCutter:
         return np.concatenate([[0], np.flatnonzero(g[1:] != g[:-1]) + 1, [len(order)]])
 
     def size_at(self, consumed: int) -> int:
-        """The step size once ``consumed`` sequences (or tokens) were consumed: the ramp's last threshold reached."""
-        return next(t for c, t in reversed(self.ramp) if consumed >= c)
+        """The step size once ``consumed`` sequences (or tokens) were consumed (``size_at``)."""
+        return size_at(self.ramp, consumed)
 
     def cut(self, epoch: int, consumed: tuple[int, int]) -> EpochCut:
         """``epoch`` cut into steps, ``consumed`` (tokens, sequences) by the epochs before it.

@@ -16,6 +16,7 @@ No torch import here: the collectives are the initialised ``torch.distributed``'
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 import numbers
 import pickle
@@ -29,14 +30,14 @@ from balance_batch.cost import CostModel
 from balance_batch.errors import shown
 from balance_batch.plan import checked_settings, planned_rows
 from balance_batch.sampler_state import settings_config
-from balance_batch.step_cutter import StepSize, step_size
+from balance_batch.step_cutter import StepSize, size_at, step_size
 from balance_batch.step_plans import Step
+from balance_batch.tokens import loss_tokens
 from balance_batch.world import resolve_world
 
 __all__ = ["Step", "TokenBudgetStream"]
 WHO = "TokenBudgetStream"
 STATE_VERSION = 1
-IGNORE_INDEX = -100  # a label the loss skips (as balance_batch.collate lays labels out)
 # What decides which items form each step: a state saved under other values would train other items, so it is
 # refused. The budget, layout, planner and cost model only decide how a step's items are planned, and may change.
 STEP_KEYS = ("seed", "sequences_per_step", "tokens_per_step", "buffer_size", "world_size", "rank")
@@ -58,8 +59,7 @@ def _default_loss_tokens(item, length: int) -> int:
     """The tokens an item's loss counts as ``pack_collate`` lays it out: its labels after the first that are not
     -100, or, without labels, every token but the first."""
     if isinstance(item, Mapping) and "labels" in item:
-        labels = np.asarray(item["labels"]).reshape(-1)
-        return int((labels[1:] != IGNORE_INDEX).sum())
+        return loss_tokens(item["labels"])
     return max(length - 1, 0)
 
 
@@ -122,6 +122,13 @@ class _Exchange:
             out.append(pickle.loads(raw[at:at + n]) if n else [])
             at += n
         return out
+
+
+def _within(lengths: np.ndarray, size: int, by_count: bool) -> int:
+    """How many of ``lengths``, from the first, a step of ``size`` takes: the most whose sequences (or tokens) stay
+    within it, at least one (as the sampler's cutter takes them)."""
+    units = np.ones(len(lengths), dtype=np.int64) if by_count else lengths
+    return max(int(np.searchsorted(np.cumsum(units), size, side="right")), 1)
 
 
 def _round_robin(offers: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
@@ -235,8 +242,7 @@ class _Reader:
             return np.zeros(0, dtype=np.int64), np.zeros((2, 0), dtype=np.int64)
         draw = np.random.default_rng(draw_seed).permutation(n)
         lengths = np.asarray(self.lengths, dtype=np.int64)[draw]
-        units = np.ones(n, dtype=np.int64) if by_count else lengths
-        k = max(int(np.searchsorted(np.cumsum(units), size, side="right")), 1)
+        k = _within(lengths, size, by_count)
         draw = draw[:k]
         return draw, np.stack([lengths[:k], np.asarray(self.losses, dtype=np.int64)[draw]])
 
@@ -292,8 +298,7 @@ def _planned_step(offers: list[np.ndarray], size: int, by_count: bool, settings)
     offered = np.concatenate(offers, axis=1)
     at = np.concatenate([[0], np.cumsum([o.shape[1] for o in offers])])[ranks] + index
     lengths, losses = offered[0][at], offered[1][at]
-    units = np.ones(len(lengths), dtype=np.int64) if by_count else lengths
-    k = max(int(np.searchsorted(np.cumsum(units), size, side="right")), 1)
+    k = _within(lengths, size, by_count)
     ranks, index, lengths, losses = ranks[:k], index[:k], lengths[:k], losses[:k]
     rows, _ = planned_rows(lengths.tolist(), settings)
     return ranks, index, lengths, losses, _fewest_moved(rows, ranks, lengths)
@@ -379,8 +384,7 @@ class TokenBudgetStream:
 
     def _size(self) -> int:
         """The step size now: the ramp's last threshold the consumed tokens (or sequences) have reached."""
-        consumed = self._consumed[1] if self.unit == "sequences" else self._consumed[0]
-        return next(t for c, t in reversed(self.ramp) if consumed >= c)
+        return size_at(self.ramp, self._consumed[1] if self.unit == "sequences" else self._consumed[0])
 
     def _next_step(self) -> Optional[Step]:
         if self._ended:
@@ -439,7 +443,9 @@ class TokenBudgetStream:
 
     # ------------------------------------------------------------------ resume
 
+    @functools.cached_property
     def _config(self) -> dict:
+        """What the stream was built with (fixed at construction), as its states record it."""
         return {"seed": self.seed, "sequences_per_step": self.sequences_per_step,
                 "tokens_per_step": None if self.unit == "sequences" else [list(p) for p in self.ramp],
                 "buffer_size": self.buffer_size, "rank": self.rank, **settings_config(self._settings)}
@@ -447,7 +453,7 @@ class TokenBudgetStream:
     def _state(self) -> dict:
         return {"version": STATE_VERSION, "step": self._step, "consumed_tokens": self._consumed[0],
                 "consumed_sequences": self._consumed[1], "ended": self._ended, **self._reader.state(),
-                "config": self._config()}
+                "config": dict(self._config)}
 
     def state_dict(self, after: Optional[Step] = None) -> dict:
         """This rank's position after the last step yielded (with ``after``, after that step, one of the last
@@ -466,7 +472,7 @@ class TokenBudgetStream:
         who = f"{WHO}.load_state_dict"
         if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
             raise StreamError(f"{who}: not a stream state (version {STATE_VERSION})")
-        saved, mine = state.get("config", {}), self._config()
+        saved, mine = state.get("config", {}), self._config
         differ = [k for k in STEP_KEYS if saved.get(k) != mine[k]]
         if differ:
             raise StreamError(f"{who}: the state was saved with "

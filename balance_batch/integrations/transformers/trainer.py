@@ -33,10 +33,11 @@ from transformers.trainer_utils import (
     seed_worker,
 )
 
-from balance_batch.collate import IGNORE_INDEX, pack_collate, pad_collate
+from balance_batch.collate import pack_collate, pad_collate
 from balance_batch.integrations.transformers.packing import check_packable
 from balance_batch.sampler import Step, TokenBudgetSampler
 from balance_batch.stream import TokenBudgetStream
+from balance_batch.tokens import IGNORE_INDEX, flat, loss_tokens
 
 STATE_FILE = "sampler_state.json"  # in each checkpoint folder: the sampler's position after the checkpoint's step
 STREAM_STATE_FILE = "stream_state_{rank}.pt"  # with a stream: each rank's position (torch.save: it holds items)
@@ -46,24 +47,12 @@ class _NoInputIds(ValueError):
     """An item without ``input_ids``: nothing to count its tokens from."""
 
 
-def _flat(values):
-    """A sequence of token ids (or labels) as a flat list, or as a 1-D tensor or array."""
-    if isinstance(values, list) and (not values or not isinstance(values[0], (list, tuple))):
-        return values  # counted with len and list.count, at C speed
-    if isinstance(values, torch.Tensor):
-        return values.reshape(-1)
-    return np.asarray(values).reshape(-1)
-
-
 def _item_counts(item, index: int) -> tuple[int, int]:
     """An item's tokens and loss tokens (its labels after the first that are not -100)."""
     if not isinstance(item, Mapping) or "input_ids" not in item:
         raise _NoInputIds(f"item {index} has no input_ids")
-    seq = _flat(item["input_ids"])
-    lab = _flat(item["labels"]) if "labels" in item else seq
-    if isinstance(lab, list):
-        return len(seq), max(len(lab) - 1 - lab[1:].count(IGNORE_INDEX), 0)
-    return len(seq), int((lab[1:] != IGNORE_INDEX).sum())
+    seq = flat(item["input_ids"])
+    return len(seq), loss_tokens(item["labels"] if "labels" in item else seq)
 
 
 def _arrow_column_counts(column) -> Optional[tuple[np.ndarray, np.ndarray]]:
@@ -543,7 +532,7 @@ class TokenBudgetMixin:
 
     def _save_checkpoint(self, model, trial):
         # Written before the Trainer's files, so a checkpoint with a trainer_state.json has its sampler state too.
-        # Rank 0's is every rank's: the state has no rank in it.
+        # A stream's state is each rank's own (its buffer and source); a sampler's is every rank's, written by rank 0.
         name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"  # the folder the Trainer saves into
         folder = os.path.join(self._get_output_dir(trial=trial), name)
         if self.trained_step is not None and self.stream is not None:  # every rank its own, as the RNG states
