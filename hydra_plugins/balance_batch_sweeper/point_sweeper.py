@@ -111,8 +111,8 @@ class PointSweeper(BasicSweeper):
 
     def validate_batch_is_legal(self, batch) -> None:
         """Hydra's check that each job composes, left out for the jobs ``split_arguments`` composed already (the
-        folder it placed a point in aside): composing a point costs about a tenth of a second, three times over
-        in a sweep of dozens of points. A job that did not compose there is composed again, and fails as in
+        folder it placed a point in aside): composing a point costs about a tenth of a second, and Hydra's launcher
+        composes each job once more to run it. A job that did not compose there is composed again, and fails as in
         Hydra."""
         composed = getattr(self, "_composed", {})
         left = [job for job in batch
