@@ -65,14 +65,6 @@ def finish(proc: subprocess.Popen, interrupted: bool, timeout_s: float = 1200) -
 
 def main(shared_dir: str) -> None:
     os.nice(19)  # inherited by its ranks and the compilers inductor starts
-    # Where the kernel groups processes by session (autogroup scheduling, /proc/sys/kernel/sched_autogroup_enabled),
-    # a process's nice weighs only against its own session's, and each session gets an equal share of the CPU: this
-    # process started a session of its own, so its session is the one made nice (measured: with its nice alone,
-    # the rest of the suite slowed by as much as the compiled cells saved)
-    try:
-        Path("/proc/self/autogroup").write_text("19")
-    except OSError:  # no autogroup scheduling here: its nice is enough
-        pass
     from tests.backend_runs import COMPILED, COMPILED_SWEEP, BackendRuns
 
     runs = BackendRuns(Path(shared_dir))
