@@ -8,7 +8,6 @@ session (under pytest -n, once for all workers), when first asked for.
 from __future__ import annotations
 
 import fcntl
-import functools
 import os
 import pickle
 from pathlib import Path
@@ -102,49 +101,15 @@ class BackendRuns(dict):
         self.shared_dir = shared_dir
 
     def __missing__(self, key):
-        if key == COMPILED_SWEEP:
-            raise KeyError("the compiled sweep is compiled_sweep(folder)'s: it needs a folder when not shared")
-        make = functools.partial(run_standard_commands, *key)
-        self[key] = make() if self.shared_dir is None else self._shared(key, make)
+        self[key] = run_standard_commands(*key) if self.shared_dir is None else self._shared(key)
         return self[key]
 
-    def compiled_sweep(self, folder: Path, fresh: bool = False) -> dict:
-        """test_compile's command-line cell: ``{"returncode", "log", "sweep"}`` of ``python -m harness`` running
-        ``compiled_sweep_args``, in ``folder`` unless shared (then once for all workers, in the shared folder)."""
-        if COMPILED_SWEEP not in self:
-            root = self.shared_dir or Path(folder)
-            make = functools.partial(run_compiled_sweep, root, fresh)
-            self[COMPILED_SWEEP] = make() if self.shared_dir is None else self._shared(COMPILED_SWEEP, make)
-        return self[COMPILED_SWEEP]
-
-    def _shared(self, key, make):
+    def _shared(self, key) -> dict:
         path = self.shared_dir / ("backend-run-" + "-".join(map(str, key)) + ".pickle")
         with open(path.with_suffix(".lock"), "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
             if not path.exists():
                 tmp = path.with_suffix(f".{os.getpid()}.tmp")
-                tmp.write_bytes(pickle.dumps(make()))
+                tmp.write_bytes(pickle.dumps(run_standard_commands(*key)))
                 os.replace(tmp, path)  # a worker that dies mid-run leaves no half-written run behind
             return pickle.loads(path.read_bytes())
-
-
-# test_compile's command-line cell, a key of its own beside the (backend, dtype, compiled) runs
-COMPILED_SWEEP = ("compiled-sweep",)
-
-
-def compiled_sweep_args(lengths: Path, sweep: Path) -> list[str]:
-    """The plain model's compiled cell as a user runs it: a hot sweep of both budgets, pytorch float32, packed rows,
-    both pass types (the standard commands' lengths as a lengths file), outputs saved."""
-    return ["-m", "backend=pytorch", "backend.compile=true", "model.dtype=float32",
-            "mtpm=" + ",".join(map(str, BUDGETS)), "hot=true", "workload=lengths_file", f"workload.path={lengths}",
-            "bench.warmup=1", "bench.repeat=1", "bench.save_outputs=true", "bench.baseline=false", "logger=none",
-            f"hydra.sweep.dir={sweep}"]
-
-
-def run_compiled_sweep(root: Path, fresh: bool) -> dict:
-    from tests.conftest import run_harness
-
-    lengths, sweep = root / "compiled-sweep-lengths.txt", root / "compiled-sweep"
-    lengths.write_text("\n".join(map(str, LENGTHS)) + "\n")
-    proc = run_harness(*compiled_sweep_args(lengths, sweep), cwd=root, fresh=fresh)
-    return {"returncode": proc.returncode, "log": proc.stdout[-3000:] + proc.stderr[-3000:], "sweep": sweep}

@@ -17,9 +17,6 @@ from pathlib import Path
 
 import pytest
 
-from tests import prefetch
-from tests.prefetch import reads_prefetched
-
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "harness" / "conf"  # the Hydra configs python -m harness composes
 TIERS = ("unit", "integration")
@@ -65,7 +62,7 @@ def _xdist_group(item) -> str | None:
     takes another backend), else the shared session fixture it reads, else its module when it reads a
     module-scoped fixture (computed once per module, on one worker), else none (any worker)."""
     info = getattr(item, "_fixtureinfo", None)
-    if info is None or reads_prefetched(item.nodeid):  # its runs are on disk for any worker (tests/prefetch.py)
+    if info is None:
         return None
     params = getattr(getattr(item, "callspec", None), "params", {})
     if "backend_runs" in info.names_closure and "backend" in params:
@@ -82,10 +79,7 @@ def _xdist_group(item) -> str | None:
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the group marks into node ids
 def pytest_collection_modifyitems(config, items):
     """Mark each test with its folder's tier (``-m unit`` / ``-m integration`` select one), and with the
-    pytest-xdist group that keeps shared fixtures computed once (``pytest -n 2 --dist loadgroup``). The tests whose
-    runs are made ahead (tests/prefetch.py) then move to the end of the integration tests (``_PrefetchedLast``),
-    giving the runs the most time; the unit tests, many and short, still come after them and even out the two
-    workers' ends."""
+    pytest-xdist group that keeps shared fixtures computed once (``pytest -n 2 --dist loadgroup``)."""
     for item in items:
         rel = Path(item.path).resolve().relative_to(REPO / "tests")
         if rel.parts[0] in TIERS:
@@ -93,31 +87,6 @@ def pytest_collection_modifyitems(config, items):
         group = _xdist_group(item)
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(group))
-
-
-class _PrefetchedLast:
-    @pytest.hookimpl(trylast=True)  # after pytest's own reordering (by higher-scoped fixtures)
-    def pytest_collection_modifyitems(self, items):
-        late = [item for item in items if reads_prefetched(item.nodeid)]
-        rest = [item for item in items if not reads_prefetched(item.nodeid)]
-        unit = next((i for i, item in enumerate(rest) if item.nodeid.startswith("tests/unit/")), len(rest))
-        items[:] = rest[:unit] + late + rest[unit:]
-
-
-def pytest_configure(config):
-    config.pluginmanager.register(_PrefetchedLast(), "balance-batch-prefetched-last")
-
-
-_PREFETCH: dict = {}  # this worker's prefetching process, when it started it (tests/prefetch.py)
-
-
-def pytest_collection_finish(session):
-    """Under pytest-xdist, start the prefetching process when a selected test reads its runs (once per session)."""
-    if os.environ.get("PYTEST_XDIST_WORKER") and not session.config.option.collectonly:
-        shared = session.config._tmp_path_factory.getbasetemp().parent  # as the backend_runs fixture's
-        proc = prefetch.start(shared, [item.nodeid for item in session.items])
-        if proc is not None:
-            _PREFETCH["proc"] = proc
 
 
 SLOW_TEST_S = 60  # no single test should take longer on the 2-core machine CI runs on (README: tests)
@@ -377,8 +346,6 @@ def golden_sweep(tmp_path_factory) -> Path:
     return sweep
 
 
-def pytest_sessionfinish(session, exitstatus):
+def pytest_sessionfinish(session):
     if "server" in _WARM:
         _WARM.pop("server").close()
-    if "proc" in _PREFETCH:
-        prefetch.finish(_PREFETCH.pop("proc"), interrupted=exitstatus == pytest.ExitCode.INTERRUPTED)

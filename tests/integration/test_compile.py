@@ -36,8 +36,8 @@ import numpy as np
 import pytest
 
 from backends.model.compiling import NAMES_SIZES
-from tests.backend_runs import BUDGETS, COMPILED, COMPILED_RANKS, PASS_TYPES, cases
-from tests.conftest import load_json, sweep_results
+from tests.backend_runs import BUDGETS, COMPILED, COMPILED_RANKS, LENGTHS, PASS_TYPES, cases
+from tests.conftest import load_json, run_harness, sweep_results
 
 CELLS = tuple(COMPILED)
 RTOL = {"float32": 1e-5, "bfloat16": 1e-2}  # compiled code fuses and reorders: rounding of the dtype, no more
@@ -93,20 +93,24 @@ def test_what_compiling_cost_is_recorded_and_new_shapes_compile_nothing(backend_
     assert eager[covered[0][0], BUDGETS[0], covered[0][1]].compile is None  # the eager path records nothing
 
 
+@pytest.mark.xdist_group("backend_runs-pytorch")  # reads the pytorch float32 eager run, made on that worker
 def test_a_compiled_hot_sweep_gives_the_eager_answer_and_compiles_only_in_its_first_warm_up(backend_runs, workdir):
     """The plain model's cell, from the command line: pytorch float32, packed rows, both pass types, both budgets.
 
-    A hot sweep (one backend for both points) of the standard commands' lengths (tests/backend_runs.py's
-    ``compiled_sweep_args``): every example's loss of either pass type, and the gradient norm, are the eager run's
-    (example_outputs.json); the first point's warm-ups pay for compiling (forward: the inference graphs;
-    forward+backward: the training graphs), its timed repeats and the second budget's whole point (other row shapes)
-    compile nothing, and results.json and the report say so. Under pytest -n the sweep is made ahead
-    (tests/prefetch.py).
+    A hot sweep (one backend for both points) of the standard commands' lengths: every example's loss of either
+    pass type, and the gradient norm, are the eager run's (example_outputs.json); the first point's warm-ups pay for
+    compiling (forward: the inference graphs; forward+backward: the training graphs), its timed repeats and the
+    second budget's whole point (other row shapes) compile nothing, and results.json and the report say so.
     """
     eager = backend_runs["pytorch", "float32", False]
-    run = backend_runs.compiled_sweep(workdir)
-    assert run["returncode"] == 0, run["log"]
-    sweep = run["sweep"]
+    lengths = workdir / "lengths.txt"
+    lengths.write_text("\n".join(map(str, LENGTHS)) + "\n")
+    sweep = workdir / "sweep"
+    proc = run_harness("-m", "backend=pytorch", "backend.compile=true", "model.dtype=float32",
+                       "mtpm=" + ",".join(map(str, BUDGETS)), "hot=true", "workload=lengths_file",
+                       f"workload.path={lengths}", "bench.warmup=1", "bench.repeat=1", "bench.save_outputs=true",
+                       "bench.baseline=false", "logger=none", f"hydra.sweep.dir={sweep}", cwd=workdir)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     docs = sweep_results(sweep)
     assert [d["mtpm"] for d in docs] == list(BUDGETS) and all(d["status"] == "ok" for d in docs)
     assert eager["built"]["compile"] is None
