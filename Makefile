@@ -31,11 +31,16 @@ $(VENV)/.installed: pyproject.toml requirements/harness.txt requirements/test.tx
 run: setup
 	$(BIN)/python -m harness -m $(SWEEP)
 
+# Python writes its bytecode caches (git-ignored __pycache__) during the tests even where the environment says not
+# to (PYTHONDONTWRITEBYTECODE=1, as on the machines CI runs on): without them pytest rewrites the assertions of every
+# test module in every worker at every run (collecting tests/unit: 6.5 s with them unwritten, 3.9 s once written).
+TEST_ENV := PYTHONDONTWRITEBYTECODE=
+
 test: setup
-	$(BIN)/python -m pytest -q $(WORKERS)
+	$(TEST_ENV) $(BIN)/python -m pytest -q $(WORKERS)
 
 test-fast: setup
-	$(BIN)/python -m pytest -q $(WORKERS) tests/unit
+	$(TEST_ENV) $(BIN)/python -m pytest -q $(WORKERS) tests/unit
 
 clean:
 	rm -rf $(VENV) outputs multirun .pytest_cache
