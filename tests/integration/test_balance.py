@@ -69,8 +69,10 @@ def test_a_rank_with_less_work_is_measured_waiting_for_the_other(backend_runs, b
     if backend == "megatron_ddp":  # independent ranks wait once, in the gradient sync after their last step
         assert rank1["sync_s"] > 0.5 * (sum(rank0["step_s"]) - sum(rank1["step_s"])), (rank0, rank1)
     else:  # lock-step ranks wait inside every step: a step's time is the slower rank's, its busy time its own
+        # (a wait counted as busy would make rank 1's busy time rank 0's: a ratio near 1; quiet, it is about 1/3, and a
+        # fresh-clone make test, the machine full, saw 0.52 in one step)
         for s in range(2):
-            assert rank1["step_s"][s] > 0.8 * rank0["step_s"][s] and rank1["busy_s"][s] < 0.5 * rank0["busy_s"][s]
+            assert rank1["step_s"][s] > 0.8 * rank0["step_s"][s] and rank1["busy_s"][s] < 2 / 3 * rank0["busy_s"][s]
 
 
 def test_calibrated_cost_model_fits_caches_and_plans_from_the_command_line(tmp_path):
