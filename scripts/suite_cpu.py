@@ -31,7 +31,7 @@ def kind(name: str, cmd: str, parent: str) -> str:
     rules = (("warm_cli.py", "warm CLI runs (forked)" if "warm_cli.py" in parent else "warm CLI servers"),
              ("multiprocessing.forkserver", "ranks (forked)" if "forkserver" in parent else "rank fork servers"),
              ("torch.distributed.run", "torchrun agents"), ("exec(eval(sys.stdin", "pytest workers (in-process)"),
-             ("-m pytest", "pytest controller"), ("pip", "pip (set-up)"))
+             ("-m pytest", "pytest controller"), (" -m pip ", "pip (set-up)"))
     for needle, label in rules:
         if needle in cmd:
             return label
