@@ -8,6 +8,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
+from backends.runtime.collector import defer_full_collections
 from harness.app.cli import reaped, run_hydra_cli
 from harness.app.roles import follow, leads, tell_launcher
 from harness.app.state import STATE
@@ -29,6 +30,7 @@ def _hydra_main_spanning_job(cfg: DictConfig) -> int:
 def main() -> int:
     """Run the benchmark (rank 0 of a launched job: every point, then end the job), or follow rank 0; return once
     every process it started has exited and been reaped."""
+    defer_full_collections()  # before the imports a run makes (backends/runtime/collector.py)
     return reaped(_run)
 
 

@@ -107,6 +107,9 @@ def _serve(fd: int) -> None:
     import importlib
     import warnings
 
+    from backends.runtime.collector import defer_full_collections
+
+    defer_full_collections()  # before the imports, as in a harness process; the runs forked from here inherit it
     with warnings.catch_warnings():  # what importing warns is a run's to say (once per process: not here)
         warnings.simplefilter("ignore")
         for name in PRELOAD:

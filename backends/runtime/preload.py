@@ -3,8 +3,11 @@
 import atexit
 import gc
 
+from backends.runtime.collector import defer_full_collections
 from backends.runtime.forkserver import leave_now, warm
 
+# Set here, in the server's fresh interpreter, before its imports; the ranks it forks inherit it (collector.py).
+defer_full_collections()
 warm()
 # What the imports made is kept out of every later garbage collection. A forked rank shares the fork server's memory
 # until it writes a page, and a collection writes the header of every object it visits: without this each rank's

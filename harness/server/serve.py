@@ -25,6 +25,7 @@ import hydra
 from omegaconf import DictConfig
 
 from backends.errors import BackendError, UserError
+from backends.runtime.collector import defer_full_collections
 from harness.app.batching import AUTO, needs_budget
 from harness.app.cli import reaped, run_hydra_cli
 from harness.server.app import build_app
@@ -196,6 +197,7 @@ def _served_cost_model(spec, backend, vocab_size: int):
 def main() -> int:
     """``python -m harness.serve``: the server as a Hydra app; its exit status (2: a config mistake). Returns once
     every process it started has exited and been reaped."""
+    defer_full_collections()  # before the imports the server makes (backends/runtime/collector.py)
     return reaped(_main)
 
 
