@@ -19,13 +19,17 @@ setup: $(VENV)/.installed
 # harness's pinned requirements and the suite's, and the library from the checkout
 # (editable, compat mode: the checkout goes on sys.path, so the harness, backends,
 # reports and the Hydra plugin, which the library's wheel leaves out, import from it).
+# pip writes each package's bytecode one file at a time; compileall writes them on
+# every core (the set-up took 39.5 s with pip's, 30 s with it, 2026-12-07, 2 cores),
+# and, like pip, goes on past a file that does not compile.
 $(VENV)/.installed: pyproject.toml requirements/harness.txt requirements/test.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv --system-site-packages $(VENV) || \
 	  { $(PYTHON) -m pip install --user --quiet virtualenv && $(PYTHON) -m virtualenv --system-site-packages $(VENV); }
 	@$(BIN)/python -c "import torch" 2>/dev/null && echo "torch present: $$($(BIN)/python -c 'import torch; print(torch.__version__)')" || \
-	  $(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -r requirements/harness.txt -r requirements/test.txt
+	  $(BIN)/python -m pip install --quiet --no-compile torch==2.13.0
+	$(BIN)/python -m pip install --quiet --no-compile -r requirements/harness.txt -r requirements/test.txt
 	$(BIN)/python -m pip install --quiet --no-deps --config-settings editable_mode=compat -e .
+	@$(BIN)/python -m compileall -qq -j 0 "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" || true
 	@touch $@
 
 run: setup

@@ -21,6 +21,9 @@ class BackendEntry:
     rank_hooks: Optional[str]  # "module:Class" of the RankHooks each rank runs; None for a one-process backend
     distributed: bool  # runs world_size ranks (spawned, or started by torchrun / Slurm)
     lockstep: bool  # every rank must call the model the same number of times per pass (FSDP2's collectives)
+    # The module the ranks' fork server imports for this backend's ranks after every backend's
+    # (backends/runtime/forkserver.py): its own heavy libraries, so a controller of another backend's ranks skips them.
+    rank_preload: Optional[str] = None
 
 
 # In the order the config error lists them.
@@ -29,7 +32,8 @@ BACKENDS = (
     BackendEntry("fsdp2", "FSDP2", "backends.fsdp2:FSDP2Backend", "backends.fsdp2:FSDP2Hooks",
                  distributed=True, lockstep=True),
     BackendEntry("megatron_ddp", "Megatron DDP", "backends.megatron_ddp:MegatronDDPBackend",
-                 "backends.megatron_ddp:MegatronDDPHooks", distributed=True, lockstep=False),
+                 "backends.megatron_ddp:MegatronDDPHooks", distributed=True, lockstep=False,
+                 rank_preload="backends.runtime.preload_megatron"),
 )
 
 BY_NAME = {b.name: b for b in BACKENDS}

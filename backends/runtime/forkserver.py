@@ -25,6 +25,7 @@ import multiprocessing as mp
 import os
 import sys
 import warnings
+from typing import Optional
 
 # Imported by the fork server alone, before it forks any rank: importing it calls ``warm``.
 _PRELOAD = "backends.runtime.preload"
@@ -33,17 +34,29 @@ _PRELOAD = "backends.runtime.preload"
 _ranks_asked = False
 
 
-def _context():
+def preloads(backend: Optional[str] = None) -> list[str]:
+    """What the fork server imports before it forks a rank, in order: every backend's modules (``_PRELOAD``), then
+    the registry's ``rank_preload`` of ``backend``, or of every backend when it is not known. A server started for
+    fsdp2's ranks leaves megatron-core out (0.85 CPU-seconds after the rest's 2.4, 2026-12-07, the 2-core machine);
+    megatron_ddp ranks it forks later (a sweep over both) import it themselves, as any rank imports what its server
+    did not."""
+    from backends.registry import BACKENDS, BY_NAME
+
+    entries = [BY_NAME[backend]] if backend in BY_NAME else BACKENDS
+    return [_PRELOAD, *dict.fromkeys(e.rank_preload for e in entries if e.rank_preload)]
+
+
+def _context(backend: Optional[str] = None):
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload([_PRELOAD])
+    ctx.set_forkserver_preload(preloads(backend))  # read only when the server starts: a running one is kept
     return ctx
 
 
-def rank_context():
-    """The multiprocessing context that starts ranks: the fork server, preloading ``warm``'s modules."""
+def rank_context(backend: Optional[str] = None):
+    """The multiprocessing context that starts ``backend``'s ranks: the fork server, preloading ``preloads``."""
     global _ranks_asked
     _ranks_asked = True
-    return _context()
+    return _context(backend)
 
 
 def is_fork_server(cmdline: str) -> bool:
@@ -87,9 +100,13 @@ def warm() -> None:
     # server's environment only: a forked rank gets its controller's back (apply_environment).
     os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
-    for name in ("backends.fsdp2", "backends.megatron_ddp", "backends.model.build", "backends.model.compiling",
-                 "peft", "megatron.core.distributed", "megatron.core.transformer", "torch.distributed.fsdp",
-                 "torch.distributed.device_mesh"):
+    import_each(("backends.fsdp2", "backends.megatron_ddp", "backends.model.build", "backends.model.compiling",
+                 "peft", "torch.distributed.fsdp", "torch.distributed.device_mesh"))
+
+
+def import_each(names) -> None:
+    """Import each module; one that fails here fails again, with its message, in the rank that needs it."""
+    for name in names:
         try:
             __import__(name)
         except Exception:  # noqa: BLE001 - a rank that needs it imports it again and reports the error itself
@@ -106,12 +123,13 @@ def leave_now() -> None:
     os._exit(0)
 
 
-def start_early() -> None:
-    """Start the fork server now, so its imports run beside the controller's own work (about 7 s of CPU on the
-    other core) instead of before the first rank; a later ``rank_context`` process finds it running."""
+def start_early(backend: Optional[str] = None) -> None:
+    """Start the fork server for ``backend``'s ranks (None: any backend's) now, so its imports run beside the
+    controller's own work (about 7 s of CPU on the other core) instead of before the first rank; a later
+    ``rank_context`` process finds it running."""
     from multiprocessing import forkserver
 
-    _context()
+    _context(backend)
     forkserver.ensure_running()
 
 

@@ -254,7 +254,7 @@ class DistributedBackend(Backend):
         self.hooks_path = hooks_path or spec.hooks or default
         self.closed = False
         self.failure_reason: Optional[str] = None  # why the workers were stopped, after a failure
-        ctx = rank_context()
+        ctx = rank_context(self.name)
         self.store = dist.TCPStore("127.0.0.1", 0, self.world_size + 1, is_master=True, wait_for_workers=False,
                                    timeout=timedelta(seconds=spec.dist_timeout_s))
         self.heartbeats = Heartbeats(self.store)  # each rank's beat (backends/runtime/liveness.py)

@@ -95,7 +95,7 @@ class Point:
             if launch_env() is None:  # ranks this process will start: their fork server imports meanwhile
                 from backends.runtime.forkserver import start_early
 
-                start_early()
+                start_early(b.name)
         check_one_size(spec.workload, self.hydra_run.overrides)
         # A server's vocabulary is checked once it answers (self.examples), not against this config's model.
         self.workload = workload = load_workload(spec.workload, spec.model, check_vocabulary=not spec.target.url)

@@ -51,3 +51,13 @@ def test_threads_per_rank_is_one_rule_and_the_in_process_backend_follows_it(monk
     assert torch.get_num_threads() == before
     monkeypatch.delenv("OMP_NUM_THREADS")
     assert threads_per_rank(1) == usable_cpu_cores()
+
+
+def test_a_fork_server_preloads_megatron_core_only_where_its_ranks_may_be_megatron_ddps():
+    """The fork server's imports, in order: every backend's, then the registry's rank_preload of the backend it was
+    started for (all of them when that is not known: the warm CLI's, a test's ``rank_context()``)."""
+    from backends.runtime.forkserver import preloads
+
+    everyones, megatrons = "backends.runtime.preload", "backends.runtime.preload_megatron"
+    assert preloads("fsdp2") == [everyones]
+    assert preloads("megatron_ddp") == preloads(None) == [everyones, megatrons]
