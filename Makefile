@@ -20,7 +20,7 @@ setup: $(VENV)/.installed
 # (editable, compat mode: the checkout goes on sys.path, so the harness, backends,
 # reports and the Hydra plugin, which the library's wheel leaves out, import from it).
 # pip writes each package's bytecode one file at a time; compileall writes them on
-# every core (the set-up took 39.5 s with pip's, 30 s with it, 2026-12-07, 2 cores),
+# every core (the set-up took 39.5 s with pip's, 31.0 s with it, 2026-12-07, 2 cores),
 # and, like pip, goes on past a file that does not compile.
 $(VENV)/.installed: pyproject.toml requirements/harness.txt requirements/test.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv --system-site-packages $(VENV) || \
