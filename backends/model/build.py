@@ -19,6 +19,7 @@ from backends.model.checkpoint import (
 )
 from backends.model.configs import TINY_CONFIG
 from backends.model.logprobs import install_logprob_head
+from backends.runtime.collector import freeze_before_the_model
 from backends.specs import ModelSpec
 from balance_batch.integrations.transformers import kernels
 from balance_batch.integrations.transformers.packing import prepare_model_for_packing
@@ -97,6 +98,7 @@ def build_model(
     attention = kernels.attention_implementation(spec.attn_implementation, device.type, dtype in HALF_DTYPES)
     if attention != "sdpa" or spec.attn_implementation:
         kwargs["attn_implementation"] = attention
+    freeze_before_the_model()  # a pass's collection then skips the imported heap (backends/runtime/collector.py)
     model = _base_model(spec, path, device, dtype, place, kwargs)
     model.config.use_cache = False
     # Before LoRA and wrapping: the chunked log-prob head must be the module FSDP2 and peft see.
