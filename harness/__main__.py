@@ -8,7 +8,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from backends.runtime.collector import defer_full_collections
+from backends.runtime.collector import defer_full_collections, exit_with
 from harness.app.cli import reaped, run_hydra_cli
 from harness.app.roles import follow, leads, tell_launcher
 from harness.app.state import STATE
@@ -56,4 +56,4 @@ def _run() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main())

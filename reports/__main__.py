@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from backends.runtime.collector import exit_with
 from reports.collect import collect
 from reports.plan_figure import draw_plan_file, draw_side_by_side, readme_plan_lines, write_plan_figures
 from reports.plan_files import plan_figure_paths, published_plans
@@ -298,4 +299,4 @@ def report_folder(dirs) -> Path:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main())

@@ -16,6 +16,7 @@ young generations are collected as CPython's defaults say, so short-lived cycles
 from __future__ import annotations
 
 import gc
+import sys
 
 # Middle-generation collections between two automatic full ones (CPython's default: 10). At the default young
 # threshold (700 allocations) that is one per 7 million container allocations at most, and it is still skipped
@@ -40,4 +41,15 @@ def freeze_before_the_model() -> None:
     model built after it, and a closed backend's (collected at its close, before the next is built), are collected
     as before; a cycle alive now and dropped later (a sweep point's config) stays until the process ends."""
     gc.freeze()
+
+
+def exit_with(code: int):
+    """``sys.exit(code)`` for an entry point whose work is done, with the heap frozen first: the interpreter's
+    teardown collects garbage over every object it tracks, and a harness process holds about a million. A fresh
+    pytorch point's process spent 0.66 CPU-seconds between its ``main`` returning and its exit, 0.17 frozen (2026-12-07,
+    the 2-core machine; a process forked from a warm one also writes every page the collector visits). Threads are
+    joined and every ``atexit`` handler runs as before; what reference counts free is freed, and the cycles still
+    alive then go with the process, whose finalizers Python never promised to run at exit."""
+    gc.freeze()
+    sys.exit(code)
 

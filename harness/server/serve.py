@@ -18,14 +18,13 @@ import logging
 import os
 import signal
 import socket
-import sys
 from typing import Optional
 
 import hydra
 from omegaconf import DictConfig
 
 from backends.errors import BackendError, UserError
-from backends.runtime.collector import defer_full_collections
+from backends.runtime.collector import defer_full_collections, exit_with
 from harness.app.batching import AUTO, needs_budget
 from harness.app.cli import reaped, run_hydra_cli
 from harness.server.app import build_app
@@ -214,4 +213,4 @@ def _main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main())
