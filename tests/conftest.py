@@ -92,9 +92,8 @@ def _xdist_group(item) -> str | None:
 def pytest_runtest_teardown(item, nextitem):
     """After a test module's last test (its module fixtures gone): collect once, then keep what is left out of every
     later collection. What is left is what outlives a module: imported modules, caches, session fixtures; without
-    this each full collection (a pass's, a compile's, the interpreter's own) visited them all again, and the unit
-    tier spent 17 of its 70 CPU-seconds collecting (2.3 with it; one worker, the same 904 tests; its peak memory
-    1.04 GB and 1.06 GB). A later test's own objects are collected as before."""
+    this each full collection (a pass's, a compile's, the interpreter's own) visited them all again (what it saves:
+    docs/development.md, "Garbage collection"). A later test's own objects are collected as before."""
     yield
     if nextitem is None or nextitem.module is not item.module:
         gc.collect()
