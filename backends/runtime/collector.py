@@ -1,12 +1,11 @@
 """Python's cyclic garbage collector in the harness's processes: full collections left to the harness's own calls.
 
 A harness process (the controller, a rank, the ranks' fork server) imports torch, transformers and megatron-core:
-about half a million objects that live as long as the process. CPython collects its oldest generation whenever the
+hundreds of thousands of objects that live as long as the process. CPython collects its oldest generation whenever the
 objects that survived into it have grown by a quarter since its last full collection, and a full collection visits
-every object the collector tracks, so while those imports run it visits the whole heap again and again. Importing
-what a rank imports took 5.9 CPU-seconds with CPython's thresholds and 4.4 with full collections left to every
-thousandth middle one (4.2 with the collector off; 2026-12-07, the 2-core machine). Later, a full collection of
-that heap takes about 0.3 s, and one that falls inside a timed pass is measured as the pass's.
+every object the collector tracks, so while those imports run it visits the whole heap again and again, and later
+a full collection that falls inside a timed pass is measured as the pass's. What each function here saves is
+measured in docs/development.md ("Garbage collection").
 
 So full collections come from the harness itself: a pass type's first run in a point starts with one
 (``memory.release_cached_memory``), before its peak memory is reset, and so does closing the pytorch backend. The
@@ -35,8 +34,7 @@ def defer_full_collections() -> None:
 def freeze_before_the_model() -> None:
     """Leave every object alive now out of every later collection: called by ``build_model`` once the libraries are
     imported and before the model is built, so that a pass's full collection visits the model and what came after
-    it, not the imported heap again (a fresh ``python -m harness`` pytorch point of the smoke workload, warm-up 1 and
-    2 repeats: 8.2-8.5 CPU-seconds, 6.8-6.9 with it; 2026-12-07, the 2-core machine).
+    it, not the imported heap again.
 
     What it freezes is never freed by the collector (an object freed by its reference count is freed as ever): a
     model built after it, and a closed backend's (collected at its close, before the next is built), are collected
@@ -46,9 +44,8 @@ def freeze_before_the_model() -> None:
 
 def exit_with(code: int) -> NoReturn:
     """``sys.exit(code)`` for an entry point whose work is done, with the heap frozen first: the interpreter's
-    teardown collects garbage over every object it tracks: hundreds of thousands in a harness process. A fresh
-    pytorch point's process spent 0.66 CPU-seconds between its ``main`` returning and its exit, 0.17 frozen (2026-12-07,
-    the 2-core machine; a process forked from a warm one also writes every page the collector visits). Threads are
+    teardown collects garbage over every object it tracks: hundreds of thousands in a harness process (and a process
+    forked from a warm one writes every page the collector visits). Threads are
     joined and every ``atexit`` handler runs as before; what reference counts free is freed, and the cycles still
     alive then go with the process, whose finalizers Python never promised to run at exit."""
     gc.freeze()

@@ -1,20 +1,21 @@
 """Where spawned ranks come from: a fork server that imported the ranks' heavy modules once, per controller process.
 
-A rank started with ``spawn`` imports torch, transformers, peft and megatron-core
-again (about 7 s of CPU on this project's 2-core machine, paid by every rank of
-every backend start). The fork server imports them once, in a clean process of
-its own (no CUDA context, no thread pools: it only imports), and forks each rank
-from there. A CUDA context made before a fork is unusable in the child ("Cannot
-re-initialize CUDA in forked subprocess"), so the server imports nothing that
-touches CUDA at import: not the model's modeling module, which imports the kernel
-packages (fla 0.6.0's ``fla/utils/hardware.py`` calls
+A rank started with ``spawn`` imports torch, transformers, peft and
+megatron-core again (about 7 s of CPU on this project's 2-core machine, paid by
+every rank of every backend start). The fork server imports them once
+(megatron-core only where its ranks may be megatron_ddp's: ``preloads``), in a
+clean process of its own (no CUDA context, no thread pools: it only imports),
+and forks each rank from there. A CUDA context made before a fork is unusable in
+the child ("Cannot re-initialize CUDA in forked subprocess"), so the server
+imports nothing that touches CUDA at import: not the model's modeling module,
+which imports the kernel packages (fla 0.6.0's ``fla/utils/hardware.py`` calls
 ``torch.cuda.get_device_capability()`` at import), and any
 ``torch.cuda.is_available()`` a module calls at import asks NVML, not the CUDA
 driver. Each rank imports the modeling module itself, after its fork: 0.03 s of
 CPU without fla, about 3 s with fla 0.6.0 and Triton (2026-12-04, this 2-core
 machine, loaded). Spawning the ranks instead would import everything again in
-every rank, about 7 s of CPU each, and that 3 s as well. What a spawned rank
-saw is kept: its environment is the controller's at the start
+every rank, about 7 s of CPU each, and that 3 s as well. What a spawned rank saw
+is kept: its environment is the controller's at the start
 (``apply_environment``), not the fork server's, and its imports come from the
 controller's ``sys.path``.
 """
@@ -25,6 +26,7 @@ import multiprocessing as mp
 import os
 import sys
 import warnings
+from collections.abc import Iterable
 from typing import Optional
 
 # Imported by the fork server alone, before it forks any rank: importing it calls ``warm``.
@@ -37,9 +39,8 @@ _ranks_asked = False
 def preloads(backend: Optional[str] = None) -> list[str]:
     """What the fork server imports before it forks a rank, in order: every backend's modules (``_PRELOAD``), then
     the registry's ``rank_preload`` of ``backend``, or of every backend when it is not known. A server started for
-    fsdp2's ranks leaves megatron-core out (0.85 CPU-seconds after the rest's 2.4, 2026-12-07, the 2-core machine);
-    megatron_ddp ranks it forks later (a sweep over both) import it themselves, as any rank imports what its server
-    did not."""
+    fsdp2's ranks leaves megatron-core out (its CPU: docs/development.md, "Where the time goes"); megatron_ddp ranks
+    it forks later (a sweep over both) import it themselves, as any rank imports what its server did not."""
     from backends.registry import BACKENDS, BY_NAME
 
     entries = [BY_NAME[backend]] if backend in BY_NAME else BACKENDS
@@ -104,7 +105,7 @@ def warm() -> None:
                  "peft", "torch.distributed.fsdp", "torch.distributed.device_mesh"))
 
 
-def import_each(names) -> None:
+def import_each(names: Iterable[str]) -> None:
     """Import each module; one that fails here fails again, with its message, in the rank that needs it."""
     for name in names:
         try:
